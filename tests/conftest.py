@@ -1,0 +1,29 @@
+"""Run every kernel in CPU simulation unless a CUDA device is present.
+
+``tiered_tbe`` sets TRITON_INTERPRET / NUMBA_ENABLE_CUDASIM itself when there is no CUDA
+device; importing it here, before any test module imports triton or numba, makes sure of it.
+"""
+
+import pytest
+import torch
+
+import tiered_tbe  # noqa: F401  (chooses the mode before triton / numba load)
+from tiered_tbe._mode import SIMULATION
+
+
+def pytest_collection_modifyitems(config, items):
+    if SIMULATION:
+        skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker); run on the lent H200")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return tiered_tbe.default_device()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,111 @@
+"""Plain descriptions of tables, where their rows live and how they are cached."""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+
+class Placement(enum.Enum):
+    """Where the rows of a table live.
+
+    ``DEVICE``: GPU memory (HBM). ``HOST``: pinned host memory, read in place by the GPU over
+    the bus. ``MANAGED``: CUDA unified memory advised to stay on the host and be accessed in
+    place by the GPU. ``HOST_CACHED`` / ``MANAGED_CACHED``: the same backing stores, with hot
+    rows also held in the GPU slot cache. In CPU simulation mode every store is a CPU tensor.
+    """
+
+    DEVICE = "device"
+    HOST = "host"
+    MANAGED = "managed"
+    HOST_CACHED = "host_cached"
+    MANAGED_CACHED = "managed_cached"
+
+    @property
+    def is_cached(self) -> bool:
+        return self in (Placement.HOST_CACHED, Placement.MANAGED_CACHED)
+
+    @property
+    def backing(self) -> Placement:
+        """The store that holds every row: the placement itself, less the cache."""
+        return {Placement.HOST_CACHED: Placement.HOST, Placement.MANAGED_CACHED: Placement.MANAGED}.get(
+            self, self
+        )
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table: ``num_embeddings`` rows of ``embedding_dim`` columns."""
+
+    num_embeddings: int
+    embedding_dim: int
+    name: str | None = None
+    placement: Placement = Placement.DEVICE
+
+    def __post_init__(self):
+        if self.num_embeddings < 1:
+            raise ValueError(f"table {self.name!r}: num_embeddings must be >= 1, got {self.num_embeddings}")
+        if self.embedding_dim < 1:
+            raise ValueError(f"table {self.name!r}: embedding_dim must be >= 1, got {self.embedding_dim}")
+        if not isinstance(self.placement, Placement):
+            object.__setattr__(self, "placement", Placement(self.placement))
+
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {None: 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(size: int | str) -> int:
+    """``"8GiB"`` -> 8589934592; an int passes through."""
+    if isinstance(size, int):
+        return size
+    match = _SIZE.match(size)
+    if not match:
+        raise ValueError(f"cannot read {size!r} as a size in bytes (e.g. '8GiB', '500MB', 1024)")
+    unit = match.group(2).lower() if match.group(2) else None
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The GPU slot cache shared by every ``*_CACHED`` table of a module.
+
+    Give exactly one size: ``slots`` (rows), ``memory`` (bytes of cached rows and their
+    optimizer state, e.g. ``"8GiB"``) or ``fraction`` (of all cached rows). ``policy`` is
+    ``"lru"``, ``"lfu"`` or ``"lookahead"``; ``associativity`` ways per set.
+    ``lfu_decay_interval``: every this many prefetches, LFU halves every use count, so a
+    once-hot row does not stay forever.
+    """
+
+    slots: int | None = None
+    memory: int | str | None = None
+    fraction: float | None = None
+    policy: str = "lru"
+    associativity: int = 32
+    lfu_decay_interval: int = 64
+
+    def __post_init__(self):
+        given = [k for k in ("slots", "memory", "fraction") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"CacheConfig: give one of slots, memory, fraction; got {given}")
+        if self.policy not in ("lru", "lfu", "lookahead"):
+            raise ValueError(f"CacheConfig: policy must be 'lru', 'lfu' or 'lookahead', got {self.policy!r}")
+        if self.associativity < 1:
+            raise ValueError(f"CacheConfig: associativity must be >= 1, got {self.associativity}")
+        if self.fraction is not None and not 0 < self.fraction <= 1:
+            raise ValueError(f"CacheConfig: fraction must be in (0, 1], got {self.fraction}")
+        if self.lfu_decay_interval < 1:
+            raise ValueError(f"CacheConfig: lfu_decay_interval must be >= 1, got {self.lfu_decay_interval}")
+
+    def num_slots(self, cached_rows: int, bytes_per_slot: int) -> int:
+        """Slots to allocate, rounded up to whole sets, at least one set."""
+        if self.slots is not None:
+            slots = self.slots
+        elif self.memory is not None:
+            slots = parse_bytes(self.memory) // bytes_per_slot
+        else:
+            slots = int(round((self.fraction if self.fraction is not None else 0.05) * cached_rows))
+        sets = max(1, -(-slots // self.associativity))
+        return sets * self.associativity
