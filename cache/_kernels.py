@@ -1,0 +1,207 @@
+"""Numba CUDA kernels of the slot cache. Host code: :mod:`tiered_tbe.cache.slot_cache`.
+
+Every kernel loops grid-stride over its entries, so one launch shape serves the GPU (many
+blocks) and the CUDA simulator (one small block: the simulator starts a Python thread per CUDA
+thread). Entries past the end of the real data are marked in the data itself (a row of
+``NOT_CACHED``, a flag of 0), so launches are sized from host-known bounds and the GPU path
+never waits for the device to learn how many rows a batch had.
+
+No kernel uses atomics: each set is handled by one thread, each unique row or slot by one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from tiered_tbe.cache.policy import (
+    EMPTY,
+    NO_SLOT,
+    choose_victim_device,
+    find_way_device,
+    set_of_row_device,
+    touch_on_fill_device,
+    touch_on_hit_device,
+)
+
+NOT_CACHED = np.iinfo(np.int64).max  # row id standing for "outside every cached table"; sorts last
+
+# ``outcome`` of a unique row of a batch.
+OUTCOME_NONE = 0  # padding past the batch's unique rows
+OUTCOME_HIT = 1
+OUTCOME_FILLED = 2  # missed, copied into a slot
+OUTCOME_NO_SLOT = 3  # missed, every way of its set locked: slot -1
+
+
+@cuda.jit
+def set_of_rows_kernel(
+    rows,  # int64 [N]: global row ids, NOT_CACHED for padding
+    num_sets,  # int64
+    sets,  # int64 [N] out: set of each row; num_sets for NOT_CACHED, so padding sorts last
+):
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for i in range(start, rows.shape[0], stride):
+        row = rows[i]
+        sets[i] = num_sets if row == NOT_CACHED else set_of_row_device(row, num_sets)
+
+
+@cuda.jit
+def assign_slots_kernel(
+    set_of_position,  # int64 [N]: sets of the unique rows, sorted (stable: rows ascending within a set)
+    unique_of_position,  # int64 [N]: index into unique_rows of each sorted position
+    unique_rows,  # int64 [N]: the batch's unique rows, ascending; NOT_CACHED past the last
+    num_sets,  # int64
+    associativity,  # int64: ways per set
+    step,  # int64: this prefetch's step (see policy.py)
+    policy,  # int64: POLICY_* code
+    tags,  # int64 [S]: row per slot, EMPTY if none
+    last_use,  # int64 [S]
+    use_count,  # int32 [S]
+    next_use,  # int64 [S]: lookahead's per-slot hint, read by victim_key only
+    locks,  # int32 [S]
+    dirty,  # uint8 [S]
+    slot_of_unique,  # int32 [N] out (pre-filled with NO_SLOT): slot of each unique row
+    outcome,  # int8 [N] out (pre-filled with OUTCOME_NONE): OUTCOME_* of each unique row
+    victim_row,  # int64 [N] out (pre-filled with EMPTY): row evicted to make room for a fill
+    victim_was_dirty,  # uint8 [N] out (pre-filled with 0): 1 when that row must be written back
+):
+    """One thread per set that the batch touches: hits first, then misses in ascending row order."""
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    n = set_of_position.shape[0]
+    for begin in range(start, n, stride):
+        the_set = set_of_position[begin]
+        if the_set >= num_sets:
+            continue  # padding (sorted last)
+        if begin > 0 and set_of_position[begin - 1] == the_set:
+            continue  # not the first row of its set: the thread of that row handles the set
+        end = begin + 1
+        while end < n and set_of_position[end] == the_set:
+            end += 1
+        first_slot = the_set * associativity
+
+        for position in range(begin, end):
+            u = unique_of_position[position]
+            slot = find_way_device(tags, first_slot, associativity, unique_rows[u])
+            if slot != NO_SLOT:
+                touch_on_hit_device(slot, step, last_use, use_count)
+                locks[slot] += 1
+                slot_of_unique[u] = slot
+                outcome[u] = OUTCOME_HIT
+
+        set_full = False
+        for position in range(begin, end):
+            u = unique_of_position[position]
+            if outcome[u] == OUTCOME_HIT:
+                continue
+            slot = NO_SLOT
+            if not set_full:
+                slot = choose_victim_device(policy, tags, last_use, use_count, next_use, locks,
+                                            first_slot, associativity)
+                set_full = slot == NO_SLOT  # locks only grow within a prefetch: it stays full
+            if slot == NO_SLOT:
+                outcome[u] = OUTCOME_NO_SLOT
+                continue
+            evicted = tags[slot]
+            if evicted != EMPTY:
+                victim_row[u] = evicted
+                victim_was_dirty[u] = dirty[slot]
+            tags[slot] = unique_rows[u]
+            touch_on_fill_device(slot, step, last_use, use_count)
+            dirty[slot] = 0
+            locks[slot] += 1
+            slot_of_unique[u] = slot
+            outcome[u] = OUTCOME_FILLED
+
+
+@cuda.jit
+def copy_rows_kernel(
+    entry_bounds,  # int64 [2]: entries [entry_bounds[0], entry_bounds[1]) are candidates
+    selected,  # uint8 or int8 [N]: entry e is copied only where selected[e] == wanted
+    wanted,  # int64: the value of `selected` that means "copy"
+    row_of_entry,  # int64 [N]: global row of each entry
+    slot_of_entry,  # int32 or int64 [N]: its slot
+    table_start,  # int64: global row of the table's row 0
+    table_end,  # int64: one past its last global row; entries outside the table are skipped
+    to_backing,  # bool: True copies slot -> backing store (write-back), False the reverse (fill)
+    cache_weights,  # [S, row_words]: slot rows, reinterpreted as integer words
+    cache_state,  # fp32 [S, state_width] (or a [1, 1] dummy when state_width == 0)
+    table_weights,  # [num_rows, words]: the table's backing rows, same integer words
+    table_state,  # fp32 [num_rows, table_state_width] (or a [1, 1] dummy)
+    dim,  # int64: words of a row of the table (its dim * element size / word size)
+    state_width,  # int64: optimizer-state values per row of the table
+):
+    """Copy whole rows (weights and optimizer state) between slots and one table's backing store.
+
+    Launched with 2-D blocks: threadIdx.x walks the columns of a row (coalesced), threadIdx.y
+    and the grid walk the entries. Weights travel as integer words (up to 8 bytes, several
+    elements each where rows allow): a copy needs no arithmetic, and bf16 has no numba type.
+    """
+    column_start = cuda.threadIdx.x
+    column_stride = cuda.blockDim.x
+    entry_stride = cuda.gridDim.x * cuda.blockDim.y
+    for entry in range(entry_bounds[0] + cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y,
+                       entry_bounds[1], entry_stride):
+        if selected[entry] != wanted:
+            continue
+        row = row_of_entry[entry]
+        if row < table_start or row >= table_end:
+            continue
+        local_row = row - table_start
+        slot = slot_of_entry[entry]
+        if to_backing:
+            for column in range(column_start, dim, column_stride):
+                table_weights[local_row, column] = cache_weights[slot, column]
+            for column in range(column_start, state_width, column_stride):
+                table_state[local_row, column] = cache_state[slot, column]
+        else:
+            for column in range(column_start, dim, column_stride):
+                cache_weights[slot, column] = table_weights[local_row, column]
+            for column in range(column_start, state_width, column_stride):
+                cache_state[slot, column] = table_state[local_row, column]
+
+
+@cuda.jit
+def lookup_kernel(
+    rows,  # int64 [N]: global rows, NOT_CACHED outside every cached table
+    num_sets,  # int64
+    associativity,  # int64
+    tags,  # int64 [S]
+    slot_of_index,  # int32 [N] out: slot holding each row, or NO_SLOT
+):
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for i in range(start, rows.shape[0], stride):
+        row = rows[i]
+        slot = NO_SLOT
+        if row != NOT_CACHED:
+            slot = find_way_device(tags, set_of_row_device(row, num_sets) * associativity, associativity, row)
+        slot_of_index[i] = slot
+
+
+@cuda.jit
+def mark_dirty_kernel(
+    slot_of_index,  # int32 [N]: slots of a batch's lookups, NO_SLOT for uncached ones
+    dirty,  # uint8 [S]
+):
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for i in range(start, slot_of_index.shape[0], stride):
+        slot = slot_of_index[i]
+        if slot != NO_SLOT:
+            dirty[slot] = 1  # repeated slots write the same value: no atomics needed
+
+
+@cuda.jit
+def unlock_kernel(
+    sorted_slots,  # int32 or int64 [N]: slots of a batch's lookups, sorted
+    locks,  # int32 [S]
+):
+    """Remove the batch's lock once per distinct slot (a prefetch added one per unique row)."""
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for i in range(start, sorted_slots.shape[0], stride):
+        slot = sorted_slots[i]
+        if slot != NO_SLOT and (i == 0 or sorted_slots[i - 1] != slot):
+            locks[slot] -= 1

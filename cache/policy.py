@@ -1,0 +1,220 @@
+"""The set-associative replacement policy: one definition for the GPU cache and the CPU simulator.
+
+Every function here is written once, in plain Python, and compiled twice: with
+``numba.njit`` for the CPU simulator (:mod:`tiered_tbe.cache.simulator`) and with
+``numba.cuda.jit(device=True)`` for the prefetch kernels (:mod:`tiered_tbe.cache._kernels`).
+The plain Python versions run in the CUDA simulator (except the hash, for which simulated
+kernels call the njit version: numpy warns on the uint64 wrap-around it relies on); from
+Python, call the compiled ``*_cpu`` versions. Change the policy here and both sides change
+together, which is what keeps them agreeing hit for hit.
+
+Specification
+=============
+
+Layout
+    ``num_slots = num_sets * associativity`` slots. Set ``s`` owns slots
+    ``s * associativity + way`` for ``way`` in ``0 .. associativity - 1``. A global row id ``g``
+    (int64, ``g >= 0``) lives only in set ``set_of_row(g, num_sets)``: splitmix64 of ``g``
+    (golden-ratio increment, then Stafford's variant-13 finalizer, all mod 2**64), modulo
+    ``num_sets``. Consecutive row ids spread evenly over the sets.
+
+Per-slot state
+    ``tags[slot]``: the global row held, or ``EMPTY`` (-1). ``last_use[slot]``: the step that
+    last used the row (LRU). ``use_count[slot]``: batches that used the row since it was filled,
+    aged (LFU). ``locks[slot]``: in-flight batches that need the row. ``dirty[slot]``: the slot
+    holds updates its backing store lacks. ``next_use[slot]``: the step at which a queued batch
+    next needs the row, ``NEXT_USE_UNKNOWN`` when no queued batch does (lookahead only).
+
+Step
+    One prefetch is one step; steps count 1, 2, 3, ... Every prefetch counts, even one whose
+    rows are all outside the cached tables. ``lookup`` (no policy change) is not a step.
+
+One step (prefetch of one batch)
+    1. The batch's row ids are deduplicated: each unique row is handled once, however many
+       lookups name it.
+    2. Hits first, in every set: a unique row found in its set is a hit:
+       ``last_use = step``, ``use_count += 1``, ``locks += 1`` (:func:`touch_on_hit`).
+       All hits of a batch are resolved before any victim is chosen, so a row the batch uses
+       is never evicted to make room for another row of the same batch.
+    3. Then the misses of each set, in ascending global row order. Each takes the way
+       :func:`choose_victim` returns, among the ways of its set with ``locks == 0``:
+       an empty way if there is one (the lowest such way); otherwise the way with the smallest
+       ``victim_key`` (ties broken by the lowest way). A dirty victim is written back to its
+       backing store, a clean one is dropped. The filled way gets ``tags = row``,
+       ``last_use = step``, ``use_count = 1``, ``dirty = 0``, ``locks += 1``
+       (:func:`touch_on_fill`), so the next miss of the same set cannot take it.
+       A miss that finds no way with ``locks == 0`` gets slot -1 (``misses_no_slot``): its
+       lookups read and update the backing store directly, and the cache state is unchanged.
+    4. After every ``lfu_decay_interval``-th step (``step % lfu_decay_interval == 0``) every
+       ``use_count`` is halved (``>> 1``). Use counts are kept and aged under every policy
+       (only LFU ranks by them), so the state evolves the same whatever the policy.
+
+Victim keys (smaller is evicted first; compared as a pair, then by way)
+    ``lru``: ``(last_use, 0)``: the least recently used row.
+    ``lfu``: ``(use_count, last_use)``: the least used row; among equally used rows the least
+    recently used one.
+    ``lookahead``: ``(-next_use, last_use)``: rows no queued batch needs first (their
+    ``next_use`` is ``NEXT_USE_UNKNOWN``, the largest value), least recently used first; then
+    the row needed latest. With no queued batches every ``next_use`` is unknown and lookahead
+    is exactly LRU.
+
+Locks
+    A prefetch adds one lock to each slot it returns (hit or fill), once per unique row.
+    The caller removes it (``SlotCache.unlock``) when the batch no longer needs its rows:
+    after backward, or after forward under ``no_grad``. A locked slot is never a victim. In
+    serial training (prefetch, forward, backward, unlock) every lock is released before the
+    next prefetch; with a prefetch pipeline the rows of every batch in flight stay locked.
+
+Extending the policy
+    A new policy adds a code below and a branch to :func:`victim_key`; the kernels and the
+    simulator call ``victim_key`` through :func:`choose_victim` and need no change. Knowledge
+    from outside the slot enters as a per-slot array written before the prefetch: the
+    lookahead policy's ``next_use`` is already passed through the kernels and the simulator
+    (``SlotCache.next_use``; the simulator keeps it unknown, so it refuses ``lookahead``).
+"""
+
+from __future__ import annotations
+
+import types
+
+import numba
+import numpy as np
+
+from tiered_tbe._mode import SIMULATION
+
+# Policy codes, as passed to the kernels and the simulator.
+POLICY_LRU = 0
+POLICY_LFU = 1
+POLICY_LOOKAHEAD = 2
+POLICY_CODES = {"lru": POLICY_LRU, "lfu": POLICY_LFU, "lookahead": POLICY_LOOKAHEAD}
+
+EMPTY = -1  # tag of a slot holding no row
+NO_SLOT = -1  # slot of a row that is not cached (and will not be for this batch)
+NEXT_USE_UNKNOWN = np.iinfo(np.int64).max  # next_use of a row that no queued batch needs
+
+# splitmix64 constants (Steele, Lea, Flood 2014; finalizer: Stafford's "Mix13").
+_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX_MULTIPLIER_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_MULTIPLIER_2 = np.uint64(0x94D049BB133111EB)
+_SHIFT_30 = np.uint64(30)
+_SHIFT_27 = np.uint64(27)
+_SHIFT_31 = np.uint64(31)
+
+
+def policy_code(policy: str) -> int:
+    """``"lru"`` -> ``POLICY_LRU``, etc.; a clear error for anything else."""
+    try:
+        return POLICY_CODES[policy]
+    except KeyError:
+        raise ValueError(f"policy must be one of {sorted(POLICY_CODES)}, got {policy!r}") from None
+
+
+def mix64(row):
+    """splitmix64 of a non-negative int64: a uint64 whose bits all depend on every bit of ``row``."""
+    z = np.uint64(row) + _GOLDEN_GAMMA
+    z = (z ^ (z >> _SHIFT_30)) * _MIX_MULTIPLIER_1
+    z = (z ^ (z >> _SHIFT_27)) * _MIX_MULTIPLIER_2
+    return z ^ (z >> _SHIFT_31)
+
+
+def set_of_row(row, num_sets):
+    """The set (int64 in ``[0, num_sets)``) that global row ``row`` (int64 >= 0) maps to."""
+    return np.int64(mix64(row) % np.uint64(num_sets))
+
+
+def victim_key(policy, slot, last_use, use_count, next_use):
+    """Eviction rank of an occupied, unlocked slot: the smallest ``(primary, secondary)`` goes first.
+
+    Ties on the pair are broken by the lowest way (in :func:`choose_victim`). Takes the arrays,
+    not their values, so each policy reads only the state it ranks by.
+    """
+    if policy == POLICY_LFU:
+        return np.int64(use_count[slot]), last_use[slot]
+    if policy == POLICY_LOOKAHEAD:
+        return -next_use[slot], last_use[slot]
+    return last_use[slot], np.int64(0)
+
+
+def find_way(tags, first_slot, associativity, row):
+    """The slot of set ``[first_slot, first_slot + associativity)`` holding ``row``, or ``NO_SLOT``."""
+    for way in range(associativity):
+        if tags[first_slot + way] == row:
+            return first_slot + way
+    return NO_SLOT
+
+
+def choose_victim(policy, tags, last_use, use_count, next_use, locks, first_slot, associativity):
+    """The slot a missed row of this set takes, or ``NO_SLOT`` when every way is locked.
+
+    Locked ways (``locks != 0``) are never chosen. The lowest empty way wins outright; otherwise
+    the way with the smallest ``victim_key``, the lowest way on a tie.
+    """
+    best = NO_SLOT
+    best_primary = np.int64(0)
+    best_secondary = np.int64(0)
+    for way in range(associativity):
+        slot = first_slot + way
+        if locks[slot] != 0:
+            continue
+        if tags[slot] == EMPTY:
+            return slot  # ways are scanned in order, so this is the lowest empty way
+        primary, secondary = victim_key(policy, slot, last_use, use_count, next_use)
+        if best == NO_SLOT or primary < best_primary or (primary == best_primary and secondary < best_secondary):
+            best = slot
+            best_primary = primary
+            best_secondary = secondary
+    return best
+
+
+def touch_on_hit(slot, step, last_use, use_count):
+    """Policy state of a slot whose row a batch uses (the lock is the caller's)."""
+    last_use[slot] = step
+    use_count[slot] += 1
+
+
+def touch_on_fill(slot, step, last_use, use_count):
+    """Policy state of a slot just filled with a missed row (tag, dirty and lock are the caller's)."""
+    last_use[slot] = step
+    use_count[slot] = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled versions. Functions that call other policy functions are re-bound to the callee's
+# version for the same target, so the njit choose_victim calls the njit victim_key, etc.
+
+def _rebind(fn, **callees):
+    """``fn`` with some global names replaced: the same code, calling other compiled functions."""
+    namespace = dict(fn.__globals__)
+    namespace.update(callees)
+    return types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+# --- CPU (numba.njit), for the simulator
+# The small leaf functions are inlined into the simulator's loops (a call per way of every miss
+# otherwise costs ~25% of the time). The two with loops are not: numba's IR inlining of a loop
+# with an early return made choose_victim ten times slower under LRU (measured).
+_cpu = numba.njit(cache=True)
+_cpu_inlined = numba.njit(cache=True, inline="always")
+mix64_cpu = _cpu_inlined(mix64)
+set_of_row_cpu = _cpu_inlined(_rebind(set_of_row, mix64=mix64_cpu))
+victim_key_cpu = _cpu_inlined(victim_key)
+find_way_cpu = _cpu(find_way)
+choose_victim_cpu = _cpu(_rebind(choose_victim, victim_key=victim_key_cpu))
+touch_on_hit_cpu = _cpu_inlined(touch_on_hit)
+touch_on_fill_cpu = _cpu_inlined(touch_on_fill)
+
+# --- GPU (numba.cuda.jit(device=True)), for the prefetch kernels
+from numba import cuda  # noqa: E402  (after tiered_tbe._mode, which the import above guarantees)
+
+_device = cuda.jit(device=True)
+if SIMULATION:
+    # The CUDA simulator runs kernels as Python, where numpy uint64 scalars warn on the
+    # wrap-around the hash relies on: kernels call the compiled CPU hash instead (same code).
+    set_of_row_device = set_of_row_cpu
+else:
+    set_of_row_device = _device(_rebind(set_of_row, mix64=_device(mix64)))
+victim_key_device = _device(victim_key)
+find_way_device = _device(find_way)
+choose_victim_device = _device(_rebind(choose_victim, victim_key=victim_key_device))
+touch_on_hit_device = _device(touch_on_hit)
+touch_on_fill_device = _device(touch_on_fill)

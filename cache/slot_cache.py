@@ -1,0 +1,539 @@
+"""The GPU slot cache: hot rows of the cached tables, held in HBM slots, managed by Numba kernels.
+
+The policy (which set a row maps to, which way a miss evicts, how locks and use counts move)
+is specified in :mod:`tiered_tbe.cache.policy`; the CPU simulator
+(:mod:`tiered_tbe.cache.simulator`) follows the same definition and agrees with this cache
+hit for hit.
+
+What the TBE kernels read
+    ``weights`` [num_slots, row_width] and ``state`` [num_slots, state_width] (the kernels'
+    ``cache_weights`` / ``cache_state``): row ``g`` of a cached table lives, while cached, in
+    ``weights[slot, :dim]`` (and its optimizer state in ``state[slot, :table_state_width]``),
+    where ``slot = slot_of_index[i]`` for a lookup ``i`` of ``g``; slot -1 means "read and update
+    the backing store".
+
+A training step with the cache::
+
+    slot_of_index = cache.prefetch(global_rows)  # hits locked, misses filled and locked
+    ... forward / backward read and update rows through slot_of_index ...
+    cache.mark_dirty(slot_of_index)              # the slots that backward updated
+    cache.unlock(slot_of_index)                  # the batch no longer needs its rows
+
+GPU mode runs every step on torch's current stream and never waits for the device: the
+number of unique rows stays on the device (arrays are sized by the number of lookups and
+padded), and the counters accumulate in a device tensor read by :meth:`SlotCache.stats`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import NamedTuple
+
+import torch
+
+from tiered_tbe._mode import SIMULATION, default_device
+from tiered_tbe.cache import _kernels
+from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT
+from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, NO_SLOT, policy_code
+from tiered_tbe.cache.stats import CacheStats
+
+# Counters kept on the device, in CacheStats order (``batches`` is counted on the host).
+_DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
+
+# Integer type of the same size as each element size: copies move bits, not numbers.
+_BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class CachedTable(NamedTuple):
+    """One table whose rows the slot cache may hold.
+
+    ``weights`` is a 2-D view [num_rows, dim] of the table's rows in its backing store,
+    ``state`` a 2-D fp32 view [num_rows, state_width] of their optimizer state (``None`` when
+    the optimizer keeps none). Both must be readable and writable in place by the cache's
+    device (on the GPU: device, pinned-host or managed memory exposed as CUDA tensors).
+    Global rows ``global_row_start .. global_row_start + num_rows - 1`` are this table's.
+    """
+
+    global_row_start: int
+    num_rows: int
+    dim: int
+    weights: torch.Tensor
+    state: torch.Tensor | None = None
+
+    @property
+    def state_width(self) -> int:
+        return 0 if self.state is None else self.state.shape[1]
+
+
+class SlotCache:
+    """A set-associative cache of rows in device memory, shared by one module's cached tables.
+
+    Args:
+        tables: the cached tables; their global row ranges must not overlap.
+        num_slots: slots in all, a multiple of ``associativity``.
+        associativity: ways per set.
+        policy: ``"lru"``, ``"lfu"`` or ``"lookahead"`` (see :mod:`tiered_tbe.cache.policy`;
+            lookahead ranks by :attr:`next_use`, which its pipeline writes before each prefetch,
+            and is LRU while nothing has been written there).
+        lfu_decay_interval: every this many prefetches every use count is halved.
+        row_width: columns of a slot row (default, and at least, the largest table dim).
+        state_width: fp32 optimizer-state values per slot (default, and at least, the largest
+            table state width).
+        weights_dtype: dtype of ``weights``; must be the tables' (checked when given).
+        device: where the slots live; default ``tiered_tbe.default_device()``. CPU only in
+            simulation mode (the Numba kernels then run in the CUDA simulator).
+
+    Per-slot tensors (``S = num_slots``; slot ``s`` is way ``s % associativity`` of set
+    ``s // associativity``):
+        ``tags`` int64 [S] (row held, -1 empty), ``last_use`` int64 [S] (step of last use),
+        ``use_count`` int32 [S], ``dirty`` uint8 [S], ``locks`` int32 [S],
+        ``next_use`` int64 [S] (lookahead hint, ``NEXT_USE_UNKNOWN`` when none),
+        ``weights`` [S, row_width] (weights dtype; row_width = largest dim),
+        ``state`` fp32 [S, state_width] (largest optimizer-state width; 0 columns when none).
+        They are updated in place, never replaced: views of them stay valid.
+
+    Streams: every method enqueues its work on torch's current stream of ``device`` and returns
+    without waiting (except ``num_locked``, ``stats`` and ``invalidate``, which read the device).
+    A caller running prefetch on a side stream orders it after the backward (``mark_dirty``,
+    ``unlock``) of earlier batches with events.
+
+    Example::
+
+        cache = SlotCache([CachedTable(0, 1000, 16, table_weights)], num_slots=64, associativity=8)
+        slot_of_index = cache.prefetch(torch.tensor([3, 7, 3, 999]))
+        assert (cache.tags[slot_of_index.long()] == torch.tensor([3, 7, 3, 999])).all()
+        cache.unlock(slot_of_index)
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[CachedTable],
+        num_slots: int,
+        associativity: int,
+        policy: str = "lru",
+        lfu_decay_interval: int = 64,
+        row_width: int | None = None,
+        state_width: int | None = None,
+        weights_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        self.device = torch.device(device) if device is not None else default_device()
+        if self.device.type == "cpu" and not SIMULATION:
+            raise ValueError("SlotCache on the CPU needs simulation mode: set TIERED_TBE_SIMULATE=1 "
+                             "before importing tiered_tbe, or use device='cuda'")
+        if self.device.type == "cuda" and SIMULATION:
+            raise ValueError("SlotCache on cuda, but tiered_tbe runs in CPU simulation mode")
+        if associativity < 1 or num_slots < associativity or num_slots % associativity:
+            raise ValueError(f"num_slots ({num_slots}) must be a positive multiple of associativity "
+                             f"({associativity})")
+        if lfu_decay_interval < 1:
+            raise ValueError(f"lfu_decay_interval must be >= 1, got {lfu_decay_interval}")
+        self.policy = policy
+        self._policy_code = policy_code(policy)
+        self.num_slots = num_slots
+        self.associativity = associativity
+        self.num_sets = num_slots // associativity
+        self.lfu_decay_interval = lfu_decay_interval
+        self.tables = self._check_tables(tables)
+        self.row_width = max(t.dim for t in self.tables)
+        self.state_width = max(t.state_width for t in self.tables)
+        if row_width is not None:
+            if row_width < self.row_width:
+                raise ValueError(f"row_width {row_width} is less than the largest table dim {self.row_width}")
+            self.row_width = row_width
+        if state_width is not None:
+            if state_width < self.state_width:
+                raise ValueError(f"state_width {state_width} is less than a table's ({self.state_width})")
+            self.state_width = state_width
+        if weights_dtype is not None and weights_dtype != self.tables[0].weights.dtype:
+            raise ValueError(f"weights_dtype {weights_dtype} differs from the tables' {self.tables[0].weights.dtype}")
+        weights_dtype = self.tables[0].weights.dtype
+
+        on = dict(device=self.device)
+        self.tags = torch.full((num_slots,), EMPTY, dtype=torch.int64, **on)
+        self.last_use = torch.zeros(num_slots, dtype=torch.int64, **on)
+        self.use_count = torch.zeros(num_slots, dtype=torch.int32, **on)
+        self.dirty = torch.zeros(num_slots, dtype=torch.uint8, **on)
+        self.locks = torch.zeros(num_slots, dtype=torch.int32, **on)
+        self.next_use = torch.full((num_slots,), NEXT_USE_UNKNOWN, dtype=torch.int64, **on)
+        self.weights = torch.zeros(num_slots, self.row_width, dtype=weights_dtype, **on)
+        self.state = torch.zeros(num_slots, self.state_width, dtype=torch.float32, **on)
+        self._step = 0
+        self._batches = 0
+        self._counters = torch.zeros(len(_DEVICE_COUNTERS), dtype=torch.int64, **on)
+
+        # Per-table facts as device tensors, for searchsorted and byte counts without host syncs.
+        self._table_starts = torch.tensor([t.global_row_start for t in self.tables], dtype=torch.int64, **on)
+        self._table_ends = torch.tensor([t.global_row_start + t.num_rows for t in self.tables],
+                                        dtype=torch.int64, **on)
+        self._table_ranges = torch.stack([self._table_starts, self._table_ends], dim=1)  # int64 [T, 2]
+        element = self.weights.element_size()
+        row_bytes = [t.dim * element + 4 * t.state_width for t in self.tables]
+        self._table_row_bytes = torch.tensor(row_bytes, dtype=torch.int64, **on)
+        self._uniform_row_bytes = row_bytes[0] if len(set(row_bytes)) == 1 else None
+        self._all_slots = torch.arange(num_slots, dtype=torch.int64, **on)
+
+        # Kernel views, made once (converting a tensor costs host time at every launch): the
+        # per-slot tensors are only ever updated in place. Rows are copied as integer words; a
+        # table without state gets a private dummy (never read: its state_width is 0), so no two
+        # arguments of a launch alias.
+        self._stream_pointer = None
+        self._numba_stream = None
+        self._k_tags, self._k_last_use, self._k_use_count, self._k_dirty, self._k_locks, self._k_next_use = (
+            self._kernel_array(t) for t in (self.tags, self.last_use, self.use_count, self.dirty, self.locks,
+                                            self.next_use))
+        cache_words, table_words = self._copy_words()
+        self._copy_columns = [t.dim * element // cache_words.element_size() for t in self.tables]
+        self._k_cache_weights = self._kernel_array(cache_words)
+        self._k_cache_state = self._kernel_array(
+            self.state if self.state_width else torch.zeros(1, 1, dtype=torch.float32, **on))
+        self._k_tables = [
+            (self._kernel_array(words),
+             self._kernel_array(t.state if t.state_width else torch.zeros(1, 1, dtype=torch.float32, **on)))
+            for t, words in zip(self.tables, table_words)
+        ]
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def step(self) -> int:
+        """Prefetches so far (the policy's clock; see tiered_tbe.cache.policy)."""
+        return self._step
+
+    def prefetch(self, global_rows: torch.Tensor) -> torch.Tensor:
+        """Bring a batch's rows into the cache, lock them, and return where each lookup's row is.
+
+        Args:
+            global_rows: int64 [N], the global row of every lookup of the batch (repeats allowed).
+                Rows outside every cached table are left alone (their slot is -1).
+
+        Returns:
+            slot_of_index: int32 [N], the slot holding each lookup's row, or -1 (row not in a
+            cached table, or every way of its set locked: ``misses_no_slot``).
+
+        Hits update policy state and gain a lock; misses evict unlocked victims (writing back
+        only dirty ones, weights and optimizer state), are copied in from the backing store and
+        gain a lock. Each unique row is locked once; :meth:`unlock` releases the batch.
+        """
+        rows = self._check_rows(global_rows)
+        self._step += 1
+        self._batches += 1
+        n = rows.numel()
+        if n > 0:
+            slot_of_index = self._prefetch(rows)
+        else:
+            slot_of_index = torch.empty(0, dtype=torch.int32, device=self.device)
+        if self._step % self.lfu_decay_interval == 0:
+            self.use_count >>= 1  # LFU aging, after every lfu_decay_interval-th prefetch
+        return slot_of_index
+
+    def lookup(self, global_rows: torch.Tensor) -> torch.Tensor:
+        """Where each row is now: int32 [N] slots, -1 when not cached. No policy change, no lock.
+
+        A pipeline calls this before backward: a row that missed at its batch's prefetch may
+        have been brought in since by the prefetch of a later batch, and its update must land
+        on that newest copy.
+        """
+        rows = self._check_rows(global_rows)
+        slot_of_index = torch.empty(rows.numel(), dtype=torch.int32, device=self.device)
+        if rows.numel():
+            self._launch(_kernels.lookup_kernel, rows.numel(),
+                         self._mask_uncached(rows), self.num_sets, self.associativity, self._k_tags,
+                         slot_of_index)
+        return slot_of_index
+
+    def unlock(self, slot_of_index: torch.Tensor) -> None:
+        """Release one batch's locks: one per distinct slot >= 0 of ``slot_of_index`` (int32 [N])."""
+        slots = self._check_slots(slot_of_index)
+        if slots.numel() == 0:
+            return
+        sorted_slots = torch.sort(slots).values
+        if self.device.type == "cpu":
+            # Cheap here (no device to wait for): catch an unlock without its prefetch.
+            distinct = torch.unique(sorted_slots[sorted_slots >= 0])
+            if (self.locks[distinct] <= 0).any():
+                raise RuntimeError("unlock of a slot that holds no lock: unlock called twice for a batch, "
+                                   "or with a remap that is not a prefetch's")
+        self._launch(_kernels.unlock_kernel, slots.numel(), sorted_slots, self._k_locks)
+
+    def mark_dirty(self, slot_of_index: torch.Tensor) -> None:
+        """Mark slots updated in place (by backward): they are written back before being dropped."""
+        slots = self._check_slots(slot_of_index)
+        if slots.numel():
+            self._launch(_kernels.mark_dirty_kernel, slots.numel(), slots, self._k_dirty)
+
+    def write_back(self, slot_of_index: torch.Tensor) -> None:
+        """Copy the rows of these slots (int32/int64 [N]; -1 skipped, repeats fine) to their backing
+        stores now, weights and state. Dirty bits are left as they are.
+
+        For a pipeline: a row that a queued batch will read from its backing store (its slot was
+        -1 at that batch's prefetch) but that a later prefetch cached, and backward just updated
+        in its slot. Counted in ``write_backs`` and ``bytes_out``.
+        """
+        slots = self._check_slots(slot_of_index)
+        n = slots.numel()
+        if n == 0:
+            return
+        slots = torch.sort(slots).values  # repeats side by side: each slot is written once
+        distinct = slots >= 0
+        distinct[1:] &= slots[1:] != slots[:-1]
+        rows = torch.where(distinct, self.tags[slots.clamp(min=0).long()], EMPTY)
+        self._write_rows_back(rows, slots)
+
+    def flush(self) -> None:
+        """Write every dirty slot (weights and state) back to its backing store; clear dirty bits.
+
+        Counts ``write_backs`` and ``bytes_out``. Rows stay cached (and locked ones stay locked).
+        """
+        self._write_rows_back(torch.where(self.dirty.bool(), self.tags, EMPTY), self._all_slots)
+        self.dirty.zero_()
+
+    def invalidate(self) -> None:
+        """Drop every cached row without writing it back (e.g. after the backing store was reloaded).
+
+        Raises RuntimeError while any slot is locked: a batch in flight still reads those rows.
+        """
+        if self.num_locked():
+            raise RuntimeError(f"invalidate() with {self.num_locked()} locked slots: unlock every "
+                               "prefetched batch first")
+        self.tags.fill_(EMPTY)
+        self.last_use.zero_()
+        self.use_count.zero_()
+        self.dirty.zero_()
+
+    def num_locked(self) -> int:
+        """Slots holding at least one lock (reads the device)."""
+        return int((self.locks > 0).sum())
+
+    def stats(self) -> CacheStats:
+        """Counters since the last :meth:`reset_stats` (reads the device once).
+
+        ``lookups`` and ``unique_rows`` count only rows of the cached tables; ``write_backs`` /
+        ``bytes_out`` include flushes and :meth:`write_back`.
+        """
+        values = dict(zip(_DEVICE_COUNTERS, self._counters.tolist()))
+        return CacheStats(batches=self._batches, **values)
+
+    def reset_stats(self) -> None:
+        self._counters.zero_()
+        self._batches = 0
+
+    def __repr__(self) -> str:
+        return (f"SlotCache({self.num_slots} slots = {self.num_sets} sets x {self.associativity} ways, "
+                f"policy={self.policy!r}, {len(self.tables)} tables, row_width={self.row_width}, "
+                f"state_width={self.state_width}, device={self.device})")
+
+    # ------------------------------------------------------------------ prefetch
+
+    def _prefetch(self, rows: torch.Tensor) -> torch.Tensor:
+        n = rows.numel()
+        on = dict(device=self.device)
+
+        # 1. Deduplicate by sorting: unique rows ascending, padded to N with NOT_CACHED.
+        masked = self._mask_uncached(rows)
+        sorted_rows, order = torch.sort(masked)
+        cached_sorted = sorted_rows != NOT_CACHED
+        is_first = torch.ones(n, dtype=torch.bool, **on)
+        is_first[1:] = sorted_rows[1:] != sorted_rows[:-1]
+        is_first &= cached_sorted
+        unique_index_sorted = torch.cumsum(is_first, 0) - 1  # index among unique rows, per sorted lookup
+        unique_rows = torch.full((n,), NOT_CACHED, dtype=torch.int64, **on)
+        # Repeats of a row write the same value to the same place; uncached lookups (sorted
+        # last) all write NOT_CACHED to position n - 1, which is padding whenever they exist.
+        unique_rows.scatter_(0, torch.where(cached_sorted, unique_index_sorted, n - 1), sorted_rows)
+        unique_of_lookup = torch.empty(n, dtype=torch.int64, **on)
+        unique_of_lookup[order] = torch.where(cached_sorted, unique_index_sorted, -1)
+
+        # 2. Sets, then the unique rows grouped by set (stable: ascending rows within a set).
+        set_of_unique = torch.empty(n, dtype=torch.int64, **on)
+        self._launch(_kernels.set_of_rows_kernel, n, unique_rows, self.num_sets, set_of_unique)
+        set_of_position, unique_of_position = torch.sort(set_of_unique, stable=True)
+
+        # 3. Hits, victims, fills: the policy, one thread per set.
+        slot_of_unique = torch.full((n,), NO_SLOT, dtype=torch.int32, **on)
+        outcome = torch.zeros(n, dtype=torch.int8, **on)
+        victim_row = torch.full((n,), EMPTY, dtype=torch.int64, **on)
+        victim_was_dirty = torch.zeros(n, dtype=torch.uint8, **on)
+        self._launch(_kernels.assign_slots_kernel, n,
+                     set_of_position, unique_of_position, unique_rows, self.num_sets, self.associativity,
+                     self._step, self._policy_code, self._k_tags, self._k_last_use, self._k_use_count,
+                     self._k_next_use, self._k_locks, self._k_dirty, slot_of_unique, outcome, victim_row,
+                     victim_was_dirty)
+
+        # 4. Write back dirty victims (all tables), then fill (all tables): a slot's old row
+        # leaves before its new row arrives. Fills of table t are a contiguous range of the
+        # ascending unique rows.
+        num_unique = is_first.sum()
+        self._write_rows_back(torch.where(victim_was_dirty.bool(), victim_row, EMPTY), slot_of_unique,
+                              count=False)
+        fill_bounds = torch.searchsorted(unique_rows, self._table_ranges)  # int64 [T, 2]
+        k = self._kernel_array  # converted once, shared by every table's launch
+        k_outcome, k_unique_rows, k_slot_of_unique = k(outcome), k(unique_rows), k(slot_of_unique)
+        for t in range(len(self.tables)):
+            self._copy_rows(t, fill_bounds[t], k_outcome, OUTCOME_FILLED, k_unique_rows, k_slot_of_unique,
+                            to_backing=False, num_entries=n)
+
+        # 5. The remap, and the counters (device sums: no sync).
+        cached_lookup = unique_of_lookup >= 0
+        unique_of_lookup_or_0 = unique_of_lookup.clamp(min=0)
+        slot_of_index = torch.where(cached_lookup, slot_of_unique[unique_of_lookup_or_0], NO_SLOT)
+        hit = outcome == OUTCOME_HIT
+        filled = outcome == OUTCOME_FILLED
+        unique_hits = hit.sum()
+        update = {
+            "lookups": cached_lookup.sum(),
+            "lookup_hits": (hit[unique_of_lookup_or_0] & cached_lookup).sum(),
+            "unique_rows": num_unique,
+            "unique_hits": unique_hits,
+            "unique_misses": num_unique - unique_hits,
+            "misses_no_slot": (outcome == OUTCOME_NO_SLOT).sum(),
+            "evictions": (filled & (victim_row != EMPTY)).sum(),
+            "write_backs": victim_was_dirty.sum(dtype=torch.int64),
+            "bytes_in": self._bytes_of(unique_rows, filled),
+            "bytes_out": self._bytes_of(victim_row, victim_was_dirty),
+        }
+        self._counters += torch.stack([update[name] for name in _DEVICE_COUNTERS])
+        return slot_of_index.to(torch.int32)
+
+    def _write_rows_back(self, rows: torch.Tensor, slots: torch.Tensor, count: bool = True) -> None:
+        """Copy slot ``slots[i]`` to the backing row ``rows[i]`` (int64 [M]; EMPTY skips), every table.
+
+        The copies go in ascending row order: the GPU writes host memory at ~52 GB/s in row order
+        and ~21 GB/s in random order (512-byte rows, H200). ``count`` adds them to write_backs and
+        bytes_out (prefetch counts its own).
+        """
+        keys = torch.where(rows == EMPTY, NOT_CACHED, rows)  # skipped entries sort last
+        sorted_rows, order = torch.sort(keys)
+        sorted_slots = slots[order]
+        selected = (sorted_rows != NOT_CACHED).to(torch.uint8)
+        bounds = torch.searchsorted(sorted_rows, self._table_ranges)  # int64 [T, 2]
+        k_selected, k_rows, k_slots = (self._kernel_array(a) for a in (selected, sorted_rows, sorted_slots))
+        for t in range(len(self.tables)):
+            self._copy_rows(t, bounds[t], k_selected, 1, k_rows, k_slots, to_backing=True, num_entries=rows.numel())
+        if count:
+            update = torch.zeros_like(self._counters)
+            update[_DEVICE_COUNTERS.index("write_backs")] = selected.sum(dtype=torch.int64)
+            update[_DEVICE_COUNTERS.index("bytes_out")] = self._bytes_of(sorted_rows, selected)
+            self._counters += update
+
+    def _copy_words(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The cache's and every table's weights viewed as the widest integer words (up to 8 bytes)
+        that divide every row: a warp then moves up to 256 bytes per instruction."""
+        element = self.weights.element_size()
+        for size in (8, 4, 2, 1):
+            if size < element:
+                break
+            try:  # view(dtype) refuses rows, offsets or strides that are not whole words
+                return (self.weights.view(_BITS_OF_SIZE[size]),
+                        [t.weights.view(_BITS_OF_SIZE[size]) for t in self.tables])
+            except RuntimeError:
+                continue
+        raise AssertionError("unreachable: words of the element size always fit")
+
+    def _copy_rows(self, t, entry_bounds, selected, wanted, row_of_entry, slot_of_entry, to_backing, num_entries):
+        """Launch copy_rows_kernel for table ``t`` (see its argument comments)."""
+        table = self.tables[t]
+        k_weights, k_state = self._k_tables[t]
+        columns = self._copy_columns[t]
+        if SIMULATION:
+            grid, block = 1, (1, 32)  # few simulator threads; each walks many entries and all columns
+        else:
+            rows_per_block = 8
+            grid, block = max(1, min(-(-num_entries // rows_per_block), 16384)), (32, rows_per_block)
+        end = table.global_row_start + table.num_rows
+        self._launch_configured(
+            _kernels.copy_rows_kernel, grid, block,
+            entry_bounds, selected, wanted, row_of_entry, slot_of_entry, table.global_row_start, end,
+            to_backing, self._k_cache_weights, self._k_cache_state, k_weights, k_state, columns,
+            table.state_width)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _mask_uncached(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` with every row outside the cached tables replaced by NOT_CACHED (int64 [N])."""
+        table = torch.searchsorted(self._table_starts, rows, right=True) - 1
+        inside = (table >= 0) & (rows < self._table_ends[table.clamp(min=0)])
+        return torch.where(inside, rows, NOT_CACHED)
+
+    def _bytes_of(self, rows: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+        """Bytes (weights and state) of the rows where ``counted`` is set: an int64 device scalar.
+        ``rows`` elsewhere may be anything (padding, EMPTY)."""
+        if self._uniform_row_bytes is not None:
+            return counted.sum(dtype=torch.int64) * self._uniform_row_bytes
+        table = (torch.searchsorted(self._table_starts, rows, right=True) - 1).clamp(min=0)
+        return (self._table_row_bytes[table] * counted).sum()
+
+    def _check_tables(self, tables: Sequence[CachedTable]) -> list[CachedTable]:
+        tables = sorted(tables, key=lambda t: t.global_row_start)
+        if not tables:
+            raise ValueError("SlotCache needs at least one cached table")
+        for i, t in enumerate(tables):
+            where = f"cached table {i} (global rows {t.global_row_start}..)"
+            if t.global_row_start < 0 or t.num_rows < 1 or t.dim < 1:
+                raise ValueError(f"{where}: global_row_start >= 0, num_rows >= 1 and dim >= 1 needed")
+            if i and t.global_row_start < tables[i - 1].global_row_start + tables[i - 1].num_rows:
+                raise ValueError(f"{where} overlaps the table before it")
+            if t.weights.dim() != 2 or tuple(t.weights.shape) != (t.num_rows, t.dim):
+                raise ValueError(f"{where}: weights must be [{t.num_rows}, {t.dim}], got {tuple(t.weights.shape)}")
+            if t.weights.dtype != tables[0].weights.dtype:
+                raise ValueError(f"{where}: weights dtype {t.weights.dtype} differs from "
+                                 f"{tables[0].weights.dtype}: one cache holds one dtype")
+            if t.weights.element_size() not in _BITS_OF_SIZE:
+                raise ValueError(f"{where}: unsupported weights dtype {t.weights.dtype}")
+            if t.state is not None and (t.state.dim() != 2 or t.state.shape[0] != t.num_rows
+                                        or t.state.dtype != torch.float32):
+                raise ValueError(f"{where}: state must be fp32 [{t.num_rows}, width], got "
+                                 f"{t.state.dtype} {tuple(t.state.shape)}")
+            for name, tensor in (("weights", t.weights), ("state", t.state)):
+                if tensor is not None and tensor.device.type != self.device.type:
+                    raise ValueError(f"{where}: {name} on {tensor.device}, the cache on {self.device}")
+        return tables
+
+    def _check_rows(self, global_rows: torch.Tensor) -> torch.Tensor:
+        if not isinstance(global_rows, torch.Tensor) or global_rows.dtype != torch.int64 or global_rows.dim() != 1:
+            raise TypeError("global_rows must be a 1-D int64 tensor")
+        if global_rows.device.type != self.device.type:
+            raise ValueError(f"global_rows on {global_rows.device}, the cache on {self.device}")
+        return global_rows.contiguous()
+
+    def _check_slots(self, slot_of_index: torch.Tensor) -> torch.Tensor:
+        if not isinstance(slot_of_index, torch.Tensor) or slot_of_index.dtype not in (torch.int32, torch.int64) \
+                or slot_of_index.dim() != 1:
+            raise TypeError("slot_of_index must be a 1-D int32 or int64 tensor (a prefetch's result)")
+        if slot_of_index.device.type != self.device.type:
+            raise ValueError(f"slot_of_index on {slot_of_index.device}, the cache on {self.device}")
+        return slot_of_index.contiguous()
+
+    def _kernel_array(self, tensor: torch.Tensor):
+        """What a Numba kernel takes for ``tensor``: a device array view on the GPU, a numpy view
+        (same memory) in the CUDA simulator."""
+        if SIMULATION:
+            return tensor.detach().numpy()
+        from numba import cuda
+
+        # sync=False: ordering comes from launching on torch's current stream, not a host wait.
+        return cuda.as_cuda_array(tensor.detach(), sync=False)
+
+    def _launch(self, kernel, num_items: int, *args):
+        """Launch a 1-D grid-stride kernel over ``num_items`` entries."""
+        if SIMULATION:
+            grid, block = 1, min(num_items, 32)
+        else:
+            block = 256
+            grid = max(1, min(-(-num_items // block), 65535))
+        self._launch_configured(kernel, grid, block, *args)
+
+    def _launch_configured(self, kernel, grid, block, *args):
+        args = [self._kernel_array(a) if isinstance(a, torch.Tensor) else a for a in args]
+        if SIMULATION:
+            kernel[grid, block](*args)
+            return
+        from numba import cuda
+
+        # torch's current stream, so the kernels are ordered with torch's work on it.
+        pointer = torch.cuda.current_stream(self.device).cuda_stream
+        if pointer != self._stream_pointer:
+            self._stream_pointer, self._numba_stream = pointer, cuda.external_stream(pointer)
+        with cuda.gpus[self.device.index if self.device.index is not None else torch.cuda.current_device()]:
+            kernel[grid, block, self._numba_stream](*args)

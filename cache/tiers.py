@@ -1,0 +1,208 @@
+"""Backing stores: one flat allocation per tier, exposed as a tensor the GPU reads and writes in place.
+
+=========  ==============================================================================
+DEVICE     ``torch.empty`` in GPU memory.
+HOST       pinned host memory of exactly the size asked (``cudaHostAlloc``; torch's pinned
+           allocator rounds up to a power of two, so a 70 GB table would take 128 GB), mapped
+           into the GPU's address space and exposed as a CUDA tensor over the same memory:
+           Triton kernels, Numba kernels and torch indexing read it in place over the bus.
+MANAGED    CUDA unified memory (``cudaMallocManaged``) advised to stay on the host
+           (``SetPreferredLocation`` = host) and to be mapped for the GPU (``SetAccessedBy``),
+           so the GPU reads it in place instead of migrating pages; exposed as a CUDA tensor.
+=========  ==============================================================================
+
+In simulation mode, or for ``device="cpu"``, every tier is a plain CPU tensor.
+
+The CUDA calls go through ``cuda.bindings.runtime`` (installed with ``numba-cuda[cu13]``);
+pinned host memory falls back to CuPy when the bindings are missing. (CuPy's memory advice
+builds the host location wrongly on CUDA 13, so managed memory needs the bindings.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiered_tbe._mode import SIMULATION
+from tiered_tbe.specs import Placement
+
+
+class TierBuffer:
+    """A flat backing-store allocation of ``numel`` elements of ``dtype``.
+
+    ``tensor`` is a 1-D tensor over the whole allocation (a CUDA tensor for every GPU tier,
+    even when the memory is on the host). ``owner`` is the object that frees pinned or managed
+    memory when it goes (None for torch's own allocations); the tensor and every view of it
+    hold a reference to it, so the memory lives as long as any of them does. :meth:`release`
+    drops this object's references.
+    """
+
+    def __init__(self, placement: Placement, tensor: torch.Tensor, owner: object | None = None):
+        self.placement = placement
+        self.tensor: torch.Tensor | None = tensor
+        self.owner = owner
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.tensor is None else self.tensor.numel() * self.tensor.element_size()
+
+    def release(self) -> None:
+        """Drop this buffer's references; the memory is freed once no view of it remains."""
+        self.tensor = None
+        self.owner = None
+
+    def __repr__(self) -> str:
+        if self.tensor is None:
+            return f"TierBuffer({self.placement.name}, released)"
+        where = f"{self.tensor.numel()} x {self.tensor.dtype} on {self.tensor.device}"
+        return f"TierBuffer({self.placement.name}, {where})"
+
+
+def allocate(placement_backing: Placement, numel: int, dtype: torch.dtype,
+             device: torch.device | str | None = None) -> TierBuffer:
+    """Allocate a flat backing store of ``numel`` elements (uninitialized) in one tier.
+
+    Args:
+        placement_backing: ``DEVICE``, ``HOST`` or ``MANAGED`` (a cached placement means its
+            backing store: ``HOST_CACHED`` -> ``HOST``).
+        numel: elements to allocate.
+        dtype: element type.
+        device: the GPU that reads the store (``cuda`` / ``cuda:1``); ``cpu`` (and simulation
+            mode) gives a plain CPU tensor for every tier. Default ``tiered_tbe.default_device()``.
+
+    Returns:
+        A TierBuffer whose ``.tensor`` is 1-D [numel] of ``dtype``.
+
+    Example::
+
+        store = allocate(Placement.HOST, 200_000_000 * 128, torch.float32, "cuda")
+        table = store.tensor.view(200_000_000, 128)   # a CUDA tensor over pinned host memory
+    """
+    from tiered_tbe._mode import default_device
+
+    placement = Placement(placement_backing).backing
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    device = torch.device(device) if device is not None else default_device()
+    if SIMULATION or device.type == "cpu":
+        return TierBuffer(placement, torch.empty(numel, dtype=dtype))
+    if device.type != "cuda":
+        raise ValueError(f"backing stores live on cuda or cpu, not {device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cuda_device = torch.device("cuda", index)
+    if placement is Placement.DEVICE:
+        return TierBuffer(placement, torch.empty(numel, dtype=dtype, device=cuda_device))
+
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return TierBuffer(placement, torch.empty(0, dtype=dtype, device=cuda_device))
+    with torch.cuda.device(index):
+        torch.cuda.init()  # the primary context the runtime calls below use
+        if placement is Placement.HOST:
+            memory = _pinned_host_memory(nbytes)
+        else:
+            memory = _managed_memory(nbytes, index)
+        # torch keeps `memory` alive as long as the tensor (or any view) lives, and reads the
+        # pointer's device from the driver: pinned and managed memory become CUDA tensors.
+        tensor = torch.as_tensor(memory, device=cuda_device)
+    return TierBuffer(placement, tensor.view(dtype), owner=memory)
+
+
+class _CudaMemory:
+    """Raw CUDA-addressable bytes, shown to torch through ``__cuda_array_interface__``; freed
+    (with ``free``) when the last reference goes."""
+
+    def __init__(self, pointer: int, nbytes: int, free, what: str):
+        self.pointer = pointer
+        self.nbytes = nbytes
+        self.what = what
+        self._free = free
+        # One flat byte array; the caller views it as its dtype (bf16 has no typestr).
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3,
+            "strides": None, "stream": None,
+        }
+
+    def __del__(self):
+        free, self._free = self._free, None
+        if free is not None:
+            try:
+                free(self.pointer)
+            except Exception:  # noqa: BLE001 - interpreter shutdown may have unloaded CUDA
+                pass
+
+
+def _runtime():
+    """``cuda.bindings.runtime`` (cuda-bindings >= 12.6; older: ``cuda.cudart``), or None."""
+    try:
+        from cuda.bindings import runtime
+        return runtime
+    except ImportError:
+        pass
+    try:
+        from cuda import cudart
+        return cudart
+    except ImportError:
+        return None
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy if cupy.cuda.is_available() else None
+
+
+def _check(runtime, result, call: str):
+    """Unpack a cuda-bindings result tuple ``(err, *values)``; raise on an error."""
+    err, *values = result
+    if err != runtime.cudaError_t.cudaSuccess:
+        _, message = runtime.cudaGetErrorString(err)
+        raise RuntimeError(f"{call} failed: {err.name}: {message.decode() if isinstance(message, bytes) else message}")
+    return values[0] if len(values) == 1 else values
+
+
+def _pinned_host_memory(nbytes: int) -> _CudaMemory:
+    runtime = _runtime()
+    if runtime is not None:
+        flags = runtime.cudaHostAllocMapped | runtime.cudaHostAllocPortable
+        host_pointer = _check(runtime, runtime.cudaHostAlloc(nbytes, flags), f"cudaHostAlloc({nbytes} bytes)")
+        device_pointer = _check(runtime, runtime.cudaHostGetDevicePointer(host_pointer, 0), "cudaHostGetDevicePointer")
+        return _CudaMemory(int(device_pointer), nbytes,
+                           lambda _: runtime.cudaFreeHost(host_pointer), "pinned host")
+    cupy = _cupy()
+    if cupy is not None:
+        rt = cupy.cuda.runtime
+        host_pointer = rt.hostAlloc(nbytes, rt.hostAllocMapped | rt.hostAllocPortable)
+        return _CudaMemory(int(rt.hostGetDevicePointer(host_pointer, 0)), nbytes,
+                           lambda _: rt.freeHost(host_pointer), "pinned host")
+    raise RuntimeError("Placement.HOST needs cuda-bindings (pip install 'numba-cuda[cu13]' or "
+                       "'cuda-bindings') or CuPy (pip install cupy-cuda13x) to allocate pinned host memory "
+                       "of exact size")
+
+
+def _managed_memory(nbytes: int, device_index: int) -> _CudaMemory:
+    runtime = _runtime()
+    if runtime is None:
+        raise RuntimeError("Placement.MANAGED needs cuda-bindings (pip install 'numba-cuda[cu13]' or "
+                           "'cuda-bindings'): CuPy cannot advise managed memory to stay on the host under "
+                           "CUDA 13")
+    pointer = _check(runtime, runtime.cudaMallocManaged(nbytes, runtime.cudaMemAttachGlobal),
+                     f"cudaMallocManaged({nbytes} bytes)")
+    memory = _CudaMemory(int(pointer), nbytes, lambda p: runtime.cudaFree(p), "managed")
+    advice = runtime.cudaMemoryAdvise
+    # Never let the GPU migrate the pages in (it would thrash past the card's size): keep them
+    # on the host, mapped into the GPU's page tables so it reads them in place.
+    _advise(runtime, pointer, nbytes, advice.cudaMemAdviseSetPreferredLocation, host=True, device_index=-1)
+    _advise(runtime, pointer, nbytes, advice.cudaMemAdviseSetAccessedBy, host=False, device_index=device_index)
+    return memory
+
+
+def _advise(runtime, pointer, nbytes: int, advice, host: bool, device_index: int) -> None:
+    """cudaMemAdvise with a cudaMemLocation (CUDA 13; ``cudaMemAdvise_v2`` in CUDA 12 bindings)."""
+    location = runtime.cudaMemLocation()
+    kinds = runtime.cudaMemLocationType
+    location.type = kinds.cudaMemLocationTypeHost if host else kinds.cudaMemLocationTypeDevice
+    location.id = 0 if host else device_index
+    advise = getattr(runtime, "cudaMemAdvise_v2", runtime.cudaMemAdvise)
+    _check(runtime, advise(pointer, nbytes, advice, location), f"cudaMemAdvise({advice.name})")

@@ -1,0 +1,510 @@
+"""SlotCache: the slot remap, write-backs, locks, aging, counters, and exact agreement with the simulator.
+
+In simulation mode the Numba kernels run in the CUDA simulator on CPU tensors: the caches
+here are tiny (a few sets of a few ways) and the batches short. On a GPU the same tests run
+on CUDA tensors; the ``gpu`` tests at the end add the memory tiers and larger sizes.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from tiered_tbe import default_device
+from tiered_tbe.cache import CachedTable, CacheSimulator, CacheStats, SlotCache
+from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, set_of_row_cpu
+
+# Two cached tables with a table that is not cached between them (global rows 200..249).
+# Both cached tables have 24-byte rows (fp32: 4 columns + 2 state values; 6 columns, no state),
+# so the simulator's single row_bytes matches the cache's per-table byte counts.
+TABLE_A = (0, 200, 4, 2)  # global_row_start, num_rows, dim, state_width
+TABLE_B = (250, 100, 6, 0)
+UNCACHED = (200, 250)
+ROW_BYTES = 24
+DEVICE = default_device()
+
+
+def rows_tensor(values, dtype=torch.int64):
+    return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+
+def initial_rows(start, num_rows, dim):
+    """Distinct, exactly representable values: row g, column c holds g + c / 8."""
+    rows = torch.arange(start, start + num_rows, dtype=torch.float32)[:, None]
+    return rows + torch.arange(dim, dtype=torch.float32)[None, :] / 8
+
+
+def make_tables(device=DEVICE, dtype=torch.float32):
+    tables = []
+    for start, num_rows, dim, state_width in (TABLE_A, TABLE_B):
+        weights = initial_rows(start, num_rows, dim).to(device=device, dtype=dtype)
+        state = None
+        if state_width:
+            state = initial_rows(start, num_rows, state_width).to(device) * -1
+        tables.append(CachedTable(start, num_rows, dim, weights, state))
+    return tables
+
+
+def rows_of_set(the_set, num_sets, count, low=0, high=200):
+    """The first ``count`` rows in [low, high) that hash to ``the_set``."""
+    found = [r for r in range(low, high) if set_of_row_cpu(r, num_sets) == the_set]
+    assert len(found) >= count
+    return found[:count]
+
+
+def make_trace(num_batches=30, num_sets=4, seed=0):
+    """Batches of global rows with repeats, hot rows, uncached rows, and set conflicts."""
+    rng = np.random.default_rng(seed)
+    hot = np.array([3, 17, 42, 99, 260, 301])
+    conflicting = np.array(rows_of_set(1, num_sets, 9))  # more rows of one set than it has ways
+    batches = []
+    for b in range(num_batches):
+        parts = [rng.choice(hot, size=rng.integers(2, 8)),  # repeats within and across batches
+                 rng.integers(0, 200, size=rng.integers(2, 6)),
+                 rng.integers(250, 350, size=rng.integers(1, 5)),
+                 rng.integers(*UNCACHED, size=rng.integers(0, 3))]
+        if b % 5 == 2:
+            parts.append(conflicting[rng.permutation(conflicting.size)[: rng.integers(5, 10)]])
+        if b % 7 == 3:
+            parts.append(conflicting[:2])  # rows hit again later
+        batch = np.concatenate(parts)
+        batches.append(rng.permutation(batch).astype(np.int64))
+    return batches
+
+
+def is_cached_row(rows):
+    return (rows < UNCACHED[0]) | ((rows >= TABLE_B[0]) & (rows < TABLE_B[0] + TABLE_B[1]))
+
+
+class TrainingCheck:
+    """Drives a SlotCache as serial training does and checks every row's newest copy.
+
+    Each batch adds 1 to every column (and state value) of every unique row it uses: in the
+    row's slot, or in its backing store when its slot is -1. ``updates[g]`` counts them, so
+    row g must read ``initial + updates[g]`` wherever the cache says it is.
+    """
+
+    def __init__(self, cache: SlotCache):
+        self.cache = cache
+        self.updates = np.zeros(400, dtype=np.int64)
+
+    def expected(self, table: CachedTable, rows):
+        updates = torch.as_tensor(self.updates[rows])[:, None].float()
+        value = initial_rows(0, 400, table.dim)[rows] + updates
+        state = None
+        if table.state is not None:
+            state = -initial_rows(0, 400, table.state_width)[rows] + updates
+        return value, state
+
+    def table_of(self, row):
+        return next(t for t in self.cache.tables if t.global_row_start <= row < t.global_row_start + t.num_rows)
+
+    def step(self, batch: np.ndarray) -> torch.Tensor:
+        cache = self.cache
+        global_rows = torch.from_numpy(batch).to(cache.device)
+        slot_of_index = cache.prefetch(global_rows)
+        slots = slot_of_index.long().cpu()
+        cached = torch.from_numpy(is_cached_row(batch))
+        # The remap: uncached tables -1; otherwise the slot holds the row, or -1.
+        assert (slots[~cached] == -1).all()
+        tags = cache.tags.cpu()
+        assert (tags[slots[slots >= 0]] == torch.from_numpy(batch)[slots >= 0]).all()
+        # Every lookup reads its row's newest copy, from its slot or its backing store.
+        for row in np.unique(batch[is_cached_row(batch)]):
+            table = self.table_of(row)
+            slot = int(slots[np.flatnonzero(batch == row)[0]])
+            weights, state = self._copy(table, row, slot)
+            want_weights, want_state = self.expected(table, [row])
+            torch.testing.assert_close(weights, want_weights[0], rtol=0, atol=0)
+            if state is not None:
+                torch.testing.assert_close(state, want_state[0], rtol=0, atol=0)
+            # Backward's update, where the kernels would apply it.
+            if slot >= 0:
+                cache.weights[slot, : table.dim] += 1
+                cache.state[slot, : table.state_width] += 1
+            else:
+                local = row - table.global_row_start
+                table.weights[local] += 1
+                if table.state is not None:
+                    table.state[local] += 1
+            self.updates[row] += 1
+        cache.mark_dirty(slot_of_index)
+        cache.unlock(slot_of_index)
+        return slot_of_index
+
+    def _copy(self, table, row, slot):
+        if slot >= 0:
+            state = self.cache.state[slot, : table.state_width] if table.state is not None else None
+            return self.cache.weights[slot, : table.dim].float().cpu(), None if state is None else state.cpu()
+        local = row - table.global_row_start
+        state = table.state[local] if table.state is not None else None
+        return table.weights[local].float().cpu(), None if state is None else state.cpu()
+
+    def check_backing_after_flush(self):
+        self.cache.flush()
+        assert int(self.cache.dirty.sum()) == 0
+        for table in self.cache.tables:
+            rows = list(range(table.global_row_start, table.global_row_start + table.num_rows))
+            want_weights, want_state = self.expected(table, rows)
+            torch.testing.assert_close(table.weights.float().cpu(), want_weights, rtol=0, atol=0)
+            if table.state is not None:
+                torch.testing.assert_close(table.state.cpu(), want_state, rtol=0, atol=0)
+
+
+def assert_same_state(cache: SlotCache, simulator: CacheSimulator):
+    for name in ("tags", "last_use", "use_count", "dirty"):
+        np.testing.assert_array_equal(getattr(cache, name).cpu().numpy(), getattr(simulator, name), err_msg=name)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_agrees_with_simulator_hit_for_hit(policy):
+    """Same trace, same policy: equal counters after every batch, equal slots, exact rows."""
+    cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy=policy, lfu_decay_interval=4)
+    simulator = CacheSimulator(16, 4, policy, lfu_decay_interval=4, row_bytes=ROW_BYTES)
+    check = TrainingCheck(cache)
+    for batch in make_trace():
+        check.step(batch)
+        cached = batch[is_cached_row(batch)]
+        simulator.run(cached, np.array([0, cached.size]))
+        assert cache.stats() == simulator.stats
+        assert_same_state(cache, simulator)
+        assert cache.num_locked() == 0
+    stats = cache.stats()
+    # The trace exercises what it is meant to.
+    assert stats.unique_hits > 20 and stats.lookup_hits > stats.unique_hits
+    assert stats.evictions > 20 and stats.misses_no_slot > 5 and stats.write_backs == stats.evictions
+    check.check_backing_after_flush()
+
+
+def test_agrees_with_simulator_mixing_training_and_inference():
+    """Batches of evaluation (no mark_dirty) between training ones: a clean row that replaces a
+    dirty one is clean, and dropping it writes nothing."""
+    cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy="lru")
+    simulator = CacheSimulator(16, 4, "lru", training=True, row_bytes=ROW_BYTES)
+    for b, batch in enumerate(make_trace(num_batches=16, seed=5)):
+        slot_of_index = cache.prefetch(torch.from_numpy(batch).to(DEVICE))
+        if b % 3 == 0:
+            cache.mark_dirty(slot_of_index)
+        cache.unlock(slot_of_index)
+        cached = batch[is_cached_row(batch)]
+        # The simulator replays one mode per run; switch it by hand between batches.
+        simulator.training = b % 3 == 0
+        simulator.run(cached, np.array([0, cached.size]))
+        assert cache.stats() == simulator.stats
+        assert_same_state(cache, simulator)
+    assert 0 < cache.stats().write_backs < cache.stats().evictions
+
+
+def test_policies_differ_on_the_trace():
+    """The agreement test would not notice a policy argument that is ignored; this trace tells them apart."""
+    def run(policy):
+        simulator = CacheSimulator(16, 4, policy, lfu_decay_interval=4)
+        for batch in make_trace():
+            cached = batch[is_cached_row(batch)]
+            simulator.run(cached, np.array([0, cached.size]))
+        return simulator.stats
+
+    assert run("lru") != run("lfu")
+
+
+def test_dirty_victims_written_back_clean_ones_not():
+    table = CachedTable(0, 64, 3, initial_rows(0, 64, 3).to(DEVICE), None)
+    cache = SlotCache([table], num_slots=2, associativity=2)  # one set: every row conflicts
+    slots = cache.prefetch(rows_tensor([5, 9]))
+    # Row 5 is updated and marked dirty; row 9 is scribbled on but not marked (a clean slot is
+    # a copy of its backing row, so the cache may drop it without writing).
+    cache.weights[slots[0]] += 100
+    cache.weights[slots[1]] += 100
+    cache.mark_dirty(slots[:1])
+    cache.unlock(slots)
+    assert cache.prefetch(rows_tensor([20, 30])).tolist() == slots.tolist()  # both evicted
+    torch.testing.assert_close(table.weights[5].cpu(), initial_rows(5, 1, 3)[0] + 100)
+    torch.testing.assert_close(table.weights[9].cpu(), initial_rows(9, 1, 3)[0])
+    stats = cache.stats()
+    assert (stats.evictions, stats.write_backs, stats.bytes_out, stats.bytes_in) == (2, 1, 12, 4 * 12)
+    cache.unlock(rows_tensor(slots.tolist(), torch.int32))
+    # Re-fetched, the written-back row carries its update.
+    again = cache.prefetch(rows_tensor([5]))
+    torch.testing.assert_close(cache.weights[again[0]].cpu(), initial_rows(5, 1, 3)[0] + 100)
+
+
+def test_flush_writes_dirty_rows_and_state_once():
+    tables = make_tables()
+    cache = SlotCache(tables, num_slots=8, associativity=4)
+    slots = cache.prefetch(rows_tensor([1, 2, 260, 205]))
+    assert slots[3] == -1
+    cache.weights[slots[:3].long()] = 7.0
+    cache.state[slots[:3].long()] = 3.0
+    cache.mark_dirty(slots[:2])  # rows 1 and 2 (table A, with state); row 260 stays clean
+    cache.flush()
+    assert (tables[0].weights[1:3] == 7).all() and (tables[0].state[1:3] == 3).all()
+    torch.testing.assert_close(tables[1].weights[10].cpu(), initial_rows(260, 1, 6)[0])  # clean: untouched
+    assert int(cache.dirty.sum()) == 0 and cache.num_locked() == 3  # flush keeps rows and locks
+    stats = cache.stats()
+    assert (stats.write_backs, stats.bytes_out) == (2, 2 * ROW_BYTES)
+    cache.flush()
+    assert cache.stats().write_backs == 2  # nothing dirty: nothing written
+
+
+def test_locked_slots_are_never_evicted():
+    num_sets = 2
+    table = CachedTable(0, 200, 2, initial_rows(0, 200, 2).to(DEVICE), None)
+    cache = SlotCache([table], num_slots=8, associativity=4)
+    first, second = rows_of_set(0, num_sets, 4), rows_of_set(0, num_sets, 7)[4:]
+    slots_first = cache.prefetch(rows_tensor(first))
+    assert sorted(slots_first.tolist()) == [0, 1, 2, 3]
+    # Batch 1 still in flight (no unlock): batch 2's rows of the same set find no way.
+    slots_second = cache.prefetch(rows_tensor(second + second))
+    assert slots_second.tolist() == [-1] * 6
+    assert sorted(cache.tags[:4].tolist()) == sorted(first)
+    stats = cache.stats()
+    assert (stats.unique_misses, stats.misses_no_slot, stats.evictions, stats.lookups) == (7, 3, 0, 10)
+    assert cache.num_locked() == 4
+    cache.unlock(slots_second)  # nothing to release: every slot was -1
+    assert cache.num_locked() == 4
+    cache.unlock(slots_first)
+    assert cache.num_locked() == 0
+    # Unlocked, the same batch evicts: all four rows were last used at step 1, so ties go to the
+    # lowest ways, taken by the missed rows in ascending order.
+    slots_second = cache.prefetch(rows_tensor(second))
+    assert slots_second.tolist() == [0, 1, 2]
+    assert cache.stats().evictions == 3
+
+
+def test_hits_lock_before_misses_choose_and_misses_go_in_row_order():
+    num_sets = 2
+    table = CachedTable(0, 400, 2, initial_rows(0, 400, 2).to(DEVICE), None)
+    cache = SlotCache([table], num_slots=8, associativity=4)
+    old = rows_of_set(0, num_sets, 4, high=400)
+    cache.unlock(cache.prefetch(rows_tensor(old)))
+    new = rows_of_set(0, num_sets, 8, high=400)[4:]
+    # The batch uses old[3] (in way 3) and four new rows. old[3] is a hit, locked before any
+    # victim is chosen; the misses go in ascending row order, each to the lowest of the tied
+    # unlocked ways (all last used at step 1), and the largest finds none.
+    batch = rows_tensor([new[3], old[3], new[1], new[0], new[2]])
+    slots = cache.prefetch(batch)
+    assert slots.tolist() == [-1, 3, 1, 0, 2]
+    assert cache.tags.tolist()[:4] == [new[0], new[1], new[2], old[3]]
+
+
+def test_lookup_changes_nothing_and_takes_no_lock():
+    cache = SlotCache(make_tables(), num_slots=8, associativity=4)
+    cache.unlock(cache.prefetch(rows_tensor([4, 5, 260])))
+    before = {name: getattr(cache, name).clone() for name in ("tags", "last_use", "use_count", "locks")}
+    slots = cache.lookup(rows_tensor([5, 6, 260, 210, 5, -3]))
+    assert slots.dtype == torch.int32
+    tags = cache.tags
+    assert tags[slots[0]] == 5 and tags[slots[2]] == 260 and slots[0] == slots[4]
+    assert slots[[1, 3, 5]].tolist() == [-1, -1, -1]  # not cached; uncached table; not a row
+    for name, value in before.items():
+        assert torch.equal(getattr(cache, name), value), name
+    assert cache.step == 1 and cache.stats().lookups == 3
+
+
+def test_rows_outside_cached_tables_are_left_alone():
+    cache = SlotCache(make_tables(), num_slots=8, associativity=4)
+    slots = cache.prefetch(rows_tensor([200, 249, 350, 10**12, -1, 200]))
+    assert slots.tolist() == [-1] * 6
+    assert (cache.tags == EMPTY).all()
+    assert cache.stats() == CacheStats(batches=1)
+    assert cache.prefetch(rows_tensor([])).shape == (0,)
+    assert cache.step == 2
+
+
+def test_lfu_aging_halves_counts_and_lets_a_once_hot_row_go():
+    def run(decay_interval):
+        table = CachedTable(0, 16, 1, initial_rows(0, 16, 1).to(DEVICE), None)
+        cache = SlotCache([table], num_slots=2, associativity=2, policy="lfu", lfu_decay_interval=decay_interval)
+        counts = []
+        for row in (7, 7, 7, 7, 3, 5):  # row 7 hot early, then rows 3 and 5
+            cache.unlock(cache.prefetch(rows_tensor([row, row])))  # two lookups, one use
+            counts.append(sorted(zip(cache.tags.tolist(), cache.use_count.tolist())))
+        return counts
+
+    aged = run(decay_interval=2)
+    assert aged[:4] == [[(-1, 0), (7, 1)], [(-1, 0), (7, 1)], [(-1, 0), (7, 2)], [(-1, 0), (7, 1)]]
+    # Step 5: row 3 fills the empty way. Step 6: counts tied at 1, row 7 least recent: evicted.
+    assert aged[4] == [(3, 1), (7, 1)]
+    assert aged[5] == [(3, 0), (5, 0)]
+    # Without aging row 7 keeps 4 uses and stays; row 3 (1 use) goes instead.
+    assert run(decay_interval=1000)[5] == [(5, 1), (7, 4)]
+
+
+def test_lookahead_evicts_the_row_needed_latest():
+    table = CachedTable(0, 64, 1, initial_rows(0, 64, 1).to(DEVICE), None)
+    cache = SlotCache([table], num_slots=3, associativity=3, policy="lookahead")
+    cache.unlock(cache.prefetch(rows_tensor([10, 11, 12])))
+    ways = {row: way for way, row in enumerate(cache.tags.tolist())}
+    # The pipeline's hint: row 10 next needed at step 5, row 12 at step 3, row 11 at none.
+    cache.next_use[ways[10]], cache.next_use[ways[12]] = 5, 3
+    cache.unlock(cache.prefetch(rows_tensor([20])))
+    assert 11 not in cache.tags.tolist()
+    cache.next_use[cache.tags == 20] = 4
+    cache.unlock(cache.prefetch(rows_tensor([21])))
+    assert sorted(cache.tags.tolist()) == [12, 20, 21]  # row 10 (step 5) was needed latest
+    cache.next_use.fill_(NEXT_USE_UNKNOWN)  # no hint: least recently used goes
+    cache.unlock(cache.prefetch(rows_tensor([22])))
+    assert sorted(cache.tags.tolist()) == [20, 21, 22]
+
+
+def test_counters_are_consistent():
+    cache = SlotCache(make_tables(), num_slots=16, associativity=4)
+    check = TrainingCheck(cache)
+    for batch in make_trace(num_batches=12, seed=3):
+        check.step(batch)
+    stats = cache.stats()
+    assert stats.batches == 12
+    assert stats.unique_hits + stats.unique_misses == stats.unique_rows
+    assert stats.lookup_hits >= stats.unique_hits and stats.lookups >= stats.unique_rows
+    assert stats.bytes_in == stats.rows_copied_in * ROW_BYTES
+    assert stats.bytes_out == stats.write_backs * ROW_BYTES
+    assert stats.evictions <= stats.rows_copied_in
+    cache.reset_stats()
+    assert cache.stats() == CacheStats()
+
+
+def test_bytes_count_each_tables_row_size():
+    wide = CachedTable(0, 50, 4, initial_rows(0, 50, 4).to(DEVICE), initial_rows(0, 50, 2).to(DEVICE))  # 24 B
+    narrow = CachedTable(50, 50, 2, initial_rows(50, 50, 2).to(DEVICE), None)  # 8 B
+    cache = SlotCache([wide, narrow], num_slots=64, associativity=64)  # one set: nothing evicted
+    slots = cache.prefetch(rows_tensor([1, 2, 3, 60, 61, 2]))
+    assert cache.stats().bytes_in == 3 * 24 + 2 * 8
+    cache.mark_dirty(slots[[0, 3]])
+    cache.flush()
+    assert cache.stats().bytes_out == 24 + 8
+
+
+def test_write_back_copies_now_and_keeps_dirty_bits():
+    tables = make_tables()
+    cache = SlotCache(tables, num_slots=8, associativity=4)
+    slots = cache.prefetch(rows_tensor([1, 260]))
+    cache.weights[slots.long()] = 5.0
+    cache.mark_dirty(slots)
+    cache.write_back(rows_tensor([-1, int(slots[0]), int(slots[0])], dtype=torch.int32))
+    assert (tables[0].weights[1] == 5).all()
+    torch.testing.assert_close(tables[1].weights[10].cpu(), initial_rows(260, 1, 6)[0])
+    assert int(cache.dirty.sum()) == 2
+    assert (cache.stats().write_backs, cache.stats().bytes_out) == (1, ROW_BYTES)
+
+
+def test_invalidate_drops_rows_unwritten_and_refuses_while_locked():
+    tables = make_tables()
+    cache = SlotCache(tables, num_slots=8, associativity=4)
+    slots = cache.prefetch(rows_tensor([1, 2]))
+    cache.weights[slots.long()] = 9.0
+    cache.mark_dirty(slots)
+    with pytest.raises(RuntimeError, match="locked"):
+        cache.invalidate()
+    cache.unlock(slots)
+    cache.invalidate()
+    assert (cache.tags == EMPTY).all() and int(cache.dirty.sum()) == 0
+    torch.testing.assert_close(tables[0].weights[1:3].cpu(), initial_rows(1, 2, 4))  # not written back
+    again = cache.prefetch(rows_tensor([1]))
+    torch.testing.assert_close(cache.weights[again[0], :4].cpu(), initial_rows(1, 1, 4)[0])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="checked only where it costs no device sync")
+def test_unlock_twice_is_caught_on_cpu():
+    cache = SlotCache(make_tables(), num_slots=8, associativity=4)
+    slots = cache.prefetch(rows_tensor([1, 1, 2]))
+    assert sorted(cache.locks.tolist()) == [0] * 6 + [1, 1]  # one lock per unique row
+    cache.unlock(slots)
+    with pytest.raises(RuntimeError, match="holds no lock"):
+        cache.unlock(slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_rows_copy_bit_exact(dtype):
+    table = CachedTable(0, 32, 5, (torch.randn(32, 5) * 1000).to(DEVICE, dtype), None)
+    cache = SlotCache([table], num_slots=2, associativity=2)
+    slots = cache.prefetch(rows_tensor([3, 30]))
+    assert cache.weights.dtype == dtype
+    assert torch.equal(cache.weights[slots.long()].view(torch.int16), table.weights[[3, 30]].view(torch.int16))
+    cache.weights[slots.long()] = 1.5
+    cache.mark_dirty(slots)
+    cache.flush()
+    assert (table.weights[[3, 30]] == 1.5).all()
+
+
+def test_constructor_checks():
+    tables = make_tables()
+    with pytest.raises(ValueError, match="multiple of associativity"):
+        SlotCache(tables, num_slots=10, associativity=4)
+    with pytest.raises(ValueError, match="overlaps"):
+        SlotCache([tables[0], CachedTable(150, 10, 4, torch.zeros(10, 4, device=DEVICE))], num_slots=8, associativity=4)
+    with pytest.raises(ValueError, match="one cache holds one dtype"):
+        SlotCache([tables[0], CachedTable(300, 10, 4, torch.zeros(10, 4, dtype=torch.float16, device=DEVICE))], 8, 4)
+    with pytest.raises(ValueError, match="weights must be"):
+        SlotCache([CachedTable(0, 10, 4, torch.zeros(10, 5, device=DEVICE))], 8, 4)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        SlotCache(tables, 8, 4, policy="fifo")
+    with pytest.raises(ValueError, match="row_width"):
+        SlotCache(tables, 8, 4, row_width=5)
+    wide = SlotCache(tables, 8, 4, row_width=8, state_width=3, weights_dtype=torch.float32)
+    assert wide.weights.shape == (8, 8) and wide.state.shape == (8, 3)
+    assert SlotCache(tables, 8, 4).state.shape == (8, 2)
+    with pytest.raises(TypeError, match="int64"):
+        wide.prefetch(rows_tensor([1, 2], torch.int32))
+
+
+# ---------------------------------------------------------------- GPU (the lent H200)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["device", "host", "managed"])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_gpu_agrees_with_simulator_on_every_tier(placement, policy):
+    from tiered_tbe.cache.tiers import allocate
+    from tiered_tbe.specs import Placement
+
+    tables = []
+    for start, num_rows, dim, state_width in (TABLE_A, TABLE_B):
+        weights = allocate(Placement(placement), num_rows * dim, torch.float32, "cuda").tensor.view(num_rows, dim)
+        weights.copy_(initial_rows(start, num_rows, dim))
+        state = None
+        if state_width:
+            state = allocate(Placement(placement), num_rows * state_width, torch.float32, "cuda").tensor
+            state = state.view(num_rows, state_width)
+            state.copy_(-initial_rows(start, num_rows, state_width))
+        tables.append(CachedTable(start, num_rows, dim, weights, state))
+    cache = SlotCache(tables, num_slots=16, associativity=4, policy=policy, lfu_decay_interval=4, device="cuda")
+    simulator = CacheSimulator(16, 4, policy, lfu_decay_interval=4, row_bytes=ROW_BYTES)
+    check = TrainingCheck(cache)
+    for batch in make_trace(num_batches=60, seed=7):
+        check.step(batch)
+        cached = batch[is_cached_row(batch)]
+        simulator.run(cached, np.array([0, cached.size]))
+        assert cache.stats() == simulator.stats
+        assert_same_state(cache, simulator)
+    check.check_backing_after_flush()
+
+
+@pytest.mark.gpu
+def test_gpu_large_trace_matches_simulator_and_never_syncs():
+    """A Zipf trace over a 1M-row table, a 4096-slot cache: counters and slots equal the simulator's,
+    and prefetch / mark_dirty / unlock / lookup never wait for the device."""
+    num_rows, dim = 1 << 20, 16
+    table = CachedTable(0, num_rows, dim, torch.randn(num_rows, dim, device="cuda"), None)
+    cache = SlotCache([table], num_slots=4096, associativity=32, policy="lru", device="cuda")
+    simulator = CacheSimulator(4096, 32, "lru", row_bytes=dim * 4)
+    rng = np.random.default_rng(0)
+    batches = [(rng.zipf(1.1, 20000) - 1) % num_rows for _ in range(20)]
+    reference = table.weights.clone()
+    for batch in batches:
+        rows = torch.from_numpy(batch).cuda()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            slots = cache.prefetch(rows)
+            again = cache.lookup(rows)
+            cache.mark_dirty(slots)
+            cache.unlock(slots)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(slots, again)
+        hit = slots >= 0
+        assert torch.equal(cache.tags[slots[hit].long()], rows[hit])
+        assert torch.equal(cache.weights[slots[hit].long()], reference[rows[hit]])
+        simulator.run(batch, np.array([0, batch.size]))
+    assert cache.stats() == simulator.stats
+    assert_same_state(cache, simulator)
+    cache.flush()
+    assert torch.equal(table.weights, reference)

@@ -1,0 +1,121 @@
+"""The policy functions of tiered_tbe.cache.policy, as plain Python and as njit-compiled code."""
+
+import numpy as np
+import pytest
+
+from tiered_tbe.cache import policy
+from tiered_tbe.cache.policy import (
+    EMPTY,
+    NEXT_USE_UNKNOWN,
+    NO_SLOT,
+    POLICY_LFU,
+    POLICY_LOOKAHEAD,
+    POLICY_LRU,
+)
+
+CHOOSE_VICTIM = {"python": policy.choose_victim, "njit": policy.choose_victim_cpu}
+
+
+def _set_state(tags, last_use=None, use_count=None, locks=None, next_use=None):
+    """Per-slot arrays of one set (first_slot 0), defaults: unused, unlocked, next use unknown."""
+    ways = len(tags)
+    return dict(
+        tags=np.array(tags, dtype=np.int64),
+        last_use=np.array(last_use if last_use is not None else [0] * ways, dtype=np.int64),
+        use_count=np.array(use_count if use_count is not None else [0] * ways, dtype=np.int32),
+        next_use=np.array(next_use if next_use is not None else [NEXT_USE_UNKNOWN] * ways, dtype=np.int64),
+        locks=np.array(locks if locks is not None else [0] * ways, dtype=np.int32),
+    )
+
+
+def _victim(implementation, policy_code, state, first_slot=0, associativity=None):
+    ways = associativity if associativity is not None else state["tags"].size
+    return int(CHOOSE_VICTIM[implementation](policy_code, state["tags"], state["last_use"], state["use_count"],
+                                             state["next_use"], state["locks"], first_slot, ways))
+
+
+def test_mix64_is_splitmix64():
+    # First outputs of splitmix64 seeded with 0 (the reference generator adds the gamma first).
+    assert int(policy.mix64_cpu(0)) == 0xE220A8397B1DCDAF
+    assert int(policy.mix64_cpu(0x9E3779B97F4A7C15 - (1 << 64))) == 0x6E789E6AA1B965F4  # seed gamma, as int64
+    with np.errstate(over="ignore"):
+        assert int(policy.mix64(0)) == 0xE220A8397B1DCDAF
+
+
+def test_set_of_row_range_agreement_and_spread():
+    rows = np.arange(0, 65536, dtype=np.int64) * 3 + (1 << 40)  # strided ids far from 0
+    num_sets = 61
+    sets = np.array([policy.set_of_row_cpu(r, num_sets) for r in rows])
+    assert sets.min() >= 0 and sets.max() < num_sets
+    with np.errstate(over="ignore"):
+        assert [int(policy.set_of_row(r, num_sets)) for r in rows[:200]] == sets[:200].tolist()
+    # Modulo alone would map this stride onto the sets in lockstep; the mix spreads them evenly.
+    counts = np.bincount(sets, minlength=num_sets)
+    expected = rows.size / num_sets
+    assert np.abs(counts - expected).max() < 0.15 * expected
+    # Consecutive rows land in unrelated sets (a modulo would give runs of +1).
+    consecutive = np.array([policy.set_of_row_cpu(r, 1024) for r in range(1000)])
+    assert np.mean(np.diff(consecutive) == 1) < 0.01
+
+
+def test_policy_code_names():
+    assert policy.policy_code("lru") == POLICY_LRU
+    assert policy.policy_code("lfu") == POLICY_LFU
+    assert policy.policy_code("lookahead") == POLICY_LOOKAHEAD
+    with pytest.raises(ValueError, match="policy must be one of"):
+        policy.policy_code("fifo")
+
+
+@pytest.mark.parametrize("implementation", sorted(CHOOSE_VICTIM))
+@pytest.mark.parametrize("code", [POLICY_LRU, POLICY_LFU, POLICY_LOOKAHEAD])
+def test_empty_ways_first_lowest_and_locked_never(implementation, code):
+    state = _set_state([5, EMPTY, 7, EMPTY], last_use=[1, 0, 2, 0])
+    assert _victim(implementation, code, state) == 1
+    state["locks"][:] = [1, 0, 1, 0]  # empty ways hold no locks; the lowest empty one still wins
+    assert _victim(implementation, code, state) == 1
+    full = _set_state([5, 6, 7, 8], last_use=[1, 2, 3, 4], use_count=[1, 1, 1, 1], locks=[1, 1, 0, 1])
+    assert _victim(implementation, code, full) == 2  # the only unlocked way, whatever its rank
+    full["locks"][2] = 3
+    assert _victim(implementation, code, full) == NO_SLOT
+
+
+@pytest.mark.parametrize("implementation", sorted(CHOOSE_VICTIM))
+def test_lru_evicts_least_recent_lowest_way_on_tie(implementation):
+    state = _set_state([10, 11, 12, 13], last_use=[7, 3, 5, 3], use_count=[1, 9, 1, 1])
+    assert _victim(implementation, POLICY_LRU, state) == 1  # last_use 3 at ways 1 and 3: way 1
+    state["locks"][1] = 1
+    assert _victim(implementation, POLICY_LRU, state) == 3
+    # A set in the middle of the cache: slots are first_slot + way.
+    wide = _set_state([1, 2, 3, 4, 20, 21, 22, 23], last_use=[0, 0, 0, 0, 9, 8, 9, 8])
+    assert _victim(implementation, POLICY_LRU, wide, first_slot=4, associativity=4) == 5
+
+
+@pytest.mark.parametrize("implementation", sorted(CHOOSE_VICTIM))
+def test_lfu_evicts_least_used_then_least_recent_then_lowest_way(implementation):
+    state = _set_state([10, 11, 12, 13], last_use=[1, 9, 8, 9], use_count=[5, 2, 2, 2])
+    assert _victim(implementation, POLICY_LFU, state) == 2  # count 2 at ways 1-3, way 2 oldest
+    state["last_use"][2] = 9
+    assert _victim(implementation, POLICY_LFU, state) == 1  # counts and last uses tied: lowest way
+    state["use_count"][0] = 0
+    state["last_use"][0] = 10
+    assert _victim(implementation, POLICY_LFU, state) == 0  # least used wins, though the most recent
+
+
+@pytest.mark.parametrize("implementation", sorted(CHOOSE_VICTIM))
+def test_lookahead_evicts_unneeded_first_then_needed_latest(implementation):
+    unknown = NEXT_USE_UNKNOWN
+    state = _set_state([10, 11, 12, 13], last_use=[4, 1, 2, 3], next_use=[20, 30, unknown, unknown])
+    assert _victim(implementation, POLICY_LOOKAHEAD, state) == 2  # unneeded rows, least recent first
+    state["next_use"][2:] = [25, 21]
+    assert _victim(implementation, POLICY_LOOKAHEAD, state) == 1  # every row needed: the latest
+    state["next_use"][:] = unknown
+    assert _victim(implementation, POLICY_LOOKAHEAD, state) == _victim(implementation, POLICY_LRU, state) == 1
+
+
+def test_touch_on_hit_and_fill():
+    last_use = np.zeros(3, dtype=np.int64)
+    use_count = np.array([0, 4, 0], dtype=np.int32)
+    policy.touch_on_hit_cpu(1, 9, last_use, use_count)
+    assert last_use.tolist() == [0, 9, 0] and use_count.tolist() == [0, 5, 0]
+    policy.touch_on_fill_cpu(1, 10, last_use, use_count)
+    assert last_use.tolist() == [0, 10, 0] and use_count.tolist() == [0, 1, 0]

@@ -1,0 +1,122 @@
+"""Backing-store allocation in every tier: CPU tensors in simulation, device / pinned / managed on a GPU."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from tiered_tbe._mode import SIMULATION
+from tiered_tbe.cache import tiers
+from tiered_tbe.cache.tiers import TierBuffer, allocate
+from tiered_tbe.specs import Placement
+
+ALL_PLACEMENTS = list(Placement)
+
+
+@pytest.mark.parametrize("placement", ALL_PLACEMENTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_tiers_are_plain_cpu_tensors(placement, dtype):
+    buffer = allocate(placement, 1001, dtype, "cpu")
+    assert isinstance(buffer, TierBuffer) and buffer.placement is placement.backing
+    assert buffer.tensor.device.type == "cpu" and buffer.tensor.dtype == dtype
+    assert buffer.tensor.shape == (1001,) and buffer.nbytes == 1001 * buffer.tensor.element_size()
+    buffer.tensor.view(7, 143)[3] = 2.0  # writable, and viewable as table rows
+    assert buffer.tensor[3 * 143 : 4 * 143].eq(2).all()
+    buffer.release()
+    assert buffer.tensor is None and buffer.nbytes == 0
+
+
+@pytest.mark.skipif(not SIMULATION, reason="simulation mode only")
+def test_simulation_mode_gives_cpu_tensors_for_the_default_device():
+    for placement in (Placement.DEVICE, Placement.HOST, Placement.MANAGED):
+        assert allocate(placement, 10, torch.float32).tensor.device.type == "cpu"
+
+
+def test_sizes_checked():
+    assert allocate(Placement.HOST, 0, torch.float32, "cpu").tensor.numel() == 0
+    with pytest.raises(ValueError, match="numel"):
+        allocate(Placement.HOST, -1, torch.float32, "cpu")
+
+
+def test_clear_errors_without_cuda_bindings(monkeypatch):
+    monkeypatch.setattr(tiers, "_runtime", lambda: None)
+    monkeypatch.setattr(tiers, "_cupy", lambda: None)
+    with pytest.raises(RuntimeError, match="Placement.HOST needs cuda-bindings"):
+        tiers._pinned_host_memory(4096)
+    with pytest.raises(RuntimeError, match="Placement.MANAGED needs cuda-bindings"):
+        tiers._managed_memory(4096, 0)
+
+
+# ---------------------------------------------------------------- GPU (the lent H200)
+
+def _pointer_type(tensor):
+    from cuda.bindings import runtime
+
+    err, attributes = runtime.cudaPointerGetAttributes(tensor.data_ptr())
+    assert err == runtime.cudaError_t.cudaSuccess
+    return attributes.type
+
+
+@pytest.mark.gpu
+def test_gpu_device_tier():
+    buffer = allocate(Placement.DEVICE, 1001, torch.float16, "cuda")
+    assert buffer.tensor.is_cuda and buffer.tensor.numel() == 1001
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", [Placement.HOST, Placement.HOST_CACHED, Placement.MANAGED])
+def test_gpu_host_and_managed_tiers_are_cuda_tensors_read_in_place(placement):
+    from cuda.bindings import runtime
+
+    numel = 3 * (1 << 20) + 7  # an odd size: allocated exactly, not rounded to a power of two
+    buffer = allocate(placement, numel, torch.bfloat16, "cuda")
+    tensor = buffer.tensor
+    assert tensor.is_cuda and tensor.dtype == torch.bfloat16 and tensor.numel() == numel
+    assert tensor.untyped_storage().nbytes() == numel * 2
+    want = runtime.cudaMemoryType.cudaMemoryTypeHost if placement.backing is Placement.HOST \
+        else runtime.cudaMemoryType.cudaMemoryTypeManaged
+    assert _pointer_type(tensor) == want
+    # GPU kernels write and read it in place.
+    tensor.copy_(torch.arange(numel, device="cuda").remainder(251).to(torch.bfloat16))
+    rows = tensor[: numel - 7].view(-1, 1024)
+    torch.testing.assert_close(rows.float().sum(1)[:3].cpu(),
+                               torch.arange(3 * 1024).remainder(251).view(3, 1024).float().sum(1))
+    if placement.backing is Placement.MANAGED:
+        attribute = runtime.cudaMemRangeAttribute
+        preferred = _range_attribute(tensor, attribute.cudaMemRangeAttributePreferredLocation, 1)
+        assert preferred == [runtime.cudaCpuDeviceId]
+        accessed_by = _range_attribute(tensor, attribute.cudaMemRangeAttributeAccessedBy, 4)
+        assert torch.cuda.current_device() in accessed_by
+
+
+def _range_attribute(tensor, attribute, count):
+    """cudaMemRangeGetAttribute of ``count`` int32 values over the whole tensor."""
+    from cuda.bindings import runtime
+
+    err, data = runtime.cudaMemRangeGetAttribute(4 * count, attribute, tensor.data_ptr(),
+                                                 tensor.numel() * tensor.element_size())
+    assert err == runtime.cudaError_t.cudaSuccess
+    if isinstance(data, int):
+        return [data]
+    raw = bytes(data) if not isinstance(data, (list, tuple)) else None
+    if raw is None:
+        return [int(v) for v in data]
+    return [int.from_bytes(raw[4 * i : 4 * i + 4], "little", signed=True) for i in range(count)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", [Placement.HOST, Placement.MANAGED])
+def test_gpu_memory_lives_while_a_view_does_and_is_freed_after(placement):
+    buffer = allocate(placement, 1 << 16, torch.float32, "cuda")
+    owner = weakref.ref(buffer.owner)
+    view = buffer.tensor[100:200]
+    view.fill_(3.0)
+    buffer.release()
+    del buffer
+    gc.collect()
+    assert owner() is not None  # the view keeps the allocation
+    assert view.sum().item() == 300.0
+    del view
+    gc.collect()
+    assert owner() is None  # and nothing else does
