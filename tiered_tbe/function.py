@@ -1,0 +1,44 @@
+"""The autograd wiring: forward runs the pooled kernel, backward the fused optimizer update.
+
+The weights are not autograd leaves: the backward pass updates them in place (the optimizer
+is fused), so the only gradient that leaves it is that of ``per_sample_weights``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from tiered_tbe.kernels.backward import per_sample_weights_grad
+from tiered_tbe.kernels.forward import pooled_forward
+
+
+class TieredEmbeddingBagsFunction(torch.autograd.Function):
+    """``apply(module, batch, grad_anchor, per_sample_weights) -> output``.
+
+    ``batch`` (a :class:`tiered_tbe.module.PreparedBatch`) carries the lookups and the slot
+    remap of its prefetch; ``grad_anchor`` is an empty tensor that requires grad, so that
+    backward runs even when nothing else does.
+    """
+
+    @staticmethod
+    def forward(ctx, module, batch, grad_anchor, per_sample_weights):
+        ctx.module = module
+        ctx.batch = batch
+        # The batch's cache locks must not outlive the graph: if autograd drops it without
+        # running backward, ctx is collected and the locks go with it.
+        weakref.finalize(ctx, batch.release)
+        return pooled_forward(module.row_stores, batch.lookups, batch.slot_of_index, module.pooling)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        module, batch = ctx.module, ctx.batch
+        grad_psw = None
+        slot_of_index = module._slots_for_backward(batch)
+        if ctx.needs_input_grad[3]:
+            grad_psw = per_sample_weights_grad(
+                grad_output, module.row_stores, batch.lookups, slot_of_index, module.pooling
+            )
+        module._apply_update(grad_output.contiguous(), batch, slot_of_index)
+        return None, None, None, grad_psw

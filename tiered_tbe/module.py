@@ -1,0 +1,337 @@
+"""``TieredEmbeddingBags``: the nn.Module users train with."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tiered_tbe import validation
+from tiered_tbe._mode import default_device
+from tiered_tbe.cache.slot_cache import SlotCache
+from tiered_tbe.cache.stats import CacheStats
+from tiered_tbe.function import TieredEmbeddingBagsFunction
+from tiered_tbe.kernels.backward import backward_update
+from tiered_tbe.kernels.forward import pooled_forward
+from tiered_tbe.kernels.rows import Lookups
+from tiered_tbe.optimizers import Adam, Optimizer, RowwiseAdagrad
+from tiered_tbe.specs import CacheConfig, TableSpec
+from tiered_tbe.storage import lay_out
+
+_WEIGHTS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(eq=False)
+class PreparedBatch:
+    """A validated batch and the slots its rows were given by its prefetch.
+
+    While it lives, the slots in ``slot_of_index`` stay locked in the cache (its rows cannot
+    be evicted); the locks go when its backward has run, after its forward under no_grad, or
+    when autograd drops the graph without a backward (``release`` is then called from a
+    finalizer), so no path leaks a lock.
+    """
+
+    lookups: Lookups
+    slot_of_index: torch.Tensor  # int32 [N]: slot of each lookup's row, -1 = backing store
+    cache: SlotCache | None
+    ready: torch.cuda.Event | None = None  # recorded after its prefetch, on the stream that ran it
+    _released: bool = field(default=False, repr=False)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (*self.lookups, self.slot_of_index) if isinstance(t, torch.Tensor)]
+
+    def release(self) -> None:
+        if not self._released and self.cache is not None:
+            self._released = True
+            self.cache.unlock(self.slot_of_index)
+
+
+class TieredEmbeddingBags(nn.Module):
+    """Pooled embedding lookups over tables in HBM, host memory, managed memory or a GPU cache.
+
+    Args:
+        tables: one :class:`TableSpec` per table (name, rows, dim, placement).
+        pooling: ``"sum"``, ``"mean"`` or ``"none"`` (all tables must share one dim).
+        optimizer: :class:`SGD`, :class:`RowwiseAdagrad`, :class:`Adam` (fused into backward,
+            applied once per unique row per step) or None (tables frozen).
+        weights_dtype: float32, float16 or bfloat16 storage; arithmetic is fp32.
+        device: where kernels run; defaults to cuda when present, else cpu (simulation).
+        cache: :class:`CacheConfig` of the slot cache shared by the ``*_CACHED`` tables.
+        bounds_check: ``"raise"`` (validate every batch: one host sync per forward) or ``"off"``.
+        stochastic_rounding: round fp16/bf16 updates stochastically instead of to nearest.
+        seed: seeds the weight initialisation and stochastic rounding.
+
+    Forward: ``indices`` (int32/int64 [N]) and ``offsets`` (int32/int64 [T*B+1]) in FBGEMM's
+    table-major TBE layout, optional ``per_sample_weights`` (float [N]). Returns fp32
+    ``[B, sum of dims]`` (``pooling="none"``: ``[N, dim]``).
+    """
+
+    def __init__(
+        self,
+        tables: list[TableSpec],
+        pooling: str = "sum",
+        optimizer: Optimizer | None = None,
+        weights_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        cache: CacheConfig | None = None,
+        bounds_check: str = "raise",
+        stochastic_rounding: bool = False,
+        seed: int = 0,
+    ):
+        super().__init__()
+        if not tables:
+            raise ValueError("TieredEmbeddingBags needs at least one TableSpec")
+        if pooling not in ("sum", "mean", "none"):
+            raise ValueError(f"pooling must be 'sum', 'mean' or 'none', got {pooling!r}")
+        if pooling == "none" and len({s.embedding_dim for s in tables}) > 1:
+            dims = {s.name or f"table_{t}": s.embedding_dim for t, s in enumerate(tables)}
+            raise ValueError(f"pooling='none' needs one embedding_dim for all tables, got {dims}")
+        if weights_dtype not in _WEIGHTS_DTYPES:
+            raise ValueError(f"weights_dtype must be one of {_WEIGHTS_DTYPES}, got {weights_dtype}")
+        if bounds_check not in ("raise", "off"):
+            raise ValueError(f"bounds_check must be 'raise' or 'off', got {bounds_check!r}")
+        names = [s.name or f"table_{t}" for t, s in enumerate(tables)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"table names must be unique, got {names}")
+        self.tables = list(tables)
+        self.table_names = names
+        self.pooling = pooling
+        self.optimizer = optimizer
+        self.weights_dtype = weights_dtype
+        self.device = torch.device(device) if device is not None else default_device()
+        self.bounds_check = bounds_check
+        self.stochastic_rounding = stochastic_rounding
+        self.seed = seed
+        self.optimizer_step = 0
+
+        state_width = [optimizer.state_width(s.embedding_dim) if optimizer else 0 for s in tables]
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        initial_state = getattr(optimizer, "initial_accumulator_value", 0.0)
+        self.storage = lay_out(tables, state_width, weights_dtype, self.device, generator, initial_state)
+
+        cached = [t for t, s in enumerate(tables) if s.placement.is_cached]
+        self.cache: SlotCache | None = None
+        if cached:
+            config = cache if cache is not None else CacheConfig()
+            row_width = max(tables[t].embedding_dim for t in cached)
+            slot_state_width = max(state_width[t] for t in cached)
+            bytes_per_slot = row_width * torch.finfo(weights_dtype).bits // 8 + 4 * slot_state_width + 32
+            cached_rows = sum(tables[t].num_embeddings for t in cached)
+            self.cache = SlotCache(
+                tables=self.storage.cached_tables(),
+                num_slots=config.num_slots(cached_rows, bytes_per_slot),
+                associativity=config.associativity,
+                policy=config.policy,
+                lfu_decay_interval=config.lfu_decay_interval,
+                row_width=row_width,
+                state_width=slot_state_width,
+                weights_dtype=weights_dtype,
+                device=self.device,
+            )
+            cache_weights, cache_state = self.cache.weights, self.cache.state
+        elif cache is not None:
+            raise ValueError("cache= was given but no table has a *_CACHED placement")
+        else:
+            cache_weights = torch.empty(0, 1, dtype=weights_dtype, device=self.device)
+            cache_state = torch.empty(0, 1, dtype=torch.float32, device=self.device)
+        self.row_stores = self.storage.row_stores(self.device, cache_weights, cache_state)
+        self._num_rows_of_table = torch.tensor(
+            [s.num_embeddings for s in tables], dtype=torch.int64, device=self.device
+        )
+        self._row_offset = torch.tensor(self.storage.row_offset, dtype=torch.int64, device=self.device)
+        self._prefetched: deque[tuple[torch.Tensor, torch.Tensor, PreparedBatch]] = deque()
+        self._last_prefetch: torch.cuda.Event | None = None  # the latest prefetch issued, any stream
+        # An empty leaf that requires grad, so autograd calls backward (the fused update).
+        self._grad_anchor = torch.empty(0, device=self.device, requires_grad=True)
+
+    # ---------------------------------------------------------------- batches
+    def _prepare(self, indices: torch.Tensor, offsets: torch.Tensor) -> PreparedBatch:
+        """Validate, linearize and prefetch one batch (steps 1-3 of a training step)."""
+        batch_size = validation.check_static(self.tables, indices, offsets, self.device)
+        indices = indices.long()
+        offsets = offsets.long()
+        positions = torch.arange(indices.numel(), device=self.device)
+        bag_of_index = torch.searchsorted(offsets, positions, right=True) - 1
+        if self.bounds_check == "raise":
+            validation.check_values(
+                self.tables, indices, offsets, bag_of_index, self._num_rows_of_table, batch_size
+            )
+        table_of_index = bag_of_index // max(batch_size, 1)
+        global_rows = self._row_offset[table_of_index] + indices
+        lookups = Lookups(indices, offsets, bag_of_index, global_rows, None, batch_size)
+        if self.cache is None:
+            slot_of_index = torch.full((indices.numel(),), -1, dtype=torch.int32, device=self.device)
+        else:
+            slot_of_index = self.cache.prefetch(global_rows)
+        return PreparedBatch(lookups, slot_of_index, self.cache)
+
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Fill the cache for a batch ahead of its forward.
+
+        Batches queue in order: the next forward called with these same ``indices`` and
+        ``offsets`` tensors uses this prefetch instead of prefetching itself.
+        """
+        batch = self._prepare(indices, offsets)
+        if self.device.type == "cuda":
+            batch.ready = torch.cuda.Event()
+            batch.ready.record()
+            self._last_prefetch = batch.ready
+        self._prefetched.append((indices, offsets, batch))
+
+    def cancel_prefetched(self) -> None:
+        """Drop every batch prefetched but not yet forwarded, releasing its cache locks."""
+        while self._prefetched:
+            self._prefetched.popleft()[2].release()
+
+    def _take_prefetched(self, indices, offsets) -> PreparedBatch | None:
+        if not self._prefetched:
+            return None
+        queued_indices, queued_offsets, batch = self._prefetched[0]
+        if queued_indices is not indices or queued_offsets is not offsets:
+            raise ValueError(
+                "forward got a batch other than the one prefetched next: call forward with the same "
+                "indices/offsets tensors, in the order they were prefetched"
+            )
+        self._prefetched.popleft()
+        if batch.ready is not None:  # prefetched on another stream (PrefetchPipeline)
+            training_stream = torch.cuda.current_stream(self.device)
+            training_stream.wait_event(batch.ready)
+            for tensor in batch.tensors():
+                tensor.record_stream(training_stream)
+        return batch
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None) -> torch.Tensor:
+        batch = self._take_prefetched(indices, offsets) or self._prepare(indices, offsets)
+        if per_sample_weights is not None:
+            validation.check_per_sample_weights(per_sample_weights, batch.lookups.num_lookups, self.device)
+            batch.lookups = batch.lookups._replace(per_sample_weights=per_sample_weights.detach().float())
+        grad_enabled = torch.is_grad_enabled()
+        psw_needs_grad = grad_enabled and per_sample_weights is not None and per_sample_weights.requires_grad
+        if not grad_enabled or (self.optimizer is None and not psw_needs_grad):
+            # No backward will come (evaluation, frozen tables): release the locks now.
+            out = pooled_forward(self.row_stores, batch.lookups, batch.slot_of_index, self.pooling)
+            batch.release()
+            return out
+        return TieredEmbeddingBagsFunction.apply(
+            self, batch, self._grad_anchor, per_sample_weights if psw_needs_grad else None
+        )
+
+    # ---------------------------------------------------------------- backward
+    def _slots_for_backward(self, batch: PreparedBatch) -> torch.Tensor:
+        """Slots to update: looked up again, since a later prefetch may have cached a row this
+        batch read from its backing store; the update must land on the newest copy. Waits for
+        every prefetch issued so far, so no prefetch changes the tags under the lookup."""
+        if self.cache is None:
+            return batch.slot_of_index
+        if self._last_prefetch is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._last_prefetch)
+        return self.cache.lookup(batch.lookups.global_rows)
+
+    def _apply_update(self, grad_output: torch.Tensor, batch: PreparedBatch, slot_of_index) -> None:
+        optimizer = self.optimizer
+        if optimizer is not None:
+            self.optimizer_step += 1
+            betas = getattr(optimizer, "betas", (0.0, 0.0))
+            backward_update(
+                grad_output,
+                self.row_stores,
+                batch.lookups,
+                slot_of_index,
+                self.pooling,
+                optimizer_kind=int(optimizer.kind),
+                lr=optimizer.lr,
+                eps=getattr(optimizer, "eps", 0.0),
+                beta1=betas[0],
+                beta2=betas[1],
+                weight_decay=getattr(optimizer, "weight_decay", 0.0),
+                step=self.optimizer_step,
+                stochastic_rounding=self.stochastic_rounding,
+                seed=self.seed,
+            )
+            if self.cache is not None:
+                self.cache.mark_dirty(slot_of_index)
+                # Rows this batch's forward read from the backing store but a later prefetch
+                # has since cached: write them through, so a forward still queued that reads
+                # them from the backing store sees this update too (pipeline = serial).
+                moved_in = (batch.slot_of_index < 0) & (slot_of_index >= 0)
+                self.cache.write_back(torch.where(moved_in, slot_of_index, -1))  # -1: skipped, no sync
+        batch.release()
+
+    # ---------------------------------------------------------------- tables and state
+    def flush(self) -> None:
+        """Write every dirty cached row (and its optimizer state) back to its backing store."""
+        if self.cache is not None:
+            self.cache.flush()
+
+    def table(self, t: int) -> torch.Tensor:
+        """The full weights of table t, ``[num_embeddings, embedding_dim]``: a view of its
+        backing store after a flush (every update included)."""
+        self.flush()
+        return self.storage.weights(t)
+
+    def cache_stats(self) -> CacheStats:
+        return self.cache.stats() if self.cache is not None else CacheStats()
+
+    def reset_cache_stats(self) -> None:
+        if self.cache is not None:
+            self.cache.reset_stats()
+
+    def _state_views(self, t: int) -> dict[str, torch.Tensor]:
+        """The state_dict entries of table t, as views of the backing store."""
+        name = self.table_names[t]
+        views = {f"{name}.weight": self.storage.weights(t)}
+        state = self.storage.state(t)
+        if isinstance(self.optimizer, RowwiseAdagrad):
+            views[f"{name}.momentum1"] = state[:, 0]
+        elif isinstance(self.optimizer, Adam):
+            dim = self.tables[t].embedding_dim
+            views[f"{name}.exp_avg"] = state[:, :dim]
+            views[f"{name}.exp_avg_sq"] = state[:, dim:]
+        return views
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self.flush()  # a checkpoint holds every update (TorchRec issue #1674)
+        for t in range(len(self.tables)):
+            for key, view in self._state_views(t).items():
+                destination[prefix + key] = view if keep_vars else view.detach()
+        if self.optimizer is not None:
+            destination[prefix + "optimizer_step"] = torch.tensor(self.optimizer_step)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        expected = {}
+        for t in range(len(self.tables)):
+            expected.update({prefix + k: v for k, v in self._state_views(t).items()})
+        if self.optimizer is not None:
+            expected[prefix + "optimizer_step"] = None
+        problems = []
+        for key, view in expected.items():
+            if key not in state_dict:
+                missing_keys.append(key)
+            elif view is not None and tuple(state_dict[key].shape) != tuple(view.shape):
+                problems.append(f"{key}: shape {tuple(state_dict[key].shape)}, expected {tuple(view.shape)}")
+        # This module has no children: every other key under its prefix is unexpected.
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
+        if problems:
+            error_msgs.extend(problems)
+            return  # touch nothing when any entry is wrong
+        if self.cache is not None:
+            if self._prefetched or self.cache.num_locked():
+                raise RuntimeError("load_state_dict while batches are in flight (prefetched, or awaiting backward)")
+            self.cache.invalidate()  # the cached copies are about to be stale
+        with torch.no_grad():
+            for key, view in expected.items():
+                if key in state_dict and view is not None:
+                    view.copy_(state_dict[key])
+        if prefix + "optimizer_step" in state_dict:
+            self.optimizer_step = int(state_dict[prefix + "optimizer_step"])
+
+    def extra_repr(self) -> str:
+        lines = [f"pooling={self.pooling!r}, optimizer={self.optimizer}, weights_dtype={self.weights_dtype}"]
+        for name, spec in zip(self.table_names, self.tables):
+            lines.append(f"{name}: {spec.num_embeddings} x {spec.embedding_dim}, {spec.placement.value}")
+        return "\n".join(lines)
+

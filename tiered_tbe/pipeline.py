@@ -1,0 +1,182 @@
+"""``PrefetchPipeline``: fill the slot cache for the next batches while this one trains.
+
+Schedule, per module, with ``k = depth`` (``P`` = prefetch, ``F``/``B`` = the module's
+forward/backward, all ``B`` and ``F`` on the training stream, all ``P`` on a side stream):
+
+1. When batch ``i`` is handed to the loop, ``P(i+k)`` is issued on the side stream, after an
+   event recorded on the training stream: it starts only once ``B(i-1)`` (and every earlier
+   backward) has written its rows, since it may evict them.
+2. ``F(i)`` waits only for ``P(i)`` (issued k steps earlier), so ``P(i+k)`` overlaps ``F(i)``
+   and the dense work of step ``i``.
+3. ``B(i)`` waits for every prefetch issued so far, then looks its rows up again: a row that
+   ``P(i)`` left in the backing store (no free way) but a later prefetch brought in is updated
+   in its slot *and* written through to the backing store, so every later forward that reads
+   it from either place sees the update (training equals serial training, bitwise).
+
+Rows of every batch in flight stay locked from its prefetch until its backward (or its
+forward, under no_grad; or when the pipeline closes), so a prefetch never evicts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiered_tbe.module import TieredEmbeddingBags
+
+LookupsOf = Callable[[Any], Mapping[str, tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor]]
+
+
+def _move(obj: Any, device: torch.device, stream: torch.cuda.Stream | None) -> Any:
+    """Tensors anywhere in tuples, lists, dicts and dataclasses, moved to ``device``.
+
+    On CUDA the copies are non-blocking from pinned memory on ``stream`` and every moved
+    tensor is recorded on the training stream (``record_stream``) before it is used there.
+    """
+    if isinstance(obj, torch.Tensor):
+        if obj.device == device:
+            return obj
+        if device.type == "cuda" and not obj.is_pinned():
+            obj = obj.pin_memory()
+        return obj.to(device, non_blocking=device.type == "cuda")
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_move(x, device, stream) for x in obj)
+    if isinstance(obj, tuple):  # NamedTuple
+        return type(obj)(*(_move(x, device, stream) for x in obj))
+    if isinstance(obj, dict):
+        return {k: _move(v, device, stream) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(
+            obj, **{f.name: _move(getattr(obj, f.name), device, stream) for f in dataclasses.fields(obj) if f.init}
+        )
+    return obj
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))
+
+
+class PrefetchPipeline:
+    """Iterate over ``batches`` with the cache of every tiered module filled ``depth`` batches ahead.
+
+    Args:
+        model: an ``nn.Module`` holding one or more :class:`TieredEmbeddingBags` (or one itself).
+        batches: any iterable of batches (tensors in tuples, dicts, dataclasses; on the CPU or
+            already on the device).
+        depth: batches prefetched ahead of the one training, 1 to 8. With depth 1 the next
+            batch's prefetch still overlaps this step's dense work.
+        lookups: ``batch -> {module name: (indices, offsets)}`` (names as in
+            ``model.named_modules()``), or ``batch -> (indices, offsets)`` when the model has
+            one tiered module. Default: ``(batch[0], batch[1])`` for a tuple batch, or the
+            ``indices`` / ``offsets`` attributes.
+
+    Use it as a plain iterator or a context manager; ``close()`` (also on exceptions, and at the
+    end of iteration) releases the locks of batches prefetched but never trained.
+    """
+
+    def __init__(self, model: nn.Module, batches: Iterable, depth: int = 2, lookups: LookupsOf | None = None):
+        if not 1 <= depth <= 8:
+            raise ValueError(f"depth must be between 1 and 8, got {depth}")
+        self.modules = {name: m for name, m in model.named_modules() if isinstance(m, TieredEmbeddingBags)}
+        if not self.modules:
+            raise ValueError("PrefetchPipeline: the model holds no TieredEmbeddingBags")
+        self.depth = depth
+        self.lookups_of = lookups or _default_lookups
+        self.batches = iter(batches)
+        self.device = next(iter(self.modules.values())).device
+        self.is_cuda = self.device.type == "cuda"
+        self.side_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        self.queue: deque[tuple[Any, torch.cuda.Event | None]] = deque()
+        self.closed = False
+
+    # --------------------------------------------------------------- plumbing
+    def _lookups_by_module(self, batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        found = self.lookups_of(batch)
+        if isinstance(found, tuple):
+            if len(self.modules) != 1:
+                raise ValueError("lookups returned one (indices, offsets) pair but the model has several "
+                                 f"tiered modules: {list(self.modules)}; return a dict keyed by module name")
+            return {next(iter(self.modules)): found}
+        unknown = set(found) - set(self.modules)
+        if unknown:
+            raise ValueError(f"lookups named {sorted(unknown)}, not tiered modules of the model {list(self.modules)}")
+        return dict(found)
+
+    def _stage(self) -> bool:
+        """Pull the next batch, move it to the device and prefetch it on the side stream."""
+        try:
+            batch = next(self.batches)
+        except StopIteration:
+            return False
+        if self.is_cuda:
+            # The prefetch may evict rows that earlier backwards wrote: start after them.
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side_stream):
+                batch = _move(batch, self.device, self.side_stream)
+                for name, (indices, offsets) in self._lookups_by_module(batch).items():
+                    self.modules[name].prefetch(indices, offsets)
+                ready = torch.cuda.Event()
+                ready.record(self.side_stream)
+        else:
+            batch = _move(batch, self.device, None)
+            for name, (indices, offsets) in self._lookups_by_module(batch).items():
+                self.modules[name].prefetch(indices, offsets)
+            ready = None
+        self.queue.append((batch, ready))
+        return True
+
+    # --------------------------------------------------------------- iteration
+    def __iter__(self) -> Iterator:
+        try:
+            while len(self.queue) < self.depth and self._stage():
+                pass
+            while self.queue and not self.closed:
+                batch, ready = self.queue.popleft()
+                self._stage()  # P(i + depth), overlapping this step
+                if ready is not None:
+                    training_stream = torch.cuda.current_stream(self.device)
+                    training_stream.wait_event(ready)
+                    for tensor in _tensors(batch):
+                        if tensor.is_cuda:
+                            tensor.record_stream(training_stream)
+                yield batch
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release every lock still held by batches prefetched but not trained."""
+        if self.closed:
+            return
+        self.closed = True
+        self.queue.clear()
+        for module in self.modules.values():
+            module.cancel_prefetched()
+
+    def __enter__(self) -> PrefetchPipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _default_lookups(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return batch[0], batch[1]
+    if hasattr(batch, "indices") and hasattr(batch, "offsets"):
+        return batch.indices, batch.offsets
+    raise ValueError("PrefetchPipeline cannot find (indices, offsets) in a batch: pass lookups=")
