@@ -1,0 +1,117 @@
+"""The ``tiered-tbe`` command end to end, at tiny sizes."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tiered_tbe.cli import main
+from tiered_tbe.hit_rate import POLICIES, RESULT_COLUMNS
+from tiered_tbe.traces import zipf_trace
+
+TINY = ["--rows", "5000", "--batch-size", "64", "--bag-size", "4", "--batches", "20", "--no-progress"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["bench", "hit-rate", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_hit_rate_writes_table_csv_json_and_plot(tmp_path, capsys):
+    csv_path, json_path, png_path = tmp_path / "r.csv", tmp_path / "r.json", tmp_path / "r.png"
+    code, out, _ = run_cli(
+        capsys, *TINY, "--cache-sizes", "1%,5%,1000,256KiB", "--associativity", "8",
+        "--target-hit-rate", "0.6", "--csv", str(csv_path), "--json", str(json_path), "--plot", str(png_path),
+    )
+    assert code == 0
+    header = next(line for line in out.splitlines() if line.startswith("policy  "))
+    for column in RESULT_COLUMNS:
+        assert column in header
+    for policy in POLICIES:
+        assert sum(line.startswith(policy + " ") for line in out.splitlines()) >= 4  # 4 sizes (+ target)
+    assert "smallest cache reaching 60% hits" in out
+
+    with open(csv_path) as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 4 * len(POLICIES)
+    assert {row["cache_size"] for row in rows} == {"1%", "5%", "1000", "256KiB"}
+    assert {"hit_rate_by_lookup", "rows_moved_per_batch", "bus_bytes_per_batch", "ratio_to_belady",
+            "stats_unique_misses"} <= set(rows[0])
+    assert all(0 <= float(row["hit_rate_by_lookup"]) <= 1 for row in rows)
+
+    report = json.loads(json_path.read_text())
+    assert report["trace"]["lookups"] == 20 * 64 * 4 and report["trace"]["rows"] == 5000
+    assert len(report["results"]) == 4 * len(POLICIES)
+    assert {target["policy"] for target in report["targets"]} == set(POLICIES)
+    assert all(target["hit_rate"] >= 0.6 for target in report["targets"] if target["reached"])
+
+    assert png_path.read_bytes()[:8] == PNG_MAGIC
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png_path)
+    assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 400
+
+
+def test_every_trace_kind_runs(tmp_path, capsys):
+    code, out, _ = run_cli(capsys, "--trace", "drift", "--drift-period", "5", *TINY,
+                           "--policies", "lru,belady")
+    assert code == 0 and "drifting zipf" in out
+    code, out, _ = run_cli(capsys, "--trace", "criteo", "--row-cap", "2000", "--batch-size", "16",
+                           "--batches", "5", "--alpha", "1.1", "--cache-sizes", "10%", "--no-progress")
+    assert code == 0 and "criteo-kaggle 26 tables" in out
+
+    trace = zipf_trace(3000, 1.2, batch_size=32, bag_size=2, num_batches=10, seed=0)
+    batches = [tuple(torch.from_numpy(a) for a in trace.tbe_batch(b)) for b in range(trace.num_batches)]
+    torch.save(batches, tmp_path / "trace.pt")
+    code, out, _ = run_cli(capsys, "--trace", "file", "--file", str(tmp_path / "trace.pt"), "--cache-sizes",
+                           "10%", "--policies", "fa-lru", "--no-progress")
+    assert code == 0 and f"{trace.num_lookups:,} lookups" in out
+
+    np.savetxt(tmp_path / "ids.txt", trace.rows, fmt="%d")
+    code, out, _ = run_cli(capsys, "--trace", "file", "--file", str(tmp_path / "ids.txt"),
+                           "--batch-size", "64", "--cache-sizes", "10%", "--policies", "lru", "--no-progress")
+    assert code == 0 and "10 batches" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--alpha", "0"], "--alpha: expected an alpha > 0"),
+    (["--alpha", "1,2"], "--trace zipf takes one --alpha"),
+    (["--policies", "lru,mru"], "unknown policy mru"),
+    (["--cache-sizes", "5%,lots"], "cannot read cache size 'lots'"),
+    (["--target-hit-rate", "1.5"], "hit rate in (0, 1]"),
+    (["--batch-size", "0"], "--batch-size: expected a whole number >= 1"),
+    (["--trace", "file"], "--trace file needs --file"),
+    (["--trace", "criteo", "--rows", "100"], "--rows does not apply to --trace criteo (use --row-cap)"),
+    (["--trace", "zipf", "--row-cap", "100"], "--row-cap does not apply to --trace zipf"),
+    (["--trace", "file", "--file", "/no/such/trace.pt"], "does not exist"),
+    (["--csv", "/no/such/folder/out.csv"], "the folder does not exist"),
+    (["--trace", "uniform"], "invalid choice: 'uniform'"),
+])
+def test_bad_flags_give_clear_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "hit-rate", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: tiered-tbe bench hit-rate" in err and message in err
+
+
+def test_missing_command_lists_the_commands(capsys):
+    for argv, usage in (([], "usage: tiered-tbe "), (["bench"], "usage: tiered-tbe bench ")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert usage in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_same_command():
+    command = [sys.executable, "-m", "tiered_tbe", "bench", "hit-rate", *TINY, "--cache-sizes", "5%",
+               "--policies", "lru,belady"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "hit% lookup" in result.stdout and "belady" in result.stdout

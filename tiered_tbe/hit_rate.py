@@ -1,0 +1,715 @@
+"""``tiered-tbe bench hit-rate``: how large must the slot cache be, and what does it move?
+
+Runs a lookup trace (:mod:`tiered_tbe.traces`) through the exact CPU simulator of the slot
+cache (:func:`tiered_tbe.cache.simulator.simulate`) for every policy and cache size asked for,
+beside two bounds (:mod:`tiered_tbe.cache.bounds`): fully associative LRU (no set conflicts)
+and offline Belady (knows the whole future). Prints a table; writes CSV, JSON and a PNG plot
+on request; ``--target-hit-rate`` finds the smallest cache reaching a hit rate, per policy.
+
+Columns of the table:
+
+- ``hit% lookup``: lookups whose row was cached when their batch was prefetched;
+  ``hit% unique``: the same per unique row of a batch (what the prefetch sees).
+- ``moved/batch``: rows copied into the cache plus dirty rows written back, per batch.
+- ``bus/batch``: bytes over the host bus per batch: rows (and optimizer state) copied in and
+  written back, plus the rows of misses that found no slot, read in place by forward and read
+  and written in place by backward (training).
+- ``vs belady``: lookup hit rate divided by Belady's at the same size.
+
+Example::
+
+    tiered-tbe bench hit-rate --trace zipf --alpha 1.05 --rows 1000000 --cache-sizes 1%,5%,20% \\
+        --policies lru,lfu,fa-lru,belady --target-hit-rate 0.9 --csv out.csv --plot out.png
+
+or from Python::
+
+    trace = zipf_trace(num_rows=1_000_000, alpha=1.05, batch_size=2048, bag_size=20, num_batches=100)
+    options = SimOptions(associativity=32)
+    results = sweep(trace, ["lru", "belady"], [("5%", 50_016)], options)
+    print(format_results(results))
+    print(find_smallest_cache(trace, "lru", 0.8, options, known=results).found.num_slots)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import re
+import sys
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from tiered_tbe.cache.bounds import belady, fully_associative_lru, next_use
+from tiered_tbe.cache.simulator import simulate
+from tiered_tbe.cache.stats import CacheStats
+from tiered_tbe.optimizers import SGD, Adam, RowwiseAdagrad
+from tiered_tbe.specs import parse_bytes
+from tiered_tbe.traces import (
+    CRITEO_KAGGLE_TABLE_ROWS,
+    FILE_FORMATS,
+    Trace,
+    criteo_trace,
+    drifting_zipf_trace,
+    load_trace,
+    zipf_trace,
+)
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+OPTIMIZERS = {"sgd": SGD(), "rowwise-adagrad": RowwiseAdagrad(), "adam": Adam()}
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """What every policy run shares besides the trace and the cache size."""
+
+    associativity: int = 32  # ways per set (the bounds ignore it, except to round sizes to whole sets)
+    weight_bytes: int = 512  # bytes of one row's weights: embedding_dim * dtype size (128 fp32)
+    row_bytes: int = 516  # bytes a slot holds per row: weights plus fp32 optimizer state (row-wise Adagrad)
+    training: bool = True  # rows are updated, so evicted rows are written back
+    lfu_decay_interval: int = 64  # LFU halves every use count every this many batches
+
+
+# --------------------------------------------------------------------------------------------
+# Policies and bounds. Each is ``run(trace, num_slots, options) -> CacheStats``.
+# --------------------------------------------------------------------------------------------
+
+PolicyRun = Callable[[Trace, int, SimOptions], CacheStats]
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    run: PolicyRun
+    is_bound: bool
+    description: str
+
+
+def _simulated(policy: str, **policy_kwargs) -> PolicyRun:
+    """A policy of the slot cache, through the exact set-associative simulator."""
+
+    def run(trace: Trace, num_slots: int, options: SimOptions) -> CacheStats:
+        return simulate(
+            trace.rows, trace.batch_offsets, num_slots, options.associativity, policy=policy,
+            lfu_decay_interval=options.lfu_decay_interval, training=options.training,
+            row_bytes=options.row_bytes, **policy_kwargs,
+        )
+
+    return run
+
+
+def _fully_associative_lru(trace: Trace, num_slots: int, options: SimOptions) -> CacheStats:
+    return fully_associative_lru(trace.rows, trace.batch_offsets, num_slots, training=options.training,
+                                 row_bytes=options.row_bytes, num_rows=trace.num_rows)
+
+
+# Belady's next-use table depends only on the trace: computed once, dropped with the trace.
+_NEXT_USES: weakref.WeakKeyDictionary[Trace, np.ndarray] = weakref.WeakKeyDictionary()
+
+
+def _belady(trace: Trace, num_slots: int, options: SimOptions) -> CacheStats:
+    if trace not in _NEXT_USES:
+        _NEXT_USES[trace] = next_use(trace.rows, trace.batch_offsets, trace.num_rows)
+    return belady(trace.rows, trace.batch_offsets, num_slots, training=options.training,
+                  row_bytes=options.row_bytes, num_rows=trace.num_rows, next_uses=_NEXT_USES[trace])
+
+
+# One line per policy: a simulator policy with extra arguments is `_simulated("name", window=8)`.
+POLICIES: dict[str, Policy] = {policy.name: policy for policy in (
+    Policy("lru", _simulated("lru"), False, "set-associative LRU (exact simulator)"),
+    Policy("lfu", _simulated("lfu"), False, "set-associative LFU, counts halved every --lfu-decay-interval"),
+    Policy("fa-lru", _fully_associative_lru, True, "reference: fully associative LRU (no set conflicts)"),
+    Policy("belady", _belady, True, "bound: offline Belady MIN (knows the whole future)"),
+)}
+
+
+# --------------------------------------------------------------------------------------------
+# Cache sizes.
+# --------------------------------------------------------------------------------------------
+
+_ROWS = re.compile(r"^\d+$")
+_FRACTION = re.compile(r"^(\d+(\.\d*)?|\.\d+)(e-?\d+)?$", re.IGNORECASE)
+
+
+def check_cache_size(text: str) -> str:
+    """Accept ``'5%'``, ``'0.05'`` (fraction of rows), ``'100000'`` (rows) or ``'512MiB'`` (bytes)."""
+    spec = text.strip()
+    try:
+        if spec.endswith("%"):
+            value = float(spec[:-1])
+            if not 0 < value <= 100:
+                raise ValueError
+        elif _ROWS.match(spec):
+            if int(spec) < 1:
+                raise ValueError
+        elif _FRACTION.match(spec):
+            if not 0 < float(spec) <= 1:
+                raise ValueError
+        elif parse_bytes(spec) < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"cannot read cache size {text!r}: give a percentage of rows ('5%'), a fraction ('0.05'), "
+            "rows ('100000') or bytes ('512MiB', '2GB')"
+        ) from None
+    return spec
+
+
+def cache_rows(spec: str, num_rows: int, row_bytes: int) -> int:
+    """Rows of cache that ``spec`` (see :func:`check_cache_size`) means for a trace of ``num_rows`` rows."""
+    spec = check_cache_size(spec)
+    if spec.endswith("%"):
+        return max(1, round(float(spec[:-1]) / 100 * num_rows))
+    if _ROWS.match(spec):
+        return int(spec)
+    if _FRACTION.match(spec):
+        return max(1, round(float(spec) * num_rows))
+    return max(1, parse_bytes(spec) // row_bytes)
+
+
+def round_to_sets(rows: int, associativity: int) -> int:
+    """Slots of a cache of at least ``rows`` rows: whole sets, at least one (as ``CacheConfig``)."""
+    return max(1, -(-rows // associativity)) * associativity
+
+
+# --------------------------------------------------------------------------------------------
+# Measurements.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Measurement:
+    """One policy at one cache size over one trace."""
+
+    policy: str
+    is_bound: bool
+    size_label: str  # as asked for ("5%", "100000", "512MiB"), or "search" for target-search points
+    num_slots: int
+    trace_rows: int
+    options: SimOptions
+    stats: CacheStats
+    seconds: float
+    belady_hit_rate: float | None = None  # Belady's lookup hit rate at the same size, when measured
+
+    @property
+    def cache_fraction(self) -> float:
+        return self.num_slots / self.trace_rows
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.num_slots * self.options.row_bytes
+
+    @property
+    def hit_rate(self) -> float:
+        return self.stats.hit_rate_by_lookup
+
+    def metric(self, name: str) -> float:
+        return self.stats.hit_rate_by_lookup if name == "lookup" else self.stats.hit_rate_by_unique
+
+    @property
+    def rows_moved_per_batch(self) -> float:
+        return (self.stats.rows_copied_in + self.stats.write_backs) / max(1, self.stats.batches)
+
+    @property
+    def bus_bytes_per_batch(self) -> float:
+        in_place = self.options.weight_bytes + (2 * self.options.row_bytes if self.options.training else 0)
+        total = self.stats.bytes_in + self.stats.bytes_out + self.stats.misses_no_slot * in_place
+        return total / max(1, self.stats.batches)
+
+    @property
+    def lookups_per_second(self) -> float:
+        return self.stats.lookups / self.seconds if self.seconds > 0 else math.inf
+
+    @property
+    def ratio_to_belady(self) -> float | None:
+        if self.belady_hit_rate is None or self.belady_hit_rate == 0:
+            return None
+        return self.hit_rate / self.belady_hit_rate
+
+    def as_row(self) -> dict:
+        """Flat dict for CSV / JSON: sizes, derived rates, then every CacheStats counter."""
+        row = dict(
+            policy=self.policy, is_bound=self.is_bound, cache_size=self.size_label,
+            cache_rows=self.num_slots, cache_fraction=self.cache_fraction, cache_bytes=self.cache_bytes,
+            associativity=self.options.associativity, hit_rate_by_lookup=self.stats.hit_rate_by_lookup,
+            hit_rate_by_unique=self.stats.hit_rate_by_unique, rows_moved_per_batch=self.rows_moved_per_batch,
+            bus_bytes_per_batch=self.bus_bytes_per_batch, ratio_to_belady=self.ratio_to_belady,
+            seconds=self.seconds, lookups_per_second=self.lookups_per_second,
+        )
+        row.update({f"stats_{k}": v for k, v in self.stats.as_dict().items()
+                    if k not in ("hit_rate_by_lookup", "hit_rate_by_unique")})
+        return row
+
+
+def measure(trace: Trace, policy: str, num_slots: int, options: SimOptions, size_label: str) -> Measurement:
+    """Run ``policy`` (a key of :data:`POLICIES`) with ``num_slots`` slots over ``trace``."""
+    entry = POLICIES[policy]
+    start = time.perf_counter()
+    stats = entry.run(trace, num_slots, options)
+    seconds = time.perf_counter() - start
+    return Measurement(policy, entry.is_bound, size_label, num_slots, trace.num_rows, options, stats, seconds)
+
+
+def sweep(
+    trace: Trace,
+    policies: Sequence[str],
+    sizes: Sequence[tuple[str, int]],
+    options: SimOptions,
+    progress: bool | None = None,
+) -> list[Measurement]:
+    """Every policy at every ``(label, num_slots)`` size; fills ``belady_hit_rate`` where Belady ran.
+
+    ``progress``: tqdm bar on stderr (None: only on a terminal).
+    """
+    results: list[Measurement] = []
+    with tqdm(total=len(policies) * len(sizes), desc="simulating", unit="run", disable=_no_bar(progress),
+              file=sys.stderr) as bar:
+        for label, num_slots in sizes:
+            for policy in policies:
+                bar.set_postfix_str(f"{policy} @ {label}")
+                results.append(measure(trace, policy, num_slots, options, label))
+                bar.update()
+    _attach_belady(results)
+    return results
+
+
+def _no_bar(progress: bool | None) -> bool | None:
+    return None if progress is None else not progress  # tqdm: disable=None hides the bar off a terminal
+
+
+def _attach_belady(results: Sequence[Measurement]) -> None:
+    best = {m.num_slots: m.hit_rate for m in results if m.policy == "belady"}
+    for m in results:
+        m.belady_hit_rate = best.get(m.num_slots)
+
+
+@dataclass
+class TargetResult:
+    """Smallest cache of one policy whose hit rate reaches ``target`` (``found`` is None if none does)."""
+
+    policy: str
+    target: float
+    metric: str  # "lookup" or "unique"
+    found: Measurement | None
+    best: Measurement  # the largest cache tried (all rows) when unreachable, else ``found``
+    evaluations: list[Measurement] = field(default_factory=list)  # runs made by the search
+
+    def as_row(self) -> dict:
+        m = self.found
+        return dict(
+            policy=self.policy, target=self.target, metric=self.metric, reached=m is not None,
+            cache_rows=m.num_slots if m else None, cache_fraction=m.cache_fraction if m else None,
+            cache_bytes=m.cache_bytes if m else None, hit_rate=m.metric(self.metric) if m else None,
+            best_hit_rate=self.best.metric(self.metric), searched_runs=len(self.evaluations),
+        )
+
+
+def find_smallest_cache(
+    trace: Trace,
+    policy: str,
+    target: float,
+    options: SimOptions,
+    metric: str = "lookup",
+    known: Sequence[Measurement] = (),
+    tolerance: float = 0.01,
+    bar: tqdm | None = None,
+) -> TargetResult:
+    """Smallest cache (whole sets) of ``policy`` whose hit rate by ``metric`` reaches ``target``.
+
+    Bisects the number of sets geometrically, starting from the bracket that the ``known``
+    measurements of this policy give (the sweep), until the answer is within ``tolerance``
+    (relative) of the largest size known to fall short, or within one set. Hit rates grow with
+    the cache size (exactly so for the bounds, very nearly for set-associative policies), so
+    the answer is the smallest size found that reaches the target.
+    """
+    ways = options.associativity
+    max_sets = -(-trace.num_rows // ways)  # every row fits: only first-touch misses remain
+    rate_of: dict[int, Measurement] = {m.num_slots // ways: m for m in known
+                                       if m.policy == policy and m.num_slots % ways == 0}
+    evaluations: list[Measurement] = []
+
+    def evaluate(sets: int) -> Measurement:
+        if sets not in rate_of:
+            if bar is not None:
+                bar.set_postfix_str(f"{policy} @ {sets * ways:,} rows")
+            rate_of[sets] = measure(trace, policy, sets * ways, options, "search")
+            evaluations.append(rate_of[sets])
+            if bar is not None:
+                bar.update()
+        return rate_of[sets]
+
+    reaching = [s for s, m in rate_of.items() if m.metric(metric) >= target]
+    high = min(reaching) if reaching else max_sets
+    if evaluate(high).metric(metric) < target:
+        return TargetResult(policy, target, metric, None, rate_of[high], evaluations)
+    falling_short = [s for s, m in rate_of.items() if s < high and m.metric(metric) < target]
+    low = max(falling_short) if falling_short else 0  # 0 sets: hit rate 0, never evaluated
+    while high - low > 1 and (low == 0 or high > low * (1 + tolerance)):
+        middle = int(round(math.sqrt(max(low, 1) * high))) if low else high // 2
+        middle = min(max(middle, low + 1), high - 1)
+        if evaluate(middle).metric(metric) >= target:
+            high = middle
+        else:
+            low = middle
+    return TargetResult(policy, target, metric, rate_of[high], rate_of[high], evaluations)
+
+
+# --------------------------------------------------------------------------------------------
+# Output: table, CSV, JSON, plot.
+# --------------------------------------------------------------------------------------------
+
+
+def format_bytes(count: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count:.0f} B"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """Aligned text table: the first ``left`` columns left-aligned, the rest right-aligned."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+
+    def line(cells):
+        return "  ".join(str(cell).ljust(width) if i < left else str(cell).rjust(width)
+                         for i, (cell, width) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+RESULT_COLUMNS = ("policy", "cache", "rows", "size", "hit% lookup", "hit% unique", "moved/batch", "bus/batch",
+                  "vs belady", "Mlookups/s")
+
+
+def format_results(results: Sequence[Measurement]) -> str:
+    """The terminal table: one line per policy and size, sizes ascending, policies in run order."""
+    order = {policy: i for i, policy in enumerate(dict.fromkeys(m.policy for m in results))}
+    ordered = sorted(results, key=lambda m: (m.num_slots, order[m.policy]))
+    rows = [
+        (m.policy, m.size_label, f"{m.num_slots:,}", format_bytes(m.cache_bytes),
+         f"{100 * m.stats.hit_rate_by_lookup:.2f}", f"{100 * m.stats.hit_rate_by_unique:.2f}",
+         f"{m.rows_moved_per_batch:,.1f}", format_bytes(m.bus_bytes_per_batch),
+         "-" if m.ratio_to_belady is None else f"{m.ratio_to_belady:.3f}",
+         f"{m.lookups_per_second / 1e6:.3g}")
+        for m in ordered
+    ]
+    return _table(RESULT_COLUMNS, rows, left=2)
+
+
+def format_targets(targets: Sequence[TargetResult], trace_rows: int) -> str:
+    rows = []
+    for t in targets:
+        if t.found is None:
+            best = f"{100 * t.best.metric(t.metric):.2f} at all {trace_rows:,} rows"
+            rows.append((t.policy, "not reached", "-", "-", best, len(t.evaluations)))
+        else:
+            m = t.found
+            rows.append((t.policy, f"{m.num_slots:,}", f"{100 * m.cache_fraction:.2f}%",
+                         format_bytes(m.cache_bytes), f"{100 * m.metric(t.metric):.2f}", len(t.evaluations)))
+    metric = targets[0].metric if targets else "lookup"
+    return _table(("policy", "rows", "% of rows", "size", f"hit% {metric}", "runs"), rows)
+
+
+def write_csv(path: str, results: Sequence[Measurement], trace: Trace) -> None:
+    rows = [dict(trace=trace.description, **m.as_row()) for m in results]
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_json(path: str, results: Sequence[Measurement], targets: Sequence[TargetResult], trace: Trace,
+               options: SimOptions) -> None:
+    payload = dict(
+        trace=dict(description=trace.description, lookups=trace.num_lookups, batches=trace.num_batches,
+                   rows=trace.num_rows, tables=trace.num_tables, generator=trace.params),
+        options=dict(associativity=options.associativity, row_bytes=options.row_bytes,
+                     weight_bytes=options.weight_bytes, training=options.training,
+                     lfu_decay_interval=options.lfu_decay_interval),
+        results=[m.as_row() for m in results],
+        targets=[t.as_row() for t in targets],
+    )
+    with open(path, "w") as handle:
+        json.dump(payload, handle, indent=2, default=float)
+
+
+def plot(path: str, results: Sequence[Measurement], trace: Trace,
+         targets: Sequence[TargetResult] = ()) -> None:
+    """PNG: hit rate by lookup (left) and rows moved per batch (right) against cache size, one line
+    per policy (bounds dashed), the smallest caches reaching a target as stars.
+
+    Draws on a bare Figure with the Agg canvas: no display needed, pyplot's global backend untouched.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(12, 4.8), layout="constrained")
+    FigureCanvasAgg(figure)
+    hit_axes, moved_axes = figure.subplots(1, 2)
+    color_of = {}
+    for policy in dict.fromkeys(m.policy for m in results):
+        points = sorted((m for m in results if m.policy == policy), key=lambda m: m.num_slots)
+        x = [100 * m.cache_fraction for m in points]
+        style = dict(linestyle="--" if points[0].is_bound else "-", marker="o", label=policy)
+        (line,) = hit_axes.plot(x, [100 * m.hit_rate for m in points], **style)
+        moved_axes.plot(x, [m.rows_moved_per_batch for m in points], color=line.get_color(), **style)
+        color_of[policy] = line.get_color()
+    if targets:
+        hit_axes.axhline(100 * targets[0].target, color="gray", linewidth=0.8, linestyle=":",
+                         label=f"target {100 * targets[0].target:g}% ({targets[0].metric})")
+        for target in targets:
+            if target.found is not None and target.metric == "lookup":
+                hit_axes.plot([100 * target.found.cache_fraction], [100 * target.found.hit_rate], marker="*",
+                              markersize=12, color=color_of.get(target.policy, "black"), linestyle="none")
+    ticks = sorted({100 * m.cache_fraction for m in results})
+    for axes, ylabel in ((hit_axes, "hit rate by lookup (%)"),
+                         (moved_axes, "rows moved per batch (copied in + written back)")):
+        axes.set_xscale("log")
+        axes.set_xticks(ticks, [f"{t:.3g}%" for t in ticks])
+        axes.minorticks_off()
+        axes.set_xlabel("cache size (% of rows)")
+        axes.set_ylabel(ylabel)
+        axes.grid(True, alpha=0.3)
+        axes.legend()
+    figure.suptitle(trace.description, fontsize=10)
+    figure.savefig(path, dpi=110)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line: build_parser adds the flags to a (sub)parser, run executes parsed arguments.
+# --------------------------------------------------------------------------------------------
+
+
+def _checked(convert: Callable[[str], object], valid: Callable, expected: str) -> Callable[[str], object]:
+    """An argparse ``type``: ``convert`` the text and check it is ``valid``, or say what was expected."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not valid(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _split(convert: Callable[[str], object]) -> Callable[[str], list]:
+    return lambda text: [convert(part) for part in text.split(",")]
+
+
+def _rate(text: str) -> float:
+    return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+
+
+def _policy_list(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in POLICIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown policy {', '.join(unknown) or '(none)'}; choose from "
+                                         f"{', '.join(POLICIES)}")
+    return list(dict.fromkeys(names))
+
+
+def _cache_sizes(text: str) -> list[str]:
+    try:
+        return [check_cache_size(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+_positive_int = _checked(int, lambda v: v >= 1, "a whole number >= 1")
+_seed = _checked(int, lambda v: v >= 0, "a whole number >= 0")
+_alphas = _checked(_split(float), lambda values: all(0 < v < math.inf for v in values),
+                   "an alpha > 0, or comma-separated alphas")
+_table_rows = _checked(_split(int), lambda values: all(v >= 1 for v in values),
+                       "comma-separated rows per table, each >= 1")
+_target = _checked(_rate, lambda v: 0 < v <= 1, "a hit rate in (0, 1] such as 0.95 or 95%")
+_tolerance = _checked(float, lambda v: 0 < v < 1, "a fraction in (0, 1) such as 0.01")
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add the flags of ``bench hit-rate`` to ``parser`` (a new one if None) and return it."""
+    parser = parser or argparse.ArgumentParser(prog="tiered-tbe bench hit-rate")
+    parser.description = ("Cache hit rate of the slot cache's policies (exact CPU simulator) against fully\n"
+                          "associative LRU and offline Belady, over synthetic or recorded lookup traces.")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = FILE_FORMATS + "\nPolicies:\n" + "\n".join(f"  {p.name:<8} {p.description}"
+                                                             for p in POLICIES.values())
+
+    trace = parser.add_argument_group("trace")
+    trace.add_argument("--trace", choices=("zipf", "drift", "criteo", "file"), default="zipf",
+                       help="zipf: one table, Zipf(alpha) lookups; drift: Zipf whose hot rows change over "
+                            "time; criteo: the 26 Criteo Kaggle tables; file: --file (default: zipf)")
+    trace.add_argument("--alpha", type=_alphas,
+                       help="Zipf exponent, > 0 (1.0 is Zipf, not uniform); criteo: one value or 26 "
+                            "(default 1.05)")
+    trace.add_argument("--rows", type=_positive_int,
+                       help="rows of the table, zipf and drift (default 1000000)")
+    trace.add_argument("--batch-size", type=_positive_int,
+                       help="bags per table per batch (default 2048; file: from the file if it says)")
+    trace.add_argument("--bag-size", type=_positive_int,
+                       help="lookups per bag (default 20 for zipf and drift, 1 for criteo and text files)")
+    trace.add_argument("--batches", type=_positive_int, help="batches to generate (default 250)")
+    trace.add_argument("--seed", type=_seed, default=0, help="seed of the generators (default 0)")
+    trace.add_argument("--drift-period", type=_positive_int,
+                       help="drift: batches for the popularity to move fully to a new ranking (default 100)")
+    trace.add_argument("--row-cap", type=_positive_int, help="criteo: at most this many rows per table")
+    trace.add_argument("--file", help="file: the trace (.pt, .npy, .npz or text; see below)")
+    trace.add_argument("--table-rows", type=_table_rows,
+                       help="file: comma-separated rows per table when the file's indices are table-local")
+
+    cache = parser.add_argument_group("cache")
+    cache.add_argument("--policies", type=_policy_list, default=list(POLICIES),
+                       help=f"comma-separated, any of {', '.join(POLICIES)} (default: all)")
+    cache.add_argument("--cache-sizes", type=_cache_sizes, default=["1%", "2%", "5%", "10%", "20%"],
+                       help="comma-separated: percent of rows (5%%), fraction (0.05), rows (100000) or bytes "
+                            "(512MiB); rounded up to whole sets (default 1%%,2%%,5%%,10%%,20%%)")
+    cache.add_argument("--associativity", type=_positive_int, default=32, help="ways per set (default 32)")
+    cache.add_argument("--lfu-decay-interval", type=_positive_int, default=64,
+                       help="LFU halves its use counts every this many batches (default 64)")
+    cache.add_argument("--dim", type=_positive_int, default=128,
+                       help="embedding dim, for bytes (default 128)")
+    cache.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="fp32",
+                       help="weights dtype (default fp32)")
+    cache.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="rowwise-adagrad",
+                       help="its per-row fp32 state travels with the row (default rowwise-adagrad)")
+    cache.add_argument("--inference", action="store_true", help="no updates: nothing is written back")
+
+    target = parser.add_argument_group("capacity")
+    target.add_argument("--target-hit-rate", type=_target,
+                        help="find the smallest cache reaching this hit rate (0.95 or 95%%), per policy")
+    target.add_argument("--target-metric", choices=("lookup", "unique"), default="lookup",
+                        help="hit rate the target refers to (default lookup)")
+    target.add_argument("--target-tolerance", type=_tolerance, default=0.01,
+                        help="stop the search when the answer is within this relative distance "
+                             "(default 0.01)")
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--csv", help="write every measurement to this CSV file")
+    output.add_argument("--json", help="write trace, options, measurements and targets to this JSON file")
+    output.add_argument("--plot", help="write a PNG plot of hit rate and rows moved against cache size")
+    output.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+# Flags that only some trace kinds take (None when not given), and the kinds that take them.
+_TRACE_FLAGS = {
+    "alpha": ("zipf", "drift", "criteo"), "rows": ("zipf", "drift"), "batches": ("zipf", "drift", "criteo"),
+    "drift_period": ("drift",), "row_cap": ("criteo",), "file": ("file",), "table_rows": ("file",),
+}
+
+
+def trace_from_args(args: argparse.Namespace) -> Trace:
+    """The trace the flags describe; ``ValueError`` for flags that do not fit the trace kind."""
+    kind = args.trace
+    for name, kinds in _TRACE_FLAGS.items():
+        if kind not in kinds and getattr(args, name) is not None:
+            hint = " (use --row-cap)" if (name, kind) == ("rows", "criteo") else ""
+            raise ValueError(f"--{name.replace('_', '-')} does not apply to --trace {kind}{hint}")
+    alphas = args.alpha or [1.05]
+    batches = args.batches or 250
+    batch_size = args.batch_size or 2048
+    if kind in ("zipf", "drift") and len(alphas) != 1:
+        raise ValueError(f"--trace {kind} takes one --alpha, got {len(alphas)}")
+    if kind == "zipf":
+        return zipf_trace(args.rows or 1_000_000, alphas[0], batch_size, args.bag_size or 20, batches,
+                          seed=args.seed)
+    if kind == "drift":
+        return drifting_zipf_trace(args.rows or 1_000_000, alphas[0], batch_size, args.bag_size or 20,
+                                   batches, drift_period=args.drift_period or 100, seed=args.seed)
+    if kind == "criteo":
+        if len(alphas) not in (1, len(CRITEO_KAGGLE_TABLE_ROWS)):
+            raise ValueError(f"--trace criteo takes one --alpha or {len(CRITEO_KAGGLE_TABLE_ROWS)}, "
+                             f"got {len(alphas)}")
+        return criteo_trace(alphas[0] if len(alphas) == 1 else alphas, batch_size, batches,
+                            bag_size=args.bag_size or 1, row_cap=args.row_cap, seed=args.seed)
+    if args.file is None:
+        raise ValueError("--trace file needs --file PATH")
+    # For a file, --batch-size only cuts lookups that the file does not cut into batches itself.
+    return load_trace(args.file, batch_size=args.batch_size, bag_size=args.bag_size or 1,
+                      table_rows=args.table_rows)
+
+
+def options_from_args(args: argparse.Namespace) -> SimOptions:
+    weight_bytes = args.dim * DTYPE_BYTES[args.dtype]
+    row_bytes = weight_bytes + 4 * OPTIMIZERS[args.optimizer].state_width(args.dim)
+    return SimOptions(associativity=args.associativity, weight_bytes=weight_bytes, row_bytes=row_bytes,
+                      training=not args.inference, lfu_decay_interval=args.lfu_decay_interval)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    for flag in ("csv", "json", "plot"):
+        path = getattr(args, flag)
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"--{flag} {path}: the folder does not exist")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install 'tiered-tbe[plot]'") from None
+
+
+def run(args: argparse.Namespace, out=None) -> int:
+    """Execute ``bench hit-rate`` for parsed ``args``; print to ``out`` (stdout). Returns 0.
+
+    Raises ``ValueError`` for arguments that do not fit together (the CLI prints it as a usage error).
+    """
+    out = out or sys.stdout
+    _check_outputs(args)  # before minutes of simulation, not after
+    options = options_from_args(args)
+    progress = False if args.no_progress else None
+
+    start = time.perf_counter()
+    if progress is None and sys.stderr.isatty():  # a large trace takes seconds to build
+        print("building the trace ...", file=sys.stderr, flush=True)
+    trace = trace_from_args(args)
+    touched = np.zeros(trace.num_rows, dtype=np.bool_)
+    touched[trace.rows] = True
+    print(f"trace: {trace.description}\n"
+          f"       {trace.num_lookups:,} lookups, {trace.num_rows:,} rows ({int(touched.sum()):,} touched), "
+          f"built in {time.perf_counter() - start:.1f} s", file=out)
+    mode = "inference" if args.inference else "training"
+    print(f"cache: {options.associativity}-way sets, {options.row_bytes} B per row "
+          f"({args.dim} x {args.dtype} + {args.optimizer} state), {mode}", file=out)
+
+    by_slots: dict[int, str] = {}  # sizes that round to the same slot count run once
+    for spec in args.cache_sizes:
+        by_slots.setdefault(round_to_sets(cache_rows(spec, trace.num_rows, options.row_bytes),
+                                          options.associativity), spec)
+    sizes = sorted(((label, slots) for slots, label in by_slots.items()), key=lambda size: size[1])
+    results = sweep(trace, args.policies, sizes, options, progress=progress)
+    print("\n" + format_results(results), file=out)
+    no_slot = [f"{m.policy} @ {m.size_label} {100 * m.stats.misses_no_slot / m.stats.unique_misses:.0f}%"
+               for m in results if m.policy != "belady" and m.stats.misses_no_slot]
+    if no_slot:  # a cache smaller than a batch's rows: the rest of the batch bypasses it
+        print("misses that found every way of their set locked by their own batch, read in place: "
+              + ", ".join(no_slot), file=out)
+
+    targets: list[TargetResult] = []
+    if args.target_hit_rate is not None:
+        with tqdm(desc=f"searching for {100 * args.target_hit_rate:g}% hits", unit="run",
+                  disable=_no_bar(progress), file=sys.stderr) as bar:
+            for policy in args.policies:
+                targets.append(find_smallest_cache(trace, policy, args.target_hit_rate, options,
+                                                   metric=args.target_metric, known=results,
+                                                   tolerance=args.target_tolerance, bar=bar))
+        print(f"\nsmallest cache reaching {100 * args.target_hit_rate:g}% hits by {args.target_metric} "
+              f"(within {100 * args.target_tolerance:g}% or one set):", file=out)
+        print(format_targets(targets, trace.num_rows), file=out)
+
+    for path, write in ((args.csv, lambda p: write_csv(p, results, trace)),
+                        (args.json, lambda p: write_json(p, results, targets, trace, options)),
+                        (args.plot, lambda p: plot(p, results, trace, targets))):
+        if path:
+            write(path)
+            print(f"wrote {path}", file=out)
+    return 0
