@@ -1,0 +1,334 @@
+"""Time the slot cache on a DLRM-like model: prefetch, forward and backward of each batch, against all-HBM.
+
+The model: the 26 tables of the Criteo Kaggle data set (``tiered_tbe.traces``; ``--row-cap``
+caps each), dim 128 fp32, row-wise Adagrad, every table ``HOST_CACHED`` (pinned host memory
+behind a slot cache holding ``--cache-fraction`` of all rows), batches of B=65536 samples with
+one lookup per table, Zipf(alpha) over a random permutation of each table's rows, drawn on the
+GPU. Measured in one run:
+
+- after ``--warmup`` batches (a steady-state cache), the time of ``emb.prefetch``, forward and
+  ``out.backward(grad)`` of each of ``--batches`` batches (CUDA events; medians), and the cache
+  counters over those batches: hit rates, rows and bytes copied in and written back;
+- the fill bandwidth, bytes copied in over the prefetch time, against the pinned host->device
+  ``memcpy`` bandwidth measured in the same run (target: >= 80% for 512-byte rows);
+- the serial step (prefetch + forward + backward) against the same model with every table in
+  HBM (``DEVICE``; target: <= 2x);
+- with ``--big-table-gb N --cache-gb M``, instead: one ``HOST_CACHED`` table of N GB with an M GB
+  cache trains ``--big-steps`` steps (a table larger than the GPU memory given to the module);
+  step time and hit rate. The host needs N GB free for pinned memory (the lent H200 has 125 GiB).
+
+Without a GPU (CPU simulation) it runs at a tiny size to prove it works; its times mean nothing.
+
+    python benchmarks/bench_cache.py                             # 26 tables, Zipf 1.05 and 1.2
+    python benchmarks/bench_cache.py --row-cap 1000000 --record  # smaller tables; append to RESULTS.md
+    python benchmarks/bench_cache.py --big-table-gb 60 --cache-gb 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import common  # benchmarks/common.py (it imports tiered_tbe first, which picks the mode)
+import torch
+
+from tiered_tbe._mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.module import TieredEmbeddingBags
+from tiered_tbe.optimizers import RowwiseAdagrad
+from tiered_tbe.specs import CacheConfig, Placement, TableSpec
+from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
+
+SCRIPT = "bench_cache.py"
+# Sizes used when none is given: the target workload on a GPU, a toy one in simulation.
+GPU_DEFAULTS = dict(num_tables=26, row_cap=0, dim=128, batch_size=65536, warmup=20, batches=20, memcpy_gib=1.0,
+                    big_steps=12)
+SIMULATION_DEFAULTS = dict(num_tables=3, row_cap=1000, dim=16, batch_size=8, warmup=2, batches=2, memcpy_gib=0.001,
+                           big_steps=3)
+FILL_TARGET = 0.8  # fill bandwidth / pinned memcpy bandwidth, at least
+STEP_TARGET = 2.0  # serial cached step / all-HBM step, at most
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-tables", type=int, help="the first N Criteo Kaggle tables (default 26; 3 in simulation)")
+    parser.add_argument("--row-cap", type=int,
+                        help="cap every table at this many rows; 0 = none (default none; 1000 in simulation)")
+    parser.add_argument("--dim", type=int, help="embedding dim, fp32 (default 128; 16 in simulation)")
+    parser.add_argument("--batch-size", type=int, help="samples per batch (default 65536; 8 in simulation)")
+    parser.add_argument("--bag-size", type=int, default=1, help="lookups per table per sample (default 1)")
+    parser.add_argument("--alpha", type=float, nargs="+", default=[1.05, 1.2],
+                        help="Zipf exponents, one run each (default: 1.05 1.2; 0 = uniform)")
+    parser.add_argument("--cache-fraction", type=float, default=0.05,
+                        help="slot cache size, fraction of all rows (default 0.05)")
+    parser.add_argument("--policy", default="lru", choices=["lru", "lfu", "lookahead"],
+                        help="cache policy (default lru)")
+    parser.add_argument("--associativity", type=int, default=32, help="ways per cache set (default 32)")
+    parser.add_argument("--warmup", type=int, help="batches before timing, per alpha (default 20; 2 in simulation)")
+    parser.add_argument("--batches", type=int, help="timed batches per alpha (default 20; 2 in simulation)")
+    parser.add_argument("--bounds-check", default="off", choices=["off", "raise"],
+                        help="the module's bounds_check ('raise' adds a host sync per batch); default off")
+    parser.add_argument("--no-hbm", action="store_true", help="skip the all-HBM baseline")
+    parser.add_argument("--memcpy-gib", type=float,
+                        help="GiB copied to measure the pinned memcpy bandwidth (default 1)")
+    parser.add_argument("--rep-ms", type=float, default=200.0,
+                        help="do_bench repetition time of the memcpy, ms (default 200)")
+    parser.add_argument("--big-table-gb", type=float,
+                        help="big-table mode: one HOST_CACHED table of this many GB (1e9 bytes), e.g. 60")
+    parser.add_argument("--cache-gb", type=float, default=8.0,
+                        help="big-table mode: slot cache size in GB, rows and optimizer state (default 8)")
+    parser.add_argument("--big-steps", type=int, help="big-table mode: training steps (default 12; 3 in simulation)")
+    parser.add_argument("--big-bag-size", type=int, default=26,
+                        help="big-table mode: lookups per sample into the one table (default 26, the lookups "
+                             "of the 26-table model)")
+    parser.add_argument("--record", action="store_true", help=f"append the results to {common.RESULTS}")
+    parser.add_argument("--results-file", type=Path, default=common.RESULTS, help="where --record appends")
+    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the lookups")
+    args = parser.parse_args(argv)
+    defaults = SIMULATION_DEFAULTS if SIMULATION else GPU_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if not 1 <= args.num_tables <= len(CRITEO_KAGGLE_TABLE_ROWS):
+        parser.error(f"--num-tables must be between 1 and {len(CRITEO_KAGGLE_TABLE_ROWS)}")
+    if args.warmup < 0 or args.batches < 1 or args.big_steps < 1:
+        parser.error("--warmup must be >= 0, --batches and --big-steps >= 1")
+    return args
+
+
+def criteo_rows(args) -> list[int]:
+    rows = list(CRITEO_KAGGLE_TABLE_ROWS[: args.num_tables])
+    return [min(n, args.row_cap) for n in rows] if args.row_cap else rows
+
+
+def build_module(table_rows, dim, placement: Placement, cache: CacheConfig | None, args) -> TieredEmbeddingBags:
+    tables = [TableSpec(n, dim, name=f"C{t + 1}", placement=placement) for t, n in enumerate(table_rows)]
+    return TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(lr=0.05, eps=1e-8), cache=cache,
+                               device=default_device(), bounds_check=args.bounds_check, seed=args.seed)
+
+
+def free(*_unused) -> None:
+    """Give back the memory of modules the caller has dropped (pinned memory goes with them)."""
+    gc.collect()
+    if not SIMULATION:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def train_steps(emb: TieredEmbeddingBags, batches, grad: torch.Tensor, warmup: int) -> dict:
+    """Prefetch, forward, backward every batch; time those after the first ``warmup``.
+
+    Returns the per-phase median milliseconds (``prefetch``, ``forward``, ``backward``,
+    ``step``), the total prefetch milliseconds and the cache counters of the timed batches.
+    """
+    timer = common.StepTimer()
+    for i, (indices, offsets) in enumerate(batches):
+        if i == warmup:
+            common.synchronize()
+            emb.reset_cache_stats()
+        timed = i >= warmup
+        if timed:
+            timer.start()
+        emb.prefetch(indices, offsets)
+        if timed:
+            timer.mark("prefetch")
+        out = emb(indices, offsets)
+        if timed:
+            timer.mark("forward")
+        out.backward(grad)
+        if timed:
+            timer.mark("backward")
+        del out
+    phases = timer.phases()
+    result = {name: common.median(times) for name, times in phases.items()}
+    result["prefetch_total_ms"] = sum(phases["prefetch"])
+    result["stats"] = emb.cache_stats().as_dict()
+    return result
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = default_device()
+    table_rows = criteo_rows(args)
+    results = []
+    bandwidth = common.pinned_copy_bandwidth(args.memcpy_gib, args.rep_ms)
+    results.append(dict(kind="memcpy", **bandwidth))
+    print(f"pinned memcpy: host->device {bandwidth['h2d_gbs']:.1f} GB/s, device->host {bandwidth['d2h_gbs']:.1f} GB/s",
+          flush=True)
+
+    num_batches = args.warmup + args.batches
+    batches = {alpha: common.ZipfBatches(table_rows, alpha, args.batch_size, args.bag_size, device,
+                                         seed=args.seed).batches(num_batches)
+               for alpha in args.alpha}
+    grad = torch.randn(args.batch_size, len(table_rows) * args.dim, device=device,
+                       generator=torch.Generator(device=device).manual_seed(args.seed))
+
+    models = [("host_cached", Placement.HOST_CACHED,
+               CacheConfig(fraction=args.cache_fraction, policy=args.policy, associativity=args.associativity))]
+    if not args.no_hbm:
+        models.append(("all HBM", Placement.DEVICE, None))
+    for label, placement, cache in models:
+        start = time.perf_counter()
+        emb = build_module(table_rows, args.dim, placement, cache, args)
+        setup_s = time.perf_counter() - start
+        slots = emb.cache.num_slots if emb.cache is not None else 0
+        print(f"{label}: built in {setup_s:.1f} s" + (f", {slots:,} cache slots" if slots else ""), flush=True)
+        for alpha in args.alpha:
+            measured = train_steps(emb, batches[alpha], grad, args.warmup)
+            results.append(dict(kind="model", model=label, alpha=alpha, slots=slots, **measured))
+            print(f"  zipf {alpha:g}: step {measured['step']:.3f} ms", flush=True)
+        del emb
+        free()
+
+    hbm_step = {r["alpha"]: r["step"] for r in results if r.get("model") == "all HBM"}
+    row_bytes = args.dim * 4
+    for r in results:
+        if r["kind"] != "model":
+            continue
+        stats, n = r["stats"], max(r["stats"]["batches"], 1)
+        r["rows_in_per_batch"] = stats["rows_copied_in"] / n
+        r["mb_in_per_batch"] = stats["bytes_in"] / n / 1e6
+        r["mb_out_per_batch"] = stats["bytes_out"] / n / 1e6
+        r["fill_gbs"] = stats["bytes_in"] / r["prefetch_total_ms"] / 1e6 if stats["bytes_in"] else None
+        r["fill_vs_memcpy"] = r["fill_gbs"] / bandwidth["h2d_gbs"] if r["fill_gbs"] else None
+        r["step_vs_hbm"] = r["step"] / hbm_step[r["alpha"]] if r["alpha"] in hbm_step else None
+        r["row_bytes"] = row_bytes
+    return results
+
+
+def format_table(results: list[dict], args) -> list[str]:
+    memcpy = next(r for r in results if r["kind"] == "memcpy")
+    header = ["model", "lookups", "prefetch ms", "forward ms", "backward ms", "step ms", "hit rate (lookups)",
+              "hit rate (unique rows)", "rows in / batch", "MB in / batch", "MB out / batch", "fill GB/s",
+              "fill / memcpy", "step / all-HBM"]
+    rows = []
+    for r in (r for r in results if r["kind"] == "model"):
+        cached = r["model"] != "all HBM"
+        stats = r["stats"]
+        rows.append([
+            r["model"], f"zipf {r['alpha']:g}", common.fmt(r["prefetch"]), common.fmt(r["forward"]),
+            common.fmt(r["backward"]), common.fmt(r["step"]),
+            common.fmt(stats["hit_rate_by_lookup"], ".4f") if cached else "-",
+            common.fmt(stats["hit_rate_by_unique"], ".4f") if cached else "-",
+            common.fmt(r["rows_in_per_batch"], ",.0f") if cached else "-",
+            common.fmt(r["mb_in_per_batch"], ".1f") if cached else "-",
+            common.fmt(r["mb_out_per_batch"], ".1f") if cached else "-",
+            common.fmt(r["fill_gbs"], ".1f"), common.fmt(r["fill_vs_memcpy"], ".2f"),
+            common.fmt(r["step_vs_hbm"], ".2f") if cached else "1.00",
+        ])
+    lines = common.markdown_table(header, rows, "ll" + "r" * (len(header) - 2))
+    lines.append("")
+    lines.append(f"Pinned memcpy in the same run: host->device {memcpy['h2d_gbs']:.1f} GB/s, "
+                 f"device->host {memcpy['d2h_gbs']:.1f} GB/s. Fill GB/s = bytes copied in (rows and their "
+                 f"Adagrad state) / prefetch time (which also holds the lookup and the write-backs).")
+    for r in (r for r in results if r["kind"] == "model" and r["model"] != "all HBM"):
+        verdicts = []
+        if r["fill_vs_memcpy"] is not None:
+            verdicts.append(f"fill / memcpy {r['fill_vs_memcpy']:.2f} (target >= {FILL_TARGET:.2f} for "
+                            f"{r['row_bytes']}-byte rows: {judge(r['fill_vs_memcpy'] >= FILL_TARGET)})")
+        if r["step_vs_hbm"] is not None:
+            verdicts.append(f"serial step / all-HBM {r['step_vs_hbm']:.2f} (target <= {STEP_TARGET:.1f}: "
+                            f"{judge(r['step_vs_hbm'] <= STEP_TARGET)})")
+        if verdicts:
+            lines.append(f"- zipf {r['alpha']:g}: " + "; ".join(verdicts))
+    return lines
+
+
+def judge(ok: bool) -> str:
+    if SIMULATION:
+        return "not judged in simulation"
+    return "met" if ok else "MISSED"
+
+
+# ------------------------------------------------------------------------------------ big table
+
+
+def run_big_table(args: argparse.Namespace) -> dict:
+    """One HOST_CACHED table of ``--big-table-gb`` GB behind a ``--cache-gb`` GB cache: train a few steps."""
+    device = default_device()
+    row_bytes = args.dim * 4
+    num_rows = int(args.big_table_gb * 1e9) // row_bytes
+    if num_rows < 1:
+        raise SystemExit(f"--big-table-gb {args.big_table_gb} holds no {row_bytes}-byte row")
+    host_bytes = num_rows * (row_bytes + 4)  # rows and their row-wise Adagrad state, pinned
+    available = common.host_memory_available()
+    margin = 0 if SIMULATION else 4 * 2**30  # for the process itself, the batches and the interpreter
+    if available is not None and host_bytes + margin > available:
+        raise SystemExit(f"big-table mode: the table needs {host_bytes / 2**30:.1f} GiB of pinned host memory "
+                         f"(+{margin / 2**30:.0f} GiB margin), but only {available / 2**30:.1f} GiB is available "
+                         f"(MemAvailable). Ask for a smaller --big-table-gb.")
+    cache_bytes = int(args.cache_gb * 1e9)
+    print(f"big table: {num_rows:,} rows x {args.dim} fp32 = {num_rows * row_bytes / 1e9:.1f} GB pinned host, "
+          f"cache {cache_bytes / 1e9:g} GB, batch {args.batch_size} x bag {args.big_bag_size}, "
+          f"{args.big_steps} steps, zipf {args.alpha[0]:g}", flush=True)
+    start = time.perf_counter()
+    try:
+        emb = build_module([num_rows], args.dim, Placement.HOST_CACHED,
+                           CacheConfig(memory=cache_bytes, policy=args.policy, associativity=args.associativity), args)
+    except (RuntimeError, MemoryError) as error:
+        raise SystemExit(f"big-table mode: allocating {host_bytes / 2**30:.1f} GiB of pinned host memory "
+                         f"(or the cache) failed: {error}") from error
+    setup_s = time.perf_counter() - start
+    print(f"  allocated and initialised in {setup_s:.1f} s; {emb.cache.num_slots:,} cache slots "
+          f"({emb.cache.num_slots / num_rows:.1%} of the rows)", flush=True)
+    source = common.ZipfBatches([num_rows], args.alpha[0], args.batch_size, args.big_bag_size, device, seed=args.seed)
+    grad = torch.randn(args.batch_size, args.dim, device=device,
+                       generator=torch.Generator(device=device).manual_seed(args.seed))
+    first_timed = args.big_steps // 2  # the second half: the cache is warm by then
+    batches = (source.next() for _ in range(args.big_steps))
+    measured = train_steps(emb, batches, grad, first_timed)
+    stats = measured["stats"]
+    result = dict(kind="big_table", table_gb=num_rows * row_bytes / 1e9, cache_gb=cache_bytes / 1e9, rows=num_rows,
+                  slots=emb.cache.num_slots, setup_s=setup_s, alpha=args.alpha[0],
+                  steps=args.big_steps, timed_steps=args.big_steps - first_timed, **measured)
+    result["fill_gbs"] = stats["bytes_in"] / measured["prefetch_total_ms"] / 1e6 if stats["bytes_in"] else None
+    del emb
+    free()
+    return result
+
+
+def format_big_table(r: dict) -> list[str]:
+    header = ["table GB", "cache GB", "lookups", "steps (timed)", "prefetch ms", "forward ms", "backward ms",
+              "step ms", "hit rate (lookups)", "hit rate (unique rows)", "fill GB/s"]
+    stats = r["stats"]
+    row = [f"{r['table_gb']:.1f}", f"{r['cache_gb']:g}", f"zipf {r['alpha']:g}", f"{r['steps']} ({r['timed_steps']})",
+           common.fmt(r["prefetch"]), common.fmt(r["forward"]), common.fmt(r["backward"]), common.fmt(r["step"]),
+           f"{stats['hit_rate_by_lookup']:.4f}", f"{stats['hit_rate_by_unique']:.4f}", common.fmt(r["fill_gbs"], ".1f")]
+    return common.markdown_table(header, [row])
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    print(describe_mode())
+    if SIMULATION:
+        print(common.SIMULATION_NOTE)
+    if args.big_table_gb is not None:
+        result = run_big_table(args)
+        results = [result]
+        table = format_big_table(result)
+    else:
+        table_rows = criteo_rows(args)
+        print(f"{len(table_rows)} Criteo Kaggle tables ({sum(table_rows):,} rows"
+              f"{f', capped at {args.row_cap:,}' if args.row_cap else ''}) x {args.dim} fp32, row-wise Adagrad; "
+              f"batch {args.batch_size} x bag {args.bag_size}; cache {args.cache_fraction:g} of rows, {args.policy}, "
+              f"{args.associativity} ways; {args.warmup} warm-up + {args.batches} timed batches per alpha; "
+              f"on {common.device_name()}", flush=True)
+        results = run(args)
+        table = format_table(results, args)
+    print("\n".join(table))
+    if args.json:
+        common.write_json(args.json, SCRIPT, args, results)
+        print(f"wrote {args.json}")
+    if args.record:
+        common.append_results(args.results_file, SCRIPT, argv, table)
+        print(f"appended to {args.results_file}")
+
+
+if __name__ == "__main__":
+    main()

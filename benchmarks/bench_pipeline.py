@@ -1,0 +1,338 @@
+"""Time training steps with the prefetch pipeline against serial prefetch, all-HBM and managed memory.
+
+The model of ``bench_cache.py`` (the 26 Criteo Kaggle tables, dim 128 fp32, row-wise Adagrad,
+B=65536, one lookup per table per sample, Zipf(alpha) lookups drawn on the GPU) under a small
+DLRM top: a bottom MLP over 13 dense features, pairwise dot interactions of the 27 feature
+vectors, a top MLP to one logit, BCE loss, SGD on the dense weights. A step is forward, backward
+(the tables update inside it, fused) and the dense optimizer step. Measured in one run, on the
+same batches, for each Zipf exponent:
+
+- ``all HBM``: every table ``DEVICE``, no cache: the ceiling;
+- ``managed, no cache``: every table ``MANAGED`` (unified memory kept on the host), read and
+  updated in place over the bus: what a user without this library would do;
+- ``serial``: ``HOST_CACHED`` behind a slot cache of ``--cache-fraction`` of the rows, each
+  forward prefetching its own batch;
+- ``pipelined``: the same with ``PrefetchPipeline(depth=--depth)``, which prefetches the next
+  batches on a side stream while this one trains; once per cache policy (lru, lfu, lookahead).
+
+Reported: step time (wall clock over ``--batches`` steps after ``--warmup``, synchronized at both
+ends), throughput against all-HBM (target for the pipeline: >= 0.8), and the rows moved into the
+cache per batch (``cache_stats().rows_copied_in / batches``) of each policy against LRU's
+(target for lookahead: <= 0.7 at Zipf 1.05). A policy the library does not offer prints "n/a".
+Lookahead ranks rows by next-use hints that the pipeline writes; if none are seen during the
+warm-up, the run is reported as such (it then behaves as LRU).
+
+Without a GPU (CPU simulation) it runs at a tiny size to prove it works; its times mean nothing.
+
+    python benchmarks/bench_pipeline.py                        # 26 tables, Zipf 1.05 and 1.2
+    python benchmarks/bench_pipeline.py --row-cap 1000000 --batches 10 --record
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import common  # benchmarks/common.py (it imports tiered_tbe first, which picks the mode)
+import torch
+from bench_cache import build_module, criteo_rows, free, judge
+from torch import nn
+
+from tiered_tbe._mode import SIMULATION, default_device, describe_mode
+from tiered_tbe.cache.policy import NEXT_USE_UNKNOWN
+from tiered_tbe.pipeline import PrefetchPipeline
+from tiered_tbe.specs import CacheConfig, Placement
+from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
+
+SCRIPT = "bench_pipeline.py"
+GPU_DEFAULTS = dict(num_tables=26, row_cap=0, dim=128, batch_size=65536, warmup=15, batches=20)
+SIMULATION_DEFAULTS = dict(num_tables=3, row_cap=1000, dim=16, batch_size=8, warmup=2, batches=2)
+POLICIES = ("lru", "lfu", "lookahead")
+MODES = ("hbm", "managed", "serial", "pipelined")
+THROUGHPUT_TARGET = 0.8  # pipelined throughput / all-HBM throughput, at least
+LOOKAHEAD_TARGET = 0.7  # rows moved by lookahead / by LRU at Zipf 1.05, at most
+NUM_DENSE = 13
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-tables", type=int, help="the first N Criteo Kaggle tables (default 26; 3 in simulation)")
+    parser.add_argument("--row-cap", type=int,
+                        help="cap every table at this many rows; 0 = none (default none; 1000 in simulation)")
+    parser.add_argument("--dim", type=int, help="embedding dim, fp32 (default 128; 16 in simulation)")
+    parser.add_argument("--batch-size", type=int, help="samples per batch (default 65536; 8 in simulation)")
+    parser.add_argument("--bag-size", type=int, default=1, help="lookups per table per sample (default 1)")
+    parser.add_argument("--alpha", type=float, nargs="+", default=[1.05, 1.2],
+                        help="Zipf exponents, one run each (default: 1.05 1.2; 0 = uniform)")
+    parser.add_argument("--cache-fraction", type=float, default=0.05,
+                        help="slot cache size, fraction of all rows (default 0.05)")
+    parser.add_argument("--associativity", type=int, default=32, help="ways per cache set (default 32)")
+    parser.add_argument("--depth", type=int, default=2, help="batches the pipeline prefetches ahead, 1..8 (default 2)")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
+                        help="cache policies run pipelined (default: lru lfu lookahead)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                        help="what to run (default: all): hbm, managed, serial (lru, prefetch in forward), "
+                             "pipelined (every --policies)")
+    parser.add_argument("--warmup", type=int, help="steps before timing, per run (default 15; 2 in simulation)")
+    parser.add_argument("--batches", type=int, help="timed steps per run (default 20; 2 in simulation)")
+    parser.add_argument("--bounds-check", default="off", choices=["off", "raise"],
+                        help="the module's bounds_check ('raise' adds a host sync per batch); default off")
+    parser.add_argument("--bottom-mlp", default="512,256",
+                        help="hidden widths of the bottom MLP, then dim (default 512,256)")
+    parser.add_argument("--top-mlp", default="512,256", help="hidden widths of the top MLP, then 1 (default 512,256)")
+    parser.add_argument("--dense-precision", default="tf32", choices=["tf32", "fp32"],
+                        help="matmuls of the dense MLPs on a GPU (default tf32, as DLRM training on Hopper)")
+    parser.add_argument("--record", action="store_true", help=f"append the results to {common.RESULTS}")
+    parser.add_argument("--results-file", type=Path, default=common.RESULTS, help="where --record appends")
+    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the lookups and the dense data")
+    args = parser.parse_args(argv)
+    defaults = SIMULATION_DEFAULTS if SIMULATION else GPU_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if not 1 <= args.num_tables <= len(CRITEO_KAGGLE_TABLE_ROWS):
+        parser.error(f"--num-tables must be between 1 and {len(CRITEO_KAGGLE_TABLE_ROWS)}")
+    if not 1 <= args.depth <= 8:
+        parser.error("--depth must be between 1 and 8")
+    if args.warmup < 0 or args.batches < 1:
+        parser.error("--warmup must be >= 0 and --batches >= 1")
+    try:
+        args.bottom_mlp = [int(w) for w in args.bottom_mlp.split(",") if w]
+        args.top_mlp = [int(w) for w in args.top_mlp.split(",") if w]
+    except ValueError:
+        parser.error("--bottom-mlp and --top-mlp take comma-separated integers, e.g. 512,256")
+    return args
+
+
+def mlp(widths: list[int], last_relu: bool) -> nn.Sequential:
+    layers = []
+    for i, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
+        layers.append(nn.Linear(fan_in, fan_out))
+        if last_relu or i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class SmallDLRM(nn.Module):
+    """bottom MLP(dense) and the T pooled embeddings -> pairwise dots (DLRM's interaction) -> top MLP -> logit [B]."""
+
+    def __init__(self, embeddings, num_tables: int, dim: int, bottom: list[int], top: list[int]):
+        super().__init__()
+        self.embeddings = embeddings
+        self.num_tables, self.dim = num_tables, dim
+        self.bottom = mlp([NUM_DENSE, *bottom, dim], last_relu=True)
+        features = num_tables + 1
+        self.register_buffer("pairs", torch.triu_indices(features, features, offset=1), persistent=False)
+        self.top = mlp([dim + features * (features - 1) // 2, *top, 1], last_relu=False)
+
+    def forward(self, indices, offsets, dense) -> torch.Tensor:
+        pooled = self.embeddings(indices, offsets)  # [B, T * dim]
+        bottom = self.bottom(dense)
+        features = torch.cat([bottom.unsqueeze(1), pooled.view(-1, self.num_tables, self.dim)], dim=1)
+        dots = torch.bmm(features, features.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
+        return self.top(torch.cat([bottom, dots], dim=1)).squeeze(1)
+
+
+def make_batches(table_rows, alpha, args, device) -> list[tuple[torch.Tensor, ...]]:
+    """``warmup + batches + depth`` batches ``(indices, offsets, dense, labels)`` on the device:
+    the pipeline keeps ``depth`` batches ahead of the last timed step."""
+    count = args.warmup + args.batches + args.depth
+    lookups = common.ZipfBatches(table_rows, alpha, args.batch_size, args.bag_size, device, seed=args.seed)
+    generator = torch.Generator(device=device).manual_seed(args.seed + 1)
+    batches = []
+    for _ in range(count):
+        indices, offsets = lookups.next()
+        dense = torch.randn(args.batch_size, NUM_DENSE, device=device, generator=generator)
+        labels = (torch.rand(args.batch_size, device=device, generator=generator) < 0.25).float()
+        batches.append((indices, offsets, dense, labels))
+    return batches
+
+
+def lookahead_hints(emb) -> bool:
+    """Whether any slot holds a next-use hint now (reads the device)."""
+    return emb.cache is not None and bool((emb.cache.next_use != NEXT_USE_UNKNOWN).any())
+
+
+def train(model: SmallDLRM, batches, args, pipelined: bool) -> dict:
+    """Run ``warmup`` steps, then time ``batches`` steps (wall clock, synchronized at both ends)."""
+    emb = model.embeddings
+    dense_optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    loss_fn = nn.BCEWithLogitsLoss()
+    steps = args.warmup + args.batches
+    hints = False
+    start = None
+    source = PrefetchPipeline(model, batches, depth=args.depth) if pipelined else None
+    try:
+        for i, (indices, offsets, dense, labels) in enumerate(source if pipelined else batches):
+            if i == args.warmup:
+                common.synchronize()
+                emb.reset_cache_stats()
+                start = time.perf_counter()
+            loss = loss_fn(model(indices, offsets, dense), labels)
+            dense_optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # the embedding tables update here, fused
+            dense_optimizer.step()
+            if i < args.warmup and emb.cache is not None and emb.cache.policy == "lookahead" and not hints:
+                hints = lookahead_hints(emb)  # outside the timed steps: it reads the device
+            if i + 1 == steps:
+                break
+    finally:
+        if source is not None:
+            source.close()
+    common.synchronize()
+    elapsed = time.perf_counter() - start
+    stats = emb.cache_stats()
+    batches_seen = max(stats.batches, 1)
+    return dict(step_ms=elapsed / args.batches * 1e3, samples_per_s=args.batches * args.batch_size / elapsed,
+                rows_in_per_batch=stats.rows_copied_in / batches_seen if emb.cache is not None else None,
+                write_backs_per_batch=stats.write_backs / batches_seen if emb.cache is not None else None,
+                hit_rate=stats.hit_rate_by_lookup if emb.cache is not None else None,
+                lookahead_hints=hints if emb.cache is not None and emb.cache.policy == "lookahead" else None,
+                stats=stats.as_dict())
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = default_device()
+    table_rows = criteo_rows(args)
+    batches = {alpha: make_batches(table_rows, alpha, args, device) for alpha in args.alpha}
+
+    # (label, placement, policy, runs): the runs of one module, in order, each over every alpha.
+    models = []
+    if "hbm" in args.modes:
+        models.append(("all HBM", Placement.DEVICE, None, ["serial"]))
+    if "managed" in args.modes:
+        models.append(("managed, no cache", Placement.MANAGED, None, ["serial"]))
+    for policy in args.policies:
+        # Pipelined first: every policy's pipelined runs then start from the same (empty) cache.
+        runs = (["pipelined"] if "pipelined" in args.modes else []) + \
+               (["serial"] if policy == "lru" and "serial" in args.modes else [])
+        if runs:
+            models.append((f"host_cached {policy}", Placement.HOST_CACHED, policy, runs))
+
+    results = []
+    for label, placement, policy, runs in models:
+        start = time.perf_counter()
+        try:
+            cache = CacheConfig(fraction=args.cache_fraction, policy=policy,
+                                associativity=args.associativity) if policy else None
+            emb = build_module(table_rows, args.dim, placement, cache, args)
+        except ValueError as error:
+            if policy is None:
+                raise
+            print(f"{label}: not available ({error}): n/a", flush=True)
+            for run_mode in runs:
+                for alpha in args.alpha:
+                    results.append(dict(model=label, policy=policy, run=run_mode, alpha=alpha, available=False,
+                                        reason=str(error)))
+            continue
+        model = SmallDLRM(emb, len(table_rows), args.dim, args.bottom_mlp, args.top_mlp).to(device)
+        print(f"{label}: built in {time.perf_counter() - start:.1f} s", flush=True)
+        for run_mode in runs:
+            for alpha in args.alpha:
+                measured = train(model, batches[alpha], args, pipelined=run_mode == "pipelined")
+                results.append(dict(model=label, policy=policy, run=run_mode, alpha=alpha, available=True,
+                                    **measured))
+                print(f"  {run_mode} zipf {alpha:g}: step {measured['step_ms']:.3f} ms", flush=True)
+        del model, emb
+        free()
+
+    for r in results:
+        if not r["available"]:
+            continue
+        hbm = find(results, "all HBM", "serial", r["alpha"])
+        lru = find(results, "host_cached lru", r["run"], r["alpha"])
+        r["throughput_vs_hbm"] = r["samples_per_s"] / hbm["samples_per_s"] if hbm else None
+        r["rows_vs_lru"] = (r["rows_in_per_batch"] / lru["rows_in_per_batch"]
+                            if lru and r["rows_in_per_batch"] is not None and lru["rows_in_per_batch"] else None)
+    return results
+
+
+def find(results, model, run_mode, alpha) -> dict | None:
+    for r in results:
+        if r["model"] == model and r["run"] == run_mode and r["alpha"] == alpha and r["available"]:
+            return r
+    return None
+
+
+def describe(r: dict, depth: int) -> str:
+    if r["run"] == "pipelined":
+        return f"{r['model']}, pipelined depth {depth}"
+    return r["model"] if r["policy"] is None else f"{r['model']}, serial (prefetch in forward)"
+
+
+def format_table(results: list[dict], args) -> list[str]:
+    header = ["model", "lookups", "step ms", "samples/s", "throughput / all-HBM", "rows moved / batch",
+              "rows moved / LRU's", "write-backs / batch", "hit rate (lookups)"]
+    rows = []
+    for r in results:
+        name = describe(r, args.depth)
+        if not r["available"]:
+            rows.append([name, f"zipf {r['alpha']:g}"] + ["n/a"] * (len(header) - 2))
+            continue
+        note = " (no lookahead hints seen: ran as LRU)" if r["lookahead_hints"] is False else ""
+        rows.append([
+            name + note, f"zipf {r['alpha']:g}", common.fmt(r["step_ms"]), common.fmt(r["samples_per_s"], ",.0f"),
+            common.fmt(r["throughput_vs_hbm"], ".2f"), common.fmt(r["rows_in_per_batch"], ",.0f"),
+            common.fmt(r["rows_vs_lru"], ".2f"), common.fmt(r["write_backs_per_batch"], ",.0f"),
+            common.fmt(r["hit_rate"], ".4f"),
+        ])
+    lines = common.markdown_table(header, rows, "ll" + "r" * (len(header) - 2))
+    lines.append("")
+    lines.append(f"Step = forward + backward (fused table update) + dense SGD step; dense matmuls "
+                 f"{args.dense_precision if not SIMULATION else 'fp32 (CPU)'}. Rows moved = "
+                 f"cache_stats().rows_copied_in / batches.")
+    for alpha in args.alpha:
+        for r in (r for r in results if r["alpha"] == alpha and r["run"] == "pipelined" and r["available"]):
+            if r["throughput_vs_hbm"] is not None:
+                lines.append(f"- zipf {alpha:g}, {r['model']} pipelined: throughput / all-HBM "
+                             f"{r['throughput_vs_hbm']:.2f} (target >= {THROUGHPUT_TARGET}: "
+                             f"{judge(r['throughput_vs_hbm'] >= THROUGHPUT_TARGET)})")
+        lookahead = find(results, "host_cached lookahead", "pipelined", alpha)
+        if any(r["model"] == "host_cached lookahead" and r["alpha"] == alpha and not r["available"]
+               for r in results):
+            lines.append(f"- zipf {alpha:g}: lookahead rows moved / LRU: n/a (policy not available)")
+        elif lookahead and lookahead["rows_vs_lru"] is not None:
+            verdict = judge(lookahead["rows_vs_lru"] <= LOOKAHEAD_TARGET) if alpha == 1.05 else "target is at zipf 1.05"
+            if lookahead["lookahead_hints"] is False:
+                verdict = "no next-use hints were written: it ran as LRU, so the target is not tested"
+            lines.append(f"- zipf {alpha:g}: lookahead rows moved / LRU {lookahead['rows_vs_lru']:.2f} "
+                         f"(target <= {LOOKAHEAD_TARGET}: {verdict})")
+    return lines
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    print(describe_mode())
+    if SIMULATION:
+        print(common.SIMULATION_NOTE)
+    table_rows = criteo_rows(args)
+    print(f"{len(table_rows)} Criteo Kaggle tables ({sum(table_rows):,} rows"
+          f"{f', capped at {args.row_cap:,}' if args.row_cap else ''}) x {args.dim} fp32, row-wise Adagrad; "
+          f"batch {args.batch_size} x bag {args.bag_size}; cache {args.cache_fraction:g} of rows, "
+          f"{args.associativity} ways; pipeline depth {args.depth}; {args.warmup} warm-up + {args.batches} timed "
+          f"steps per run; on {common.device_name()}", flush=True)
+    tf32 = None
+    if not SIMULATION:
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = args.dense_precision == "tf32"
+    try:
+        results = run(args)
+    finally:
+        if tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+    table = format_table(results, args)
+    print("\n".join(table))
+    if args.json:
+        common.write_json(args.json, SCRIPT, args, results)
+        print(f"wrote {args.json}")
+    if args.record:
+        common.append_results(args.results_file, SCRIPT, argv, table)
+        print(f"appended to {args.results_file}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""Helpers shared by the benchmark scripts: timing, Zipf batches on the device, host-bus bandwidth, results.
+
+Import ``tiered_tbe`` (or anything under it) before this module in a script, so that CPU
+simulation mode is chosen before triton or numba load; this module imports it first itself.
+
+- :func:`time_ms`: median milliseconds of a callable (``triton.testing.do_bench`` on a GPU).
+- :class:`StepTimer`: CUDA events around the phases of every step (prefetch, forward, ...),
+  read once at the end; medians and totals per phase.
+- :class:`ZipfBatches`: batches in FBGEMM's TBE layout drawn on the device, Zipf(alpha) per
+  table over a random permutation of its rows (the distribution of ``tiered_tbe.traces``).
+- :func:`pinned_copy_bandwidth`: pinned host <-> device ``memcpy`` GB/s, the bus ceiling.
+- :func:`markdown_table`, :func:`append_results`, :func:`write_json`: report what was measured.
+
+In simulation mode every "time" is of the CPU interpreter and means nothing; the helpers still
+run, so the scripts can be tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from tiered_tbe._mode import SIMULATION
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+SIMULATION_NOTE = ("SIMULATION: kernels run in the Triton interpreter and the Numba CUDA simulator; "
+                   "timings are meaningless.")
+
+
+# ------------------------------------------------------------------------------------ timing
+
+
+def synchronize() -> None:
+    if not SIMULATION:
+        torch.cuda.synchronize()
+
+
+def time_ms(fn: Callable[[], object], rep_ms: float = 200.0) -> float:
+    """Median milliseconds of ``fn()``: ``do_bench`` on a GPU (CUDA events, warm-up included),
+    a wall clock over three calls after one warm-up call in simulation."""
+    if SIMULATION:
+        fn()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=max(25.0, rep_ms / 4), rep=rep_ms, quantiles=[0.5, 0.2, 0.8])[0]
+
+
+class StepTimer:
+    """Times named phases of repeated steps with CUDA events on the current stream.
+
+    ``mark(name)`` ends the phase ``name`` that began at the previous mark of the step (or at
+    ``start()``). Nothing waits for the device until :meth:`phases` reads every event once, so
+    the timing adds no host sync between steps. In simulation a host clock stands in (the
+    work is synchronous there).
+
+    Example::
+
+        timer = StepTimer()
+        for batch in batches:
+            timer.start(); emb.prefetch(i, o); timer.mark("prefetch"); out = emb(i, o); timer.mark("forward")
+        timer.phases()   # {"prefetch": [ms, ...], "forward": [ms, ...]}
+    """
+
+    def __init__(self):
+        self._steps: list[list[tuple[str, object]]] = []
+
+    def _stamp(self):
+        if SIMULATION:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._steps.append([("", self._stamp())])
+
+    def mark(self, name: str) -> None:
+        self._steps[-1].append((name, self._stamp()))
+
+    def phases(self) -> dict[str, list[float]]:
+        """Milliseconds of every phase of every step, and ``"step"`` (first to last mark)."""
+        synchronize()
+        out: dict[str, list[float]] = {}
+        for marks in self._steps:
+            for (_, before), (name, after) in zip(marks, marks[1:]):
+                out.setdefault(name, []).append(_elapsed_ms(before, after))
+            out.setdefault("step", []).append(_elapsed_ms(marks[0][1], marks[-1][1]))
+        return out
+
+
+def _elapsed_ms(before, after) -> float:
+    if SIMULATION:
+        return (after - before) * 1e3
+    return before.elapsed_time(after)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+# ------------------------------------------------------------------------------------ batches
+
+
+class ZipfBatches:
+    """Batches of lookups in FBGEMM's TBE layout, drawn on ``device``.
+
+    Every table draws its rows independently: popularity rank ``k`` (1-based) with probability
+    proportional to ``k ** -alpha``, mapped to a row through a random permutation of the table
+    (hot rows scattered over the table, hence over the sets of the cache), as
+    :class:`tiered_tbe.traces.ZipfSampler` does. All tables are sampled by one ``searchsorted``
+    over their CDFs laid end to end, table ``t``'s shifted by ``t`` (values in ``(t, t + 1]``):
+    a uniform draw ``t + u`` finds its rank in table ``t`` only.
+
+    Memory: 16 bytes per row of all tables on ``device`` (float64 CDF, int64 permutation).
+
+    Args:
+        table_rows: rows of each table.
+        alpha: Zipf exponent (> 0); ``0`` draws rows uniformly.
+        batch_size: bags per table per batch (``B``).
+        bag_size: lookups per bag (``L``).
+        device: where the batches (and the CDFs) live.
+        seed: seeds the permutations and the draws.
+
+    ``next()`` returns ``(indices, offsets)``: int64 ``[T * B * L]`` table-local rows, table-major,
+    and int64 ``[T * B + 1]`` offsets (the same tensor for every batch).
+    """
+
+    def __init__(self, table_rows: Sequence[int], alpha: float, batch_size: int, bag_size: int,
+                 device: torch.device | str, seed: int = 0):
+        if alpha < 0 or not math.isfinite(alpha):
+            raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
+        self.table_rows = [int(n) for n in table_rows]
+        self.alpha, self.batch_size, self.bag_size = alpha, batch_size, bag_size
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        num_tables = len(self.table_rows)
+        lookups_per_table = batch_size * bag_size
+        on = dict(device=self.device)
+        starts = [0]
+        for n in self.table_rows:
+            starts.append(starts[-1] + n)
+        self.row_start = torch.tensor(starts, dtype=torch.int64, **on)
+        self.table_of_lookup = torch.arange(num_tables, **on).repeat_interleave(lookups_per_table)
+        self.offsets = torch.arange(0, num_tables * lookups_per_table + 1, bag_size, dtype=torch.int64, **on)
+        self.local_row = torch.empty(starts[-1], dtype=torch.int64, **on)  # rank -> row, per table
+        self.shifted_cdf = torch.empty(starts[-1] if alpha else 0, dtype=torch.float64, **on)
+        for t, n in enumerate(self.table_rows):
+            self.local_row[starts[t]:starts[t + 1]] = torch.randperm(n, generator=self.generator, **on)
+            if alpha:
+                cdf = torch.arange(1, n + 1, dtype=torch.float64, **on).pow_(-alpha).cumsum_(0)
+                cdf /= cdf[-1].clone()
+                self.shifted_cdf[starts[t]:starts[t + 1]] = cdf.add_(t)
+                del cdf
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        num_lookups = self.table_of_lookup.numel()
+        uniform = torch.rand(num_lookups, dtype=torch.float64, generator=self.generator, device=self.device)
+        first, end = self.row_start[self.table_of_lookup], self.row_start[self.table_of_lookup + 1]
+        if self.alpha:
+            position = torch.searchsorted(self.shifted_cdf, uniform.add_(self.table_of_lookup), right=True)
+        else:
+            position = first + (uniform * (end - first)).long()
+        position = torch.minimum(position, end - 1)  # t + u may round up to t + 1
+        return self.local_row[position], self.offsets
+
+    def batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.next() for _ in range(count)]
+
+
+def global_rows(indices: torch.Tensor, offsets: torch.Tensor, table_rows: Sequence[int]) -> torch.Tensor:
+    """Global row ids (row ``r`` of table ``t`` = rows of tables before ``t`` + ``r``) of a TBE
+    batch whose bags all hold the same number of lookups."""
+    num_tables = len(table_rows)
+    lookups_per_table = indices.numel() // num_tables
+    starts = torch.tensor([0, *table_rows], dtype=torch.int64, device=indices.device).cumsum(0)[:-1]
+    return indices + starts.repeat_interleave(lookups_per_table)
+
+
+# ------------------------------------------------------------------------------------ host bus
+
+
+def pinned_copy_bandwidth(gib: float, rep_ms: float = 200.0) -> dict[str, float]:
+    """GB/s of one ``copy_`` of ``gib`` GiB from pinned host memory to the device and back
+    (bytes moved once; ``do_bench`` medians). Random data, never zeros."""
+    numel = max(1, int(gib * 2**30) // 4)
+    device = "cpu" if SIMULATION else "cuda"
+    on_device = torch.rand(numel, device=device)
+    host = torch.empty(numel, pin_memory=not SIMULATION)
+    host.copy_(on_device)  # random bytes both ways, drawn on the device (fast)
+    to_device_ms = time_ms(lambda: on_device.copy_(host, non_blocking=True), rep_ms)
+    to_host_ms = time_ms(lambda: host.copy_(on_device, non_blocking=True), rep_ms)
+    nbytes = numel * 4
+    return {"h2d_gbs": nbytes / to_device_ms / 1e6, "d2h_gbs": nbytes / to_host_ms / 1e6}
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available for new allocations (``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ------------------------------------------------------------------------------------ reporting
+
+
+def device_name() -> str:
+    return "CPU simulation" if SIMULATION else torch.cuda.get_device_name()
+
+
+def git_commit() -> str:
+    """Short commit of the checkout, ``+uncommitted`` when tracked files changed; ``unknown``
+    outside a git checkout."""
+    here = Path(__file__).parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                                cwd=here).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=here).stdout.strip()
+        return commit + ("+uncommitted" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def fmt(value, spec: str = ".3f") -> str:
+    """``value`` formatted, ``-`` for None / NaN, strings unchanged."""
+    if value is None or isinstance(value, str):
+        return "-" if value is None else value
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
+    return format(value, spec)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> list[str]:
+    """Lines of a markdown table. ``align``: one of ``l``/``r`` per column (default: first left, rest right)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    rule = ["---" if a == "l" else "---:" for a in align]
+    return ["| " + " | ".join(cells) + " |" for cells in (header, rule, *rows)]
+
+
+def append_results(results_file: Path, script: str, argv: Sequence[str], lines: Sequence[str]) -> None:
+    """Append a section (date, device, commit, command, the lines) to ``results_file``, as
+    bench_kernels.py does; the file gets a title when new."""
+    header = "" if results_file.exists() else "# Benchmark results\n"
+    command = "python " + " ".join([f"benchmarks/{script}", *argv])
+    note = " (simulation: times meaningless)" if SIMULATION else ""
+    with results_file.open("a") as out:
+        out.write(f"{header}\n## {Path(script).stem}, {datetime.date.today().isoformat()}, {device_name()}, "
+                  f"commit {git_commit()}\n\n`{command}`{note}\n\n" + "\n".join(lines) + "\n")
+
+
+def write_json(path: Path, script: str, args, results) -> None:
+    """Write the results (JSON-able), the arguments and the context to ``path``."""
+    document = {
+        "script": script,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": device_name(),
+        "simulation": SIMULATION,
+        "commit": git_commit(),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "results": results,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1, default=str) + "\n")
