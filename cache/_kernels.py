@@ -205,3 +205,19 @@ def unlock_kernel(
         slot = sorted_slots[i]
         if slot != NO_SLOT and (i == 0 or sorted_slots[i - 1] != slot):
             locks[slot] -= 1
+
+
+@cuda.jit
+def set_next_use_kernel(
+    sorted_slots,  # int32 [M]: slot of each hinted row (NO_SLOT when not cached), sorted ascending;
+    #                equal slots ordered by ascending use, so the first of each run is the soonest
+    sorted_uses,  # int64 [M]: the step at which each hinted row is next used, in the same order
+    next_use,  # int64 [S]: reset to NEXT_USE_UNKNOWN by the caller; out: soonest use per hinted slot
+):
+    """Write each hinted slot's soonest use, once per distinct slot (no atomics: one writer each)."""
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for i in range(start, sorted_slots.shape[0], stride):
+        slot = sorted_slots[i]
+        if slot != NO_SLOT and (i == 0 or sorted_slots[i - 1] != slot):
+            next_use[slot] = sorted_uses[i]

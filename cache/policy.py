@@ -22,8 +22,9 @@ Per-slot state
     ``tags[slot]``: the global row held, or ``EMPTY`` (-1). ``last_use[slot]``: the step that
     last used the row (LRU). ``use_count[slot]``: batches that used the row since it was filled,
     aged (LFU). ``locks[slot]``: in-flight batches that need the row. ``dirty[slot]``: the slot
-    holds updates its backing store lacks. ``next_use[slot]``: the step at which a queued batch
-    next needs the row, ``NEXT_USE_UNKNOWN`` when no queued batch does (lookahead only).
+    holds updates its backing store lacks. ``next_use[slot]``: the step at which a batch of the
+    lookahead window next needs the row, ``NEXT_USE_UNKNOWN`` when none does (read by
+    lookahead only; see "Lookahead window").
 
 Step
     One prefetch is one step; steps count 1, 2, 3, ... Every prefetch counts, even one whose
@@ -53,10 +54,28 @@ Victim keys (smaller is evicted first; compared as a pair, then by way)
     ``lru``: ``(last_use, 0)``: the least recently used row.
     ``lfu``: ``(use_count, last_use)``: the least used row; among equally used rows the least
     recently used one.
-    ``lookahead``: ``(-next_use, last_use)``: rows no queued batch needs first (their
+    ``lookahead``: ``(-next_use, last_use)``: rows no batch of the window needs first (their
     ``next_use`` is ``NEXT_USE_UNKNOWN``, the largest value), least recently used first; then
-    the row needed latest. With no queued batches every ``next_use`` is unknown and lookahead
-    is exactly LRU.
+    the row needed latest (Belady's rule over the window), the least recently used on a tie.
+    With no hint every ``next_use`` is unknown and lookahead is exactly LRU.
+
+Lookahead window
+    Before the prefetch of batch ``j`` (whose step will be ``step + 1``), the caller passes the
+    rows of the next ``W`` batches, ``j+1 .. j+W`` (fewer at the end of the data), to
+    ``SlotCache.set_next_use(rows, uses_at)``, each row with the step at which its batch will
+    be prefetched, ``step + 1 + (m - j)`` for batch ``m``. Every ``next_use`` becomes
+    ``NEXT_USE_UNKNOWN``; then each slot holding a named row gets the smallest step naming it.
+    Rows named but not cached change nothing. The prefetch of batch ``j`` then ranks its
+    victims by these values: a row used by batch ``j`` itself is locked (a hit) before any
+    victim is chosen, and the slot a miss fills keeps its previous occupant's value, which
+    nothing reads before the next ``set_next_use`` (the slot is locked meanwhile).
+
+    The simulator (:mod:`tiered_tbe.cache.simulator`, ``lookahead_window=W``) reads the window
+    from the trace: each lookup's next batch naming its row is found once, in one backward
+    pass; each slot keeps its row's next use, set whenever a batch uses the row (a cached row
+    is used by every batch naming it, as a hit); before a miss chooses a victim, the ways of
+    its set get ``next_use = that step`` if it is at most ``step + W``, else
+    ``NEXT_USE_UNKNOWN``: what ``set_next_use`` wrote for them.
 
 Locks
     A prefetch adds one lock to each slot it returns (hit or fill), once per unique row.
@@ -64,13 +83,17 @@ Locks
     after backward, or after forward under ``no_grad``. A locked slot is never a victim. In
     serial training (prefetch, forward, backward, unlock) every lock is released before the
     next prefetch; with a prefetch pipeline the rows of every batch in flight stay locked.
+    The simulator's ``pipeline_depth=k`` (every policy) releases batch ``j - k`` right after
+    the prefetch of batch ``j`` (``mark_dirty`` of its slots first, in training), so the rows
+    of the ``k`` batches before batch ``j`` are locked while it is prefetched; ``k = 0`` is
+    serial training.
 
 Extending the policy
     A new policy adds a code below and a branch to :func:`victim_key`; the kernels and the
     simulator call ``victim_key`` through :func:`choose_victim` and need no change. Knowledge
-    from outside the slot enters as a per-slot array written before the prefetch: the
-    lookahead policy's ``next_use`` is already passed through the kernels and the simulator
-    (``SlotCache.next_use``; the simulator keeps it unknown, so it refuses ``lookahead``).
+    from outside the slot enters as a per-slot array written before the prefetch, as the
+    lookahead policy's ``next_use`` (``SlotCache.set_next_use``; the simulator derives the
+    same values from the trace).
 """
 
 from __future__ import annotations

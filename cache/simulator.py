@@ -1,16 +1,34 @@
 """An exact CPU simulator of the slot cache's policies, for hit rates and capacity planning.
 
 It runs the policy of :mod:`tiered_tbe.cache.policy` (the same compiled functions the GPU
-kernels use) over a trace of batches of global row ids, as serial training would drive a
-:class:`~tiered_tbe.cache.slot_cache.SlotCache`: for each batch ``prefetch``, then (with
-``training=True``) ``mark_dirty`` of every slot it returned, then ``unlock``. On the same trace
-and configuration its :class:`CacheStats` equal the cache's, counter for counter, and its
-final per-slot state equals the cache's, slot for slot.
+kernels use) over a trace of batches of global row ids, as training drives a
+:class:`~tiered_tbe.cache.slot_cache.SlotCache`. With ``pipeline_depth = k`` (0: serial
+training), for each batch ``j`` in order:
+
+1. (``lookahead`` only) ``set_next_use`` with the rows of batches ``j+1 .. j+W``
+   (``W = lookahead_window``, fewer at the end of the trace), each at the step at which its
+   batch will be prefetched;
+2. ``prefetch`` of batch ``j``;
+3. batch ``j - k`` finishes: (with ``training=True``) ``mark_dirty`` of every slot its
+   prefetch returned, then ``unlock``.
+
+So while batch ``j`` is prefetched the rows of the ``k`` batches before it stay locked, as a
+prefetch pipeline of depth ``k`` holds them until their backward; with ``k = 0`` every batch
+is unlocked right after its own prefetch. On the same trace and configuration its
+:class:`CacheStats` equal the cache's, counter for counter, and its final per-slot state
+equals the cache's, slot for slot.
+
+The lookahead hints come from the trace itself: each lookup's next batch naming its row is
+computed once, in one backward pass (:func:`_next_batches`). A cached row's next use changes
+only when a batch uses it, so each slot keeps the step of its row's next use
+(``next_step``), and before a miss chooses a victim the ways of its set get
+``next_use = next_step`` where that is within the window, else ``NEXT_USE_UNKNOWN``: exactly
+what ``set_next_use`` would have written for them.
 
 The whole trace goes through one ``numba.njit`` call. Measured on one core of a development
 machine (Zipf 1.05 over 50M rows, batches of 65536, 32 ways): 3.5-7 M lookups/s for 64K-4M
 slots, i.e. 100M lookups in 15-30 s; slower under memory contention, since each lookup lands
-on a random set (``python -m tiered_tbe.cache.simulator`` measures it).
+on a random set (``python -m tiered_tbe.cache.simulator`` measures it, lookahead included).
 """
 
 from __future__ import annotations
@@ -38,53 +56,85 @@ from tiered_tbe.cache.stats import CacheStats
 _COUNTERS = ("lookups", "lookup_hits", "unique_hits", "unique_misses", "misses_no_slot", "evictions",
              "write_backs")
 
+# Row ids up to this many times the number of lookups (and at least up to _DIRECT_IDS) index the
+# next-use table directly; sparser ids are first renumbered with np.unique.
+_DIRECT_IDS = 1 << 22
+_DIRECT_IDS_PER_LOOKUP = 4
+
 
 # Not cache=True: numba's on-disk cache is keyed on this file alone, and would keep running the
 # policy of an older policy.py after an edit there. Compiling takes about a second per process.
 @numba.njit
-def _run_batches(rows, batch_offsets, first_step, num_sets, associativity, policy, lfu_decay_interval,
-                 training, tags, last_use, use_count, next_use, locks, dirty, counters):
-    """Advance the cache state over ``batch_offsets.size - 1`` batches (see simulate)."""
+def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associativity, policy,
+                 lfu_decay_interval, training, lookahead_window, next_batch_of_lookup, tags, last_use,
+                 use_count, next_use, next_step, locks, dirty, in_flight_slots, in_flight_counts, counters):
+    """Advance the cache state over the first ``num_batches`` batches of ``batch_offsets`` (see
+    CacheSimulator.run); the batches after them are only the future that lookahead sees.
+
+    ``next_batch_of_lookup`` (int32 [len(rows)], lookahead with a window only, else empty): the
+    next batch (index into ``batch_offsets``) naming each lookup's row, ``batch_offsets.size - 1``
+    when none does. ``in_flight_slots`` (int32 [depth + 1, capacity]) / ``in_flight_counts``
+    (int64 [depth + 1]): a ring of the slots each batch in flight locked, batch of step ``s`` in
+    row ``s % (depth + 1)``.
+    """
+    hinted = policy == POLICY_LOOKAHEAD and lookahead_window > 0
+    known_batches = batch_offsets.size - 1
+    ring = in_flight_counts.size  # pipeline_depth + 1
     longest = 0
-    for b in range(batch_offsets.size - 1):
+    for b in range(num_batches):
         longest = max(longest, batch_offsets[b + 1] - batch_offsets[b])
     missed = np.empty(longest, dtype=np.int64)  # rows of this batch not found at prefetch
-    touched = np.empty(longest, dtype=np.int64)  # slots this batch locked
+    missed_next = np.empty(longest if hinted else 0, dtype=np.int64)  # their next use (step)
     # Counted in locals (registers), stored once at the end.
     lookups = lookup_hits = unique_hits = unique_misses = misses_no_slot = evictions = write_backs = 0
 
-    for b in range(batch_offsets.size - 1):
+    for b in range(num_batches):
         step = first_step + b + 1
+        held = in_flight_slots[step % ring]  # the slots this batch locks
+        num_held = 0
         num_missed = 0
-        num_touched = 0
-        # Hits of every set first (policy.py, step 2). All locks are released between batches,
-        # so a hit slot that is already locked was hit earlier in this batch.
+        # Hits of every set first (policy.py, step 2). A hit or fill sets last_use = step, so a
+        # slot already used at this step was hit earlier in this batch (other batches in flight
+        # may hold locks on it too: locks count batches).
         for i in range(batch_offsets[b], batch_offsets[b + 1]):
             row = rows[i]
             first_slot = set_of_row_cpu(row, num_sets) * associativity
             slot = find_way_cpu(tags, first_slot, associativity, row)
             if slot == NO_SLOT:
                 missed[num_missed] = row
+                if hinted:
+                    missed_next[num_missed] = _step_of_batch(next_batch_of_lookup[i], known_batches, first_step)
                 num_missed += 1
                 continue
             lookup_hits += 1
-            if locks[slot] == 0:
+            if last_use[slot] != step:
                 unique_hits += 1
                 touch_on_hit_cpu(slot, step, last_use, use_count)
-                locks[slot] = 1
-                touched[num_touched] = slot
-                num_touched += 1
+                locks[slot] += 1
+                held[num_held] = slot
+                num_held += 1
+                if hinted:
+                    next_step[slot] = _step_of_batch(next_batch_of_lookup[i], known_batches, first_step)
         lookups += batch_offsets[b + 1] - batch_offsets[b]
 
         # Then misses in ascending row order (policy.py, step 3). Sets are independent, so one
         # pass in global row order is each set's misses in ascending order.
-        missed[:num_missed].sort()
+        if hinted:  # keep each missed row's next use beside it (repeats of a row share it)
+            order = np.argsort(missed[:num_missed])
+            missed[:num_missed] = missed[:num_missed][order]
+            missed_next[:num_missed] = missed_next[:num_missed][order]
+        else:
+            missed[:num_missed].sort()
+        horizon = step + lookahead_window  # the last step whose batch the window shows
         for k in range(num_missed):
             row = missed[k]
             if k > 0 and row == missed[k - 1]:
                 continue
             unique_misses += 1
             first_slot = set_of_row_cpu(row, num_sets) * associativity
+            if hinted:  # what set_next_use wrote before this prefetch, for the ways of this set
+                for slot in range(first_slot, first_slot + associativity):
+                    next_use[slot] = next_step[slot] if next_step[slot] <= horizon else NEXT_USE_UNKNOWN
             slot = choose_victim_cpu(policy, tags, last_use, use_count, next_use, locks, first_slot,
                                      associativity)
             if slot == NO_SLOT:
@@ -97,15 +147,22 @@ def _run_batches(rows, batch_offsets, first_step, num_sets, associativity, polic
             tags[slot] = row
             touch_on_fill_cpu(slot, step, last_use, use_count)
             dirty[slot] = 0
-            locks[slot] = 1
-            touched[num_touched] = slot
-            num_touched += 1
+            locks[slot] += 1
+            held[num_held] = slot
+            num_held += 1
+            if hinted:
+                next_step[slot] = missed_next[k]
+        in_flight_counts[step % ring] = num_held
 
-        # Serial training: backward updates every row the batch used (dirty), then unlocks.
-        for k in range(num_touched):
-            locks[touched[k]] = 0
+        # The batch prefetched pipeline_depth steps ago finishes (this one, when serial): its
+        # backward updated every row it used (dirty), then it unlocks them.
+        finished = (step + 1) % ring  # == (step - pipeline_depth) % ring
+        for k in range(in_flight_counts[finished]):
+            slot = in_flight_slots[finished, k]
+            locks[slot] -= 1
             if training:
-                dirty[touched[k]] = 1
+                dirty[slot] = 1
+        in_flight_counts[finished] = 0
         if step % lfu_decay_interval == 0:
             for slot in range(use_count.size):
                 use_count[slot] >>= 1
@@ -114,53 +171,108 @@ def _run_batches(rows, batch_offsets, first_step, num_sets, associativity, polic
         counters[k] += value
 
 
+@numba.njit(inline="always")
+def _step_of_batch(batch, known_batches, first_step):
+    """The step of batch ``batch`` of this run, ``NEXT_USE_UNKNOWN`` past the known batches."""
+    return first_step + batch + 1 if batch < known_batches else NEXT_USE_UNKNOWN
+
+
+@numba.njit
+def _next_batches(ids, batch_offsets, num_ids, next_batch_of_lookup, first_batch_of_id):
+    """One backward pass over the trace (``ids``: int64 [N], dense row ids in ``[0, num_ids)``).
+
+    Fills ``next_batch_of_lookup`` (int32 [N]): the first batch after each lookup's own that
+    names its row, else ``num_batches``; and ``first_batch_of_id`` (int32 [num_ids]): the first
+    batch naming each id, else ``num_batches``.
+    """
+    num_batches = batch_offsets.size - 1
+    first_batch_of_id[:] = num_batches
+    for b in range(num_batches - 1, -1, -1):
+        for i in range(batch_offsets[b], batch_offsets[b + 1]):
+            next_batch_of_lookup[i] = first_batch_of_id[ids[i]]
+        for i in range(batch_offsets[b], batch_offsets[b + 1]):  # after the whole batch: repeats agree
+            first_batch_of_id[ids[i]] = b
+
+
 class CacheSimulator:
     """The state of a simulated slot cache, fed batches in order (possibly in several calls).
 
+    Args:
+        num_slots, associativity, policy, lfu_decay_interval: as in ``CacheConfig`` /
+            ``SlotCache`` (``num_slots`` a multiple of ``associativity``).
+        training: a finished batch marks every slot it used dirty (backward updated its rows),
+            so evicting them is a write-back; False replays inference (no write-backs). May be
+            changed between :meth:`run` calls; it applies to the batches finishing in the call.
+        row_bytes: bytes of one row with its optimizer state, for ``bytes_in`` / ``bytes_out``.
+        lookahead_window: batches after the one being prefetched whose rows the ``lookahead``
+            policy is told about (``W``; 0 gives LRU). Ignored by the other policies.
+        pipeline_depth: batches in flight before the one being prefetched (``k``), whose rows stay
+            locked; 0 is serial training. Applies to every policy.
+
     Per-slot state, as in :class:`~tiered_tbe.cache.slot_cache.SlotCache` (numpy, [num_slots]):
-    ``tags`` int64, ``last_use`` int64, ``use_count`` int32, ``dirty`` uint8.
+    ``tags`` int64, ``last_use`` int64, ``use_count`` int32, ``dirty`` uint8, ``locks`` int32
+    (the batches in flight: at most ``pipeline_depth`` per slot between runs).
 
     Example::
 
-        sim = CacheSimulator(num_slots=1024, associativity=32, policy="lfu")
-        sim.run(rows, batch_offsets)          # some batches
-        sim.run(more_rows, more_offsets)      # the batches after them
+        sim = CacheSimulator(num_slots=1024, associativity=32, policy="lookahead", lookahead_window=4,
+                             pipeline_depth=2)
+        sim.run(rows, batch_offsets, num_batches=100)  # batches 0..99; later ones are their future
+        sim.run(rows_from_100, offsets_from_100)       # the batches after them, to the end
+        sim.finish()                                   # the last 2 batches finish: all unlocked
         print(sim.stats.hit_rate_by_lookup)
     """
 
     def __init__(self, num_slots: int, associativity: int, policy: str = "lru", lfu_decay_interval: int = 64,
-                 training: bool = True, row_bytes: int = 0):
+                 training: bool = True, row_bytes: int = 0, lookahead_window: int = 8, pipeline_depth: int = 0):
         if associativity < 1 or num_slots < associativity or num_slots % associativity:
             raise ValueError(f"num_slots ({num_slots}) must be a positive multiple of associativity "
                              f"({associativity})")
         if lfu_decay_interval < 1:
             raise ValueError(f"lfu_decay_interval must be >= 1, got {lfu_decay_interval}")
+        if lookahead_window < 0:
+            raise ValueError(f"lookahead_window must be >= 0, got {lookahead_window}")
+        if pipeline_depth < 0:
+            raise ValueError(f"pipeline_depth must be >= 0, got {pipeline_depth}")
         self.policy = policy
         self._policy_code = policy_code(policy)
-        if self._policy_code == POLICY_LOOKAHEAD:
-            raise ValueError("the lookahead policy needs the queued batches of a prefetch pipeline; "
-                             "this simulator replays serial training (policy 'lru' or 'lfu')")
         self.num_slots = num_slots
         self.associativity = associativity
         self.num_sets = num_slots // associativity
         self.lfu_decay_interval = lfu_decay_interval
         self.training = training
         self.row_bytes = row_bytes
+        self.lookahead_window = lookahead_window
+        self.pipeline_depth = pipeline_depth
         self.tags = np.full(num_slots, EMPTY, dtype=np.int64)
         self.last_use = np.zeros(num_slots, dtype=np.int64)
         self.use_count = np.zeros(num_slots, dtype=np.int32)
         self.dirty = np.zeros(num_slots, dtype=np.uint8)
-        self._locks = np.zeros(num_slots, dtype=np.int32)  # only within a batch: serial training
-        self._next_use = np.full(num_slots, NEXT_USE_UNKNOWN, dtype=np.int64)  # read by lookahead only
+        self.locks = np.zeros(num_slots, dtype=np.int32)
+        # Lookahead: each slot's row's next use (step, NEXT_USE_UNKNOWN past the known trace), and
+        # the windowed copy that the policy reads, refreshed for a set before its victim is chosen.
+        self._next_step = np.full(num_slots, NEXT_USE_UNKNOWN, dtype=np.int64)
+        self._next_use = np.full(num_slots, NEXT_USE_UNKNOWN, dtype=np.int64)
+        # The slots each batch in flight locked: row s % (depth + 1) for the batch of step s.
+        self._in_flight_slots = np.zeros((pipeline_depth + 1, 0), dtype=np.int32)
+        self._in_flight_counts = np.zeros(pipeline_depth + 1, dtype=np.int64)
         self._counters = np.zeros(len(_COUNTERS), dtype=np.int64)
         self.step = 0  # batches simulated so far
 
-    def run(self, rows: np.ndarray, batch_offsets: np.ndarray) -> CacheSimulator:
+    @property
+    def uses_hints(self) -> bool:
+        """Whether the policy reads next-use hints (lookahead with a window of at least one batch)."""
+        return self._policy_code == POLICY_LOOKAHEAD and self.lookahead_window > 0
+
+    def run(self, rows: np.ndarray, batch_offsets: np.ndarray, num_batches: int | None = None) -> CacheSimulator:
         """Simulate batches ``rows[batch_offsets[b]:batch_offsets[b+1]]`` after those run so far.
 
         Args:
             rows: int64 [total] global row ids (>= 0).
-            batch_offsets: int64 [num_batches + 1], non-decreasing, from 0 to ``total``.
+            batch_offsets: int64 [num_known + 1], non-decreasing, from 0 to ``total``.
+            num_batches: simulate only the first this many batches (default: all). The batches
+                after them are the future the lookahead window sees (the next call must start
+                with the first of them); without them the window ends with the trace given.
         """
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         batch_offsets = np.ascontiguousarray(batch_offsets, dtype=np.int64)
@@ -170,10 +282,36 @@ class CacheSimulator:
             raise ValueError(f"batch_offsets must rise from 0 to len(rows) = {rows.size}")
         if rows.size and rows.min() < 0:
             raise ValueError("row ids must be >= 0")
-        _run_batches(rows, batch_offsets, self.step, self.num_sets, self.associativity, self._policy_code,
-                     self.lfu_decay_interval, self.training, self.tags, self.last_use, self.use_count,
-                     self._next_use, self._locks, self.dirty, self._counters)
-        self.step += batch_offsets.size - 1
+        known_batches = batch_offsets.size - 1
+        if num_batches is None:
+            num_batches = known_batches
+        if not 0 <= num_batches <= known_batches:
+            raise ValueError(f"num_batches must be in [0, {known_batches}], got {num_batches}")
+        if num_batches == 0:
+            return self
+        self._reserve_in_flight(int(np.diff(batch_offsets[: num_batches + 1]).max()))
+        next_batch_of_lookup = np.zeros(0, dtype=np.int32)
+        if self.uses_hints:
+            next_batch_of_lookup = self._prepare_hints(rows, batch_offsets)
+        _run_batches(rows, batch_offsets, num_batches, self.step, self.num_sets, self.associativity,
+                     self._policy_code, self.lfu_decay_interval, self.training, self.lookahead_window,
+                     next_batch_of_lookup, self.tags, self.last_use, self.use_count, self._next_use,
+                     self._next_step, self.locks, self.dirty, self._in_flight_slots, self._in_flight_counts,
+                     self._counters)
+        self.step += num_batches
+        return self
+
+    def finish(self) -> CacheSimulator:
+        """The batches still in flight finish, oldest first: their slots become dirty (training)
+        and unlocked, as when a pipeline ends. A no-op for serial training."""
+        ring = self.pipeline_depth + 1
+        for step in range(self.step - self.pipeline_depth + 1, self.step + 1):
+            row = step % ring
+            slots = self._in_flight_slots[row, : self._in_flight_counts[row]]
+            self.locks[slots] -= 1  # the slots of one batch are distinct
+            if self.training:
+                self.dirty[slots] = 1
+            self._in_flight_counts[row] = 0
         return self
 
     @property
@@ -185,23 +323,64 @@ class CacheSimulator:
         return CacheStats(batches=self.step, unique_rows=unique_rows, bytes_in=rows_copied_in * self.row_bytes,
                           bytes_out=c["write_backs"] * self.row_bytes, **c)
 
+    def _reserve_in_flight(self, longest_batch: int) -> None:
+        """Room in the in-flight ring for a batch of ``longest_batch`` lookups (its distinct slots)."""
+        needed = min(longest_batch, self.num_slots)
+        held = self._in_flight_slots
+        if needed > held.shape[1]:
+            self._in_flight_slots = np.zeros((held.shape[0], needed), dtype=np.int32)
+            self._in_flight_slots[:, : held.shape[1]] = held
+
+    def _prepare_hints(self, rows: np.ndarray, batch_offsets: np.ndarray) -> np.ndarray:
+        """Each lookup's next batch (int32 [len(rows)]); and every cached row's next use, from the
+        first batch of this run naming it (rows cached by earlier runs saw only their own future)."""
+        max_row = int(rows.max()) if rows.size else -1
+        if max_row < max(_DIRECT_IDS, _DIRECT_IDS_PER_LOOKUP * rows.size):
+            ids, num_ids, unique_rows = rows, max_row + 1, None
+        else:  # sparse row ids: renumber them densely, in order
+            unique_rows, ids = np.unique(rows, return_inverse=True)
+            ids, num_ids = ids.astype(np.int64).reshape(-1), unique_rows.size
+        known_batches = batch_offsets.size - 1
+        next_batch_of_lookup = np.empty(rows.size, dtype=np.int32)
+        first_batch_of_id = np.empty(max(num_ids, 1), dtype=np.int32)
+        _next_batches(ids, batch_offsets, num_ids, next_batch_of_lookup, first_batch_of_id)
+
+        cached = np.flatnonzero(self.tags != EMPTY)
+        tags = self.tags[cached]
+        if unique_rows is None:
+            named = tags < num_ids
+            tag_ids = np.where(named, tags, 0)
+        else:
+            tag_ids = np.minimum(np.searchsorted(unique_rows, tags), max(num_ids - 1, 0))
+            named = unique_rows[tag_ids] == tags if num_ids else np.zeros(tags.size, dtype=bool)
+        first = np.where(named, first_batch_of_id[tag_ids], known_batches).astype(np.int64)
+        self._next_step.fill(NEXT_USE_UNKNOWN)
+        self._next_step[cached] = np.where(first < known_batches, self.step + first + 1,
+                                           np.int64(NEXT_USE_UNKNOWN))
+        return next_batch_of_lookup
+
 
 def simulate(rows: np.ndarray, batch_offsets: np.ndarray, num_slots: int, associativity: int,
              policy: str = "lru", lfu_decay_interval: int = 64, training: bool = True,
-             row_bytes: int = 0) -> CacheStats:
+             row_bytes: int = 0, lookahead_window: int = 8, pipeline_depth: int = 0) -> CacheStats:
     """Replay a trace through a simulated slot cache and return its counters.
 
     Args:
         rows: int64 [total], global row ids (>= 0) of every lookup of every batch.
         batch_offsets: int64 [num_batches + 1]: batch ``b`` is ``rows[batch_offsets[b]:batch_offsets[b+1]]``.
         num_slots, associativity, policy, lfu_decay_interval: as in ``CacheConfig`` / ``SlotCache``
-            (``num_slots`` a multiple of ``associativity``; policy ``"lru"`` or ``"lfu"``).
+            (``num_slots`` a multiple of ``associativity``; policy ``"lru"``, ``"lfu"`` or
+            ``"lookahead"``).
         training: every row a batch uses becomes dirty after it (backward updated it), so its
             eviction is a write-back; False replays inference (no write-backs).
         row_bytes: bytes of one row with its optimizer state, for ``bytes_in`` / ``bytes_out``.
+        lookahead_window: ``lookahead`` only: before batch ``j`` is prefetched, the policy knows
+            the rows of batches ``j+1 .. j+lookahead_window`` (0: LRU).
+        pipeline_depth: the rows of the ``pipeline_depth`` batches before batch ``j`` stay locked
+            while it is prefetched (a prefetch pipeline of that depth); 0 is serial training.
 
     Returns:
-        CacheStats equal to a SlotCache's driven by serial training over the same batches.
+        CacheStats equal to a SlotCache's driven over the same batches as the module docstring says.
 
     Example::
 
@@ -209,39 +388,46 @@ def simulate(rows: np.ndarray, batch_offsets: np.ndarray, num_slots: int, associ
         offsets = np.arange(0, rows.size + 1, 10_000)
         print(simulate(rows, offsets, num_slots=65536, associativity=32).hit_rate_by_lookup)
     """
-    simulator = CacheSimulator(num_slots, associativity, policy, lfu_decay_interval, training, row_bytes)
+    simulator = CacheSimulator(num_slots, associativity, policy, lfu_decay_interval, training, row_bytes,
+                               lookahead_window, pipeline_depth)
     return simulator.run(rows, batch_offsets).stats
 
 
 def simulate_batches(batches: Iterable, num_slots: int, associativity: int, policy: str = "lru",
                      lfu_decay_interval: int = 64, training: bool = True, row_bytes: int = 0,
-                     lookups_per_call: int = 1 << 24) -> CacheStats:
+                     lookups_per_call: int = 1 << 24, lookahead_window: int = 8,
+                     pipeline_depth: int = 0) -> CacheStats:
     """:func:`simulate` over an iterable of batches (1-D integer arrays or tensors of row ids).
 
     Batches are gathered into chunks of about ``lookups_per_call`` lookups, each simulated in one
-    compiled call, so a trace longer than memory can stream through.
+    compiled call, so a trace longer than memory can stream through. Under ``lookahead`` each
+    chunk also carries the ``lookahead_window`` batches after it, as the future its last batches
+    see (they are simulated with the next chunk).
     """
-    simulator = CacheSimulator(num_slots, associativity, policy, lfu_decay_interval, training, row_bytes)
-    chunk: list[np.ndarray] = []
-    chunk_lookups = 0
+    simulator = CacheSimulator(num_slots, associativity, policy, lfu_decay_interval, training, row_bytes,
+                               lookahead_window, pipeline_depth)
+    future = simulator.lookahead_window if simulator.uses_hints else 0
+    pending: list[np.ndarray] = []  # batches not simulated yet; the last `future` are the window
 
-    def run_chunk():
-        offsets = np.zeros(len(chunk) + 1, dtype=np.int64)
-        np.cumsum([b.size for b in chunk], out=offsets[1:])
-        rows = np.concatenate(chunk) if chunk else np.zeros(0, dtype=np.int64)
-        simulator.run(rows, offsets)
+    def run(num_batches: int) -> None:
+        offsets = np.zeros(len(pending) + 1, dtype=np.int64)
+        np.cumsum([b.size for b in pending], out=offsets[1:])
+        rows = np.concatenate(pending) if pending else np.zeros(0, dtype=np.int64)
+        simulator.run(rows, offsets, num_batches)
+        del pending[:num_batches]
 
+    ready_lookups = 0  # lookups of the pending batches before the window
     for batch in batches:
         if hasattr(batch, "detach"):  # a torch tensor
             batch = batch.detach().cpu().numpy()
-        batch = np.asarray(batch, dtype=np.int64).reshape(-1)
-        chunk.append(batch)
-        chunk_lookups += batch.size
-        if chunk_lookups >= lookups_per_call:
-            run_chunk()
-            chunk, chunk_lookups = [], 0
-    if chunk:
-        run_chunk()
+        pending.append(np.asarray(batch, dtype=np.int64).reshape(-1))
+        if len(pending) > future:
+            ready_lookups += pending[len(pending) - 1 - future].size
+        if ready_lookups >= lookups_per_call:
+            run(len(pending) - future)
+            ready_lookups = 0
+    if pending:
+        run(len(pending))
     return simulator.stats
 
 
@@ -253,12 +439,14 @@ def _benchmark() -> None:
     total, batch = 20_000_000, 65_536
     rows = (rng.zipf(1.05, total) - 1) % 50_000_000
     offsets = np.append(np.arange(0, total, batch), total)
-    for policy in ("lru", "lfu"):
-        simulate(rows[:batch * 2], offsets[:3], 4096, 32, policy)  # compile (cached after the first run)
+    for policy in ("lru", "lfu", "lookahead"):
+        simulate(rows[:batch * 2], offsets[:3], 4096, 32, policy)  # compile, outside the timing
         start = time.perf_counter()
-        stats = simulate(rows, offsets, 1 << 20, 32, policy)
+        stats = simulate(rows, offsets, 1 << 20, 32, policy, lookahead_window=8)
         seconds = time.perf_counter() - start
-        print(f"{policy}: {total / seconds / 1e6:.1f} M lookups/s, hit rate {stats.hit_rate_by_lookup:.3f}")
+        moved = (stats.rows_copied_in + stats.write_backs) / stats.batches
+        print(f"{policy}: {total / seconds / 1e6:.1f} M lookups/s, hit rate {stats.hit_rate_by_lookup:.3f}, "
+              f"{moved:,.0f} rows moved per batch")
 
 
 if __name__ == "__main__":

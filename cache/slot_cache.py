@@ -14,10 +14,14 @@ What the TBE kernels read
 
 A training step with the cache::
 
+    cache.set_next_use(window_rows, uses_at)     # lookahead only: when queued batches need rows
     slot_of_index = cache.prefetch(global_rows)  # hits locked, misses filled and locked
     ... forward / backward read and update rows through slot_of_index ...
     cache.mark_dirty(slot_of_index)              # the slots that backward updated
     cache.unlock(slot_of_index)                  # the batch no longer needs its rows
+
+With a prefetch pipeline of depth ``k`` the unlock (and mark_dirty) of a batch comes after the
+prefetches of the ``k`` batches that follow it: those prefetches cannot evict its rows.
 
 GPU mode runs every step on torch's current stream and never waits for the device: the
 number of unique rows stays on the device (arrays are sized by the number of lookups and
@@ -26,6 +30,7 @@ padded), and the counters accumulate in a device tensor read by :meth:`SlotCache
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import NamedTuple
@@ -37,6 +42,11 @@ from tiered_tbe.cache import _kernels
 from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT
 from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, NO_SLOT, policy_code
 from tiered_tbe.cache.stats import CacheStats
+
+# Threads per launch in the CUDA simulator, where each is a Python thread (~0.2 ms to start).
+# The kernels are grid-stride loops, correct for any count; long CPU tests set 1 for speed
+# (TIERED_TBE_SIMULATED_THREADS=1), the cache's own tests keep several so threads interleave.
+SIMULATED_THREADS = int(os.environ.get("TIERED_TBE_SIMULATED_THREADS", "32"))
 
 # Counters kept on the device, in CacheStats order (``batches`` is counted on the host).
 _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
@@ -74,8 +84,8 @@ class SlotCache:
         num_slots: slots in all, a multiple of ``associativity``.
         associativity: ways per set.
         policy: ``"lru"``, ``"lfu"`` or ``"lookahead"`` (see :mod:`tiered_tbe.cache.policy`;
-            lookahead ranks by :attr:`next_use`, which its pipeline writes before each prefetch,
-            and is LRU while nothing has been written there).
+            lookahead ranks by :attr:`next_use`, which a prefetch pipeline sets with
+            :meth:`set_next_use` before each prefetch, and is LRU while no hint was given).
         lfu_decay_interval: every this many prefetches every use count is halved.
         row_width: columns of a slot row (default, and at least, the largest table dim).
         state_width: fp32 optimizer-state values per slot (default, and at least, the largest
@@ -243,6 +253,38 @@ class SlotCache:
                          slot_of_index)
         return slot_of_index
 
+    def set_next_use(self, global_rows: torch.Tensor, uses_at: torch.Tensor) -> None:
+        """Tell the lookahead policy when queued batches will need cached rows (before a prefetch).
+
+        Args:
+            global_rows: int64 [M], the global rows of the batches queued after the next
+                prefetch (repeats allowed; rows not cached, or outside every cached table,
+                are ignored).
+            uses_at: int64 [M], for each entry the step at which its batch will be prefetched:
+                ``step + 1 + d`` for the batch ``d`` places after the next prefetch (whose step
+                is ``step + 1``).
+
+        Every slot's :attr:`next_use` becomes ``NEXT_USE_UNKNOWN``, then each slot holding a
+        row of ``global_rows`` gets the smallest ``uses_at`` among that row's entries. Only the
+        lookahead policy reads it (see :mod:`tiered_tbe.cache.policy`). Deterministic, no
+        atomics and no host sync: the (slot, use) pairs are sorted and the first of each slot
+        written.
+        """
+        rows = self._check_rows(global_rows)
+        if not isinstance(uses_at, torch.Tensor) or uses_at.dtype != torch.int64 or uses_at.shape != rows.shape:
+            raise TypeError(f"uses_at must be an int64 tensor shaped like global_rows {tuple(rows.shape)}")
+        if uses_at.device.type != self.device.type:
+            raise ValueError(f"uses_at on {uses_at.device}, the cache on {self.device}")
+        self.next_use.fill_(NEXT_USE_UNKNOWN)
+        if rows.numel() == 0:
+            return
+        slots = self.lookup(rows)  # int32 [M], NO_SLOT where not cached
+        # Sort by use, then stably by slot: each slot's entries end up together, soonest first.
+        by_use = torch.sort(uses_at.contiguous(), stable=True)
+        sorted_slots, order = torch.sort(slots[by_use.indices], stable=True)
+        self._launch(_kernels.set_next_use_kernel, rows.numel(), sorted_slots, by_use.values[order],
+                     self._k_next_use)
+
     def unlock(self, slot_of_index: torch.Tensor) -> None:
         """Release one batch's locks: one per distinct slot >= 0 of ``slot_of_index`` (int32 [N])."""
         slots = self._check_slots(slot_of_index)
@@ -298,6 +340,7 @@ class SlotCache:
             raise RuntimeError(f"invalidate() with {self.num_locked()} locked slots: unlock every "
                                "prefetched batch first")
         self.tags.fill_(EMPTY)
+        self.next_use.fill_(NEXT_USE_UNKNOWN)
         self.last_use.zero_()
         self.use_count.zero_()
         self.dirty.zero_()
@@ -437,7 +480,8 @@ class SlotCache:
         k_weights, k_state = self._k_tables[t]
         columns = self._copy_columns[t]
         if SIMULATION:
-            grid, block = 1, (1, 32)  # few simulator threads; each walks many entries and all columns
+            # Few simulator threads (each is a Python thread); each walks many entries, all columns.
+            grid, block = 1, (1, SIMULATED_THREADS)
         else:
             rows_per_block = 8
             grid, block = max(1, min(-(-num_entries // rows_per_block), 16384)), (32, rows_per_block)
@@ -518,7 +562,7 @@ class SlotCache:
     def _launch(self, kernel, num_items: int, *args):
         """Launch a 1-D grid-stride kernel over ``num_items`` entries."""
         if SIMULATION:
-            grid, block = 1, min(num_items, 32)
+            grid, block = 1, max(1, min(num_items, SIMULATED_THREADS))
         else:
             block = 256
             grid = max(1, min(-(-num_items // block), 65535))

@@ -186,3 +186,27 @@ def test_derived_columns():
     row = m.as_row()
     assert {f"stats_{f.name}" for f in fields(CacheStats)} <= set(row)
     assert "vs belady" in format_results([m]) and "0.947" in format_results([m])
+
+
+def test_lookahead_policy_takes_its_window_from_the_flag():
+    import io
+
+    from tiered_tbe.hit_rate import build_parser, options_from_args, run
+
+    trace = zipf_trace(5_000, 1.1, 64, 4, 30, seed=0)
+    args = build_parser().parse_args(["--lookahead-window", "3"])
+    options = options_from_args(args)
+    assert options.lookahead_window == 3
+    assert build_parser().parse_args([]).lookahead_window == 8
+    got = POLICIES["lookahead"].run(trace, 512, options)
+    assert got == simulate(trace.rows, trace.batch_offsets, 512, 32, "lookahead", lookahead_window=3,
+                           pipeline_depth=0, row_bytes=options.row_bytes)
+    assert got != POLICIES["lru"].run(trace, 512, options)  # hinted: not LRU
+    out = io.StringIO()
+    args = build_parser().parse_args(["--rows", "5000", "--batch-size", "64", "--bag-size", "4", "--batches", "20",
+                                      "--cache-sizes", "5%", "--policies", "lru,lookahead", "--lookahead-window",
+                                      "4", "--no-progress"])
+    assert run(args, out) == 0
+    text = out.getvalue()
+    assert "lookahead window 4 batches" in text
+    assert any(line.startswith("lookahead ") for line in text.splitlines())

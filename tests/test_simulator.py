@@ -10,48 +10,71 @@ from tiered_tbe.cache import CacheSimulator, CacheStats, simulate, simulate_batc
 from tiered_tbe.cache.policy import set_of_row_cpu
 
 
-def reference_simulate(batches, num_slots, associativity, policy, decay_interval, training=True):
+def reference_simulate(batches, num_slots, associativity, policy, decay_interval, training=True,
+                       lookahead_window=0, pipeline_depth=0):
     """The policy spec of tiered_tbe.cache.policy written out naively, sharing only the hash.
 
     Each set is a list of ways, each way None or a dict; nothing here is vectorized or compiled.
+    Lookahead looks the window up in the batch list itself; a pipeline of depth k releases
+    batch j - k right after batch j's prefetch.
     """
     num_sets = num_slots // associativity
     sets = [[None] * associativity for _ in range(num_sets)]
     stats = CacheStats()
-    for step, batch in enumerate(batches, start=1):
+    held_by_batch = []  # (set, way) locked by each batch
+
+    def next_use(row, batch_index):
+        for later in range(batch_index + 1, min(batch_index + lookahead_window, len(batches) - 1) + 1):
+            if row in set(int(r) for r in batches[later]):
+                return later + 1  # the step of that batch's prefetch
+        return float("inf")
+
+    def rank(ways, w, batch_index):
+        entry = ways[w]
+        if policy == "lru":
+            return (entry["last_use"], w)
+        if policy == "lfu":
+            return (entry["count"], entry["last_use"], w)
+        return (-next_use(entry["row"], batch_index), entry["last_use"], w)
+
+    for batch_index, batch in enumerate(batches):
+        step = batch_index + 1
         stats.batches += 1
-        used_ways = set()
+        held = []
         unique_rows = sorted(set(int(r) for r in batch))
         hit_rows = set()
         for row in unique_rows:  # hits first
-            ways = sets[set_of_row_cpu(row, num_sets)]
-            for way, entry in enumerate(ways):
+            the_set = set_of_row_cpu(row, num_sets)
+            for way, entry in enumerate(sets[the_set]):
                 if entry is not None and entry["row"] == row:
                     entry["last_use"], entry["count"] = step, entry["count"] + 1
-                    used_ways.add((set_of_row_cpu(row, num_sets), way))
+                    entry["locks"] += 1
+                    held.append((the_set, way))
                     hit_rows.add(row)
         for row in unique_rows:  # then misses, ascending
             if row in hit_rows:
                 continue
             the_set = set_of_row_cpu(row, num_sets)
             ways = sets[the_set]
-            free = [w for w in range(associativity) if (the_set, w) not in used_ways]
+            free = [w for w in range(associativity) if ways[w] is None or ways[w]["locks"] == 0]
             empty = [w for w in free if ways[w] is None]
             if empty:
                 way = empty[0]
             elif free:
-                way = min(free, key=lambda w, ways=ways: (
-                    (ways[w]["last_use"], w) if policy == "lru" else (ways[w]["count"], ways[w]["last_use"], w)))
+                way = min(free, key=lambda w, ways=ways: rank(ways, w, batch_index))
             else:
                 stats.misses_no_slot += 1
                 continue
             if ways[way] is not None:
                 stats.evictions += 1
                 stats.write_backs += ways[way]["dirty"]
-            ways[way] = {"row": row, "last_use": step, "count": 1, "dirty": False}
-            used_ways.add((the_set, way))
-        for the_set, way in used_ways:
-            sets[the_set][way]["dirty"] |= training
+            ways[way] = {"row": row, "last_use": step, "count": 1, "dirty": False, "locks": 1}
+            held.append((the_set, way))
+        held_by_batch.append(held)
+        if batch_index >= pipeline_depth:  # that batch's backward: dirty, then unlocked
+            for the_set, way in held_by_batch[batch_index - pipeline_depth]:
+                sets[the_set][way]["locks"] -= 1
+                sets[the_set][way]["dirty"] |= training
         if step % decay_interval == 0:
             for ways in sets:
                 for entry in ways:
@@ -84,6 +107,73 @@ def test_matches_reference_model(policy, num_slots, associativity, decay):
     got = simulate(*as_trace(batches), num_slots, associativity, policy, lfu_decay_interval=decay)
     assert got == want
     assert got.evictions > 0 and got.unique_hits > 0
+
+
+@pytest.mark.parametrize("policy, window", [("lookahead", 1), ("lookahead", 3), ("lookahead", 8), ("lru", 0),
+                                            ("lfu", 0)])
+@pytest.mark.parametrize("depth", [0, 1, 3])
+@pytest.mark.parametrize("num_slots, associativity", [(16, 2), (48, 8), (64, 64)])
+def test_window_and_pipeline_depth_match_reference_model(policy, window, depth, num_slots, associativity):
+    batches = zipf_batches(seed=num_slots + depth, num_batches=50, batch_size=30, num_rows=300)
+    want = reference_simulate(batches, num_slots, associativity, policy, 5, lookahead_window=window,
+                              pipeline_depth=depth)
+    got = simulate(*as_trace(batches), num_slots, associativity, policy, lfu_decay_interval=5,
+                   lookahead_window=window, pipeline_depth=depth)
+    assert got == want
+    assert got.evictions > 0 and got.unique_hits > 0
+
+
+def test_lookahead_differs_from_lru_and_deeper_pipelines_lock_more():
+    """The reference agreement would not notice an ignored window or depth; these counters do."""
+    trace = as_trace(zipf_batches(seed=3, num_batches=80, batch_size=60, num_rows=400))
+    lru = simulate(*trace, 32, 4, "lru")
+    lookahead = simulate(*trace, 32, 4, "lookahead", lookahead_window=4)
+    assert lookahead != lru and lookahead.unique_hits > lru.unique_hits
+    assert simulate(*trace, 32, 4, "lookahead", lookahead_window=1) != lookahead
+    no_slot = [simulate(*trace, 32, 4, "lru", pipeline_depth=depth).misses_no_slot for depth in (0, 1, 3)]
+    assert no_slot[0] < no_slot[1] < no_slot[2]
+
+
+@pytest.mark.parametrize("policy, window, depth", [("lookahead", 3, 0), ("lookahead", 5, 2), ("lru", 8, 2)])
+def test_runs_in_chunks_equal_one_run(policy, window, depth):
+    """A trace fed in pieces, each with the window's batches after it as its future (the next piece
+    starts with them), is the whole trace; so is simulate_batches, whatever its chunk size."""
+    batches = zipf_batches(seed=4, num_batches=60, batch_size=50, num_rows=500)
+    options = dict(lfu_decay_interval=7, row_bytes=12, lookahead_window=window, pipeline_depth=depth)
+    whole = CacheSimulator(32, 4, policy, **options).run(*as_trace(batches)).finish()
+    pieces = CacheSimulator(32, 4, policy, **options)
+    for start in range(0, 60, 7):
+        rows, offsets = as_trace(batches[start : start + 7 + window])
+        pieces.run(rows, offsets, num_batches=min(7, 60 - start))
+    assert pieces.step == 60
+    assert (pieces.locks.sum() > 0) == (depth > 0)  # the last batches are still in flight
+    pieces.finish()
+    assert pieces.stats == whole.stats
+    for name in ("tags", "last_use", "use_count", "dirty", "locks"):
+        np.testing.assert_array_equal(getattr(pieces, name), getattr(whole, name), err_msg=name)
+    assert whole.locks.sum() == 0
+    for lookups_per_call in (1, 97, 10**6):
+        got = simulate_batches(batches, 32, 4, policy, lookups_per_call=lookups_per_call, **options)
+        assert got == whole.stats, lookups_per_call
+    # Without its future a piece's last batches see a shorter window: the counters differ.
+    if policy == "lookahead":
+        blind = CacheSimulator(32, 4, policy, **options)
+        for start in range(0, 60, 7):
+            blind.run(*as_trace(batches[start : start + 7]))
+        assert blind.stats != whole.stats
+
+
+def test_sparse_row_ids_give_the_same_lookahead():
+    """Row ids far beyond the trace's size are renumbered before the next-use pass: same result."""
+    batches = zipf_batches(seed=5, num_batches=40, batch_size=50, num_rows=300)
+    sparse = [b * 1_000_003 + (1 << 40) for b in batches]  # same pattern of repeats, huge ids
+    dense_sim = CacheSimulator(16, 16, "lookahead", lookahead_window=4)  # one set: sets do not matter
+    sparse_sim = CacheSimulator(16, 16, "lookahead", lookahead_window=4)
+    for start in range(0, 40, 10):  # in pieces: the cached rows' next uses are looked up too
+        dense_sim.run(*as_trace(batches[start : start + 14]), num_batches=10)
+        sparse_sim.run(*as_trace(sparse[start : start + 14]), num_batches=10)
+    assert sparse_sim.stats == dense_sim.stats
+    assert dense_sim.stats == simulate(*as_trace(batches), 16, 16, "lookahead", lookahead_window=4)
 
 
 def test_inference_writes_nothing_back():
@@ -140,8 +230,12 @@ def test_input_checks():
         simulate(np.zeros(3), np.array([0, 2]), 8, 4)
     with pytest.raises(ValueError, match=">= 0"):
         simulate(np.array([1, -1]), np.array([0, 2]), 8, 4)
-    with pytest.raises(ValueError, match="lookahead"):
-        simulate(np.zeros(1), np.array([0, 1]), 8, 4, policy="lookahead")
+    with pytest.raises(ValueError, match="lookahead_window"):
+        simulate(np.zeros(1), np.array([0, 1]), 8, 4, policy="lookahead", lookahead_window=-1)
+    with pytest.raises(ValueError, match="pipeline_depth"):
+        simulate(np.zeros(1), np.array([0, 1]), 8, 4, pipeline_depth=-1)
+    with pytest.raises(ValueError, match="num_batches"):
+        CacheSimulator(8, 4).run(np.zeros(1), np.array([0, 1]), num_batches=2)
     with pytest.raises(ValueError, match="policy must be one of"):
         simulate(np.zeros(1), np.array([0, 1]), 8, 4, policy="mru")
 

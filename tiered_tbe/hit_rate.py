@@ -1,7 +1,9 @@
 """``tiered-tbe bench hit-rate``: how large must the slot cache be, and what does it move?
 
 Runs a lookup trace (:mod:`tiered_tbe.traces`) through the exact CPU simulator of the slot
-cache (:func:`tiered_tbe.cache.simulator.simulate`) for every policy and cache size asked for,
+cache (:func:`tiered_tbe.cache.simulator.simulate`) for every policy and cache size asked for
+(LRU, LFU, and lookahead told the rows of the next ``--lookahead-window`` batches; serial
+training: no pipeline keeps earlier batches locked),
 beside two bounds (:mod:`tiered_tbe.cache.bounds`): fully associative LRU (no set conflicts)
 and offline Belady (knows the whole future). Prints a table; writes CSV, JSON and a PNG plot
 on request; ``--target-hit-rate`` finds the smallest cache reaching a hit rate, per policy.
@@ -19,7 +21,8 @@ Columns of the table:
 Example::
 
     tiered-tbe bench hit-rate --trace zipf --alpha 1.05 --rows 1000000 --cache-sizes 1%,5%,20% \\
-        --policies lru,lfu,fa-lru,belady --target-hit-rate 0.9 --csv out.csv --plot out.png
+        --policies lru,lfu,lookahead,fa-lru,belady --lookahead-window 8 --target-hit-rate 0.9 \\
+        --csv out.csv --plot out.png
 
 or from Python::
 
@@ -75,6 +78,7 @@ class SimOptions:
     row_bytes: int = 516  # bytes a slot holds per row: weights plus fp32 optimizer state (row-wise Adagrad)
     training: bool = True  # rows are updated, so evicted rows are written back
     lfu_decay_interval: int = 64  # LFU halves every use count every this many batches
+    lookahead_window: int = 8  # lookahead knows the rows of this many batches after the one prefetched
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,13 +97,15 @@ class Policy:
 
 
 def _simulated(policy: str, **policy_kwargs) -> PolicyRun:
-    """A policy of the slot cache, through the exact set-associative simulator."""
+    """A policy of the slot cache, through the exact set-associative simulator, in serial training
+    (``pipeline_depth=0``); ``lookahead`` gets ``options.lookahead_window``, the others ignore it."""
 
     def run(trace: Trace, num_slots: int, options: SimOptions) -> CacheStats:
         return simulate(
             trace.rows, trace.batch_offsets, num_slots, options.associativity, policy=policy,
             lfu_decay_interval=options.lfu_decay_interval, training=options.training,
-            row_bytes=options.row_bytes, **policy_kwargs,
+            row_bytes=options.row_bytes, lookahead_window=options.lookahead_window, pipeline_depth=0,
+            **policy_kwargs,
         )
 
     return run
@@ -121,10 +127,13 @@ def _belady(trace: Trace, num_slots: int, options: SimOptions) -> CacheStats:
                   row_bytes=options.row_bytes, num_rows=trace.num_rows, next_uses=_NEXT_USES[trace])
 
 
-# One line per policy: a simulator policy with extra arguments is `_simulated("name", window=8)`.
+# One line per policy; `_simulated("name", **kwargs)` passes further keyword arguments to `simulate`.
 POLICIES: dict[str, Policy] = {policy.name: policy for policy in (
     Policy("lru", _simulated("lru"), False, "set-associative LRU (exact simulator)"),
     Policy("lfu", _simulated("lfu"), False, "set-associative LFU, counts halved every --lfu-decay-interval"),
+    Policy("lookahead", _simulated("lookahead"), False,
+           "set-associative lookahead: evicts rows unused in the next --lookahead-window batches first "
+           "(least recent first), then the row needed latest"),
     Policy("fa-lru", _fully_associative_lru, True, "reference: fully associative LRU (no set conflicts)"),
     Policy("belady", _belady, True, "bound: offline Belady MIN (knows the whole future)"),
 )}
@@ -432,7 +441,8 @@ def write_json(path: str, results: Sequence[Measurement], targets: Sequence[Targ
                    rows=trace.num_rows, tables=trace.num_tables, generator=trace.params),
         options=dict(associativity=options.associativity, row_bytes=options.row_bytes,
                      weight_bytes=options.weight_bytes, training=options.training,
-                     lfu_decay_interval=options.lfu_decay_interval),
+                     lfu_decay_interval=options.lfu_decay_interval,
+                     lookahead_window=options.lookahead_window),
         results=[m.as_row() for m in results],
         targets=[t.as_row() for t in targets],
     )
@@ -576,6 +586,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     cache.add_argument("--associativity", type=_positive_int, default=32, help="ways per set (default 32)")
     cache.add_argument("--lfu-decay-interval", type=_positive_int, default=64,
                        help="LFU halves its use counts every this many batches (default 64)")
+    cache.add_argument("--lookahead-window", type=_positive_int, default=8,
+                       help="lookahead knows the rows of this many batches after the one being "
+                            "prefetched (default 8)")
     cache.add_argument("--dim", type=_positive_int, default=128,
                        help="embedding dim, for bytes (default 128)")
     cache.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="fp32",
@@ -643,7 +656,8 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
     weight_bytes = args.dim * DTYPE_BYTES[args.dtype]
     row_bytes = weight_bytes + 4 * OPTIMIZERS[args.optimizer].state_width(args.dim)
     return SimOptions(associativity=args.associativity, weight_bytes=weight_bytes, row_bytes=row_bytes,
-                      training=not args.inference, lfu_decay_interval=args.lfu_decay_interval)
+                      training=not args.inference, lfu_decay_interval=args.lfu_decay_interval,
+                      lookahead_window=args.lookahead_window)
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -678,8 +692,9 @@ def run(args: argparse.Namespace, out=None) -> int:
           f"       {trace.num_lookups:,} lookups, {trace.num_rows:,} rows ({int(touched.sum()):,} touched), "
           f"built in {time.perf_counter() - start:.1f} s", file=out)
     mode = "inference" if args.inference else "training"
+    window = f", lookahead window {options.lookahead_window} batches" if "lookahead" in args.policies else ""
     print(f"cache: {options.associativity}-way sets, {options.row_bytes} B per row "
-          f"({args.dim} x {args.dtype} + {args.optimizer} state), {mode}", file=out)
+          f"({args.dim} x {args.dtype} + {args.optimizer} state), {mode}{window}", file=out)
 
     by_slots: dict[int, str] = {}  # sizes that round to the same slot count run once
     for spec in args.cache_sizes:
