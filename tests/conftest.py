@@ -27,3 +27,16 @@ def device() -> torch.device:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_simulated_thread(monkeypatch):
+    """One CUDA-simulator thread per cache-kernel launch, for long training tests.
+
+    The cache kernels are grid-stride loops, so the result is the same with any thread count,
+    and each simulated thread is a Python thread: a 200-step test takes seconds instead of
+    minutes. tests/test_cache*.py keep several threads per launch so that threads interleave.
+    """
+    from tiered_tbe.cache import slot_cache
+
+    monkeypatch.setattr(slot_cache, "SIMULATED_THREADS", 1)

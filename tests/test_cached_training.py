@@ -48,7 +48,7 @@ def batches(generator, num_sets):
      (RowwiseAdagrad(lr=0.1), torch.float16)],
     ids=["sgd-fp32", "adagrad-fp32", "adam-fp32", "adagrad-fp16"],
 )
-def test_cached_training_equals_uncached(policy, optimizer, weights_dtype, device):
+def test_cached_training_equals_uncached(policy, optimizer, weights_dtype, device, one_simulated_thread):
     config = CacheConfig(slots=8, associativity=4, policy=policy, lfu_decay_interval=7)
     cached = TieredEmbeddingBags(tables(True), optimizer=optimizer, weights_dtype=weights_dtype, cache=config,
                                  device=device)

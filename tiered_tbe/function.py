@@ -10,9 +10,6 @@ import weakref
 
 import torch
 
-from tiered_tbe.kernels.backward import per_sample_weights_grad
-from tiered_tbe.kernels.forward import pooled_forward
-
 
 class TieredEmbeddingBagsFunction(torch.autograd.Function):
     """``apply(module, batch, grad_anchor, per_sample_weights) -> output``.
@@ -29,7 +26,7 @@ class TieredEmbeddingBagsFunction(torch.autograd.Function):
         # The batch's cache locks must not outlive the graph: if autograd drops it without
         # running backward, ctx is collected and the locks go with it.
         weakref.finalize(ctx, batch.release)
-        return pooled_forward(module.row_stores, batch.lookups, batch.slot_of_index, module.pooling)
+        return module.backend.forward(module.row_stores, batch.lookups, batch.slot_of_index, module.pooling)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -37,7 +34,7 @@ class TieredEmbeddingBagsFunction(torch.autograd.Function):
         grad_psw = None
         slot_of_index = module._slots_for_backward(batch)
         if ctx.needs_input_grad[3]:
-            grad_psw = per_sample_weights_grad(
+            grad_psw = module.backend.per_sample_weights_grad(
                 grad_output, module.row_stores, batch.lookups, slot_of_index, module.pooling
             )
         module._apply_update(grad_output.contiguous(), batch, slot_of_index)

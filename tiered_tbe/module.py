@@ -10,11 +10,10 @@ from torch import nn
 
 from tiered_tbe import validation
 from tiered_tbe._mode import default_device
+from tiered_tbe.backends import backend_named
 from tiered_tbe.cache.slot_cache import SlotCache
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.function import TieredEmbeddingBagsFunction
-from tiered_tbe.kernels.backward import backward_update
-from tiered_tbe.kernels.forward import pooled_forward
 from tiered_tbe.kernels.rows import Lookups
 from tiered_tbe.optimizers import Adam, Optimizer, RowwiseAdagrad
 from tiered_tbe.specs import CacheConfig, TableSpec
@@ -62,6 +61,8 @@ class TieredEmbeddingBags(nn.Module):
         bounds_check: ``"raise"`` (validate every batch: one host sync per forward) or ``"off"``.
         stochastic_rounding: round fp16/bf16 updates stochastically instead of to nearest.
         seed: seeds the weight initialisation and stochastic rounding.
+        backend: ``"triton"`` (the kernels) or ``"torch"`` (their plain-torch reference; see
+            :mod:`tiered_tbe.backends`).
 
     Forward: ``indices`` (int32/int64 [N]) and ``offsets`` (int32/int64 [T*B+1]) in FBGEMM's
     table-major TBE layout, optional ``per_sample_weights`` (float [N]). Returns fp32
@@ -79,6 +80,7 @@ class TieredEmbeddingBags(nn.Module):
         bounds_check: str = "raise",
         stochastic_rounding: bool = False,
         seed: int = 0,
+        backend: str = "triton",
     ):
         super().__init__()
         if not tables:
@@ -95,6 +97,7 @@ class TieredEmbeddingBags(nn.Module):
         names = [s.name or f"table_{t}" for t, s in enumerate(tables)]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
+        self.backend = backend_named(backend)
         self.tables = list(tables)
         self.table_names = names
         self.pooling = pooling
@@ -152,8 +155,7 @@ class TieredEmbeddingBags(nn.Module):
         batch_size = validation.check_static(self.tables, indices, offsets, self.device)
         indices = indices.long()
         offsets = offsets.long()
-        positions = torch.arange(indices.numel(), device=self.device)
-        bag_of_index = torch.searchsorted(offsets, positions, right=True) - 1
+        bag_of_index = self._bag_of_index(indices, offsets)
         if self.bounds_check == "raise":
             validation.check_values(
                 self.tables, indices, offsets, bag_of_index, self._num_rows_of_table, batch_size
@@ -167,6 +169,18 @@ class TieredEmbeddingBags(nn.Module):
             slot_of_index = self.cache.prefetch(global_rows)
         return PreparedBatch(lookups, slot_of_index, self.cache)
 
+    def _bag_of_index(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """int64 [N]: the bag (t*B + b) of each lookup; empty bags are skipped by searchsorted."""
+        positions = torch.arange(indices.numel(), device=self.device)
+        return torch.searchsorted(offsets, positions, right=True) - 1
+
+    def _global_rows(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """int64 [N]: global row id of each lookup, indices clamped into their tables (for hints)."""
+        batch_size = max((offsets.numel() - 1) // len(self.tables), 1)
+        table_of_index = (self._bag_of_index(indices, offsets) // batch_size).clamp_(0, len(self.tables) - 1)
+        rows = torch.minimum(indices.clamp(min=0), self._num_rows_of_table[table_of_index] - 1)
+        return self._row_offset[table_of_index] + rows
+
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
         """Fill the cache for a batch ahead of its forward.
 
@@ -179,6 +193,27 @@ class TieredEmbeddingBags(nn.Module):
             batch.ready.record()
             self._last_prefetch = batch.ready
         self._prefetched.append((indices, offsets, batch))
+
+    @property
+    def uses_lookahead(self) -> bool:
+        return self.cache is not None and self.cache.policy == "lookahead"
+
+    def hint_upcoming(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Tell a lookahead cache the batches that follow the next prefetch, in order.
+
+        Each cached row gets, as its next use, the cache step at which the first of these
+        batches naming it will be prefetched; the policy evicts the row needed latest first.
+        Not validated here (each batch is validated at its own prefetch): out-of-range indices
+        are clamped, which can only make a hint less exact, never a result wrong.
+        """
+        if self.cache is None or not batches:
+            return
+        rows, uses_at = [], []
+        for distance, (indices, offsets) in enumerate(batches, start=1):
+            global_rows = self._global_rows(indices.long(), offsets.long())
+            rows.append(global_rows)
+            uses_at.append(torch.full_like(global_rows, self.cache.step + 1 + distance))
+        self.cache.set_next_use(torch.cat(rows), torch.cat(uses_at))
 
     def cancel_prefetched(self) -> None:
         """Drop every batch prefetched but not yet forwarded, releasing its cache locks."""
@@ -211,7 +246,7 @@ class TieredEmbeddingBags(nn.Module):
         psw_needs_grad = grad_enabled and per_sample_weights is not None and per_sample_weights.requires_grad
         if not grad_enabled or (self.optimizer is None and not psw_needs_grad):
             # No backward will come (evaluation, frozen tables): release the locks now.
-            out = pooled_forward(self.row_stores, batch.lookups, batch.slot_of_index, self.pooling)
+            out = self.backend.forward(self.row_stores, batch.lookups, batch.slot_of_index, self.pooling)
             batch.release()
             return out
         return TieredEmbeddingBagsFunction.apply(
@@ -234,7 +269,7 @@ class TieredEmbeddingBags(nn.Module):
         if optimizer is not None:
             self.optimizer_step += 1
             betas = getattr(optimizer, "betas", (0.0, 0.0))
-            backward_update(
+            self.backend.backward_update(
                 grad_output,
                 self.row_stores,
                 batch.lookups,

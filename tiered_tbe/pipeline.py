@@ -19,6 +19,7 @@ forward, under no_grad; or when the pipeline closes), so a prefetch never evicts
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -84,12 +85,16 @@ class PrefetchPipeline:
             ``model.named_modules()``), or ``batch -> (indices, offsets)`` when the model has
             one tiered module. Default: ``(batch[0], batch[1])`` for a tuple batch, or the
             ``indices`` / ``offsets`` attributes.
+        lookahead: batches beyond the one being prefetched whose rows tell a ``"lookahead"``
+            cache which rows are needed soonest (pulled from ``batches`` early; default 8 when
+            a module uses the lookahead policy, else 0).
 
     Use it as a plain iterator or a context manager; ``close()`` (also on exceptions, and at the
     end of iteration) releases the locks of batches prefetched but never trained.
     """
 
-    def __init__(self, model: nn.Module, batches: Iterable, depth: int = 2, lookups: LookupsOf | None = None):
+    def __init__(self, model: nn.Module, batches: Iterable, depth: int = 2, lookups: LookupsOf | None = None,
+                 lookahead: int | None = None):
         if not 1 <= depth <= 8:
             raise ValueError(f"depth must be between 1 and 8, got {depth}")
         self.modules = {name: m for name, m in model.named_modules() if isinstance(m, TieredEmbeddingBags)}
@@ -101,7 +106,10 @@ class PrefetchPipeline:
         self.device = next(iter(self.modules.values())).device
         self.is_cuda = self.device.type == "cuda"
         self.side_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
-        self.queue: deque[tuple[Any, torch.cuda.Event | None]] = deque()
+        self.queue: deque[tuple[Any, torch.cuda.Event | None]] = deque()  # prefetched, not yet trained
+        self.upcoming: deque[tuple[Any, dict]] = deque()  # moved to the device, not yet prefetched
+        uses_lookahead = any(m.uses_lookahead for m in self.modules.values())
+        self.lookahead = lookahead if lookahead is not None else (8 if uses_lookahead else 0)
         self.closed = False
 
     # --------------------------------------------------------------- plumbing
@@ -117,37 +125,57 @@ class PrefetchPipeline:
             raise ValueError(f"lookups named {sorted(unknown)}, not tiered modules of the model {list(self.modules)}")
         return dict(found)
 
-    def _stage(self) -> bool:
-        """Pull the next batch, move it to the device and prefetch it on the side stream."""
+    def _pull(self) -> bool:
+        """Take the next batch from the user's iterable and start moving it to the device."""
         try:
             batch = next(self.batches)
         except StopIteration:
             return False
         if self.is_cuda:
-            # The prefetch may evict rows that earlier backwards wrote: start after them.
-            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.side_stream):
                 batch = _move(batch, self.device, self.side_stream)
-                for name, (indices, offsets) in self._lookups_by_module(batch).items():
-                    self.modules[name].prefetch(indices, offsets)
-                ready = torch.cuda.Event()
-                ready.record(self.side_stream)
         else:
             batch = _move(batch, self.device, None)
-            for name, (indices, offsets) in self._lookups_by_module(batch).items():
-                self.modules[name].prefetch(indices, offsets)
+        self.upcoming.append((batch, self._lookups_by_module(batch)))
+        return True
+
+    def _prefetch_next(self) -> bool:
+        """Prefetch the oldest upcoming batch on the side stream; False when none is left.
+
+        For lookahead caches the ``lookahead`` batches after it (pulled now if need be) tell
+        the cache when each cached row is needed next, so it evicts the row needed latest.
+        """
+        while len(self.upcoming) < 1 + self.lookahead and self._pull():
+            pass
+        if not self.upcoming:
+            return False
+        batch, lookups = self.upcoming.popleft()
+        window = [found for _, found in list(self.upcoming)[: self.lookahead]]
+        if self.is_cuda:
+            # The prefetch may evict rows that earlier backwards wrote: start after them.
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        context = torch.cuda.stream(self.side_stream) if self.is_cuda else contextlib.nullcontext()
+        with context:
+            for name, (indices, offsets) in lookups.items():
+                module = self.modules[name]
+                if module.uses_lookahead:
+                    module.hint_upcoming([found[name] for found in window])
+                module.prefetch(indices, offsets)
             ready = None
+            if self.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record(self.side_stream)
         self.queue.append((batch, ready))
         return True
 
     # --------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator:
         try:
-            while len(self.queue) < self.depth and self._stage():
+            while len(self.queue) < self.depth and self._prefetch_next():
                 pass
             while self.queue and not self.closed:
                 batch, ready = self.queue.popleft()
-                self._stage()  # P(i + depth), overlapping this step
+                self._prefetch_next()  # P(i + depth), overlapping this step
                 if ready is not None:
                     training_stream = torch.cuda.current_stream(self.device)
                     training_stream.wait_event(ready)
@@ -164,6 +192,7 @@ class PrefetchPipeline:
             return
         self.closed = True
         self.queue.clear()
+        self.upcoming.clear()
         for module in self.modules.values():
             module.cancel_prefetched()
 

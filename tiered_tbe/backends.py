@@ -1,0 +1,54 @@
+"""Which implementation of the TBE math a module runs: the Triton kernels or their plain-torch reference.
+
+``"triton"`` (default) runs ``kernels/forward.py`` and ``kernels/backward.py``. ``"torch"`` runs
+``kernels/reference.py``: the same results computed in fp64 with gathers and ``index_add_``
+(round to nearest only). It is far slower on a GPU, but far faster than the Triton interpreter
+on a CPU, which makes it the backend for long CPU-simulation tests of the cache and the
+pipeline, whose logic does not depend on which backend computes the rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tiered_tbe.kernels import backward, forward, reference
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    name: str
+    forward: Callable  # (stores, lookups, slot_of_index, pooling) -> fp32 output
+    backward_update: Callable  # (grad_output, stores, lookups, slot_of_index, pooling, **optimizer) -> None
+    per_sample_weights_grad: Callable  # (grad_output, stores, lookups, slot_of_index, pooling) -> fp32 [N]
+
+
+def _reference_forward(stores, lookups, slot_of_index, pooling):
+    return reference.reference_forward(stores, lookups, slot_of_index, pooling).float()
+
+
+def _reference_backward_update(*args, stochastic_rounding: bool = False, seed: int = 0, **kwargs):
+    if stochastic_rounding:
+        raise ValueError("backend='torch' rounds to nearest only: use backend='triton' for stochastic rounding")
+    reference.reference_backward_update(*args, **kwargs)
+
+
+def _reference_per_sample_weights_grad(*args) -> torch.Tensor:
+    return reference.reference_per_sample_weights_grad(*args).float()
+
+
+BACKENDS = {
+    "triton": KernelBackend("triton", forward.pooled_forward, backward.backward_update,
+                            backward.per_sample_weights_grad),
+    "torch": KernelBackend("torch", _reference_forward, _reference_backward_update,
+                           _reference_per_sample_weights_grad),
+}
+
+
+def backend_named(name: str) -> KernelBackend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {name!r}") from None
