@@ -84,7 +84,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="tiered-tbe train", description=__doc__)
     small = SIMULATION
     parser.add_argument("--tables", type=int, default=4 if small else 8, help="number of embedding tables")
-    parser.add_argument("--rows", type=int, default=2_000 if small else 2_000_000, help="rows per table")
+    parser.add_argument("--rows", type=int, default=500 if small else 2_000_000, help="rows per table")
     parser.add_argument("--dim", type=int, default=8 if small else 64, help="embedding dim")
     parser.add_argument("--batch-size", type=int, default=32 if small else 8192)
     parser.add_argument("--bag-size", type=int, default=2 if small else 8, help="lookups per table per sample")
@@ -95,7 +95,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--policy", default="lru", choices=["lru", "lfu", "lookahead"])
     parser.add_argument("--pipeline-depth", type=int, default=0,
                         help="prefetch this many batches ahead on a side stream (0: prefetch in forward)")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.2, help="row-wise Adagrad learning rate of the tables")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
