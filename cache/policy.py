@@ -132,6 +132,14 @@ def policy_code(policy: str) -> int:
         raise ValueError(f"policy must be one of {sorted(POLICY_CODES)}, got {policy!r}") from None
 
 
+def check_geometry(num_slots: int, associativity: int, lfu_decay_interval: int) -> None:
+    """The cache shape both the GPU cache and the simulator accept; a clear error otherwise."""
+    if associativity < 1 or num_slots < associativity or num_slots % associativity:
+        raise ValueError(f"num_slots ({num_slots}) must be a positive multiple of associativity ({associativity})")
+    if lfu_decay_interval < 1:
+        raise ValueError(f"lfu_decay_interval must be >= 1, got {lfu_decay_interval}")
+
+
 def mix64(row):
     """splitmix64 of a non-negative int64: a uint64 whose bits all depend on every bit of ``row``."""
     z = np.uint64(row) + _GOLDEN_GAMMA

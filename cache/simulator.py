@@ -43,6 +43,7 @@ from tiered_tbe.cache.policy import (
     NEXT_USE_UNKNOWN,
     NO_SLOT,
     POLICY_LOOKAHEAD,
+    check_geometry,
     choose_victim_cpu,
     find_way_cpu,
     policy_code,
@@ -225,11 +226,7 @@ class CacheSimulator:
 
     def __init__(self, num_slots: int, associativity: int, policy: str = "lru", lfu_decay_interval: int = 64,
                  training: bool = True, row_bytes: int = 0, lookahead_window: int = 8, pipeline_depth: int = 0):
-        if associativity < 1 or num_slots < associativity or num_slots % associativity:
-            raise ValueError(f"num_slots ({num_slots}) must be a positive multiple of associativity "
-                             f"({associativity})")
-        if lfu_decay_interval < 1:
-            raise ValueError(f"lfu_decay_interval must be >= 1, got {lfu_decay_interval}")
+        check_geometry(num_slots, associativity, lfu_decay_interval)
         if lookahead_window < 0:
             raise ValueError(f"lookahead_window must be >= 0, got {lookahead_window}")
         if pipeline_depth < 0:

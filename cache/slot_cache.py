@@ -40,7 +40,7 @@ import torch
 from tiered_tbe._mode import SIMULATION, default_device
 from tiered_tbe.cache import _kernels
 from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT
-from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, NO_SLOT, policy_code
+from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, NO_SLOT, check_geometry, policy_code
 from tiered_tbe.cache.stats import CacheStats
 
 # Threads per launch in the CUDA simulator, where each is a Python thread (~0.2 ms to start).
@@ -134,11 +134,7 @@ class SlotCache:
                              "before importing tiered_tbe, or use device='cuda'")
         if self.device.type == "cuda" and SIMULATION:
             raise ValueError("SlotCache on cuda, but tiered_tbe runs in CPU simulation mode")
-        if associativity < 1 or num_slots < associativity or num_slots % associativity:
-            raise ValueError(f"num_slots ({num_slots}) must be a positive multiple of associativity "
-                             f"({associativity})")
-        if lfu_decay_interval < 1:
-            raise ValueError(f"lfu_decay_interval must be >= 1, got {lfu_decay_interval}")
+        check_geometry(num_slots, associativity, lfu_decay_interval)
         self.policy = policy
         self._policy_code = policy_code(policy)
         self.num_slots = num_slots
