@@ -120,7 +120,8 @@ class TieredEmbeddingBags(nn.Module):
             config = cache if cache is not None else CacheConfig()
             row_width = max(tables[t].embedding_dim for t in cached)
             slot_state_width = max(state_width[t] for t in cached)
-            bytes_per_slot = row_width * torch.finfo(weights_dtype).bits // 8 + 4 * slot_state_width + 32
+            # A slot: its row, its optimizer state, and 33 bytes of tag, policy state, dirty bit and lock.
+            bytes_per_slot = row_width * torch.finfo(weights_dtype).bits // 8 + 4 * slot_state_width + 33
             cached_rows = sum(tables[t].num_embeddings for t in cached)
             self.cache = SlotCache(
                 tables=self.storage.cached_tables(),
