@@ -1,10 +1,11 @@
 """Time the slot cache on a DLRM-like model: prefetch, forward and backward of each batch, against all-HBM.
 
 The model: the 26 tables of the Criteo Kaggle data set (``tiered_tbe.traces``; ``--row-cap``
-caps each), dim 128 fp32, row-wise Adagrad, every table ``HOST_CACHED`` (pinned host memory
-behind a slot cache holding ``--cache-fraction`` of all rows), batches of B=65536 samples with
-one lookup per table, Zipf(alpha) over a random permutation of each table's rows, drawn on the
-GPU. Measured in one run:
+caps each, ``--tables N`` takes the first N, ``--rows R`` makes every table R rows instead), dim
+128 fp32 (``--dim``, ``--dtype``), row-wise Adagrad, every table ``HOST_CACHED`` (pinned host
+memory behind a slot cache holding ``--cache-fraction`` of all rows, ``--policy``), batches of
+B=65536 samples with one lookup per table (``--bag-size``), Zipf(alpha) over a random
+permutation of each table's rows, drawn on the GPU. Measured in one run:
 
 - after ``--warmup`` batches (a steady-state cache), the time of ``emb.prefetch``, forward and
   ``out.backward(grad)`` of each of ``--batches`` batches (CUDA events; medians), and the cache
@@ -19,9 +20,11 @@ GPU. Measured in one run:
 
 Without a GPU (CPU simulation) it runs at a tiny size to prove it works; its times mean nothing.
 
-    python benchmarks/bench_cache.py                             # 26 tables, Zipf 1.05 and 1.2
-    python benchmarks/bench_cache.py --row-cap 1000000 --record  # smaller tables; append to RESULTS.md
-    python benchmarks/bench_cache.py --big-table-gb 60 --cache-gb 8
+    tiered-tbe bench cache                                    # 26 tables, Zipf 1.05 and 1.2
+    tiered-tbe bench cache --row-cap 1000000 --record         # smaller tables; append to RESULTS.md
+    tiered-tbe bench cache --tables 8 --rows 2000000 --dtype fp16 --policy lfu
+    tiered-tbe bench cache --big-table-gb 60 --cache-gb 8
+    python benchmarks/bench_cache.py ...                      # the same, from a checkout
 """
 
 from __future__ import annotations
@@ -30,84 +33,76 @@ import argparse
 import gc
 import sys
 import time
-from pathlib import Path
 
-import common  # benchmarks/common.py (it imports tiered_tbe first, which picks the mode)
 import torch
 
 from tiered_tbe._mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.benchmarks import common
 from tiered_tbe.module import TieredEmbeddingBags
 from tiered_tbe.optimizers import RowwiseAdagrad
 from tiered_tbe.specs import CacheConfig, Placement, TableSpec
-from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
 
 SCRIPT = "bench_cache.py"
 # Sizes used when none is given: the target workload on a GPU, a toy one in simulation.
-GPU_DEFAULTS = dict(num_tables=26, row_cap=0, dim=128, batch_size=65536, warmup=20, batches=20, memcpy_gib=1.0,
-                    big_steps=12)
-SIMULATION_DEFAULTS = dict(num_tables=3, row_cap=1000, dim=16, batch_size=8, warmup=2, batches=2, memcpy_gib=0.001,
-                           big_steps=3)
+GPU_DEFAULTS = dict(tables=26, row_cap=0, dim=128, batch_size=65536, bag_size=1, warmup=20, batches=20,
+                    memcpy_gib=1.0, big_steps=12)
+SIMULATION_DEFAULTS = dict(tables=3, row_cap=1000, dim=16, batch_size=8, bag_size=1, warmup=2, batches=2,
+                           memcpy_gib=0.001, big_steps=3)
 FILL_TARGET = 0.8  # fill bandwidth / pinned memcpy bandwidth, at least
 STEP_TARGET = 2.0  # serial cached step / all-HBM step, at most
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-tables", type=int, help="the first N Criteo Kaggle tables (default 26; 3 in simulation)")
-    parser.add_argument("--row-cap", type=int,
-                        help="cap every table at this many rows; 0 = none (default none; 1000 in simulation)")
-    parser.add_argument("--dim", type=int, help="embedding dim, fp32 (default 128; 16 in simulation)")
-    parser.add_argument("--batch-size", type=int, help="samples per batch (default 65536; 8 in simulation)")
-    parser.add_argument("--bag-size", type=int, default=1, help="lookups per table per sample (default 1)")
-    parser.add_argument("--alpha", type=float, nargs="+", default=[1.05, 1.2],
-                        help="Zipf exponents, one run each (default: 1.05 1.2; 0 = uniform)")
-    parser.add_argument("--cache-fraction", type=float, default=0.05,
-                        help="slot cache size, fraction of all rows (default 0.05)")
-    parser.add_argument("--policy", default="lru", choices=["lru", "lfu", "lookahead"],
-                        help="cache policy (default lru)")
-    parser.add_argument("--associativity", type=int, default=32, help="ways per cache set (default 32)")
-    parser.add_argument("--warmup", type=int, help="batches before timing, per alpha (default 20; 2 in simulation)")
-    parser.add_argument("--batches", type=int, help="timed batches per alpha (default 20; 2 in simulation)")
-    parser.add_argument("--bounds-check", default="off", choices=["off", "raise"],
-                        help="the module's bounds_check ('raise' adds a host sync per batch); default off")
-    parser.add_argument("--no-hbm", action="store_true", help="skip the all-HBM baseline")
-    parser.add_argument("--memcpy-gib", type=float,
-                        help="GiB copied to measure the pinned memcpy bandwidth (default 1)")
-    parser.add_argument("--rep-ms", type=float, default=200.0,
-                        help="do_bench repetition time of the memcpy, ms (default 200)")
-    parser.add_argument("--big-table-gb", type=float,
-                        help="big-table mode: one HOST_CACHED table of this many GB (1e9 bytes), e.g. 60")
-    parser.add_argument("--cache-gb", type=float, default=8.0,
-                        help="big-table mode: slot cache size in GB, rows and optimizer state (default 8)")
-    parser.add_argument("--big-steps", type=int, help="big-table mode: training steps (default 12; 3 in simulation)")
-    parser.add_argument("--big-bag-size", type=int, default=26,
-                        help="big-table mode: lookups per sample into the one table (default 26, the lookups "
-                             "of the 26-table model)")
-    parser.add_argument("--record", action="store_true", help=f"append the results to {common.RESULTS}")
-    parser.add_argument("--results-file", type=Path, default=common.RESULTS, help="where --record appends")
-    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the lookups")
-    args = parser.parse_args(argv)
-    defaults = SIMULATION_DEFAULTS if SIMULATION else GPU_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if not 1 <= args.num_tables <= len(CRITEO_KAGGLE_TABLE_ROWS):
-        parser.error(f"--num-tables must be between 1 and {len(CRITEO_KAGGLE_TABLE_ROWS)}")
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add this benchmark's flags to ``parser`` (a new one if None): ``tiered-tbe bench cache`` and the script."""
+    parser = parser or argparse.ArgumentParser(prog="python benchmarks/bench_cache.py")
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    common.add_table_flags(parser, GPU_DEFAULTS, SIMULATION_DEFAULTS)
+    common.add_cache_flags(parser, ["lru", "lfu", "lookahead"])
+    run = parser.add_argument_group("run")
+    run.add_argument("--warmup", type=int, help="batches before timing, per alpha (default 20; 2 in simulation)")
+    run.add_argument("--batches", type=int, help="timed batches per alpha (default 20; 2 in simulation)")
+    run.add_argument("--bounds-check", default="off", choices=["off", "raise"],
+                     help="the module's bounds_check ('raise' adds a host sync per batch); default off")
+    run.add_argument("--no-hbm", action="store_true", help="skip the all-HBM baseline")
+    run.add_argument("--memcpy-gib", type=float, help="GiB copied to measure the pinned memcpy bandwidth (default 1)")
+    run.add_argument("--rep-ms", type=float, default=200.0,
+                     help="do_bench repetition time of the memcpy, ms (default 200)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the weights and the lookups")
+    big = parser.add_argument_group("big-table mode")
+    big.add_argument("--big-table-gb", type=float,
+                     help="one HOST_CACHED table of this many GB (1e9 bytes), e.g. 60")
+    big.add_argument("--cache-gb", type=float, default=8.0,
+                     help="slot cache size in GB, rows and optimizer state (default 8)")
+    big.add_argument("--big-steps", type=int, help="training steps (default 12; 3 in simulation)")
+    big.add_argument("--big-bag-size", type=int, default=26,
+                     help="lookups per sample into the one table (default 26, the lookups of the 26-table model)")
+    common.add_output_flags(parser)
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the sizes left unset (GPU or simulation defaults); ``ValueError`` for flags that do not fit."""
+    common.check_table_args(args, GPU_DEFAULTS, SIMULATION_DEFAULTS)
     if args.warmup < 0 or args.batches < 1 or args.big_steps < 1:
-        parser.error("--warmup must be >= 0, --batches and --big-steps >= 1")
+        raise ValueError("--warmup must be >= 0, --batches and --big-steps >= 1")
     return args
 
 
-def criteo_rows(args) -> list[int]:
-    rows = list(CRITEO_KAGGLE_TABLE_ROWS[: args.num_tables])
-    return [min(n, args.row_cap) for n in rows] if args.row_cap else rows
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return check_args(args)
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def build_module(table_rows, dim, placement: Placement, cache: CacheConfig | None, args) -> TieredEmbeddingBags:
     tables = [TableSpec(n, dim, name=f"C{t + 1}", placement=placement) for t, n in enumerate(table_rows)]
     return TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(lr=0.05, eps=1e-8), cache=cache,
-                               device=default_device(), bounds_check=args.bounds_check, seed=args.seed)
+                               weights_dtype=common.DTYPES[args.dtype], device=default_device(),
+                               bounds_check=args.bounds_check, seed=args.seed)
 
 
 def free(*_unused) -> None:
@@ -151,7 +146,7 @@ def train_steps(emb: TieredEmbeddingBags, batches, grad: torch.Tensor, warmup: i
 
 def run(args: argparse.Namespace) -> list[dict]:
     device = default_device()
-    table_rows = criteo_rows(args)
+    table_rows = common.table_rows_of(args)
     results = []
     bandwidth = common.pinned_copy_bandwidth(args.memcpy_gib, args.rep_ms)
     results.append(dict(kind="memcpy", **bandwidth))
@@ -183,7 +178,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         free()
 
     hbm_step = {r["alpha"]: r["step"] for r in results if r.get("model") == "all HBM"}
-    row_bytes = args.dim * 4
+    row_bytes = args.dim * common.DTYPES[args.dtype].itemsize
     for r in results:
         if r["kind"] != "model":
             continue
@@ -248,7 +243,7 @@ def judge(ok: bool) -> str:
 def run_big_table(args: argparse.Namespace) -> dict:
     """One HOST_CACHED table of ``--big-table-gb`` GB behind a ``--cache-gb`` GB cache: train a few steps."""
     device = default_device()
-    row_bytes = args.dim * 4
+    row_bytes = args.dim * common.DTYPES[args.dtype].itemsize
     num_rows = int(args.big_table_gb * 1e9) // row_bytes
     if num_rows < 1:
         raise SystemExit(f"--big-table-gb {args.big_table_gb} holds no {row_bytes}-byte row")
@@ -260,7 +255,7 @@ def run_big_table(args: argparse.Namespace) -> dict:
                          f"(+{margin / 2**30:.0f} GiB margin), but only {available / 2**30:.1f} GiB is available "
                          f"(MemAvailable). Ask for a smaller --big-table-gb.")
     cache_bytes = int(args.cache_gb * 1e9)
-    print(f"big table: {num_rows:,} rows x {args.dim} fp32 = {num_rows * row_bytes / 1e9:.1f} GB pinned host, "
+    print(f"big table: {num_rows:,} rows x {args.dim} {args.dtype} = {num_rows * row_bytes / 1e9:.1f} GB pinned host, "
           f"cache {cache_bytes / 1e9:g} GB, batch {args.batch_size} x bag {args.big_bag_size}, "
           f"{args.big_steps} steps, zipf {args.alpha[0]:g}", flush=True)
     start = time.perf_counter()
@@ -302,9 +297,12 @@ def format_big_table(r: dict) -> list[str]:
 # ------------------------------------------------------------------------------------ main
 
 
-def main(argv=None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+def run_command(args: argparse.Namespace, argv=None) -> int:
+    """Run the benchmark for checked ``args``, print its table, write ``--json`` and ``--record``.
+
+    ``tiered-tbe bench cache`` calls it with the CLI's arguments; :func:`main` with the script's.
+    """
+    check_args(args)
     print(describe_mode())
     if SIMULATION:
         print(common.SIMULATION_NOTE)
@@ -313,12 +311,9 @@ def main(argv=None) -> None:
         results = [result]
         table = format_big_table(result)
     else:
-        table_rows = criteo_rows(args)
-        print(f"{len(table_rows)} Criteo Kaggle tables ({sum(table_rows):,} rows"
-              f"{f', capped at {args.row_cap:,}' if args.row_cap else ''}) x {args.dim} fp32, row-wise Adagrad; "
-              f"batch {args.batch_size} x bag {args.bag_size}; cache {args.cache_fraction:g} of rows, {args.policy}, "
-              f"{args.associativity} ways; {args.warmup} warm-up + {args.batches} timed batches per alpha; "
-              f"on {common.device_name()}", flush=True)
+        print(f"{common.describe_tables(args)}, row-wise Adagrad; batch {args.batch_size} x bag {args.bag_size}; "
+              f"cache {args.cache_fraction:g} of rows, {args.policy}, {args.associativity} ways; {args.warmup} "
+              f"warm-up + {args.batches} timed batches per alpha; on {common.device_name()}", flush=True)
         results = run(args)
         table = format_table(results, args)
     print("\n".join(table))
@@ -326,9 +321,15 @@ def main(argv=None) -> None:
         common.write_json(args.json, SCRIPT, args, results)
         print(f"wrote {args.json}")
     if args.record:
-        common.append_results(args.results_file, SCRIPT, argv, table)
+        common.append_results(args.results_file, SCRIPT, common.command_of(args, SCRIPT, argv), table)
         print(f"appended to {args.results_file}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_command(parse_args(argv), argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,9 @@
-"""Time the Triton TBE kernels against PyTorch's embedding bags on one table in device memory.
+"""Time the Triton TBE kernels against PyTorch's embedding bags on tables in device memory.
 
-Measured in one run, on the same rows and the same lookups:
+``--tables`` tables (default one) of ``--rows`` rows each, ``--dim`` columns of ``--dtype``; one
+batch of ``--batch-size`` bags of ``--bag-size`` lookups per table. torch's side holds the same
+rows in one ``EmbeddingBag`` (tables stacked, lookups shifted to global rows: how torch users
+batch tables). Measured in one run, on the same rows and the same lookups:
 
 - ``forward``: ``pooled_forward`` (sum) vs ``torch.nn.functional.embedding_bag``;
 - ``fwd+bwd+sgd``: forward, then ``backward_update`` with SGD, vs ``nn.EmbeddingBag(sparse=True)``
@@ -10,74 +13,65 @@ Measured in one run, on the same rows and the same lookups:
 - the device's copy bandwidth (a large ``dst.copy_(src)``, bytes read + written), as a ceiling.
 
 Each time is the median of ``triton.testing.do_bench``. "GB/s" is the bytes of the looked-up rows
-(lookups x dim x 4) over the time, for every line alike, so the columns compare directly.
+(lookups x dim x dtype size) over the time, for every line alike, so the columns compare directly.
 Lookups are uniform (``--alpha 0``) or Zipf(alpha) over a random permutation of the rows.
 
 Without a GPU (CPU simulation) it runs at a tiny size to prove it works; its times mean nothing.
 
-    python benchmarks/bench_kernels.py                       # 20M x 128 rows, B=65536, L=32
-    python benchmarks/bench_kernels.py --alpha 1.05 --record  # append the results to RESULTS.md
+    tiered-tbe bench kernels                            # 20M x 128 rows, B=65536, L=32
+    tiered-tbe bench kernels --alpha 1.05 --record      # append the results to RESULTS.md
+    tiered-tbe bench kernels --tables 4 --rows 5000000 --dtype fp16
+    python benchmarks/bench_kernels.py ...              # the same, from a checkout
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tiered_tbe._mode import SIMULATION, default_device, describe_mode
-from tiered_tbe.kernels.backward import backward_update  # importing tiered_tbe.* picks GPU / simulation mode
+from tiered_tbe._mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.benchmarks import common
+from tiered_tbe.kernels.backward import backward_update
 from tiered_tbe.kernels.forward import pooled_forward
 from tiered_tbe.kernels.rows import TIER_DEVICE, Lookups, RowStores
 from tiered_tbe.optimizers import OptimizerKind
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+SCRIPT = "bench_kernels.py"
 # Sizes used when none is given: the target workload on a GPU, a toy one in simulation.
-GPU_DEFAULTS = dict(rows=20_000_000, dim=128, batch_size=65536, bag_size=32, copy_gib=4.0)
-SIMULATION_DEFAULTS = dict(rows=1000, dim=16, batch_size=8, bag_size=4, copy_gib=0.001)
+GPU_DEFAULTS = dict(tables=1, rows=20_000_000, dim=128, batch_size=65536, bag_size=32, copy_gib=4.0)
+SIMULATION_DEFAULTS = dict(tables=1, rows=1000, dim=16, batch_size=8, bag_size=4, copy_gib=0.001)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, help="rows of the table (default 20M on a GPU, 1000 in simulation)")
-    parser.add_argument("--dim", type=int, help="embedding dim (default 128; 16 in simulation)")
-    parser.add_argument("--batch-size", type=int, help="bags per batch (default 65536; 8 in simulation)")
-    parser.add_argument("--bag-size", type=int, help="lookups per bag (default 32; 4 in simulation)")
-    parser.add_argument("--alpha", type=float, nargs="+", default=[0.0, 1.05],
-                        help="lookup distributions: 0 = uniform, else Zipf exponent (default: 0 1.05)")
-    parser.add_argument("--copy-gib", type=float, help="GiB copied to measure device bandwidth (default 4)")
-    parser.add_argument("--rep-ms", type=float, default=300.0, help="do_bench repetition time per line, ms")
-    parser.add_argument("--record", action="store_true", help=f"append the results to {RESULTS}")
-    parser.add_argument("--results-file", type=Path, default=RESULTS, help="where --record appends")
-    parser.add_argument("--seed", type=int, default=0, help="torch seed of the weights and lookups")
-    args = parser.parse_args(argv)
-    defaults = SIMULATION_DEFAULTS if SIMULATION else GPU_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add this benchmark's flags to ``parser`` (a new one if None): ``tiered-tbe bench kernels`` and the script."""
+    parser = parser or argparse.ArgumentParser(prog="python benchmarks/bench_kernels.py")
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    common.add_table_flags(parser, GPU_DEFAULTS, SIMULATION_DEFAULTS, criteo=False, alphas=(0.0, 1.05))
+    run = parser.add_argument_group("run")
+    run.add_argument("--copy-gib", type=float, help="GiB copied to measure device bandwidth (default 4)")
+    run.add_argument("--rep-ms", type=float, default=300.0, help="do_bench repetition time per line, ms")
+    run.add_argument("--seed", type=int, default=0, help="torch seed of the weights and lookups")
+    common.add_output_flags(parser)
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the sizes left unset (GPU or simulation defaults); ``ValueError`` for flags that do not fit."""
+    common.check_table_args(args, GPU_DEFAULTS, SIMULATION_DEFAULTS, criteo=False)
     return args
 
 
-def time_ms(fn, rep_ms: float) -> float:
-    """Median milliseconds of ``fn()``: ``do_bench`` on a GPU, a wall clock in simulation."""
-    if SIMULATION:
-        fn()  # warm up (the interpreter caches nothing, but the first call imports)
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=max(25.0, rep_ms / 4), rep=rep_ms, quantiles=[0.5, 0.2, 0.8])[0]
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return check_args(args)
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def sample_rows(num_rows: int, num_lookups: int, alpha: float, device: torch.device) -> torch.Tensor:
@@ -93,31 +87,25 @@ def sample_rows(num_rows: int, num_lookups: int, alpha: float, device: torch.dev
     return torch.randperm(num_rows, device=device)[drawn.clamp_(max=num_rows - 1)]
 
 
-def one_table_stores(weights: torch.Tensor, state: torch.Tensor) -> RowStores:
-    """RowStores of one DEVICE table: ``weights`` fp32 [rows, dim] (flat view), ``state`` its Adagrad sums."""
+def device_stores(weights: torch.Tensor, state: torch.Tensor, num_tables: int) -> RowStores:
+    """RowStores of ``num_tables`` DEVICE tables stacked in ``weights`` [tables * rows, dim] (each
+    ``rows`` rows), ``state`` [tables * rows] their row-wise Adagrad sums (flat views, no copies)."""
     device = weights.device
-    rows, dim = weights.shape
-    empty = torch.empty(0, device=device)
+    total_rows, dim = weights.shape
+    rows = total_rows // num_tables
+    empty = torch.empty(0, dtype=weights.dtype, device=device)
+    empty_state = torch.empty(0, device=device)
+    table = torch.arange(num_tables, dtype=torch.int64, device=device)
     return RowStores(
-        weights.view(-1), empty, empty, state, empty, empty,
-        table_tier=torch.tensor([TIER_DEVICE], dtype=torch.int32, device=device),
-        table_weight_offset=torch.zeros(1, dtype=torch.int64, device=device),
-        table_state_offset=torch.zeros(1, dtype=torch.int64, device=device),
-        table_dim=torch.tensor([dim], dtype=torch.int32, device=device),
-        table_output_offset=torch.zeros(1, dtype=torch.int32, device=device),
-        cache_weights=torch.empty(0, 1, device=device), cache_state=torch.empty(0, 1, device=device),
-        max_dim=dim, total_dim=dim)
-
-
-def git_commit() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).parent).stdout.strip()
-        return commit + ("+uncommitted" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        weights.view(-1), empty, empty, state, empty_state, empty_state,
+        table_tier=torch.full((num_tables,), TIER_DEVICE, dtype=torch.int32, device=device),
+        table_weight_offset=table * rows * dim,
+        table_state_offset=table * rows,
+        table_dim=torch.full((num_tables,), dim, dtype=torch.int32, device=device),
+        table_output_offset=(table * dim).to(torch.int32),
+        cache_weights=torch.empty(0, 1, dtype=weights.dtype, device=device),
+        cache_state=torch.empty(0, 1, device=device),
+        max_dim=dim, total_dim=num_tables * dim)
 
 
 def measure_copy_bandwidth(gib: float, rep_ms: float, device: torch.device) -> tuple[float, float]:
@@ -125,68 +113,81 @@ def measure_copy_bandwidth(gib: float, rep_ms: float, device: torch.device) -> t
     numel = int(gib * 2**30) // 4
     source = torch.rand(numel, device=device)
     destination = torch.empty_like(source)
-    ms = time_ms(lambda: destination.copy_(source), rep_ms)
+    ms = common.time_ms(lambda: destination.copy_(source), rep_ms)
     return ms, 2 * numel * 4 / ms / 1e6
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     device = default_device()
     torch.manual_seed(args.seed)
-    num_lookups = args.batch_size * args.bag_size
-    row_bytes = num_lookups * args.dim * 4
+    dtype = common.DTYPES[args.dtype]
+    num_tables, batch_size, bag_size = args.tables, args.batch_size, args.bag_size
+    lookups_per_table = batch_size * bag_size
+    num_lookups = num_tables * lookups_per_table
+    row_bytes = num_lookups * args.dim * dtype.itemsize  # bytes of the looked-up rows
     lr = 0.01
 
     copy_ms, copy_gbs = measure_copy_bandwidth(args.copy_gib, args.rep_ms, device)
     results = [dict(op="device copy", alpha="-", ours_ms=copy_ms, ours_gbs=copy_gbs)]
 
-    # One table, shared by our kernels and torch's modules (same rows in the same memory).
-    weights = torch.empty(args.rows, args.dim, device=device).uniform_(-0.01, 0.01)
-    adagrad_state = torch.zeros(args.rows, device=device)
-    stores = one_table_stores(weights, adagrad_state)
-    embedding = torch.nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True, device="meta")
+    # The tables stacked in one tensor, shared by our kernels and torch's module (same rows, same memory).
+    weights = torch.empty(num_tables * args.rows, args.dim, dtype=dtype, device=device).uniform_(-0.01, 0.01)
+    adagrad_state = torch.zeros(num_tables * args.rows, device=device)
+    stores = device_stores(weights, adagrad_state, num_tables)
+    embedding = torch.nn.EmbeddingBag(num_tables * args.rows, args.dim, mode="sum", sparse=True, device="meta")
     embedding.weight = torch.nn.Parameter(weights)
     torch_sgd = torch.optim.SGD(embedding.parameters(), lr=lr)
 
-    offsets = torch.arange(0, num_lookups + 1, args.bag_size, device=device)
-    bag_of_index = torch.arange(args.batch_size, device=device).repeat_interleave(args.bag_size)
+    # TBE layout: bag t*B + b holds lookups offsets[t*B+b]..; torch gets the same T*B bags, in order.
+    offsets = torch.arange(0, num_lookups + 1, bag_size, device=device)
+    bag_of_index = torch.arange(num_tables * batch_size, device=device).repeat_interleave(bag_size)
+    table_start = (torch.arange(num_tables, device=device) * args.rows).repeat_interleave(lookups_per_table)
     slot_of_index = torch.full((num_lookups,), -1, dtype=torch.int32, device=device)
-    grad_output = torch.randn(args.batch_size, args.dim, device=device)
+    grad_output = torch.randn(batch_size, num_tables * args.dim, device=device)  # ours: [B, T * dim] fp32
+
+    def as_torch_layout(pooled: torch.Tensor) -> torch.Tensor:
+        """[B, T * dim] (ours) -> [T * B, dim] (torch's bags t*B + b)."""
+        return pooled.view(batch_size, num_tables, args.dim).transpose(0, 1).reshape(-1, args.dim)
+
+    torch_grad = as_torch_layout(grad_output).to(dtype)
 
     for alpha in args.alpha:
-        indices = sample_rows(args.rows, num_lookups, alpha, device)
-        lookups = Lookups(indices, offsets, bag_of_index, indices, None, args.batch_size)
-        unique_rows = torch.unique(indices).numel()
+        indices = torch.cat([sample_rows(args.rows, lookups_per_table, alpha, device) for _ in range(num_tables)])
+        global_rows = indices + table_start
+        lookups = Lookups(indices, offsets, bag_of_index, global_rows, None, batch_size)
+        unique_rows = torch.unique(global_rows).numel()
         label = "uniform" if alpha == 0 else f"zipf {alpha:g}"
 
         def ours_forward(lookups=lookups):
             return pooled_forward(stores, lookups, slot_of_index, "sum")
 
-        def torch_forward(indices=indices):
-            return F.embedding_bag(indices, weights, offsets[:-1], mode="sum")
+        def torch_forward(global_rows=global_rows):
+            return F.embedding_bag(global_rows, weights, offsets[:-1], mode="sum")
 
         def ours_step(kind, lookups=lookups):
             pooled_forward(stores, lookups, slot_of_index, "sum")
             backward_update(grad_output, stores, lookups, slot_of_index, "sum", kind, lr=lr, eps=1e-8)
 
-        def torch_step(optimizer, indices=indices):
-            embedding(indices, offsets[:-1]).backward(grad_output)
+        def torch_step(optimizer, global_rows=global_rows):
+            embedding(global_rows, offsets[:-1]).backward(torch_grad)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        # The two forwards agree (a check, not a timing).
-        torch.testing.assert_close(ours_forward(), torch_forward(), rtol=1e-4, atol=1e-5)
+        # The two forwards agree (a check, not a timing); ours accumulates in fp32, torch in the dtype.
+        tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(as_torch_layout(ours_forward()), torch_forward().float(), **tolerance)
 
         lines = [
             ("forward", ours_forward, torch_forward),
             ("fwd+bwd+sgd", lambda: ours_step(OptimizerKind.SGD), lambda: torch_step(torch_sgd)),
         ]
         for op, ours, theirs in lines:
-            ours_ms, torch_ms = time_ms(ours, args.rep_ms), time_ms(theirs, args.rep_ms)
+            ours_ms, torch_ms = common.time_ms(ours, args.rep_ms), common.time_ms(theirs, args.rep_ms)
             results.append(dict(op=op, alpha=label, ours_ms=ours_ms, torch_ms=torch_ms, unique=unique_rows))
-        # torch's Adagrad keeps a dense fp32 sum per element (as large as the table): make it last.
+        # torch's Adagrad keeps a dense sum per element (as large as the tables): make it last.
         torch_adagrad = torch.optim.Adagrad(embedding.parameters(), lr=lr, eps=1e-8)
-        ours_ms = time_ms(lambda: ours_step(OptimizerKind.ROWWISE_ADAGRAD), args.rep_ms)
-        torch_ms = time_ms(lambda optimizer=torch_adagrad: torch_step(optimizer), args.rep_ms)
+        ours_ms = common.time_ms(lambda: ours_step(OptimizerKind.ROWWISE_ADAGRAD), args.rep_ms)
+        torch_ms = common.time_ms(lambda optimizer=torch_adagrad: torch_step(optimizer), args.rep_ms)
         results.append(dict(op="fwd+bwd+adagrad", alpha=label, ours_ms=ours_ms, torch_ms=torch_ms,
                             unique=unique_rows))
         del torch_adagrad
@@ -211,26 +212,34 @@ def format_table(results: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def run_command(args: argparse.Namespace, argv=None) -> int:
+    """Run the benchmark for ``args``, print its table, write ``--json`` and ``--record``.
+
+    ``tiered-tbe bench kernels`` calls it with the CLI's arguments; :func:`main` with the script's.
+    """
+    check_args(args)
     print(describe_mode())
     if SIMULATION:
         print("SIMULATION: Triton runs in its CPU interpreter; the timings below are meaningless.")
-    device_name = "CPU simulation" if SIMULATION else torch.cuda.get_device_name()
-    print(f"table {args.rows} x {args.dim} fp32, batch {args.batch_size} x bag {args.bag_size} "
-          f"({args.batch_size * args.bag_size} lookups), on {device_name}")
-    table = format_table(run(args))
+    lookups = args.tables * args.batch_size * args.bag_size
+    print(f"{common.describe_tables(args)}, batch {args.batch_size} x bag {args.bag_size} per table "
+          f"({lookups} lookups), on {common.device_name()}; baseline: torch.nn.EmbeddingBag in the same run")
+    results = run(args)
+    table = format_table(results)
     print("\n".join(table))
+    if args.json:
+        common.write_json(args.json, SCRIPT, args, results)
+        print(f"wrote {args.json}")
     if args.record:
-        header = "" if args.results_file.exists() else "# Benchmark results\n"
-        command = "python " + " ".join(["benchmarks/bench_kernels.py", *sys.argv[1:]])
-        with args.results_file.open("a") as results_file:
-            results_file.write(
-                f"{header}\n## bench_kernels, {datetime.date.today().isoformat()}, {device_name}, "
-                f"commit {git_commit()}\n\n`{command}`"
-                f"{' (simulation: times meaningless)' if SIMULATION else ''}\n\n" + "\n".join(table) + "\n")
+        common.append_results(args.results_file, SCRIPT, common.command_of(args, SCRIPT, argv), table)
         print(f"appended to {args.results_file}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_command(parse_args(argv), argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

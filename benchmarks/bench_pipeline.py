@@ -1,7 +1,8 @@
 """Time training steps with the prefetch pipeline against serial prefetch, all-HBM and managed memory.
 
 The model of ``bench_cache.py`` (the 26 Criteo Kaggle tables, dim 128 fp32, row-wise Adagrad,
-B=65536, one lookup per table per sample, Zipf(alpha) lookups drawn on the GPU) under a small
+B=65536, one lookup per table per sample, Zipf(alpha) lookups drawn on the GPU; the same flags
+``--tables --rows --row-cap --dim --dtype --batch-size --bag-size --alpha``) under a small
 DLRM top: a bottom MLP over 13 dense features, pairwise dot interactions of the 27 feature
 vectors, a top MLP to one logit, BCE loss, SGD on the dense weights. A step is forward, backward
 (the tables update inside it, fused) and the dense optimizer step. Measured in one run, on the
@@ -24,8 +25,10 @@ warm-up, the run is reported as such (it then behaves as LRU).
 
 Without a GPU (CPU simulation) it runs at a tiny size to prove it works; its times mean nothing.
 
-    python benchmarks/bench_pipeline.py                        # 26 tables, Zipf 1.05 and 1.2
-    python benchmarks/bench_pipeline.py --row-cap 1000000 --batches 10 --record
+    tiered-tbe bench pipeline                                  # 26 tables, Zipf 1.05 and 1.2
+    tiered-tbe bench pipeline --row-cap 1000000 --batches 10 --record
+    tiered-tbe bench pipeline --policy lru lookahead --depth 4 --cache-fraction 0.1
+    python benchmarks/bench_pipeline.py ...                    # the same, from a checkout
 """
 
 from __future__ import annotations
@@ -33,22 +36,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-import common  # benchmarks/common.py (it imports tiered_tbe first, which picks the mode)
 import torch
-from bench_cache import build_module, criteo_rows, free, judge
 from torch import nn
 
-from tiered_tbe._mode import SIMULATION, default_device, describe_mode
+from tiered_tbe._mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks.bench_cache import build_module, free, judge
 from tiered_tbe.cache.policy import NEXT_USE_UNKNOWN
 from tiered_tbe.pipeline import PrefetchPipeline
 from tiered_tbe.specs import CacheConfig, Placement
-from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
 
 SCRIPT = "bench_pipeline.py"
-GPU_DEFAULTS = dict(num_tables=26, row_cap=0, dim=128, batch_size=65536, warmup=15, batches=20)
-SIMULATION_DEFAULTS = dict(num_tables=3, row_cap=1000, dim=16, batch_size=8, warmup=2, batches=2)
+GPU_DEFAULTS = dict(tables=26, row_cap=0, dim=128, batch_size=65536, bag_size=1, warmup=15, batches=20)
+SIMULATION_DEFAULTS = dict(tables=3, row_cap=1000, dim=16, batch_size=8, bag_size=1, warmup=2, batches=2)
 POLICIES = ("lru", "lfu", "lookahead")
 MODES = ("hbm", "managed", "serial", "pipelined")
 THROUGHPUT_TARGET = 0.8  # pipelined throughput / all-HBM throughput, at least
@@ -56,55 +57,56 @@ LOOKAHEAD_TARGET = 0.7  # rows moved by lookahead / by LRU at Zipf 1.05, at most
 NUM_DENSE = 13
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-tables", type=int, help="the first N Criteo Kaggle tables (default 26; 3 in simulation)")
-    parser.add_argument("--row-cap", type=int,
-                        help="cap every table at this many rows; 0 = none (default none; 1000 in simulation)")
-    parser.add_argument("--dim", type=int, help="embedding dim, fp32 (default 128; 16 in simulation)")
-    parser.add_argument("--batch-size", type=int, help="samples per batch (default 65536; 8 in simulation)")
-    parser.add_argument("--bag-size", type=int, default=1, help="lookups per table per sample (default 1)")
-    parser.add_argument("--alpha", type=float, nargs="+", default=[1.05, 1.2],
-                        help="Zipf exponents, one run each (default: 1.05 1.2; 0 = uniform)")
-    parser.add_argument("--cache-fraction", type=float, default=0.05,
-                        help="slot cache size, fraction of all rows (default 0.05)")
-    parser.add_argument("--associativity", type=int, default=32, help="ways per cache set (default 32)")
-    parser.add_argument("--depth", type=int, default=2, help="batches the pipeline prefetches ahead, 1..8 (default 2)")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
-                        help="cache policies run pipelined (default: lru lfu lookahead)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
-                        help="what to run (default: all): hbm, managed, serial (lru, prefetch in forward), "
-                             "pipelined (every --policies)")
-    parser.add_argument("--warmup", type=int, help="steps before timing, per run (default 15; 2 in simulation)")
-    parser.add_argument("--batches", type=int, help="timed steps per run (default 20; 2 in simulation)")
-    parser.add_argument("--bounds-check", default="off", choices=["off", "raise"],
-                        help="the module's bounds_check ('raise' adds a host sync per batch); default off")
-    parser.add_argument("--bottom-mlp", default="512,256",
-                        help="hidden widths of the bottom MLP, then dim (default 512,256)")
-    parser.add_argument("--top-mlp", default="512,256", help="hidden widths of the top MLP, then 1 (default 512,256)")
-    parser.add_argument("--dense-precision", default="tf32", choices=["tf32", "fp32"],
-                        help="matmuls of the dense MLPs on a GPU (default tf32, as DLRM training on Hopper)")
-    parser.add_argument("--record", action="store_true", help=f"append the results to {common.RESULTS}")
-    parser.add_argument("--results-file", type=Path, default=common.RESULTS, help="where --record appends")
-    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the lookups and the dense data")
-    args = parser.parse_args(argv)
-    defaults = SIMULATION_DEFAULTS if SIMULATION else GPU_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if not 1 <= args.num_tables <= len(CRITEO_KAGGLE_TABLE_ROWS):
-        parser.error(f"--num-tables must be between 1 and {len(CRITEO_KAGGLE_TABLE_ROWS)}")
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add this benchmark's flags to ``parser`` (a new one if None): ``tiered-tbe bench pipeline`` and the script."""
+    parser = parser or argparse.ArgumentParser(prog="python benchmarks/bench_pipeline.py")
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    common.add_table_flags(parser, GPU_DEFAULTS, SIMULATION_DEFAULTS)
+    common.add_cache_flags(parser, POLICIES, several=True)
+    run = parser.add_argument_group("run")
+    run.add_argument("--depth", type=int, default=2, help="batches the pipeline prefetches ahead, 1..8 (default 2)")
+    run.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                     help="what to run (default: all): hbm, managed, serial (lru, prefetch in forward), "
+                          "pipelined (every --policy)")
+    run.add_argument("--warmup", type=int, help="steps before timing, per run (default 15; 2 in simulation)")
+    run.add_argument("--batches", type=int, help="timed steps per run (default 20; 2 in simulation)")
+    run.add_argument("--bounds-check", default="off", choices=["off", "raise"],
+                     help="the module's bounds_check ('raise' adds a host sync per batch); default off")
+    run.add_argument("--bottom-mlp", default="512,256",
+                     help="hidden widths of the bottom MLP, then dim (default 512,256)")
+    run.add_argument("--top-mlp", default="512,256", help="hidden widths of the top MLP, then 1 (default 512,256)")
+    run.add_argument("--dense-precision", default="tf32", choices=["tf32", "fp32"],
+                     help="matmuls of the dense MLPs on a GPU (default tf32, as DLRM training on Hopper)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the weights, the lookups and the dense data")
+    common.add_output_flags(parser)
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the sizes left unset (GPU or simulation defaults); ``ValueError`` for flags that do not fit."""
+    common.check_table_args(args, GPU_DEFAULTS, SIMULATION_DEFAULTS)
     if not 1 <= args.depth <= 8:
-        parser.error("--depth must be between 1 and 8")
+        raise ValueError("--depth must be between 1 and 8")
     if args.warmup < 0 or args.batches < 1:
-        parser.error("--warmup must be >= 0 and --batches >= 1")
+        raise ValueError("--warmup must be >= 0 and --batches >= 1")
     try:
-        args.bottom_mlp = [int(w) for w in args.bottom_mlp.split(",") if w]
-        args.top_mlp = [int(w) for w in args.top_mlp.split(",") if w]
+        if isinstance(args.bottom_mlp, str):
+            args.bottom_mlp = [int(w) for w in args.bottom_mlp.split(",") if w]
+        if isinstance(args.top_mlp, str):
+            args.top_mlp = [int(w) for w in args.top_mlp.split(",") if w]
     except ValueError:
-        parser.error("--bottom-mlp and --top-mlp take comma-separated integers, e.g. 512,256")
+        raise ValueError("--bottom-mlp and --top-mlp take comma-separated integers, e.g. 512,256") from None
     return args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return check_args(args)
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def mlp(widths: list[int], last_relu: bool) -> nn.Sequential:
@@ -196,7 +198,7 @@ def train(model: SmallDLRM, batches, args, pipelined: bool) -> dict:
 
 def run(args: argparse.Namespace) -> list[dict]:
     device = default_device()
-    table_rows = criteo_rows(args)
+    table_rows = common.table_rows_of(args)
     batches = {alpha: make_batches(table_rows, alpha, args, device) for alpha in args.alpha}
 
     # (label, placement, policy, runs): the runs of one module, in order, each over every alpha.
@@ -303,18 +305,18 @@ def format_table(results: list[dict], args) -> list[str]:
     return lines
 
 
-def main(argv=None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+def run_command(args: argparse.Namespace, argv=None) -> int:
+    """Run the benchmark for ``args``, print its table, write ``--json`` and ``--record``.
+
+    ``tiered-tbe bench pipeline`` calls it with the CLI's arguments; :func:`main` with the script's.
+    """
+    check_args(args)
     print(describe_mode())
     if SIMULATION:
         print(common.SIMULATION_NOTE)
-    table_rows = criteo_rows(args)
-    print(f"{len(table_rows)} Criteo Kaggle tables ({sum(table_rows):,} rows"
-          f"{f', capped at {args.row_cap:,}' if args.row_cap else ''}) x {args.dim} fp32, row-wise Adagrad; "
-          f"batch {args.batch_size} x bag {args.bag_size}; cache {args.cache_fraction:g} of rows, "
-          f"{args.associativity} ways; pipeline depth {args.depth}; {args.warmup} warm-up + {args.batches} timed "
-          f"steps per run; on {common.device_name()}", flush=True)
+    print(f"{common.describe_tables(args)}, row-wise Adagrad; batch {args.batch_size} x bag {args.bag_size}; "
+          f"cache {args.cache_fraction:g} of rows, {args.associativity} ways; pipeline depth {args.depth}; "
+          f"{args.warmup} warm-up + {args.batches} timed steps per run; on {common.device_name()}", flush=True)
     tf32 = None
     if not SIMULATION:
         tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -330,9 +332,15 @@ def main(argv=None) -> None:
         common.write_json(args.json, SCRIPT, args, results)
         print(f"wrote {args.json}")
     if args.record:
-        common.append_results(args.results_file, SCRIPT, argv, table)
+        common.append_results(args.results_file, SCRIPT, common.command_of(args, SCRIPT, argv), table)
         print(f"appended to {args.results_file}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_command(parse_args(argv), argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

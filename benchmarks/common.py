@@ -9,6 +9,9 @@ simulation mode is chosen before triton or numba load; this module imports it fi
 - :class:`ZipfBatches`: batches in FBGEMM's TBE layout drawn on the device, Zipf(alpha) per
   table over a random permutation of its rows (the distribution of ``tiered_tbe.traces``).
 - :func:`pinned_copy_bandwidth`: pinned host <-> device ``memcpy`` GB/s, the bus ceiling.
+- :func:`add_table_flags`, :func:`add_cache_flags`, :func:`add_output_flags`, :func:`check_table_args`,
+  :func:`table_rows_of`: the flags every script shares (``--tables --rows --dim --batch-size
+  --bag-size --alpha --dtype``, ``--cache-fraction --policy``, ``--json --record``), one spelling.
 - :func:`markdown_table`, :func:`append_results`, :func:`write_json`: report what was measured.
 
 In simulation mode every "time" is of the CPU interpreter and means nothing; the helpers still
@@ -17,9 +20,11 @@ run, so the scripts can be tested without a GPU.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
+import shlex
 import statistics
 import subprocess
 import time
@@ -29,8 +34,18 @@ from pathlib import Path
 import torch
 
 from tiered_tbe._mode import SIMULATION
+from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+
+def default_results_file() -> Path:
+    """``benchmarks/RESULTS.md`` of the checkout these scripts run from; ``./RESULTS.md`` when they
+    run from an installed package (which ships no results file)."""
+    beside = Path(__file__).with_name("RESULTS.md")
+    return beside if beside.exists() else Path.cwd() / "RESULTS.md"
+
+
+RESULTS = default_results_file()
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # --dtype: weights dtype
 SIMULATION_NOTE = ("SIMULATION: kernels run in the Triton interpreter and the Numba CUDA simulator; "
                    "timings are meaningless.")
 
@@ -110,6 +125,136 @@ def _elapsed_ms(before, after) -> float:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
+
+
+# ------------------------------------------------------------------------------------ flags
+
+
+def _default_help(name: str, gpu: dict, simulation: dict, fallback: str = "") -> str:
+    """``(default X; Y in simulation)`` from the scripts' GPU and simulation defaults."""
+    if name not in gpu:
+        return f"(default {fallback})" if fallback else ""
+    if gpu[name] == simulation.get(name, gpu[name]):
+        return f"(default {gpu[name]})"
+    return f"(default {gpu[name]}; {simulation[name]} in simulation)"
+
+
+def add_table_flags(parser: argparse.ArgumentParser, gpu: dict, simulation: dict, criteo: bool = True,
+                    alphas: Sequence[float] = (1.05, 1.2)) -> None:
+    """The model's shape: ``--tables --rows [--row-cap] --dim --dtype --batch-size --bag-size --alpha``.
+
+    Sizes left unset take ``gpu`` (or, in simulation, ``simulation``) defaults in
+    :func:`check_table_args`. ``criteo``: without ``--rows`` the tables are the first
+    ``--tables`` Criteo Kaggle tables (``--row-cap`` caps them); else every table has ``--rows``.
+    """
+    group = parser.add_argument_group("model")
+    if criteo:
+        group.add_argument("--tables", "--num-tables", dest="tables", type=int,
+                           help="tables: the first N Criteo Kaggle tables, or N tables of --rows rows "
+                                + _default_help("tables", gpu, simulation))
+        group.add_argument("--rows", type=int,
+                           help="rows of every table, instead of the Criteo Kaggle cardinalities (default: those)")
+        group.add_argument("--row-cap", type=int,
+                           help="cap every Criteo Kaggle table at this many rows; 0 = none "
+                                + _default_help("row_cap", gpu, simulation))
+    else:
+        group.add_argument("--tables", "--num-tables", dest="tables", type=int,
+                           help="tables of --rows rows each " + _default_help("tables", gpu, simulation))
+        group.add_argument("--rows", type=int, help="rows of every table " + _default_help("rows", gpu, simulation))
+    group.add_argument("--dim", type=int, help="embedding dim " + _default_help("dim", gpu, simulation))
+    group.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                       help="weights dtype (default fp32); optimizer state is fp32")
+    group.add_argument("--batch-size", type=int,
+                       help="samples (bags per table) per batch " + _default_help("batch_size", gpu, simulation))
+    group.add_argument("--bag-size", type=int,
+                       help="lookups per table per sample " + _default_help("bag_size", gpu, simulation, "1"))
+    group.add_argument("--alpha", type=float, nargs="+", default=list(alphas),
+                       help=f"Zipf exponents, one run each (default: {' '.join(f'{a:g}' for a in alphas)}; "
+                            "0 = uniform)")
+
+
+def add_cache_flags(parser: argparse.ArgumentParser, policies: Sequence[str], several: bool = False) -> None:
+    """``--cache-fraction --policy --associativity``; ``several``: ``--policy`` takes a list (alias
+    ``--policies``), one run each."""
+    group = parser.add_argument_group("cache")
+    group.add_argument("--cache-fraction", type=float, default=0.05,
+                       help="slot cache size, fraction of all rows (default 0.05)")
+    if several:
+        group.add_argument("--policy", "--policies", dest="policies", nargs="+", default=list(policies),
+                           choices=policies, metavar="POLICY",
+                           help=f"cache policies, one run each: {', '.join(policies)} (default: all)")
+    else:
+        group.add_argument("--policy", default=policies[0], choices=policies,
+                           help=f"cache policy (default {policies[0]})")
+    group.add_argument("--associativity", type=int, default=32, help="ways per cache set (default 32)")
+
+
+def add_output_flags(parser: argparse.ArgumentParser) -> None:
+    """``--json --record --results-file``."""
+    group = parser.add_argument_group("output")
+    group.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    group.add_argument("--record", action="store_true",
+                       help="append the table to the results file (benchmarks/RESULTS.md of a checkout); "
+                            "nothing is recorded without it")
+    group.add_argument("--results-file", type=Path, default=None,
+                       help=f"where --record appends (default {RESULTS})")
+
+
+def check_table_args(args: argparse.Namespace, gpu: dict, simulation: dict, criteo: bool = True) -> None:
+    """Fill unset sizes from the GPU (or simulation) defaults; ``ValueError`` for sizes that do not fit.
+
+    With ``--rows`` the simulation default ``row_cap`` does not apply (the rows are given).
+    """
+    defaults = simulation if SIMULATION else gpu
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            if name == "row_cap" and args.rows is not None:
+                continue
+            setattr(args, name, value)
+    if getattr(args, "results_file", False) is None:
+        args.results_file = RESULTS
+    if getattr(args, "bag_size", 1) is None:
+        args.bag_size = 1
+    if args.tables < 1:
+        raise ValueError(f"--tables must be >= 1, got {args.tables}")
+    if criteo:
+        if args.rows is not None and getattr(args, "row_cap", None):
+            raise ValueError("--row-cap caps the Criteo Kaggle tables; with --rows every table has --rows rows: "
+                             "give one of them")
+        if args.rows is None and args.tables > len(CRITEO_KAGGLE_TABLE_ROWS):
+            raise ValueError(f"--tables must be between 1 and {len(CRITEO_KAGGLE_TABLE_ROWS)} for the Criteo "
+                             f"Kaggle tables (give --rows for more tables of one size)")
+    for name in ("rows", "dim", "batch_size", "bag_size"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if any(a < 0 or not math.isfinite(a) for a in args.alpha):
+        raise ValueError(f"--alpha: exponents must be finite and >= 0, got {args.alpha}")
+    fraction = getattr(args, "cache_fraction", None)
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ValueError(f"--cache-fraction must be in (0, 1], got {fraction}")
+
+
+def table_rows_of(args: argparse.Namespace) -> list[int]:
+    """Rows of every table: ``--tables`` tables of ``--rows``, or the first ``--tables`` Criteo Kaggle
+    tables capped at ``--row-cap``."""
+    if args.rows is not None:
+        return [args.rows] * args.tables
+    rows = list(CRITEO_KAGGLE_TABLE_ROWS[: args.tables])
+    cap = getattr(args, "row_cap", 0)
+    return [min(n, cap) for n in rows] if cap else rows
+
+
+def describe_tables(args: argparse.Namespace) -> str:
+    """``3 Criteo Kaggle tables (2,173 rows, capped at 1,000) x 16 fp32`` or ``4 tables of 1,000 rows x 16 fp16``."""
+    rows = table_rows_of(args)
+    if args.rows is not None:
+        shape = f"{len(rows)} table{'s' if len(rows) > 1 else ''} of {args.rows:,} rows"
+    else:
+        cap = getattr(args, "row_cap", 0)
+        shape = (f"{len(rows)} Criteo Kaggle tables ({sum(rows):,} rows" + (f", capped at {cap:,}" if cap else "")
+                 + ")")
+    return f"{shape} x {args.dim} {args.dtype}"
 
 
 # ------------------------------------------------------------------------------------ batches
@@ -256,11 +401,21 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: 
     return ["| " + " | ".join(cells) + " |" for cells in (header, rule, *rows)]
 
 
-def append_results(results_file: Path, script: str, argv: Sequence[str], lines: Sequence[str]) -> None:
-    """Append a section (date, device, commit, command, the lines) to ``results_file``, as
-    bench_kernels.py does; the file gets a title when new."""
+def script_command(script: str, argv: Sequence[str]) -> str:
+    """The command line of a script run: ``python benchmarks/bench_cache.py --tables 3``."""
+    return shlex.join(["python", f"benchmarks/{script}", *argv])
+
+
+def command_of(args: argparse.Namespace, script: str, argv: Sequence[str] | None) -> str:
+    """What ran: the ``tiered-tbe ...`` command line the CLI stored in ``args.command_line``, else
+    the script's own (``argv``)."""
+    return getattr(args, "command_line", None) or script_command(script, argv or [])
+
+
+def append_results(results_file: Path, script: str, command: str, lines: Sequence[str]) -> None:
+    """Append a section (date, device, commit, ``command``, the lines) to ``results_file``; the file
+    gets a title when new."""
     header = "" if results_file.exists() else "# Benchmark results\n"
-    command = "python " + " ".join([f"benchmarks/{script}", *argv])
     note = " (simulation: times meaningless)" if SIMULATION else ""
     with results_file.open("a") as out:
         out.write(f"{header}\n## {Path(script).stem}, {datetime.date.today().isoformat()}, {device_name()}, "
@@ -275,7 +430,8 @@ def write_json(path: Path, script: str, args, results) -> None:
         "device": device_name(),
         "simulation": SIMULATION,
         "commit": git_commit(),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                 if k not in ("run", "command_parser")},  # the CLI's plumbing
         "results": results,
     }
     path.parent.mkdir(parents=True, exist_ok=True)

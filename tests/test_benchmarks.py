@@ -1,7 +1,9 @@
 """The benchmark scripts run end to end at a tiny size (CPU simulation here: their times mean nothing).
 
 Each script's ``main`` is called in-process with tiny flags (3 tables of at most 1000 rows,
-batch 8, 2 timed batches) and must print its table; ``--json`` and ``--record`` must write.
+batch 8, 2 timed batches) and must print its table; ``--json`` and ``--record`` must write (to
+a temporary file: never benchmarks/RESULTS.md). ``tiered-tbe bench kernels | cache | pipeline``
+run the same scripts from the installed package (``tiered_tbe.benchmarks``) with the same flags.
 The GPU suite is only checked for shell syntax here; it runs on the lent H200.
 """
 
@@ -18,20 +20,21 @@ import pytest
 import torch
 
 import tiered_tbe  # noqa: F401  (chooses GPU / simulation mode before the scripts import triton or numba)
+from tiered_tbe.cli import main as cli_main
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
 TINY_MODEL = ["--num-tables", "3", "--row-cap", "1000", "--dim", "16", "--batch-size", "8", "--alpha", "1.05",
               "--warmup", "1", "--batches", "2"]
+SHARED_FLAGS = ["--tables", "--rows", "--dim", "--batch-size", "--bag-size", "--alpha", "--dtype", "--record",
+                "--results-file", "--json"]
 
 
 @pytest.fixture(scope="module")
 def scripts():
-    """The benchmark modules, imported as the scripts import each other (benchmarks/ on sys.path)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield {name: importlib.import_module(name) for name in ("common", "bench_cache", "bench_pipeline")}
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    """The benchmark modules, as the scripts and the CLI import them (the package tiered_tbe.benchmarks)."""
+    return {name: importlib.import_module(f"tiered_tbe.benchmarks.{name}")
+            for name in ("common", "bench_kernels", "bench_cache", "bench_pipeline")}
 
 
 def test_bench_cache_prints_its_table(scripts, capsys, tmp_path):
@@ -109,12 +112,106 @@ def test_bench_pipeline_says_na_for_a_missing_policy(scripts, capsys, monkeypatc
     assert "lookahead rows moved / LRU: n/a (policy not available)" in out
 
 
-@pytest.mark.parametrize("name", ["bench_cache", "bench_pipeline"])
+@pytest.mark.parametrize("name", ["bench_kernels", "bench_cache", "bench_pipeline"])
 def test_help(scripts, capsys, name):
     with pytest.raises(SystemExit) as exit_info:
         scripts[name].parse_args(["--help"])
     assert exit_info.value.code == 0
     assert "--record" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ tiered-tbe bench kernels | cache | pipeline
+
+
+@pytest.mark.parametrize("name", ["kernels", "cache", "pipeline"])
+def test_cli_help_lists_the_shared_flags(capsys, name):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", name, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: tiered-tbe bench {name}")
+    for flag in SHARED_FLAGS + ([] if name == "kernels" else ["--cache-fraction", "--policy", "--row-cap"]):
+        assert flag in out, flag
+
+
+def test_cli_bench_kernels(capsys, tmp_path):
+    json_file = tmp_path / "kernels.json"
+    code = cli_main(["bench", "kernels", "--tables", "2", "--rows", "300", "--dim", "16", "--batch-size", "4",
+                     "--bag-size", "3", "--alpha", "1.05", "--dtype", "fp16", "--rep-ms", "1",
+                     "--json", str(json_file)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "2 tables of 300 rows x 16 fp16, batch 4 x bag 3 per table (24 lookups)" in out
+    assert "| op | lookups | unique rows | ours ms | torch ms | ours GB/s | torch GB/s | torch / ours |" in out
+    for op in ("forward", "fwd+bwd+sgd", "fwd+bwd+adagrad"):
+        assert f"| {op} | zipf 1.05 |" in out, op
+    document = json.loads(json_file.read_text())
+    assert document["args"]["command_line"].startswith("tiered-tbe bench kernels --tables 2")
+    assert "run" not in document["args"] and "command_parser" not in document["args"]
+    assert all(r["speedup"] > 0 for r in document["results"] if "torch_ms" in r)
+
+
+def test_cli_bench_cache_records_only_when_asked(capsys, tmp_path):
+    results_file = tmp_path / "RESULTS.md"
+    args = ["bench", "cache", "--tables", "2", "--rows", "500", "--dim", "16", "--batch-size", "8", "--bag-size", "2",
+            "--alpha", "1.2", "--cache-fraction", "0.1", "--policy", "lfu", "--warmup", "1", "--batches", "2",
+            "--memcpy-gib", "0.0001", "--results-file", str(results_file)]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "2 tables of 500 rows x 16 fp32" in out and "cache 0.1 of rows, lfu" in out
+    assert "| host_cached | zipf 1.2 |" in out and "| all HBM | zipf 1.2 |" in out  # the baseline, same run
+    assert "serial step / all-HBM" in out
+    assert not results_file.exists()  # no --record: nothing written
+    assert cli_main([*args, "--record"]) == 0
+    recorded = results_file.read_text()
+    assert recorded.startswith("# Benchmark results") and "## bench_cache," in recorded
+    assert "`tiered-tbe bench cache --tables 2 --rows 500" in recorded and "| host_cached | zipf 1.2 |" in recorded
+
+
+def test_cli_bench_pipeline(capsys):
+    code = cli_main(["bench", "pipeline", "--num-tables", "2", "--row-cap", "500", "--dim", "16", "--batch-size", "8",
+                     "--alpha", "1.05", "--warmup", "1", "--batches", "2", "--modes", "hbm", "pipelined",
+                     "--policies", "lru", "--bottom-mlp", "8", "--top-mlp", "8"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "2 Criteo Kaggle tables (1,000 rows, capped at 500) x 16 fp32" in out  # 1460 and 583 rows, capped
+    assert "| all HBM | zipf 1.05 |" in out and "| host_cached lru, pipelined depth 2 | zipf 1.05 |" in out
+    assert "throughput / all-HBM" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["cache", "--rows", "100", "--row-cap", "10"], "--row-cap caps the Criteo Kaggle tables"),
+    (["cache", "--tables", "27"], "--tables must be between 1 and 26"),
+    (["pipeline", "--depth", "9"], "--depth must be between 1 and 8"),
+    (["kernels", "--rows", "0"], "--rows must be >= 1"),
+    (["cache", "--cache-fraction", "2"], "--cache-fraction must be in (0, 1]"),
+    (["cache", "--dtype", "fp8"], "invalid choice: 'fp8'"),
+])
+def test_cli_bad_flags_are_usage_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: tiered-tbe bench {args[0]}" in err and message in err
+
+
+def test_old_flag_names_still_work(scripts):
+    cache = scripts["bench_cache"].parse_args(["--num-tables", "4"])
+    assert cache.tables == 4 and cache.policy == "lru"
+    pipeline = scripts["bench_pipeline"].parse_args(["--policies", "lru", "lfu"])
+    assert pipeline.policies == ["lru", "lfu"] and scripts["bench_pipeline"].parse_args(
+        ["--policy", "lookahead"]).policies == ["lookahead"]
+    assert scripts["bench_cache"].parse_args(["--rows", "77", "--tables", "30"]).tables == 30  # any count with --rows
+
+
+@pytest.mark.parametrize("command", [
+    [sys.executable, "-m", "tiered_tbe", "bench", "kernels", "--help"],  # from the installed package
+    [sys.executable, "benchmarks/bench_pipeline.py", "--help"],  # as a script of the checkout
+])
+def test_both_entry_points_import(command):
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "--cache-fraction" in result.stdout or "--tables" in result.stdout
 
 
 def test_zipf_batches_are_tbe_batches_and_seeded(scripts):

@@ -115,3 +115,88 @@ def test_python_dash_m_runs_the_same_command():
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "hit% lookup" in result.stdout and "belady" in result.stdout
+
+
+# ------------------------------------------------------------------ --real-cache and --record
+
+REAL_TINY = ["--rows", "4000", "--batch-size", "32", "--bag-size", "4", "--batches", "16", "--cache-sizes", "3%",
+             "--associativity", "8", "--lookahead-window", "3", "--no-progress"]
+
+
+def test_real_cache_agrees_with_the_simulator(capsys, tmp_path):
+    """SlotCache (the Numba kernels, in the CUDA simulator here) over the same trace: every counter equal."""
+    json_path = tmp_path / "r.json"
+    code, out, err = run_cli(capsys, *REAL_TINY, "--policies", "lru,lfu,lookahead,belady", "--real-cache",
+                             "--json", str(json_path))
+    assert code == 0, err
+    assert "the same trace through the real cache (SlotCache in" in out
+    table = out[out.index("the same trace through the real cache"):].splitlines()
+    for policy in ("lru", "lfu", "lookahead"):
+        line = next(line for line in table if line.startswith(policy + " "))
+        assert line.rstrip().endswith("yes"), line
+    assert not any(line.startswith("belady ") for line in table)  # no real cache for a bound
+    assert "real cache and simulator agree on every counter (3 runs)" in out and "DISAGREE" not in out + err
+    rows = {row["policy"]: row for row in json.loads(json_path.read_text())["results"]}
+    assert rows["lookahead"]["real_cache_agrees"] is True and "real_cache_agrees" not in rows["belady"]
+    assert rows["lru"]["real_cache_hit_rate_by_lookup"] == rows["lru"]["hit_rate_by_lookup"] > 0
+    assert rows["lookahead"]["real_cache_stats_bytes_in"] == rows["lookahead"]["stats_bytes_in"] > 0
+    assert all(rows[p]["real_cache_stats_evictions"] > 100 and rows[p]["real_cache_stats_write_backs"] > 100
+               for p in ("lru", "lfu", "lookahead"))  # a cache under pressure, not a trivially warm one
+
+
+def test_real_cache_disagreement_fails_loudly(capsys, monkeypatch):
+    from tiered_tbe import hit_rate
+
+    real = hit_rate.run_slot_cache
+
+    def off_by_one(*args, **kwargs):
+        stats = real(*args, **kwargs)
+        stats.lookup_hits += 1
+        return stats
+
+    monkeypatch.setattr(hit_rate, "run_slot_cache", off_by_one)
+    code, out, err = run_cli(capsys, *REAL_TINY, "--policies", "lru", "--real-cache")
+    assert code == 1
+    assert "WARNING: the real cache (SlotCache) and the exact simulator DISAGREE in 1 run(s)" in err
+    assert "lru @ 3% (120 slots): lookup_hits " in err and " NO" in out
+
+
+def test_real_cache_refuses_a_large_trace_in_simulation(capsys):
+    from tiered_tbe._mode import SIMULATION
+
+    if not SIMULATION:
+        pytest.skip("the limit applies only in CPU simulation")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "hit-rate", "--rows", "10000", "--batches", "10", "--real-cache", "--no-progress"])
+    assert exit_info.value.code == 2
+    assert "give a trace of at most 200,000 lookups (this one has 409,600" in capsys.readouterr().err
+
+
+def test_record_appends_to_the_results_file_only_when_asked(capsys, tmp_path):
+    results = tmp_path / "HIT_RATES.md"
+    args = [*TINY, "--cache-sizes", "2%,10%", "--policies", "lru,belady", "--results-file", str(results)]
+    assert run_cli(capsys, *args)[0] == 0
+    assert not results.exists()
+    for _ in range(2):
+        code, out, _ = run_cli(capsys, *args, "--record")
+        assert code == 0 and f"appended to {results}" in out
+    text = results.read_text()
+    assert text.startswith("# Cache hit rates\n") and text.count("# Cache hit rates") == 1
+    assert text.count("## zipf alpha=1.05, 5,000 rows, 20 batches of 64x4") == 2
+    assert "CPU simulator (exact), commit " in text
+    assert "`tiered-tbe bench hit-rate --rows 5000 --batch-size 64" in text and "--record`" in text
+    assert "| policy | cache | rows | hit % (lookups) | hit % (unique rows) | rows moved / batch |" in text
+    assert "| lru | 2% |" in text and "| belady | 10% |" in text and "at most" in text
+
+
+def test_plot_of_several_reports(capsys, tmp_path):
+    from tiered_tbe.benchmarks import plot_hit_rates
+
+    reports = []
+    for alpha in ("1.05", "1.2"):
+        reports.append(tmp_path / f"zipf{alpha}.json")
+        assert run_cli(capsys, *TINY, "--alpha", alpha, "--cache-sizes", "1%,5%", "--policies", "lru,belady",
+                       "--json", str(reports[-1]))[0] == 0
+    png = tmp_path / "both.png"
+    assert plot_hit_rates.main([*map(str, reports), "--titles", "a", "b", "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == PNG_MAGIC

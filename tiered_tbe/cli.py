@@ -7,19 +7,24 @@ wires them together::
 
     tiered-tbe train ...              the main job: a DLRM-style model on a synthetic click trace
     tiered-tbe bench hit-rate ...     cache hit rate by policy and size (tiered_tbe.hit_rate)
+    tiered-tbe bench kernels ...      Triton TBE kernels vs torch's embedding bags (benchmarks/bench_kernels.py)
+    tiered-tbe bench cache ...        the slot cache vs all-HBM (benchmarks/bench_cache.py)
+    tiered-tbe bench pipeline ...     the prefetch pipeline vs serial, all-HBM, managed (benchmarks/bench_pipeline.py)
 
-A new command is one ``_add_command`` line: ``bench kernels | cache | pipeline`` go under
-``bench``, ``train`` beside it. A ``run`` raises ``ValueError`` for arguments that do not fit
-together; the command prints it as a usage error (exit code 2), like argparse's own errors.
+A new command is one ``_add_command`` line. A ``run`` raises ``ValueError`` for arguments that
+do not fit together; the command prints it as a usage error (exit code 2), like argparse's own
+errors. ``args.command_line`` holds the command as typed, for the records that ``--record`` writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 
 from tiered_tbe import hit_rate, train
+from tiered_tbe.benchmarks import bench_cache, bench_kernels, bench_pipeline
 
 
 def _add_command(
@@ -48,12 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
                  train.build_parser, train.run)
     _add_command(benchmarks, "hit-rate", "cache hit rate of each policy and bound against cache size",
                  hit_rate.build_parser, hit_rate.run)
+    _add_command(benchmarks, "kernels", "time the Triton TBE kernels against torch's embedding bags (GPU)",
+                 bench_kernels.build_parser, bench_kernels.run_command)
+    _add_command(benchmarks, "cache", "time prefetch, forward and backward through the slot cache against "
+                 "all-HBM (GPU)", bench_cache.build_parser, bench_cache.run_command)
+    _add_command(benchmarks, "pipeline", "time training steps with the prefetch pipeline against serial "
+                 "prefetch, all-HBM and managed memory (GPU)", bench_pipeline.build_parser, bench_pipeline.run_command)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["tiered-tbe", *argv])
     try:
         code = args.run(args)
     except (ValueError, OSError) as error:

@@ -6,7 +6,15 @@ cache (:func:`tiered_tbe.cache.simulator.simulate`) for every policy and cache s
 training: no pipeline keeps earlier batches locked),
 beside two bounds (:mod:`tiered_tbe.cache.bounds`): fully associative LRU (no set conflicts)
 and offline Belady (knows the whole future). Prints a table; writes CSV, JSON and a PNG plot
-on request; ``--target-hit-rate`` finds the smallest cache reaching a hit rate, per policy.
+on request; ``--target-hit-rate`` finds the smallest cache reaching a hit rate, per policy;
+``--record`` appends the table to ``benchmarks/HIT_RATES.md``.
+
+``--real-cache`` also drives the real cache, :class:`tiered_tbe.cache.SlotCache` (its Numba
+kernels: on the GPU, or in the Numba CUDA simulator on a CPU, where only small traces finish),
+over the same trace for every set-associative policy and size, as serial training does (per
+batch: lookahead's ``set_next_use`` from the next ``--lookahead-window`` batches, ``prefetch``,
+``mark_dirty`` when training, ``unlock``), prints both, and exits with status 1 if any counter
+differs from the simulator's.
 
 Columns of the table:
 
@@ -36,7 +44,9 @@ or from Python::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import datetime
 import json
 import math
 import os
@@ -206,6 +216,7 @@ class Measurement:
     stats: CacheStats
     seconds: float
     belady_hit_rate: float | None = None  # Belady's lookup hit rate at the same size, when measured
+    real_stats: CacheStats | None = None  # the same run through the real SlotCache (--real-cache)
 
     @property
     def cache_fraction(self) -> float:
@@ -224,7 +235,12 @@ class Measurement:
 
     @property
     def rows_moved_per_batch(self) -> float:
-        return (self.stats.rows_copied_in + self.stats.write_backs) / max(1, self.stats.batches)
+        return rows_moved_per_batch(self.stats)
+
+    @property
+    def real_cache_agrees(self) -> bool | None:
+        """Whether the real cache counted exactly what the simulator did (None: not run)."""
+        return None if self.real_stats is None else self.real_stats == self.stats
 
     @property
     def bus_bytes_per_batch(self) -> float:
@@ -254,7 +270,19 @@ class Measurement:
         )
         row.update({f"stats_{k}": v for k, v in self.stats.as_dict().items()
                     if k not in ("hit_rate_by_lookup", "hit_rate_by_unique")})
+        if self.real_stats is not None:
+            row.update(real_cache_agrees=self.real_cache_agrees,
+                       real_cache_hit_rate_by_lookup=self.real_stats.hit_rate_by_lookup,
+                       real_cache_hit_rate_by_unique=self.real_stats.hit_rate_by_unique,
+                       real_cache_rows_moved_per_batch=rows_moved_per_batch(self.real_stats))
+            row.update({f"real_cache_stats_{k}": v for k, v in self.real_stats.as_dict().items()
+                        if k not in ("hit_rate_by_lookup", "hit_rate_by_unique")})
         return row
+
+
+def rows_moved_per_batch(stats: CacheStats) -> float:
+    """Rows copied into the cache plus dirty rows written back, per batch."""
+    return (stats.rows_copied_in + stats.write_backs) / max(1, stats.batches)
 
 
 def measure(trace: Trace, policy: str, num_slots: int, options: SimOptions, size_label: str) -> Measurement:
@@ -371,6 +399,133 @@ def find_smallest_cache(
 
 
 # --------------------------------------------------------------------------------------------
+# The real cache: SlotCache over the same trace.
+# --------------------------------------------------------------------------------------------
+
+REAL_CACHE_POLICIES = ("lru", "lfu", "lookahead")  # the bounds have no real cache
+# In the Numba CUDA simulator the cache moves a few thousand lookups a second: small traces only.
+REAL_CACHE_SIMULATION_MAX_LOOKUPS = 200_000
+
+
+def check_real_cache_trace(trace: Trace) -> None:
+    """``ValueError`` when ``--real-cache`` would take too long: a large trace in CPU simulation."""
+    from tiered_tbe._mode import SIMULATION
+
+    if SIMULATION and trace.num_lookups > REAL_CACHE_SIMULATION_MAX_LOOKUPS:
+        raise ValueError(
+            f"--real-cache without a GPU runs SlotCache's kernels in the Numba CUDA simulator (a few thousand "
+            f"lookups per second): give a trace of at most {REAL_CACHE_SIMULATION_MAX_LOOKUPS:,} lookups "
+            f"(this one has {trace.num_lookups:,}; use fewer --batches or a smaller --batch-size), or run on a GPU")
+
+
+@contextlib.contextmanager
+def _one_simulated_thread():
+    """One CUDA-simulator thread per cache-kernel launch (each is a Python thread); the kernels are
+    grid-stride loops, so the result is the same with any count. No effect on a GPU."""
+    from tiered_tbe.cache import slot_cache
+
+    threads = slot_cache.SIMULATED_THREADS
+    slot_cache.SIMULATED_THREADS = 1
+    try:
+        yield
+    finally:
+        slot_cache.SIMULATED_THREADS = threads
+
+
+def run_slot_cache(trace: Trace, policy: str, num_slots: int, options: SimOptions) -> CacheStats:
+    """Drive a real :class:`~tiered_tbe.cache.SlotCache` of ``num_slots`` slots over ``trace`` as serial
+    training does, and return its counters (comparable to ``POLICIES[policy].run``'s, counter for counter).
+
+    Per batch ``j``: (lookahead) ``set_next_use`` with the rows of batches ``j+1 .. j+W``
+    (``W = options.lookahead_window``), each at the step of its batch's prefetch, as
+    :class:`~tiered_tbe.PrefetchPipeline` does; ``prefetch``; ``mark_dirty`` (training); ``unlock``.
+
+    The cached table has one fp32 column per row: which rows hit depends on the policy, not on
+    the row width, and a narrow row keeps the copies cheap. ``bytes_in`` / ``bytes_out`` are
+    rescaled to ``options.row_bytes`` per row.
+    """
+    import torch
+
+    from tiered_tbe._mode import default_device
+    from tiered_tbe.cache import CachedTable, SlotCache
+
+    if policy not in REAL_CACHE_POLICIES:
+        raise ValueError(f"no real cache for {policy!r}: only {', '.join(REAL_CACHE_POLICIES)}")
+    device = default_device()
+    weights = torch.zeros(trace.num_rows, 1, dtype=torch.float32, device=device)
+    cache = SlotCache([CachedTable(0, trace.num_rows, 1, weights)], num_slots, options.associativity, policy=policy,
+                      lfu_decay_interval=options.lfu_decay_interval, device=device)
+    rows = torch.from_numpy(trace.rows).to(device)
+    offsets = trace.batch_offsets.tolist()
+    num_batches = trace.num_batches
+    window = options.lookahead_window if policy == "lookahead" else 0
+    with _one_simulated_thread():
+        for j in range(num_batches):
+            if window:
+                later = range(j + 1, min(j + window, num_batches - 1) + 1)
+                hint_rows = rows[offsets[j + 1]:offsets[later[-1] + 1]] if later else rows[:0]
+                uses_at = torch.cat([torch.full((offsets[k + 1] - offsets[k],), cache.step + 1 + (k - j),
+                                                dtype=torch.int64, device=device) for k in later]) \
+                    if later else rows[:0]
+                cache.set_next_use(hint_rows, uses_at)
+            slot_of_index = cache.prefetch(rows[offsets[j]:offsets[j + 1]])
+            if options.training:
+                cache.mark_dirty(slot_of_index)
+            cache.unlock(slot_of_index)
+    stats = cache.stats()
+    stats.bytes_in = stats.bytes_in // 4 * options.row_bytes  # 4 bytes per row in this cache
+    stats.bytes_out = stats.bytes_out // 4 * options.row_bytes
+    return stats
+
+
+def run_real_cache(trace: Trace, results: Sequence[Measurement], options: SimOptions,
+                   progress: bool | None = None) -> list[Measurement]:
+    """Set ``real_stats`` of every set-associative measurement in ``results``; return those."""
+    chosen = [m for m in results if m.policy in REAL_CACHE_POLICIES]
+    with tqdm(total=len(chosen), desc="real cache", unit="run", disable=_no_bar(progress), file=sys.stderr) as bar:
+        for m in chosen:
+            bar.set_postfix_str(f"{m.policy} @ {m.size_label}")
+            m.real_stats = run_slot_cache(trace, m.policy, m.num_slots, options)
+            bar.update()
+    return chosen
+
+
+def real_cache_device() -> str:
+    from tiered_tbe._mode import SIMULATION
+
+    if SIMULATION:
+        return "the Numba CUDA simulator (CPU)"
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+def disagreements(m: Measurement) -> str:
+    """``lookup_hits 120 vs 121, ...``: the counters where the real cache differs (simulator first)."""
+    if m.real_stats is None or m.real_cache_agrees:
+        return ""
+    simulated, real = m.stats.as_dict(), m.real_stats.as_dict()
+    return ", ".join(f"{name} {simulated[name]} vs {real[name]}" for name in simulated if simulated[name] != real[name])
+
+
+REAL_CACHE_COLUMNS = ("policy", "cache", "rows", "hit% lookup sim", "hit% lookup cache", "hit% unique sim",
+                      "hit% unique cache", "moved/batch sim", "moved/batch cache", "agree")
+
+
+def format_real_cache(checked: Sequence[Measurement]) -> str:
+    """Simulator beside real cache, one line per policy and size."""
+    rows = [
+        (m.policy, m.size_label, f"{m.num_slots:,}",
+         f"{100 * m.stats.hit_rate_by_lookup:.2f}", f"{100 * m.real_stats.hit_rate_by_lookup:.2f}",
+         f"{100 * m.stats.hit_rate_by_unique:.2f}", f"{100 * m.real_stats.hit_rate_by_unique:.2f}",
+         f"{m.rows_moved_per_batch:,.1f}", f"{rows_moved_per_batch(m.real_stats):,.1f}",
+         "yes" if m.real_cache_agrees else "NO")
+        for m in sorted(checked, key=lambda m: m.num_slots)
+    ]
+    return _table(REAL_CACHE_COLUMNS, rows, left=2)
+
+
+# --------------------------------------------------------------------------------------------
 # Output: table, CSV, JSON, plot.
 # --------------------------------------------------------------------------------------------
 
@@ -428,8 +583,9 @@ def format_targets(targets: Sequence[TargetResult], trace_rows: int) -> str:
 
 def write_csv(path: str, results: Sequence[Measurement], trace: Trace) -> None:
     rows = [dict(trace=trace.description, **m.as_row()) for m in results]
+    columns = list(dict.fromkeys(name for row in rows for name in row))  # real-cache columns: some rows only
     with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
 
@@ -448,6 +604,62 @@ def write_json(path: str, results: Sequence[Measurement], targets: Sequence[Targ
     )
     with open(path, "w") as handle:
         json.dump(payload, handle, indent=2, default=float)
+
+
+def default_results_file() -> str:
+    """``benchmarks/HIT_RATES.md`` beside ``benchmarks/RESULTS.md`` of the checkout this package runs
+    from (an editable install), else ``./HIT_RATES.md`` (an installed package ships no results)."""
+    from tiered_tbe.benchmarks import common
+
+    return str(common.RESULTS.with_name("HIT_RATES.md"))
+
+
+def record_lines(results: Sequence[Measurement], trace: Trace, options: SimOptions, command: str,
+                 touched: int) -> list[str]:
+    """A markdown section: the trace, date, machine, commit, the command, and the table."""
+    from tiered_tbe.benchmarks.common import git_commit
+
+    machine = "CPU simulator (exact)"
+    if any(m.real_stats is not None for m in results):
+        machine += f"; real SlotCache in {real_cache_device()}"
+    ceiling = 1 - touched / trace.num_lookups if trace.num_lookups else 0.0
+    mode = "training" if options.training else "inference"
+    lines = [
+        f"## {trace.description}",
+        "",
+        f"{datetime.date.today().isoformat()}, {machine}, commit {git_commit()}",
+        "",
+        f"`{command}`",
+        "",
+        f"{trace.num_lookups:,} lookups in {trace.num_batches:,} batches over {trace.num_rows:,} rows "
+        f"({touched:,} touched: first touches always miss, so at most {100 * ceiling:.2f}% of lookups can hit); "
+        f"{options.associativity}-way sets, {options.row_bytes} B per row, {mode}, lookahead window "
+        f"{options.lookahead_window} batches, LFU halving every {options.lfu_decay_interval} batches.",
+        "",
+    ]
+    header = ["policy", "cache", "rows", "hit % (lookups)", "hit % (unique rows)", "rows moved / batch",
+              "bus / batch", "vs Belady"]
+    real = any(m.real_stats is not None for m in results)
+    if real:
+        header += ["real cache hit % (lookups)", "real = simulator"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|"]
+    order = {policy: i for i, policy in enumerate(dict.fromkeys(m.policy for m in results))}
+    for m in sorted(results, key=lambda m: (m.num_slots, order[m.policy])):
+        cells = [m.policy, m.size_label, f"{m.num_slots:,}", f"{100 * m.stats.hit_rate_by_lookup:.2f}",
+                 f"{100 * m.stats.hit_rate_by_unique:.2f}", f"{m.rows_moved_per_batch:,.0f}",
+                 format_bytes(m.bus_bytes_per_batch), "-" if m.ratio_to_belady is None else f"{m.ratio_to_belady:.3f}"]
+        if real:
+            cells += (["-", "-"] if m.real_stats is None else
+                      [f"{100 * m.real_stats.hit_rate_by_lookup:.2f}", "yes" if m.real_cache_agrees else "NO"])
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def append_record(path: str, lines: Sequence[str]) -> None:
+    """Append ``lines`` as a section of ``path``; a new file gets a title first."""
+    header = "" if os.path.exists(path) else "# Cache hit rates\n"
+    with open(path, "a") as handle:
+        handle.write(header + "\n" + "\n".join(lines) + "\n")
 
 
 def plot(path: str, results: Sequence[Measurement], trace: Trace,
@@ -596,6 +808,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     cache.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="rowwise-adagrad",
                        help="its per-row fp32 state travels with the row (default rowwise-adagrad)")
     cache.add_argument("--inference", action="store_true", help="no updates: nothing is written back")
+    cache.add_argument("--real-cache", action="store_true",
+                       help="also run the real SlotCache (its Numba kernels; in the CUDA simulator without a GPU: "
+                            f"traces of at most {REAL_CACHE_SIMULATION_MAX_LOOKUPS:,} lookups) for lru, lfu and "
+                            "lookahead, print both, exit 1 if they disagree")
 
     target = parser.add_argument_group("capacity")
     target.add_argument("--target-hit-rate", type=_target,
@@ -610,6 +826,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     output.add_argument("--csv", help="write every measurement to this CSV file")
     output.add_argument("--json", help="write trace, options, measurements and targets to this JSON file")
     output.add_argument("--plot", help="write a PNG plot of hit rate and rows moved against cache size")
+    output.add_argument("--record", action="store_true",
+                        help="append the table (with date, machine, commit and command) to --results-file")
+    output.add_argument("--results-file",
+                        help="where --record appends (default: benchmarks/HIT_RATES.md of a checkout, "
+                             "else ./HIT_RATES.md)")
     output.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -661,10 +882,10 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    for flag in ("csv", "json", "plot"):
+    for flag in ("csv", "json", "plot", "results_file"):
         path = getattr(args, flag)
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise ValueError(f"--{flag} {path}: the folder does not exist")
+            raise ValueError(f"--{flag.replace('_', '-')} {path}: the folder does not exist")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -686,10 +907,14 @@ def run(args: argparse.Namespace, out=None) -> int:
     if progress is None and sys.stderr.isatty():  # a large trace takes seconds to build
         print("building the trace ...", file=sys.stderr, flush=True)
     trace = trace_from_args(args)
+    if args.real_cache:
+        check_real_cache_trace(trace)
     touched = np.zeros(trace.num_rows, dtype=np.bool_)
     touched[trace.rows] = True
+    num_touched = int(touched.sum())
+    del touched
     print(f"trace: {trace.description}\n"
-          f"       {trace.num_lookups:,} lookups, {trace.num_rows:,} rows ({int(touched.sum()):,} touched), "
+          f"       {trace.num_lookups:,} lookups, {trace.num_rows:,} rows ({num_touched:,} touched), "
           f"built in {time.perf_counter() - start:.1f} s", file=out)
     mode = "inference" if args.inference else "training"
     window = f", lookahead window {options.lookahead_window} batches" if "lookahead" in args.policies else ""
@@ -709,6 +934,19 @@ def run(args: argparse.Namespace, out=None) -> int:
         print("misses that found every way of their set locked by their own batch, read in place: "
               + ", ".join(no_slot), file=out)
 
+    mismatches: list[Measurement] = []
+    if args.real_cache:
+        checked = run_real_cache(trace, results, options, progress=progress)
+        if checked:
+            print(f"\nthe same trace through the real cache (SlotCache in {real_cache_device()}) beside the "
+                  f"simulator:\n" + format_real_cache(checked), file=out)
+        mismatches = [m for m in checked if not m.real_cache_agrees]
+        if checked and not mismatches:
+            print(f"real cache and simulator agree on every counter ({len(checked)} runs)", file=out)
+        if not checked:
+            print(f"--real-cache: no policy with a real cache among --policies ({', '.join(REAL_CACHE_POLICIES)} "
+                  "have one; the bounds do not)", file=out)
+
     targets: list[TargetResult] = []
     if args.target_hit_rate is not None:
         with tqdm(desc=f"searching for {100 * args.target_hit_rate:g}% hits", unit="run",
@@ -727,4 +965,18 @@ def run(args: argparse.Namespace, out=None) -> int:
         if path:
             write(path)
             print(f"wrote {path}", file=out)
+    if args.record:
+        path = args.results_file or default_results_file()
+        command = getattr(args, "command_line", None) or "tiered_tbe.hit_rate.run(...) from Python"
+        append_record(path, record_lines(results, trace, options, command, num_touched))
+        print(f"appended to {path}", file=out)
+    if mismatches:
+        warning = "\n".join(f"  {m.policy} @ {m.size_label} ({m.num_slots:,} slots): {disagreements(m)}"
+                             for m in mismatches)
+        message = (f"WARNING: the real cache (SlotCache) and the exact simulator DISAGREE in {len(mismatches)} "
+                   f"run(s) (counter: simulator vs real cache):\n{warning}")
+        print("\n" + message, file=out)
+        if out is not sys.stderr:
+            print(message, file=sys.stderr)
+        return 1
     return 0
