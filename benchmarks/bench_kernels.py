@@ -226,13 +226,7 @@ def run_command(args: argparse.Namespace, argv=None) -> int:
           f"({lookups} lookups), on {common.device_name()}; baseline: torch.nn.EmbeddingBag in the same run")
     results = run(args)
     table = format_table(results)
-    print("\n".join(table))
-    if args.json:
-        common.write_json(args.json, SCRIPT, args, results)
-        print(f"wrote {args.json}")
-    if args.record:
-        common.append_results(args.results_file, SCRIPT, common.command_of(args, SCRIPT, argv), table)
-        print(f"appended to {args.results_file}")
+    common.report(args, SCRIPT, argv, results, table)
     return 0
 
 

@@ -327,13 +327,7 @@ def run_command(args: argparse.Namespace, argv=None) -> int:
         if tf32 is not None:
             torch.backends.cuda.matmul.allow_tf32 = tf32
     table = format_table(results, args)
-    print("\n".join(table))
-    if args.json:
-        common.write_json(args.json, SCRIPT, args, results)
-        print(f"wrote {args.json}")
-    if args.record:
-        common.append_results(args.results_file, SCRIPT, common.command_of(args, SCRIPT, argv), table)
-        print(f"appended to {args.results_file}")
+    common.report(args, SCRIPT, argv, results, table)
     return 0
 
 

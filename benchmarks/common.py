@@ -436,3 +436,15 @@ def write_json(path: Path, script: str, args, results) -> None:
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=1, default=str) + "\n")
+
+
+def report(args, script: str, argv: list[str], results, table: list[str]) -> None:
+    """Print a benchmark's table; write its JSON (``--json``) and append it to the results file
+    (``--record``) when asked."""
+    print("\n".join(table))
+    if args.json:
+        write_json(args.json, script, args, results)
+        print(f"wrote {args.json}")
+    if args.record:
+        append_results(args.results_file, script, command_of(args, script, argv), table)
+        print(f"appended to {args.results_file}")
