@@ -175,9 +175,12 @@ class TieredEmbeddingBags(nn.Module):
         positions = torch.arange(indices.numel(), device=self.device)
         return torch.searchsorted(offsets, positions, right=True) - 1
 
-    def _global_rows(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """int64 [N]: global row id of each lookup, indices clamped into their tables (for hints)."""
-        batch_size = max((offsets.numel() - 1) // len(self.tables), 1)
+    def rows_for_hint(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """int64 [N]: global row id of each lookup of a batch not yet validated, for
+        :meth:`hint_upcoming`. Out-of-range indices are clamped into their tables: that can only
+        make a hint less exact, never a result wrong (values are checked at the batch's prefetch)."""
+        batch_size = max(validation.check_static(self.tables, indices, offsets, self.device), 1)
+        indices, offsets = indices.long(), offsets.long()
         table_of_index = (self._bag_of_index(indices, offsets) // batch_size).clamp_(0, len(self.tables) - 1)
         rows = torch.minimum(indices.clamp(min=0), self._num_rows_of_table[table_of_index] - 1)
         return self._row_offset[table_of_index] + rows
@@ -199,22 +202,19 @@ class TieredEmbeddingBags(nn.Module):
     def uses_lookahead(self) -> bool:
         return self.cache is not None and self.cache.policy == "lookahead"
 
-    def hint_upcoming(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Tell a lookahead cache the batches that follow the next prefetch, in order.
+    def hint_upcoming(self, upcoming_rows: list[torch.Tensor]) -> None:
+        """Tell a lookahead cache the global rows of the batches that follow the next prefetch.
 
-        Each cached row gets, as its next use, the cache step at which the first of these
-        batches naming it will be prefetched; the policy evicts the row needed latest first.
-        Not validated here (each batch is validated at its own prefetch): out-of-range indices
-        are clamped, which can only make a hint less exact, never a result wrong.
+        ``upcoming_rows[d - 1]`` (int64, from :meth:`rows_for_hint`) are the rows of the batch
+        ``d`` places after the next one. Each cached row gets, as its next use, the cache step at
+        which the first of these batches naming it will be prefetched; the policy evicts the row
+        needed latest first.
         """
-        if self.cache is None or not batches:
+        if self.cache is None or not upcoming_rows:
             return
-        rows, uses_at = [], []
-        for distance, (indices, offsets) in enumerate(batches, start=1):
-            global_rows = self._global_rows(indices.long(), offsets.long())
-            rows.append(global_rows)
-            uses_at.append(torch.full_like(global_rows, self.cache.step + 1 + distance))
-        self.cache.set_next_use(torch.cat(rows), torch.cat(uses_at))
+        next_step = self.cache.step + 1
+        uses_at = [torch.full_like(rows, next_step + distance) for distance, rows in enumerate(upcoming_rows, 1)]
+        self.cache.set_next_use(torch.cat(upcoming_rows), torch.cat(uses_at))
 
     def cancel_prefetched(self) -> None:
         """Drop every batch prefetched but not yet forwarded, releasing its cache locks."""

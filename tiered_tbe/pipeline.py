@@ -107,7 +107,8 @@ class PrefetchPipeline:
         self.is_cuda = self.device.type == "cuda"
         self.side_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
         self.queue: deque[tuple[Any, torch.cuda.Event | None]] = deque()  # prefetched, not yet trained
-        self.upcoming: deque[tuple[Any, dict]] = deque()  # moved to the device, not yet prefetched
+        # Moved to the device, not yet prefetched: (batch, lookups by module, hint rows by module).
+        self.upcoming: deque[tuple[Any, dict, dict]] = deque()
         uses_lookahead = any(m.uses_lookahead for m in self.modules.values())
         self.lookahead = lookahead if lookahead is not None else (8 if uses_lookahead else 0)
         self.closed = False
@@ -136,7 +137,13 @@ class PrefetchPipeline:
                 batch = _move(batch, self.device, self.side_stream)
         else:
             batch = _move(batch, self.device, None)
-        self.upcoming.append((batch, self._lookups_by_module(batch)))
+        lookups = self._lookups_by_module(batch)
+        # Rows a lookahead cache is told about, once per batch (each serves `lookahead` prefetches).
+        context = torch.cuda.stream(self.side_stream) if self.is_cuda else contextlib.nullcontext()
+        with context:
+            hint_rows = {name: self.modules[name].rows_for_hint(indices, offsets)
+                         for name, (indices, offsets) in lookups.items() if self.modules[name].uses_lookahead}
+        self.upcoming.append((batch, lookups, hint_rows))
         return True
 
     def _prefetch_next(self) -> bool:
@@ -149,8 +156,8 @@ class PrefetchPipeline:
             pass
         if not self.upcoming:
             return False
-        batch, lookups = self.upcoming.popleft()
-        window = [found for _, found in list(self.upcoming)[: self.lookahead]]
+        batch, lookups, _ = self.upcoming.popleft()
+        window = [hint_rows for _, _, hint_rows in list(self.upcoming)[: self.lookahead]]
         if self.is_cuda:
             # The prefetch may evict rows that earlier backwards wrote: start after them.
             self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -159,7 +166,7 @@ class PrefetchPipeline:
             for name, (indices, offsets) in lookups.items():
                 module = self.modules[name]
                 if module.uses_lookahead:
-                    module.hint_upcoming([found[name] for found in window])
+                    module.hint_upcoming([hint_rows[name] for hint_rows in window])
                 module.prefetch(indices, offsets)
             ready = None
             if self.is_cuda:
