@@ -68,3 +68,23 @@ def test_cached_training_equals_uncached(policy, optimizer, weights_dtype, devic
         assert torch.equal(cached.table(t), plain.table(t)), f"table {t}"
     cached_state, plain_state = cached.state_dict(), plain.state_dict()
     assert all(torch.equal(cached_state[k], plain_state[k]) for k in plain_state)
+
+
+def test_bad_batch_prefetched_ahead_raises_at_its_forward_and_leaves_nothing_behind(device):
+    """A prefetch queues the value checks without a host sync; the verdict is read at the
+    batch's forward, which raises, releases the batch's locks and changes no table."""
+    module = TieredEmbeddingBags(tables(True), optimizer=SGD(lr=0.5), device=device,
+                                 cache=CacheConfig(slots=8, associativity=4))
+    good = (torch.tensor([0, 1, 0]), torch.tensor([0, 1, 2, 2, 3, 3, 3, 3, 3, 3]))
+    bad = (torch.tensor([0, 40, 0]), torch.tensor([0, 1, 2, 2, 3, 3, 3, 3, 3, 3]))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    module.prefetch(*bad)
+    module.prefetch(*good)
+    with pytest.raises(ValueError, match=r"table 0 \('t0'\): index 40 at position 1 is out of range \[0, 40\)"):
+        module(*bad)
+    assert module.cache.num_locked() > 0  # only the good batch's rows
+    with torch.no_grad():
+        module(*good)
+    assert module.cache.num_locked() == 0
+    after = module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -36,6 +36,7 @@ class PreparedBatch:
     slot_of_index: torch.Tensor  # int32 [N]: slot of each lookup's row, -1 = backing store
     cache: SlotCache | None
     ready: torch.cuda.Event | None = None  # recorded after its prefetch, on the stream that ran it
+    value_check: validation.ValueCheck | None = None  # verdict still to read (prefetched ahead)
     _released: bool = field(default=False, repr=False)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -151,16 +152,25 @@ class TieredEmbeddingBags(nn.Module):
         self._grad_anchor = torch.empty(0, device=self.device, requires_grad=True)
 
     # ---------------------------------------------------------------- batches
-    def _prepare(self, indices: torch.Tensor, offsets: torch.Tensor) -> PreparedBatch:
-        """Validate, linearize and prefetch one batch (steps 1-3 of a training step)."""
+    def _prepare(self, indices: torch.Tensor, offsets: torch.Tensor, ahead: bool = False) -> PreparedBatch:
+        """Validate, linearize and prefetch one batch (steps 1-3 of a training step).
+
+        ``ahead``: the batch is prefetched before its forward; the verdict of the value checks
+        is read at that forward (see :mod:`tiered_tbe.validation`), so nothing here waits for
+        the GPU. Until then the batch only moves rows into the cache (no value changes).
+        """
         batch_size = validation.check_static(self.tables, indices, offsets, self.device)
         indices = indices.long()
         offsets = offsets.long()
         bag_of_index = self._bag_of_index(indices, offsets)
+        value_check = None
         if self.bounds_check == "raise":
-            validation.check_values(
+            value_check = validation.start_value_check(
                 self.tables, indices, offsets, bag_of_index, self._num_rows_of_table, batch_size
             )
+            if not ahead:
+                value_check.raise_if_bad()
+                value_check = None
         table_of_index = bag_of_index // max(batch_size, 1)
         global_rows = self._row_offset[table_of_index] + indices
         lookups = Lookups(indices, offsets, bag_of_index, global_rows, None, batch_size)
@@ -168,7 +178,7 @@ class TieredEmbeddingBags(nn.Module):
             slot_of_index = torch.full((indices.numel(),), -1, dtype=torch.int32, device=self.device)
         else:
             slot_of_index = self.cache.prefetch(global_rows)
-        return PreparedBatch(lookups, slot_of_index, self.cache)
+        return PreparedBatch(lookups, slot_of_index, self.cache, value_check=value_check)
 
     def _bag_of_index(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """int64 [N]: the bag (t*B + b) of each lookup; empty bags are skipped by searchsorted."""
@@ -191,7 +201,7 @@ class TieredEmbeddingBags(nn.Module):
         Batches queue in order: the next forward called with these same ``indices`` and
         ``offsets`` tensors uses this prefetch instead of prefetching itself.
         """
-        batch = self._prepare(indices, offsets)
+        batch = self._prepare(indices, offsets, ahead=True)
         if self.device.type == "cuda":
             batch.ready = torch.cuda.Event()
             batch.ready.record()
@@ -236,6 +246,12 @@ class TieredEmbeddingBags(nn.Module):
             training_stream.wait_event(batch.ready)
             for tensor in batch.tensors():
                 tensor.record_stream(training_stream)
+        if batch.value_check is not None:
+            try:
+                batch.value_check.raise_if_bad()
+            except ValueError:
+                batch.release()
+                raise
         return batch
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None) -> torch.Tensor:

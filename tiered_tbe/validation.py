@@ -2,11 +2,15 @@
 
 Cost: the checks are a handful of elementwise GPU reductions over the batch, folded into one
 boolean; reading that boolean is the only host sync (one per forward with
-``bounds_check="raise"``, none with ``"off"``). Only when it says something is wrong are the
-offending positions found and named, on the host.
+``bounds_check="raise"``, none with ``"off"``). A batch prefetched ahead (``prefetch``, the
+pipeline) queues the checks at its prefetch and reads the verdict at its forward, so the
+prefetch itself never waits for the GPU. Only when the verdict is bad are the offending
+positions found and named, on the host.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -56,48 +60,68 @@ def check_per_sample_weights(per_sample_weights, num_lookups: int, device: torch
         raise ValueError(f"per_sample_weights is on {per_sample_weights.device}, the tables are on {device}")
 
 
-def check_values(
+@dataclass
+class ValueCheck:
+    """The verdict of the value checks of one batch, still on the device.
+
+    Computing it queues a few elementwise reductions and no sync; :meth:`raise_if_bad` reads
+    the verdict (the one host sync) and, only when it is bad, finds and names the culprit.
+    A prefetch computes it and the batch's forward reads it, by when the stream has caught up.
+    """
+
+    tables: list[TableSpec]
+    indices: torch.Tensor  # int64 [N]
+    offsets: torch.Tensor  # int64 [T*B+1]
+    table_of_index: torch.Tensor  # int64 [N], clamped into [0, T)
+    index_bad: torch.Tensor  # bool [N]: index out of its table's range
+    bad: torch.Tensor  # bool scalar: any index or offset wrong
+    batch_size: int
+
+    def raise_if_bad(self) -> None:
+        """Raises:
+            ValueError: naming the table, the position and the value.
+        """
+        if not bool(self.bad):  # the one sync
+            return
+        num_lookups = self.indices.numel()
+        offsets = self.offsets.cpu()
+        if offsets[0] != 0:
+            raise ValueError(f"offsets[0] must be 0, got {int(offsets[0])}")
+        if offsets[-1] != num_lookups:
+            raise ValueError(f"offsets[-1] must equal len(indices) = {num_lookups}, got {int(offsets[-1])}")
+        decreasing = torch.nonzero(offsets[1:] < offsets[:-1])
+        if decreasing.numel():
+            bag = int(decreasing[0])  # offsets[bag + 1] < offsets[bag]: bag `bag` ends before it starts
+            t, b = divmod(bag, max(self.batch_size, 1))
+            raise ValueError(
+                f"offsets must be non-decreasing: offsets[{bag + 1}] = {int(offsets[bag + 1])} < "
+                f"offsets[{bag}] = {int(offsets[bag])} ({_name(self.tables, t)}, bag {b})"
+            )
+        position = int(torch.nonzero(self.index_bad.cpu())[0])
+        t = int(self.table_of_index[position])
+        raise ValueError(
+            f"{_name(self.tables, t)}: index {int(self.indices[position])} at position {position} is out of "
+            f"range [0, {self.tables[t].num_embeddings})"
+        )
+
+
+def start_value_check(
     tables: list[TableSpec],
     indices: torch.Tensor,
     offsets: torch.Tensor,
     bag_of_index: torch.Tensor,
     num_rows_of_table: torch.Tensor,
     batch_size: int,
-) -> None:
-    """Offsets well formed and every index in range of its table (one host sync).
+) -> ValueCheck:
+    """Queue the checks that offsets are well formed and every index is in range of its table.
 
     Args:
         indices: int64 [N]; offsets: int64 [T*B+1]; bag_of_index: int64 [N] (t*B + b);
         num_rows_of_table: int64 [T] on the same device.
-
-    Raises:
-        ValueError: naming the table, the position and the value.
     """
-    num_lookups = indices.numel()
     # Clamped: with malformed offsets a lookup's bag can fall outside the batch.
     table_of_index = (bag_of_index // max(batch_size, 1)).clamp_(0, len(tables) - 1)
     index_bad = (indices < 0) | (indices >= num_rows_of_table[table_of_index])
-    offsets_bad = (offsets[1:] < offsets[:-1]).any() | (offsets[0] != 0) | (offsets[-1] != num_lookups)
-    if not bool(index_bad.any() | offsets_bad):  # the one sync
-        return
-    offsets_cpu = offsets.cpu()
-    if offsets_cpu[0] != 0:
-        raise ValueError(f"offsets[0] must be 0, got {int(offsets_cpu[0])}")
-    if offsets_cpu[-1] != num_lookups:
-        raise ValueError(f"offsets[-1] must equal len(indices) = {num_lookups}, got {int(offsets_cpu[-1])}")
-    decreasing = torch.nonzero(offsets_cpu[1:] < offsets_cpu[:-1])
-    if decreasing.numel():
-        i = int(decreasing[0])
-        bag = i
-        t = bag // max(batch_size, 1)
-        raise ValueError(
-            f"offsets must be non-decreasing: offsets[{i + 1}] = {int(offsets_cpu[i + 1])} < "
-            f"offsets[{i}] = {int(offsets_cpu[i])} ({_name(tables, t)}, bag {bag % max(batch_size, 1)})"
-        )
-    position = int(torch.nonzero(index_bad.cpu())[0])
-    t = int(table_of_index[position])
-    value = int(indices[position])
-    raise ValueError(
-        f"{_name(tables, t)}: index {value} at position {position} is out of range "
-        f"[0, {tables[t].num_embeddings})"
-    )
+    offsets_bad = (offsets[1:] < offsets[:-1]).any() | (offsets[0] != 0) | (offsets[-1] != indices.numel())
+    return ValueCheck(tables, indices, offsets, table_of_index, index_bad, index_bad.any() | offsets_bad, batch_size)
+
