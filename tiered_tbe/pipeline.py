@@ -33,6 +33,17 @@ from tiered_tbe.module import TieredEmbeddingBags
 LookupsOf = Callable[[Any], Mapping[str, tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor]]
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` name one device: ``cuda`` means the current CUDA device, so it
+    equals ``cuda:0`` when that is current (``torch.device`` equality says they differ)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
 def _move(obj: Any, device: torch.device, stream: torch.cuda.Stream | None) -> Any:
     """Tensors anywhere in tuples, lists, dicts and dataclasses, moved to ``device``.
 
@@ -40,9 +51,9 @@ def _move(obj: Any, device: torch.device, stream: torch.cuda.Stream | None) -> A
     tensor is recorded on the training stream (``record_stream``) before it is used there.
     """
     if isinstance(obj, torch.Tensor):
-        if obj.device == device:
+        if _same_device(obj.device, device):
             return obj
-        if device.type == "cuda" and not obj.is_pinned():
+        if device.type == "cuda" and obj.device.type == "cpu" and not obj.is_pinned():
             obj = obj.pin_memory()
         return obj.to(device, non_blocking=device.type == "cuda")
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
