@@ -4,15 +4,15 @@
 #   1. install the project offline and check that tiered_tbe.cache / tiered_tbe.kernels import on
 #      a GPU (not in simulation); print versions and the GPU's name;
 #   2. the gpu-marked tests (pytest -m gpu -x);
-#   3. benchmarks/bench_kernels.py, bench_cache.py, bench_pipeline.py;
+#   3. benchmarks/bench_kernels.py, bench_cache.py, bench_pipeline.py, then profile_step.py;
 #   4. last and optional, bench_cache.py's big-table mode (a 60 GB pinned table, 8 GB cache);
 #   5. a short summary table, printed LAST (a device call returns only the tail of the output).
 #
 # Each step runs under `timeout`, bounded by what is left of the suite's budget, so one hang does
 # not eat the call; a step that would get too little time is skipped and says so.
 #
-# Files under $OUT (at most 8 come back from a device call; this writes 7):
-#   gpu-tests.log, bench_kernels.log, bench_cache.log, bench_pipeline.log, bench_big.log,
+# Files under $OUT (at most 8 come back from a device call; this writes 8):
+#   gpu-tests.log, bench_kernels.log, bench_cache.log, bench_pipeline.log, profile.log, bench_big.log,
 #   results.json (every step's status, the versions, each benchmark's JSON), RESULTS-gpu.md (the
 #   benchmarks' --record sections: append it to benchmarks/RESULTS.md).
 #
@@ -118,6 +118,9 @@ run_step bench_pipeline 170 "$OUT/bench_pipeline.log" 60 \
     python3 benchmarks/bench_pipeline.py --warmup 12 --batches 15 "${RECORD[@]}" \
     --json "$WORK/bench_pipeline.json" ${PIPELINE_ARGS:-}
 
+# Where the step time goes (host vs device per phase, launch costs, top operators).
+run_step profile 90 "$OUT/profile.log" 40 python3 benchmarks/profile_step.py --warmup 10 --steps 3 --top 30
+
 # 4. Last and optional: a table larger than the GPU memory given to the module.
 if [[ ${RUN_BIG_TABLE:-1} == 1 ]]; then
     run_step bench_big 170 "$OUT/bench_big.log" 90 \
@@ -203,5 +206,10 @@ else:
     fails = log_tail("bench_big.log", r"(big-table mode|Error|error)")
     if fails:
         print("bench_big: " + fails[-1][:200])
+phases = log_tail("profile.log", r"^== |^   (prefetch|forward|backward) |host time of one")
+if phases:
+    print("profile (host ms to enqueue / device ms per phase, from an idle GPU; then launch costs):")
+    for line in phases:
+        print("  " + line.strip())
 print(f"logs and results.json, RESULTS-gpu.md under {out}")
 PY

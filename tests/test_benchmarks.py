@@ -236,3 +236,14 @@ def test_zipf_batches_are_tbe_batches_and_seeded(scripts):
 def test_gpu_suite_is_valid_bash():
     result = subprocess.run(["bash", "-n", str(BENCHMARKS / "gpu_suite.sh")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_profile_step_reports_host_and_device_time_per_phase(capsys):
+    profile_step = importlib.import_module("tiered_tbe.benchmarks.profile_step")
+    profile_step.main([*TINY_MODEL, "--steps", "1", "--top", "3", "--skip-hbm"])
+    out = capsys.readouterr().out
+    assert "== host_cached, zipf 1.05: phase: host ms to enqueue / device ms" in out
+    for phase in ("prefetch", "forward", "backward"):
+        assert f"   {phase} " in out
+    assert "host time of one SlotCache.lookup of 8 rows" in out
+    assert "Self CPU" in out  # the profiler's table
