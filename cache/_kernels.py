@@ -115,51 +115,73 @@ def assign_slots_kernel(
             outcome[u] = OUTCOME_FILLED
 
 
+# Columns of ``table_info``, the int64 [G, TABLE_INFO_COLUMNS] description of the G tables whose
+# backing rows share one buffer (a copy launch moves rows of all of them at once).
+INFO_GLOBAL_START = 0  # global row of the table's row 0 (rows of the group ascend with it)
+INFO_GLOBAL_END = 1  # one past its last global row
+INFO_WEIGHTS_OFFSET = 2  # word offset of its row 0 in the group's weights buffer
+INFO_WEIGHTS_STRIDE = 3  # words between consecutive rows
+INFO_WORDS = 4  # words of a row (dim * element size / word size)
+INFO_STATE_OFFSET = 5  # fp32 offset of its row 0 in the group's state buffer
+INFO_STATE_STRIDE = 6  # fp32 values between consecutive rows
+INFO_STATE_WIDTH = 7  # optimizer-state values per row (0: none)
+TABLE_INFO_COLUMNS = 8
+
+
 @cuda.jit
 def copy_rows_kernel(
-    entry_bounds,  # int64 [2]: entries [entry_bounds[0], entry_bounds[1]) are candidates
     selected,  # uint8 or int8 [N]: entry e is copied only where selected[e] == wanted
     wanted,  # int64: the value of `selected` that means "copy"
-    row_of_entry,  # int64 [N]: global row of each entry
+    row_of_entry,  # int64 [N]: global row of each entry (any value outside the group's tables is skipped)
     slot_of_entry,  # int32 or int64 [N]: its slot
-    table_start,  # int64: global row of the table's row 0
-    table_end,  # int64: one past its last global row; entries outside the table are skipped
+    table_info,  # int64 [G, TABLE_INFO_COLUMNS]: the group's tables, ascending global rows (see INFO_*)
     to_backing,  # bool: True copies slot -> backing store (write-back), False the reverse (fill)
     cache_weights,  # [S, row_words]: slot rows, reinterpreted as integer words
-    cache_state,  # fp32 [S, state_width] (or a [1, 1] dummy when state_width == 0)
-    table_weights,  # [num_rows, words]: the table's backing rows, same integer words
-    table_state,  # fp32 [num_rows, table_state_width] (or a [1, 1] dummy)
-    dim,  # int64: words of a row of the table (its dim * element size / word size)
-    state_width,  # int64: optimizer-state values per row of the table
+    cache_state,  # fp32 [S, state_width] (or a [1, 1] dummy when no table has state)
+    store_weights,  # [W] the group's whole weights buffer, the same integer words
+    store_state,  # fp32 [V] the group's whole optimizer-state buffer (or a [1] dummy)
 ):
-    """Copy whole rows (weights and optimizer state) between slots and one table's backing store.
+    """Copy whole rows (weights and optimizer state) between slots and the backing stores of a
+    group of tables that share one buffer: one launch for all of them.
 
     Launched with 2-D blocks: threadIdx.x walks the columns of a row (coalesced), threadIdx.y
     and the grid walk the entries. Weights travel as integer words (up to 8 bytes, several
     elements each where rows allow): a copy needs no arithmetic, and bf16 has no numba type.
+    A binary search over the group's table starts finds an entry's table.
     """
     column_start = cuda.threadIdx.x
     column_stride = cuda.blockDim.x
     entry_stride = cuda.gridDim.x * cuda.blockDim.y
-    for entry in range(entry_bounds[0] + cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y,
-                       entry_bounds[1], entry_stride):
+    num_tables = table_info.shape[0]
+    for entry in range(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y, selected.shape[0], entry_stride):
         if selected[entry] != wanted:
             continue
         row = row_of_entry[entry]
-        if row < table_start or row >= table_end:
-            continue
-        local_row = row - table_start
+        low, high = 0, num_tables  # the last table whose start is <= row: table_info[low]
+        while high - low > 1:
+            middle = (low + high) // 2
+            if table_info[middle, INFO_GLOBAL_START] <= row:
+                low = middle
+            else:
+                high = middle
+        if row < table_info[low, INFO_GLOBAL_START] or row >= table_info[low, INFO_GLOBAL_END]:
+            continue  # a row of another group's table
+        local_row = row - table_info[low, INFO_GLOBAL_START]
+        weights_base = table_info[low, INFO_WEIGHTS_OFFSET] + local_row * table_info[low, INFO_WEIGHTS_STRIDE]
+        state_base = table_info[low, INFO_STATE_OFFSET] + local_row * table_info[low, INFO_STATE_STRIDE]
+        words = table_info[low, INFO_WORDS]
+        state_width = table_info[low, INFO_STATE_WIDTH]
         slot = slot_of_entry[entry]
         if to_backing:
-            for column in range(column_start, dim, column_stride):
-                table_weights[local_row, column] = cache_weights[slot, column]
+            for column in range(column_start, words, column_stride):
+                store_weights[weights_base + column] = cache_weights[slot, column]
             for column in range(column_start, state_width, column_stride):
-                table_state[local_row, column] = cache_state[slot, column]
+                store_state[state_base + column] = cache_state[slot, column]
         else:
-            for column in range(column_start, dim, column_stride):
-                cache_weights[slot, column] = table_weights[local_row, column]
+            for column in range(column_start, words, column_stride):
+                cache_weights[slot, column] = store_weights[weights_base + column]
             for column in range(column_start, state_width, column_stride):
-                cache_state[slot, column] = table_state[local_row, column]
+                cache_state[slot, column] = store_state[state_base + column]
 
 
 @cuda.jit

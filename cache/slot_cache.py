@@ -173,7 +173,6 @@ class SlotCache:
         self._table_starts = torch.tensor([t.global_row_start for t in self.tables], dtype=torch.int64, **on)
         self._table_ends = torch.tensor([t.global_row_start + t.num_rows for t in self.tables],
                                         dtype=torch.int64, **on)
-        self._table_ranges = torch.stack([self._table_starts, self._table_ends], dim=1)  # int64 [T, 2]
         element = self.weights.element_size()
         row_bytes = [t.dim * element + 4 * t.state_width for t in self.tables]
         self._table_row_bytes = torch.tensor(row_bytes, dtype=torch.int64, **on)
@@ -181,24 +180,13 @@ class SlotCache:
         self._all_slots = torch.arange(num_slots, dtype=torch.int64, **on)
 
         # Kernel views, made once (converting a tensor costs host time at every launch): the
-        # per-slot tensors are only ever updated in place. Rows are copied as integer words; a
-        # table without state gets a private dummy (never read: its state_width is 0), so no two
-        # arguments of a launch alias.
+        # per-slot tensors are only ever updated in place.
         self._stream_pointer = None
         self._numba_stream = None
         self._k_tags, self._k_last_use, self._k_use_count, self._k_dirty, self._k_locks, self._k_next_use = (
             self._kernel_array(t) for t in (self.tags, self.last_use, self.use_count, self.dirty, self.locks,
                                             self.next_use))
-        cache_words, table_words = self._copy_words()
-        self._copy_columns = [t.dim * element // cache_words.element_size() for t in self.tables]
-        self._k_cache_weights = self._kernel_array(cache_words)
-        self._k_cache_state = self._kernel_array(
-            self.state if self.state_width else torch.zeros(1, 1, dtype=torch.float32, **on))
-        self._k_tables = [
-            (self._kernel_array(words),
-             self._kernel_array(t.state if t.state_width else torch.zeros(1, 1, dtype=torch.float32, **on)))
-            for t, words in zip(self.tables, table_words)
-        ]
+        self._copy_groups = self._make_copy_groups()
 
     # ------------------------------------------------------------------ public API
 
@@ -401,17 +389,11 @@ class SlotCache:
                      victim_was_dirty)
 
         # 4. Write back dirty victims (all tables), then fill (all tables): a slot's old row
-        # leaves before its new row arrives. Fills of table t are a contiguous range of the
-        # ascending unique rows.
+        # leaves before its new row arrives.
         num_unique = is_first.sum()
         self._write_rows_back(torch.where(victim_was_dirty.bool(), victim_row, EMPTY), slot_of_unique,
                               count=False)
-        fill_bounds = torch.searchsorted(unique_rows, self._table_ranges)  # int64 [T, 2]
-        k = self._kernel_array  # converted once, shared by every table's launch
-        k_outcome, k_unique_rows, k_slot_of_unique = k(outcome), k(unique_rows), k(slot_of_unique)
-        for t in range(len(self.tables)):
-            self._copy_rows(t, fill_bounds[t], k_outcome, OUTCOME_FILLED, k_unique_rows, k_slot_of_unique,
-                            to_backing=False, num_entries=n)
+        self._copy_rows(outcome, OUTCOME_FILLED, unique_rows, slot_of_unique, to_backing=False)
 
         # 5. The remap, and the counters (device sums: no sync).
         cached_lookup = unique_of_lookup >= 0
@@ -444,49 +426,79 @@ class SlotCache:
         """
         keys = torch.where(rows == EMPTY, NOT_CACHED, rows)  # skipped entries sort last
         sorted_rows, order = torch.sort(keys)
-        sorted_slots = slots[order]
         selected = (sorted_rows != NOT_CACHED).to(torch.uint8)
-        bounds = torch.searchsorted(sorted_rows, self._table_ranges)  # int64 [T, 2]
-        k_selected, k_rows, k_slots = (self._kernel_array(a) for a in (selected, sorted_rows, sorted_slots))
-        for t in range(len(self.tables)):
-            self._copy_rows(t, bounds[t], k_selected, 1, k_rows, k_slots, to_backing=True, num_entries=rows.numel())
+        self._copy_rows(selected, 1, sorted_rows, slots[order], to_backing=True)
         if count:
             update = torch.zeros_like(self._counters)
             update[_DEVICE_COUNTERS.index("write_backs")] = selected.sum(dtype=torch.int64)
             update[_DEVICE_COUNTERS.index("bytes_out")] = self._bytes_of(sorted_rows, selected)
             self._counters += update
 
-    def _copy_words(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The cache's and every table's weights viewed as the widest integer words (up to 8 bytes)
-        that divide every row: a warp then moves up to 256 bytes per instruction."""
-        element = self.weights.element_size()
-        for size in (8, 4, 2, 1):
-            if size < element:
-                break
-            try:  # view(dtype) refuses rows, offsets or strides that are not whole words
-                return (self.weights.view(_BITS_OF_SIZE[size]),
-                        [t.weights.view(_BITS_OF_SIZE[size]) for t in self.tables])
-            except RuntimeError:
-                continue
-        raise AssertionError("unreachable: words of the element size always fit")
+    def _make_copy_groups(self) -> list[tuple]:
+        """Kernel arguments of ``copy_rows_kernel`` for each group of tables whose weights (and
+        state) share one buffer, as a module's tables of one tier do: one launch copies rows of
+        every table of a group. Each group: (table_info, cache words, cache state, store words,
+        store state), converted for the kernels once.
 
-    def _copy_rows(self, t, entry_bounds, selected, wanted, row_of_entry, slot_of_entry, to_backing, num_entries):
-        """Launch copy_rows_kernel for table ``t`` (see its argument comments)."""
-        table = self.tables[t]
-        k_weights, k_state = self._k_tables[t]
-        columns = self._copy_columns[t]
+        Rows travel as the widest integer words (up to 8 bytes) that divide every row, row
+        stride and row offset involved: a warp then moves up to 256 bytes per instruction.
+        """
+        element = self.weights.element_size()
+        on = dict(device=self.device)
+        if self.weights.stride(1) != 1 or any(t.weights.stride(1) != 1 for t in self.tables):
+            raise ValueError("cached tables need rows of contiguous elements (weights.stride(1) == 1)")
+        groups: dict[tuple, list[CachedTable]] = {}
+        for t in self.tables:
+            state_key = None if t.state is None else t.state.untyped_storage().data_ptr()
+            groups.setdefault((t.weights.untyped_storage().data_ptr(), state_key), []).append(t)
+
+        byte_quantities = [self.weights.data_ptr(), self.weights.stride(0) * element, self.row_width * element]
+        for t in self.tables:
+            byte_quantities += [t.weights.data_ptr(), t.weights.stride(0) * element, t.dim * element]
+        word = next(size for size in (8, 4, 2, 1) if all(q % size == 0 for q in byte_quantities))
+        word_dtype = _BITS_OF_SIZE[word]
+        dummy_state = torch.zeros(1, 1, dtype=torch.float32, **on)
+        k_cache_weights = self._kernel_array(self.weights.view(word_dtype))
+        k_cache_state = self._kernel_array(self.state if self.state_width else dummy_state)
+
+        result = []
+        for tables in groups.values():
+            store_weights = _flat_view(tables[0].weights, word_dtype)
+            store_state = _flat_view(tables[0].state, torch.float32) if tables[0].state is not None else dummy_state[0]
+            info = torch.zeros(len(tables), _kernels.TABLE_INFO_COLUMNS, dtype=torch.int64)
+            for g, t in enumerate(tables):  # tables ascend by global row (see _check_tables)
+                info[g, _kernels.INFO_GLOBAL_START] = t.global_row_start
+                info[g, _kernels.INFO_GLOBAL_END] = t.global_row_start + t.num_rows
+                info[g, _kernels.INFO_WEIGHTS_OFFSET] = (t.weights.data_ptr() - store_weights.data_ptr()) // word
+                info[g, _kernels.INFO_WEIGHTS_STRIDE] = t.weights.stride(0) * element // word
+                info[g, _kernels.INFO_WORDS] = t.dim * element // word
+                if t.state is not None:
+                    if t.state.stride(1) != 1:
+                        raise ValueError("cached tables need optimizer state rows of contiguous values")
+                    info[g, _kernels.INFO_STATE_OFFSET] = (t.state.data_ptr() - store_state.data_ptr()) // 4
+                    info[g, _kernels.INFO_STATE_STRIDE] = t.state.stride(0)
+                    info[g, _kernels.INFO_STATE_WIDTH] = t.state_width
+            # The tensors stay referenced with their kernel views (which do not own memory on the GPU).
+            tensors = (info.to(self.device), store_weights, store_state)
+            result.append((tensors, self._kernel_array(tensors[0]), k_cache_weights, k_cache_state,
+                           self._kernel_array(store_weights), self._kernel_array(store_state)))
+        return result
+
+    def _copy_rows(self, selected, wanted, row_of_entry, slot_of_entry, to_backing) -> None:
+        """Copy the rows of the entries where ``selected == wanted`` (all tables, one launch per
+        buffer group; see ``copy_rows_kernel``): slot -> backing store if ``to_backing``, else
+        backing store -> slot."""
+        num_entries = selected.numel()
         if SIMULATION:
             # Few simulator threads (each is a Python thread); each walks many entries, all columns.
             grid, block = 1, (1, SIMULATED_THREADS)
         else:
             rows_per_block = 8
             grid, block = max(1, min(-(-num_entries // rows_per_block), 16384)), (32, rows_per_block)
-        end = table.global_row_start + table.num_rows
-        self._launch_configured(
-            _kernels.copy_rows_kernel, grid, block,
-            entry_bounds, selected, wanted, row_of_entry, slot_of_entry, table.global_row_start, end,
-            to_backing, self._k_cache_weights, self._k_cache_state, k_weights, k_state, columns,
-            table.state_width)
+        for _tensors, k_info, k_cache_weights, k_cache_state, k_store_weights, k_store_state in self._copy_groups:
+            self._launch_configured(
+                _kernels.copy_rows_kernel, grid, block, selected, wanted, row_of_entry, slot_of_entry, k_info,
+                to_backing, k_cache_weights, k_cache_state, k_store_weights, k_store_state)
 
     # ------------------------------------------------------------------ helpers
 
@@ -546,14 +558,11 @@ class SlotCache:
         return slot_of_index.contiguous()
 
     def _kernel_array(self, tensor: torch.Tensor):
-        """What a Numba kernel takes for ``tensor``: a device array view on the GPU, a numpy view
-        (same memory) in the CUDA simulator."""
+        """What a Numba kernel takes for ``tensor``: a device array view on the GPU (see
+        :func:`_device_array`), a numpy view (same memory) in the CUDA simulator."""
         if SIMULATION:
             return tensor.detach().numpy()
-        from numba import cuda
-
-        # sync=False: ordering comes from launching on torch's current stream, not a host wait.
-        return cuda.as_cuda_array(tensor.detach(), sync=False)
+        return _device_array(tensor)
 
     def _launch(self, kernel, num_items: int, *args):
         """Launch a 1-D grid-stride kernel over ``num_items`` entries."""
@@ -577,3 +586,37 @@ class SlotCache:
             self._stream_pointer, self._numba_stream = pointer, cuda.external_stream(pointer)
         with cuda.gpus[self.device.index if self.device.index is not None else torch.cuda.current_device()]:
             kernel[grid, block, self._numba_stream](*args)
+
+
+# Numba device-array views of torch tensors, by (address, shape, strides, dtype). Building one
+# (``numba.cuda.as_cuda_array``) costs ~14 us of host time on an H200 machine, and a prefetch
+# converts a dozen temporaries; torch's caching allocator hands the same addresses out step
+# after step, so most are found here. The views do not own their memory: each is used only for
+# a launch whose caller holds the tensor.
+_DEVICE_ARRAYS: dict[tuple, object] = {}
+_DEVICE_ARRAYS_MAX = 1024
+_TYPESTR = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.int8: "|i1", torch.uint8: "|u1",
+            torch.bool: "|b1", torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2"}
+
+
+def _device_array(tensor: torch.Tensor):
+    """A Numba device array over ``tensor``'s memory (no copy, no ownership, no sync)."""
+    key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device.index)
+    array = _DEVICE_ARRAYS.get(key)
+    if array is None:
+        from numba import cuda
+
+        if len(_DEVICE_ARRAYS) >= _DEVICE_ARRAYS_MAX:
+            _DEVICE_ARRAYS.clear()
+        item = tensor.element_size()
+        interface = {"shape": tuple(tensor.shape), "strides": tuple(s * item for s in tensor.stride()),
+                     "typestr": _TYPESTR[tensor.dtype], "data": (tensor.data_ptr(), False), "version": 3}
+        array = _DEVICE_ARRAYS[key] = cuda.from_cuda_array_interface(interface, owner=None, sync=False)
+    return array
+
+
+def _flat_view(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """1-D ``dtype`` view of the whole buffer (untyped storage) under ``tensor``."""
+    storage = tensor.untyped_storage()
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.empty(0, dtype=dtype, device=tensor.device).set_(storage, 0, (storage.nbytes() // size,))

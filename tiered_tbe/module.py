@@ -37,6 +37,7 @@ class PreparedBatch:
     cache: SlotCache | None
     ready: torch.cuda.Event | None = None  # recorded after its prefetch, on the stream that ran it
     value_check: validation.ValueCheck | None = None  # verdict still to read (prefetched ahead)
+    prefetch_step: int = 0  # the cache's step right after this batch's prefetch
     _released: bool = field(default=False, repr=False)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -178,7 +179,8 @@ class TieredEmbeddingBags(nn.Module):
             slot_of_index = torch.full((indices.numel(),), -1, dtype=torch.int32, device=self.device)
         else:
             slot_of_index = self.cache.prefetch(global_rows)
-        return PreparedBatch(lookups, slot_of_index, self.cache, value_check=value_check)
+        return PreparedBatch(lookups, slot_of_index, self.cache, value_check=value_check,
+                             prefetch_step=self.cache.step if self.cache is not None else 0)
 
     def _bag_of_index(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """int64 [N]: the bag (t*B + b) of each lookup; empty bags are skipped by searchsorted."""
@@ -274,11 +276,16 @@ class TieredEmbeddingBags(nn.Module):
     def _slots_for_backward(self, batch: PreparedBatch) -> torch.Tensor:
         """Slots to update: looked up again, since a later prefetch may have cached a row this
         batch read from its backing store; the update must land on the newest copy. Waits for
-        every prefetch issued so far, so no prefetch changes the tags under the lookup."""
+        every prefetch issued so far, so no prefetch changes the tags under the lookup.
+
+        Without a later prefetch (serial training) the batch's own slots are still the newest:
+        its cached rows are locked, and nothing cached the others since."""
         if self.cache is None:
             return batch.slot_of_index
         if self._last_prefetch is not None:
             torch.cuda.current_stream(self.device).wait_event(self._last_prefetch)
+        if self.cache.step == batch.prefetch_step:
+            return batch.slot_of_index
         return self.cache.lookup(batch.lookups.global_rows)
 
     def _apply_update(self, grad_output: torch.Tensor, batch: PreparedBatch, slot_of_index) -> None:
@@ -307,8 +314,9 @@ class TieredEmbeddingBags(nn.Module):
                 # Rows this batch's forward read from the backing store but a later prefetch
                 # has since cached: write them through, so a forward still queued that reads
                 # them from the backing store sees this update too (pipeline = serial).
-                moved_in = (batch.slot_of_index < 0) & (slot_of_index >= 0)
-                self.cache.write_back(torch.where(moved_in, slot_of_index, -1))  # -1: skipped, no sync
+                if slot_of_index is not batch.slot_of_index:
+                    moved_in = (batch.slot_of_index < 0) & (slot_of_index >= 0)
+                    self.cache.write_back(torch.where(moved_in, slot_of_index, -1))  # -1: skipped, no sync
         batch.release()
 
     # ---------------------------------------------------------------- tables and state
