@@ -175,12 +175,15 @@ if cache:
     print(f"bench_cache (pinned memcpy h2d {f(memcpy.get('h2d_gbs'), '.1f')} GB/s; targets fill/memcpy >= 0.8, "
           f"step/HBM <= 2):")
     print(f"  {'model':<12} {'zipf':>5} {'prefetch':>9} {'fwd':>7} {'bwd':>7} {'step ms':>8} {'hit':>6} "
-          f"{'fill GB/s':>9} {'fill/cpy':>8} {'step/HBM':>8}")
+          f"{'rows in':>8} {'step/HBM':>8}")
     for r in (r for r in cache["results"] if r["kind"] == "model"):
         hit = r["stats"]["hit_rate_by_lookup"] if r["model"] != "all HBM" else None
         print(f"  {r['model']:<12} {r['alpha']:>5g} {f(r['prefetch'], '.3f'):>9} {f(r['forward'], '.3f'):>7} "
-              f"{f(r['backward'], '.3f'):>7} {f(r['step'], '.3f'):>8} {f(hit, '.3f'):>6} {f(r['fill_gbs'], '.1f'):>9} "
-              f"{f(r['fill_vs_memcpy']):>8} {f(r['step_vs_hbm']):>8}")
+              f"{f(r['backward'], '.3f'):>7} {f(r['step'], '.3f'):>8} {f(hit, '.3f'):>6} "
+              f"{f(r.get('rows_in_per_batch'), ',.0f'):>8} {f(r['step_vs_hbm']):>8}")
+    for r in (r for r in cache["results"] if r["kind"] == "copy"):
+        print(f"  {r['direction']:<10} kernel: {r['rows']:>9,} rows x {r['row_bytes']} B {f(r['ms'], '.3f')} ms "
+              f"{f(r['gbs'], '.1f')} GB/s = {f(r['vs_memcpy'])} of memcpy")
 
 pipe = merged["bench_pipeline"]
 if pipe:

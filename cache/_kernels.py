@@ -172,16 +172,39 @@ def copy_rows_kernel(
         words = table_info[low, INFO_WORDS]
         state_width = table_info[low, INFO_STATE_WIDTH]
         slot = slot_of_entry[entry]
+        state_slot = slot if state_width > 0 else 0  # the [1, 1] dummy when there is no state
         if to_backing:
-            for column in range(column_start, words, column_stride):
-                store_weights[weights_base + column] = cache_weights[slot, column]
-            for column in range(column_start, state_width, column_stride):
-                store_state[state_base + column] = cache_state[slot, column]
+            _copy_row(store_weights, weights_base, cache_weights[slot], 0, words,
+                      store_state, state_base, cache_state[state_slot], 0, state_width, column_start, column_stride)
         else:
-            for column in range(column_start, words, column_stride):
-                cache_weights[slot, column] = store_weights[weights_base + column]
-            for column in range(column_start, state_width, column_stride):
-                cache_state[slot, column] = store_state[state_base + column]
+            _copy_row(cache_weights[slot], 0, store_weights, weights_base, words,
+                      cache_state[state_slot], 0, store_state, state_base, state_width, column_start, column_stride)
+
+
+@cuda.jit(device=True, inline=True)
+def _copy_row(to_words, to_words_base, from_words, from_words_base, words,
+              to_state, to_state_base, from_state, from_state_base, state_width, column_start, column_stride):
+    """One warp copies a row's words and state values, two words per thread per round.
+
+    Every load of a round is issued before its stores: the compiler cannot reorder a load
+    past a store to memory that might alias it, and a load from host memory over PCIe takes
+    about a microsecond, so interleaved load-store pairs would wait for each load in turn.
+    A 512-byte row of 8-byte words (64 words, a 32-thread warp) is then one round trip.
+    """
+    state_column = column_start
+    for column in range(column_start, words, 2 * column_stride):
+        second = column + column_stride
+        first_word = from_words[from_words_base + column]
+        second_word = from_words[from_words_base + second] if second < words else first_word
+        state_value = from_state[from_state_base + state_column] if state_column < state_width else 0.0
+        to_words[to_words_base + column] = first_word
+        if second < words:
+            to_words[to_words_base + second] = second_word
+        if state_column < state_width:
+            to_state[to_state_base + state_column] = state_value
+            state_column += column_stride
+    for column in range(state_column, state_width, column_stride):  # state wider than the rounds
+        to_state[to_state_base + column] = from_state[from_state_base + column]
 
 
 @cuda.jit

@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from tiered_tbe._mode import SIMULATION, default_device
+from tiered_tbe._sorting import sort_ids
 from tiered_tbe.cache import _kernels
 from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT
 from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, NO_SLOT, check_geometry, policy_code
@@ -50,6 +51,8 @@ SIMULATED_THREADS = int(os.environ.get("TIERED_TBE_SIMULATED_THREADS", "32"))
 
 # Counters kept on the device, in CacheStats order (``batches`` is counted on the host).
 _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
+
+_USE_OFFSET_MASK = (1 << 32) - 1  # set_next_use packs a slot and a use offset in one int64
 
 # Integer type of the same size as each element size: copies move bits, not numbers.
 _BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -170,6 +173,7 @@ class SlotCache:
         self._counters = torch.zeros(len(_DEVICE_COUNTERS), dtype=torch.int64, **on)
 
         # Per-table facts as device tensors, for searchsorted and byte counts without host syncs.
+        self._rows_end = max(t.global_row_start + t.num_rows for t in self.tables)  # bound of the row ids
         self._table_starts = torch.tensor([t.global_row_start for t in self.tables], dtype=torch.int64, **on)
         self._table_ends = torch.tensor([t.global_row_start + t.num_rows for t in self.tables],
                                         dtype=torch.int64, **on)
@@ -252,7 +256,7 @@ class SlotCache:
         row of ``global_rows`` gets the smallest ``uses_at`` among that row's entries. Only the
         lookahead policy reads it (see :mod:`tiered_tbe.cache.policy`). Deterministic, no
         atomics and no host sync: the (slot, use) pairs are sorted and the first of each slot
-        written.
+        written. Uses before the current step count as the current step.
         """
         rows = self._check_rows(global_rows)
         if not isinstance(uses_at, torch.Tensor) or uses_at.dtype != torch.int64 or uses_at.shape != rows.shape:
@@ -263,11 +267,13 @@ class SlotCache:
         if rows.numel() == 0:
             return
         slots = self.lookup(rows)  # int32 [M], NO_SLOT where not cached
-        # Sort by use, then stably by slot: each slot's entries end up together, soonest first.
-        by_use = torch.sort(uses_at.contiguous(), stable=True)
-        sorted_slots, order = torch.sort(slots[by_use.indices], stable=True)
-        self._launch(_kernels.set_next_use_kernel, rows.numel(), sorted_slots, by_use.values[order],
-                     self._k_next_use)
+        # One sort of (slot, use) packed in an int64: each slot's entries end up together,
+        # soonest first; NO_SLOT entries (negative keys) first. Uses are kept as offsets from
+        # this step (uses before it read as this step; offsets past 2^32 - 1 as that).
+        offsets = (uses_at.contiguous() - self._step).clamp_(0, _USE_OFFSET_MASK)
+        keys = torch.sort((slots.long() << 32) | offsets).values
+        self._launch(_kernels.set_next_use_kernel, rows.numel(), (keys >> 32).to(torch.int32),
+                     (keys & _USE_OFFSET_MASK) + self._step, self._k_next_use)
 
     def unlock(self, slot_of_index: torch.Tensor) -> None:
         """Release one batch's locks: one per distinct slot >= 0 of ``slot_of_index`` (int32 [N])."""
@@ -359,7 +365,7 @@ class SlotCache:
 
         # 1. Deduplicate by sorting: unique rows ascending, padded to N with NOT_CACHED.
         masked = self._mask_uncached(rows)
-        sorted_rows, order = torch.sort(masked)
+        sorted_rows, order = sort_ids(masked, self._rows_end)
         cached_sorted = sorted_rows != NOT_CACHED
         is_first = torch.ones(n, dtype=torch.bool, **on)
         is_first[1:] = sorted_rows[1:] != sorted_rows[:-1]
@@ -375,7 +381,7 @@ class SlotCache:
         # 2. Sets, then the unique rows grouped by set (stable: ascending rows within a set).
         set_of_unique = torch.empty(n, dtype=torch.int64, **on)
         self._launch(_kernels.set_of_rows_kernel, n, unique_rows, self.num_sets, set_of_unique)
-        set_of_position, unique_of_position = torch.sort(set_of_unique, stable=True)
+        set_of_position, unique_of_position = sort_ids(set_of_unique, self.num_sets + 1, stable=True)
 
         # 3. Hits, victims, fills: the policy, one thread per set.
         slot_of_unique = torch.full((n,), NO_SLOT, dtype=torch.int32, **on)
@@ -425,7 +431,7 @@ class SlotCache:
         bytes_out (prefetch counts its own).
         """
         keys = torch.where(rows == EMPTY, NOT_CACHED, rows)  # skipped entries sort last
-        sorted_rows, order = torch.sort(keys)
+        sorted_rows, order = sort_ids(keys, self._rows_end)
         selected = (sorted_rows != NOT_CACHED).to(torch.uint8)
         self._copy_rows(selected, 1, sorted_rows, slots[order], to_backing=True)
         if count:

@@ -56,6 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tiered_tbe._sorting import INT64_MAX, sort_ids
+
 from .forward import (
     _POOLING_MEAN,
     _POOLING_NONE,
@@ -716,7 +718,7 @@ def backward_update(
     device = lookups.indices.device
 
     # Group the lookups of each row, deterministically (stable sort), without leaving the device.
-    sorted_rows, sort_order = torch.sort(lookups.global_rows, stable=True)
+    sorted_rows, sort_order = sort_ids(lookups.global_rows, stores.num_rows or INT64_MAX, stable=True)
     # First position of each position's row; a binary search per position (torch's 1-D cummax on
     # CUDA runs in one thread block: 8 ms for 2M lookups on an H200).
     segment_start = torch.searchsorted(sorted_rows, sorted_rows)

@@ -43,6 +43,7 @@ class RowStores(NamedTuple):
     cache_state: torch.Tensor  # [num_slots, cache_state_width] fp32 ([0, 1] without state)
     max_dim: int  # largest embedding_dim
     total_dim: int  # sum of embedding_dim: width of a pooled output row
+    num_rows: int | None = None  # global rows of all tables (lets sorts use int32 keys); None: unknown
 
     @property
     def num_tables(self) -> int:

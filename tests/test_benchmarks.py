@@ -44,7 +44,7 @@ def test_bench_cache_prints_its_table(scripts, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "| model | lookups | prefetch ms | forward ms | backward ms | step ms |" in out
     assert "| host_cached | zipf 1.05 |" in out and "| all HBM | zipf 1.05 |" in out
-    assert "fill / memcpy" in out and "serial step / all-HBM" in out
+    assert "fill / memcpy" in out and "serial step / all-HBM" in out and "| fill | " in out
     if tiered_tbe.SIMULATION:
         assert "timings are meaningless" in out and "not judged in simulation" in out
     document = json.loads(json_file.read_text())

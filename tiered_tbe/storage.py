@@ -89,6 +89,7 @@ class TableStorage:
             cache_state=cache_state,
             max_dim=max(dims),
             total_dim=sum(dims),
+            num_rows=sum(spec.num_embeddings for spec in self.tables),
         )
 
 
