@@ -12,11 +12,6 @@ batch tables). Measured in one run, on the same rows and the same lookups:
   gradient (element-wise Adagrad: torch has no row-wise one; it moves more state bytes);
 - the device's copy bandwidth (a large ``dst.copy_(src)``, bytes read + written), as a ceiling.
 
-``--rows-per-program 0 8 16`` times the two fwd+bwd lines once per row-update variant of
-``backward_update`` (0: one program per sorted position, the default; R: windows of R sorted
-positions per program), in the same run; the lines of R > 0 are labelled ``[R rows/program]``, and
-torch's side is timed once. The flag, not ``TIERED_TBE_BACKWARD_ROWS_PER_PROGRAM``, picks the variants.
-
 Each time is the median of ``triton.testing.do_bench``. "GB/s" is the bytes of the looked-up rows
 (lookups x dim x dtype size) over the time, for every line alike, so the columns compare directly.
 Lookups are uniform (``--alpha 0``) or Zipf(alpha) over a random permutation of the rows.
@@ -26,7 +21,6 @@ Without a GPU (CPU simulation) it runs at a tiny size to prove it works; its tim
     tiered-tbe bench kernels                            # 20M x 128 rows, B=65536, L=32
     tiered-tbe bench kernels --alpha 1.05 --record      # append the results to RESULTS.md
     tiered-tbe bench kernels --tables 4 --rows 5000000 --dtype fp16
-    tiered-tbe bench kernels --rows-per-program 0 8 16  # both backward variants, one run
     python benchmarks/bench_kernels.py ...              # the same, from a checkout
 """
 
@@ -40,7 +34,7 @@ import torch.nn.functional as F
 
 from tiered_tbe._mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
-from tiered_tbe.kernels.backward import MAX_ROWS_PER_PROGRAM, backward_update
+from tiered_tbe.kernels.backward import backward_update
 from tiered_tbe.kernels.forward import pooled_forward
 from tiered_tbe.kernels.rows import TIER_DEVICE, Lookups, RowStores
 from tiered_tbe.optimizers import OptimizerKind
@@ -61,9 +55,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run.add_argument("--copy-gib", type=float, help="GiB copied to measure device bandwidth (default 4)")
     run.add_argument("--rep-ms", type=float, default=300.0, help="do_bench repetition time per line, ms")
     run.add_argument("--seed", type=int, default=0, help="torch seed of the weights and lookups")
-    run.add_argument("--rows-per-program", type=int, nargs="+", default=[0],
-                     help="backward row-update variants to time, one fwd+bwd line each: 0 one program per "
-                          "sorted position, R (a power of two) windows of R positions (default: 0)")
     common.add_output_flags(parser)
     return parser
 
@@ -71,16 +62,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def check_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the sizes left unset (GPU or simulation defaults); ``ValueError`` for flags that do not fit."""
     common.check_table_args(args, GPU_DEFAULTS, SIMULATION_DEFAULTS, criteo=False)
-    for value in args.rows_per_program:
-        if value and (not 1 <= value <= MAX_ROWS_PER_PROGRAM or value & (value - 1)):
-            raise ValueError(f"--rows-per-program: each value must be 0 or a power of two in "
-                             f"[1, {MAX_ROWS_PER_PROGRAM}], got {value}")
     return args
-
-
-def step_label(op: str, rows_per_program: int) -> str:
-    """``op`` for the per-position update (the lines as they always were), else with its window."""
-    return op if rows_per_program == 0 else f"{op} [{rows_per_program} rows/program]"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -182,10 +164,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         def torch_forward(global_rows=global_rows):
             return F.embedding_bag(global_rows, weights, offsets[:-1], mode="sum")
 
-        def ours_step(kind, rows_per_program, lookups=lookups):
+        def ours_step(kind, lookups=lookups):
             pooled_forward(stores, lookups, slot_of_index, "sum")
-            backward_update(grad_output, stores, lookups, slot_of_index, "sum", kind, lr=lr, eps=1e-8,
-                            rows_per_program=rows_per_program)
+            backward_update(grad_output, stores, lookups, slot_of_index, "sum", kind, lr=lr, eps=1e-8)
 
         def torch_step(optimizer, global_rows=global_rows):
             embedding(global_rows, offsets[:-1]).backward(torch_grad)
@@ -196,22 +177,19 @@ def run(args: argparse.Namespace) -> list[dict]:
         tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
         torch.testing.assert_close(as_torch_layout(ours_forward()), torch_forward().float(), **tolerance)
 
-        ours_ms, torch_ms = common.time_ms(ours_forward, args.rep_ms), common.time_ms(torch_forward, args.rep_ms)
-        results.append(dict(op="forward", alpha=label, ours_ms=ours_ms, torch_ms=torch_ms, unique=unique_rows))
-
-        def step_lines(op, kind, torch_optimizer, label=label, unique_rows=unique_rows):
-            """One line per --rows-per-program value; torch's step (the same for every line) timed once."""
-            ours = {rows: common.time_ms(lambda rows=rows: ours_step(kind, rows), args.rep_ms)
-                    for rows in args.rows_per_program}
-            torch_ms = common.time_ms(lambda: torch_step(torch_optimizer), args.rep_ms)
-            for rows, ours_ms in ours.items():
-                results.append(dict(op=step_label(op, rows), alpha=label, ours_ms=ours_ms, torch_ms=torch_ms,
-                                    unique=unique_rows, rows_per_program=rows))
-
-        step_lines("fwd+bwd+sgd", OptimizerKind.SGD, torch_sgd)
+        lines = [
+            ("forward", ours_forward, torch_forward),
+            ("fwd+bwd+sgd", lambda: ours_step(OptimizerKind.SGD), lambda: torch_step(torch_sgd)),
+        ]
+        for op, ours, theirs in lines:
+            ours_ms, torch_ms = common.time_ms(ours, args.rep_ms), common.time_ms(theirs, args.rep_ms)
+            results.append(dict(op=op, alpha=label, ours_ms=ours_ms, torch_ms=torch_ms, unique=unique_rows))
         # torch's Adagrad keeps a dense sum per element (as large as the tables): make it last.
         torch_adagrad = torch.optim.Adagrad(embedding.parameters(), lr=lr, eps=1e-8)
-        step_lines("fwd+bwd+adagrad", OptimizerKind.ROWWISE_ADAGRAD, torch_adagrad)
+        ours_ms = common.time_ms(lambda: ours_step(OptimizerKind.ROWWISE_ADAGRAD), args.rep_ms)
+        torch_ms = common.time_ms(lambda optimizer=torch_adagrad: torch_step(optimizer), args.rep_ms)
+        results.append(dict(op="fwd+bwd+adagrad", alpha=label, ours_ms=ours_ms, torch_ms=torch_ms,
+                            unique=unique_rows))
         del torch_adagrad
 
     for result in results:

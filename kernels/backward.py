@@ -16,41 +16,21 @@ How, without atomics and without a host synchronization:
    runs one program per window of ``chunk_size`` sorted positions; a full chunk ends in at most one
    position of a window, and that program writes the chunk's gradient sum to ``partial_gradients``
    at the window's index. A segment's full chunks thus sit in consecutive windows.
-3. The row update, one of two variants (``backward_update(rows_per_program=...)``, by default
-   the environment variable ``TIERED_TBE_BACKWARD_ROWS_PER_PROGRAM``, unset or 0 = the first):
-
-   - ``_row_update_kernel`` (``rows_per_program=0``) runs one program per sorted position; only
-     the last position of each segment works: it sums the lookups after the segment's last full
-     chunk, adds the chunks' partial sums, and applies the optimizer.
-   - ``_window_update_kernel`` (``rows_per_program=R``, a power of two) runs one program per
-     window of R consecutive sorted positions, as [R, BLOCK_D] tiles: the loads of the R
-     positions (lookup, bag, gradient row, then the weights rows of the segment ends) are vector
-     loads, so R dependent chains are in flight per program instead of one. A segmented inclusive
-     scan down the window (``tl.associative_scan``, restarting at each segment start) gives each
-     segment end its segment's sum within the window. Only the window's first end can belong to a
-     segment that began in an earlier window; its earlier part is summed as the first variant
-     sums a segment (full chunks' partial sums, then the positions after them). The optimizer
-     then updates every end of the window at once, each row with its own table, tier and slot.
-
-   Either way each row is owned by one program, so no two programs write the same weights, and
-   the summation order depends only on the inputs (and R): two identical steps give
-   bit-identical results. The two variants add a segment's lookups in different orders, so they
-   agree to fp32 rounding, not bitwise; stochastic rounding draws the same bits in both.
+3. ``_row_update_kernel`` runs one program per sorted position; only the last position of each
+   segment works: it sums the lookups after the segment's last full chunk, adds the chunks' partial
+   sums, and applies the optimizer. Each row is owned by one program, so no two programs write the
+   same weights, and the summation order depends only on the inputs: two identical steps give
+   bit-identical results.
 
 Measured on an H200 (20M x 128 fp32 rows, 2M lookups, uniform and Zipf 1.05): about 2.5 ms per
-backward with ``_row_update_kernel``, sort included, where the bytes moved need about 0.7 ms:
-its ~2M tiny programs each wait on a chain of ~5 dependent loads. A variant with one program per
-block of 16 sorted positions, summing segments with a small matrix product, was 1.4-2.8x slower.
-``_window_update_kernel`` is not measured yet: ``bench_kernels.py --rows-per-program 0 8 16``
-times both in one run.
+backward, sort included. A variant with one program per block of 16 sorted positions, summing
+segments with a small matrix product, was 1.4-2.8x slower.
 
 Per-sample-weight gradients (``per_sample_weights_grad``) need the rows before the update: the
 caller computes them first.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -61,8 +41,6 @@ from tiered_tbe._sorting import INT64_MAX, sort_ids
 from .forward import (
     _POOLING_MEAN,
     _POOLING_NONE,
-    _TIER_HOST,
-    _TIER_MANAGED,
     INTERPRETING,
     POOLING_NONE,
     _row_pointers,
@@ -81,55 +59,6 @@ _OPTIMIZER_ROWWISE_ADAGRAD = tl.constexpr(OPTIMIZER_ROWWISE_ADAGRAD)
 _OPTIMIZER_ADAM = tl.constexpr(OPTIMIZER_ADAM)
 
 DEFAULT_CHUNK_SIZE = 256
-# The largest window of _window_update_kernel: a [ROWS, BLOCK_D] tile per program.
-MAX_ROWS_PER_PROGRAM = 256
-
-
-def rows_per_program_from_env(environ=os.environ) -> int:
-    """``TIERED_TBE_BACKWARD_ROWS_PER_PROGRAM`` as an int: unset, empty or 0 picks the per-position
-    update kernel, a power of two the windowed one with that many sorted positions per program."""
-    text = environ.get("TIERED_TBE_BACKWARD_ROWS_PER_PROGRAM", "").strip()
-    try:
-        return int(text) if text else 0
-    except ValueError:
-        raise ValueError(f"TIERED_TBE_BACKWARD_ROWS_PER_PROGRAM must be an integer, got {text!r}") from None
-
-
-# Read once, at import: ``backward_update(rows_per_program=None)`` uses it. Checked at the first
-# update that uses it (a bad value fails there, with the other checks of the arguments).
-DEFAULT_ROWS_PER_PROGRAM = rows_per_program_from_env()
-
-
-@triton.jit
-def _lookup_gradients(
-    lookups,  # int64 [BLOCK_L]: lookup of each row of the tile
-    bags,  # int64 [BLOCK_L]: bag t*B+b of each lookup (not read for pooling none)
-    in_tile,  # bool [BLOCK_L]: which rows of the tile are real lookups to load
-    tile_mask,  # bool [BLOCK_L, BLOCK_D]: in_tile x the columns of each lookup's table
-    offsets_ptr,  # int64 [T*B+1]: bag boundaries (for mean pooling's bag lengths)
-    per_sample_weights_ptr,  # fp32 [N] (read only if HAS_PER_SAMPLE_WEIGHTS)
-    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
-    grad_output_stride,  # elements between consecutive rows of grad_output
-    output_column,  # scalar or int [BLOCK_L]: first column of each lookup's table in a grad_output row
-    columns,  # int32 [BLOCK_D]: 0 .. BLOCK_D-1
-    batch_size,  # B
-    POOLING: tl.constexpr,  # pooling code (see forward.py)
-    HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
-):
-    """fp32 [BLOCK_L, BLOCK_D]: d loss / d row of each lookup (zeros outside ``tile_mask``)."""
-    if POOLING == _POOLING_NONE:
-        grad_rows = lookups
-    else:
-        grad_rows = bags % batch_size
-    row_ptrs = grad_output_ptr + grad_rows * grad_output_stride + output_column
-    tile = tl.load(row_ptrs[:, None] + columns[None, :], mask=tile_mask, other=0.0)
-    if HAS_PER_SAMPLE_WEIGHTS:
-        tile = tile * tl.load(per_sample_weights_ptr + lookups, mask=in_tile, other=0.0)[:, None]
-    if POOLING == _POOLING_MEAN:
-        lengths = (tl.load(offsets_ptr + bags + 1, mask=in_tile, other=1)
-                   - tl.load(offsets_ptr + bags, mask=in_tile, other=0))
-        tile = tile / tl.maximum(lengths, 1).to(tl.float32)[:, None]
-    return tile
 
 
 @triton.jit
@@ -149,15 +78,22 @@ def _gradient_tile(
     POOLING: tl.constexpr,  # pooling code (see forward.py)
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
 ):
-    """fp32 [BLOCK_L, BLOCK_D]: d loss / d row of each lookup of the tile (zeros outside it); the
-    lookups of one segment, so of one table."""
+    """fp32 [BLOCK_L, BLOCK_D]: d loss / d row of each lookup of the tile (zeros outside it)."""
     lookups = tl.load(sort_order_ptr + sorted_positions, mask=in_tile, other=0)
-    bags = lookups  # pooling none reads no bag
-    if POOLING != _POOLING_NONE:
+    if POOLING == _POOLING_NONE:
+        grad_rows = lookups
+    else:
         bags = tl.load(bag_of_index_ptr + lookups, mask=in_tile, other=0)
-    return _lookup_gradients(
-        lookups, bags, in_tile, in_tile[:, None] & in_row[None, :], offsets_ptr, per_sample_weights_ptr,
-        grad_output_ptr, grad_output_stride, output_column, columns, batch_size, POOLING, HAS_PER_SAMPLE_WEIGHTS)
+        grad_rows = bags % batch_size
+    row_ptrs = grad_output_ptr + grad_rows * grad_output_stride + output_column
+    tile = tl.load(row_ptrs[:, None] + columns[None, :], mask=in_tile[:, None] & in_row[None, :], other=0.0)
+    if HAS_PER_SAMPLE_WEIGHTS:
+        tile = tile * tl.load(per_sample_weights_ptr + lookups, mask=in_tile, other=0.0)[:, None]
+    if POOLING == _POOLING_MEAN:
+        lengths = (tl.load(offsets_ptr + bags + 1, mask=in_tile, other=1)
+                   - tl.load(offsets_ptr + bags, mask=in_tile, other=0))
+        tile = tile / tl.maximum(lengths, 1).to(tl.float32)[:, None]
+    return tile
 
 
 @triton.jit
@@ -362,199 +298,6 @@ def _row_update_kernel(
 
 
 @triton.jit
-def _segment_sum_combine(
-    left_sum,  # fp32 tile: running sum of the left operand
-    left_starts,  # int32 tile: 1 where the left operand holds a segment start, else 0
-    right_sum,  # fp32 tile: running sum of the right operand
-    right_starts,  # int32 tile: 1 where the right operand holds a segment start, else 0
-):
-    """Combine of a segmented inclusive scan: a right operand that holds a segment start drops the
-    sums on its left (associative, so ``tl.associative_scan`` may group the operands as it likes).
-    The flags are int32, not bool: a scan keeps its operands side by side in one layout, and 1-bit
-    values are the ones GPU backends treat specially."""
-    return tl.where(right_starts != 0, right_sum, left_sum + right_sum), left_starts | right_starts
-
-
-@triton.jit
-def _rows_in_tiers(
-    tiers,  # int32 [ROWS]: tier code of each row's table
-    device_ptr,  # flat store of DEVICE tables
-    host_ptr,  # flat store of HOST tables
-    managed_ptr,  # flat store of MANAGED tables
-    element_offsets,  # int64 [ROWS]: element offset of each row in its tier's store
-):
-    """Pointer to each row in its tier's store (a window holds rows of several tables, so of several
-    tiers: a per-row choice, where ``_weights_of_tier`` makes a scalar one)."""
-    row_ptrs = tl.where(tiers == _TIER_HOST, host_ptr + element_offsets, device_ptr + element_offsets)
-    return tl.where(tiers == _TIER_MANAGED, managed_ptr + element_offsets, row_ptrs)
-
-
-@triton.jit
-def _window_update_kernel(
-    sorted_rows_ptr,  # int64 [N]: global row ids, sorted
-    sort_order_ptr,  # int64 [N]: lookup at each sorted position
-    segment_start_ptr,  # int64 [N]: first sorted position of the segment holding each position
-    partial_gradients_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D]: gradient sums of full chunks
-    num_lookups,  # N
-    indices_ptr,  # int64 [N]: row within its table of each lookup
-    bag_of_index_ptr,  # int64 [N]: bag t*B+b of each lookup
-    offsets_ptr,  # int64 [T*B+1]: bag boundaries
-    per_sample_weights_ptr,  # fp32 [N] (read only if HAS_PER_SAMPLE_WEIGHTS)
-    slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1
-    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
-    grad_output_stride,  # elements between consecutive rows of grad_output
-    device_weights_ptr,  # flat weights of DEVICE tables
-    host_weights_ptr,  # flat weights of HOST tables
-    managed_weights_ptr,  # flat weights of MANAGED tables
-    device_state_ptr,  # flat fp32 optimizer state of DEVICE tables
-    host_state_ptr,  # flat fp32 optimizer state of HOST tables
-    managed_state_ptr,  # flat fp32 optimizer state of MANAGED tables
-    cache_weights_ptr,  # [num_slots, cache_row_width] slot-cache rows
-    cache_weights_stride,  # elements between consecutive slots of cache_weights
-    cache_state_ptr,  # fp32 [num_slots, cache_state_width] optimizer state of cached rows
-    cache_state_stride,  # elements between consecutive slots of cache_state
-    table_tier_ptr,  # int32 [T]: tier code of each table
-    table_weight_offset_ptr,  # int64 [T]: element offset of row 0 of each table in its tier's weights
-    table_state_offset_ptr,  # int64 [T]: element offset of row 0 of each table in its tier's state
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
-    batch_size,  # B
-    lr,  # learning rate
-    eps,  # Adagrad / Adam denominator epsilon
-    beta1,  # Adam first-moment decay
-    beta2,  # Adam second-moment decay
-    weight_decay,  # Adam weight decay (added to the update, times lr)
-    bias_correction1,  # Adam: 1 - beta1^step
-    bias_correction2,  # Adam: 1 - beta2^step
-    seed,  # stochastic rounding: philox key
-    step,  # optimizer step count: part of the philox counter, so a fixed seed still varies per step
-    POOLING: tl.constexpr,  # pooling code (see forward.py)
-    HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
-    USE_CACHE: tl.constexpr,  # whether any slot exists (else every row is in a backing store)
-    OPTIMIZER: tl.constexpr,  # OPTIMIZER_SGD, OPTIMIZER_ROWWISE_ADAGRAD or OPTIMIZER_ADAM
-    STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically (else to nearest)
-    CHUNK: tl.constexpr,  # lookups per chunk of a long segment (see _chunk_gradient_kernel)
-    ROWS: tl.constexpr,  # sorted positions per program (a power of two): the window
-    BLOCK_L: tl.constexpr,  # lookups (or partial sums) per tile of the rare loop over a segment's earlier part
-    BLOCK_D: tl.constexpr,  # columns per tile: next power of two of the largest embedding_dim
-):
-    # Every per-position load below is a vector over the window: the dependent chains (sorted
-    # position -> lookup -> bag -> gradient row; -> weights row) of ROWS positions are in flight at
-    # once, where _row_update_kernel has one chain per program.
-    window_start = tl.program_id(0).to(tl.int64) * ROWS
-    positions = window_start + tl.arange(0, ROWS)
-    in_range = positions < num_lookups
-    rows = tl.load(sorted_rows_ptr + positions, mask=in_range, other=-1)
-    next_rows = tl.load(sorted_rows_ptr + positions + 1, mask=positions + 1 < num_lookups, other=-1)
-    is_end = in_range & (rows != next_rows)  # the last position of a segment owns the row
-    starts = tl.load(segment_start_ptr + positions, mask=in_range, other=0)
-    # Positions after the window's last end belong to a segment that ends in a later window, which
-    # reads them itself: skip their gradient rows (a window inside a hot segment loads none).
-    last_end = tl.max(tl.where(is_end, positions, -1), axis=0)
-    needed = in_range & (positions <= last_end)
-
-    lookups = tl.load(sort_order_ptr + positions, mask=in_range, other=0)
-    bags = tl.load(bag_of_index_ptr + lookups, mask=in_range, other=0)
-    tables = bags // batch_size
-    dims = tl.load(table_dim_ptr + tables, mask=in_range, other=0)
-    output_columns = tl.zeros_like(dims)
-    if POOLING != _POOLING_NONE:
-        output_columns = tl.load(table_output_offset_ptr + tables, mask=in_range, other=0)
-    columns = tl.arange(0, BLOCK_D)
-    in_rows = columns[None, :] < dims[:, None]  # [ROWS, BLOCK_D]: the columns of each position's table
-    grads = _lookup_gradients(
-        lookups, bags, needed, needed[:, None] & in_rows, offsets_ptr, per_sample_weights_ptr, grad_output_ptr,
-        grad_output_stride, output_columns, columns, batch_size, POOLING, HAS_PER_SAMPLE_WEIGHTS)
-
-    # Segmented inclusive scan down the window: each end gets the sum of its segment's positions in
-    # the window (the scan restarts at each segment's first position; a segment that began in an
-    # earlier window starts the scan at the window's first position, its earlier part is added below).
-    restarts = tl.broadcast_to((positions == starts).to(tl.int32)[:, None], (ROWS, BLOCK_D))
-    sums, _ = tl.associative_scan((grads, restarts), 0, _segment_sum_combine)
-
-    # Only the window's first end can belong to a segment that began before the window (every
-    # later end's segment begins after the previous end). Its earlier part, [start, window_start):
-    # the full chunks' partial sums, then the positions after them, in tiles, as _row_update_kernel.
-    first_end = tl.min(tl.where(is_end, positions, num_lookups), axis=0)
-    start = tl.min(tl.where(is_end, starts, window_start), axis=0)
-    earlier = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if start < window_start:
-        # The window's first position belongs to that segment: its table is the segment's.
-        at_window_start = positions == window_start
-        dim = tl.max(tl.where(at_window_start, dims, 0), axis=0)
-        output_column = tl.max(tl.where(at_window_start, output_columns, 0), axis=0)
-        in_row = columns < dim
-        full_chunks = (window_start - start) // CHUNK  # all end before the window, so all are summed
-        accumulator = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-        for tile_start in range(start + full_chunks * CHUNK, window_start, BLOCK_L):
-            sorted_positions = tile_start + tl.arange(0, BLOCK_L)
-            accumulator += _gradient_tile(
-                sorted_positions, sorted_positions < window_start, sort_order_ptr, bag_of_index_ptr, offsets_ptr,
-                per_sample_weights_ptr, grad_output_ptr, grad_output_stride, output_column, columns, in_row,
-                batch_size, POOLING, HAS_PER_SAMPLE_WEIGHTS)
-        # Chunk j of the segment ends at start + (j+1)*CHUNK - 1, in window (start + CHUNK - 1) // CHUNK + j.
-        first_window = (start + CHUNK - 1) // CHUNK
-        for chunk_offset in range(0, full_chunks, BLOCK_L):
-            chunk_ids = chunk_offset + tl.arange(0, BLOCK_L)
-            partial_ptrs = partial_gradients_ptr + (first_window + chunk_ids)[:, None] * BLOCK_D + columns[None, :]
-            accumulator += tl.load(partial_ptrs, mask=(chunk_ids < full_chunks)[:, None], other=0.0)
-        earlier = tl.sum(accumulator, axis=0)
-    grads = sums + tl.where((positions == first_end)[:, None], earlier[None, :], 0.0)
-
-    # The newest copy of each end's row and its state: its slot, else its backing store. int64
-    # offsets: row * dim passes 2^31 elements in large tables.
-    table_rows = tl.load(indices_ptr + lookups, mask=is_end, other=0)
-    tiers = tl.load(table_tier_ptr + tables, mask=is_end, other=0)
-    weight_offsets = tl.load(table_weight_offset_ptr + tables, mask=is_end, other=0) + table_rows * dims
-    weights_ptrs = _rows_in_tiers(tiers, device_weights_ptr, host_weights_ptr, managed_weights_ptr, weight_offsets)
-    state_offsets = tl.load(table_state_offset_ptr + tables, mask=is_end, other=0)
-    if OPTIMIZER == _OPTIMIZER_ADAM:
-        state_offsets += table_rows * (2 * dims)  # m then v, dim values each
-    else:
-        state_offsets += table_rows  # one accumulator per row (SGD has no state and never reads it)
-    state_ptrs = _rows_in_tiers(tiers, device_state_ptr, host_state_ptr, managed_state_ptr, state_offsets)
-    if USE_CACHE:
-        slots = tl.load(slot_of_index_ptr + lookups, mask=is_end, other=-1).to(tl.int64)
-        weights_ptrs = tl.where(slots >= 0, cache_weights_ptr + slots * cache_weights_stride, weights_ptrs)
-        state_ptrs = tl.where(slots >= 0, cache_state_ptr + slots * cache_state_stride, state_ptrs)
-
-    # Every load of the rows and their state comes before the barrier below, every store after it
-    # (see _row_update_kernel: threads of a program hold copies of the same values).
-    update_mask = is_end[:, None] & in_rows
-    weights = tl.load(weights_ptrs[:, None] + columns[None, :], mask=update_mask, other=0.0).to(tl.float32)
-    if OPTIMIZER == _OPTIMIZER_SGD:
-        weights = weights - lr * grads
-    elif OPTIMIZER == _OPTIMIZER_ROWWISE_ADAGRAD:
-        # tl.maximum: positions outside the window's range have dim 0 (and are never stored).
-        accumulated = (tl.load(state_ptrs, mask=is_end, other=0.0)
-                       + tl.sum(grads * grads, axis=1) / tl.maximum(dims, 1).to(tl.float32))
-        weights = weights - lr * grads / (tl.sqrt_rn(accumulated) + eps)[:, None]
-    else:
-        m_ptrs = state_ptrs[:, None] + columns[None, :]
-        m = beta1 * tl.load(m_ptrs, mask=update_mask, other=0.0) + (1 - beta1) * grads
-        v = beta2 * tl.load(m_ptrs + dims[:, None], mask=update_mask, other=0.0) + (1 - beta2) * grads * grads
-        update = (m / bias_correction1) / (tl.sqrt_rn(v / bias_correction2) + eps) + weight_decay * weights
-        weights = weights - lr * update
-
-    if STOCHASTIC_ROUNDING:
-        # The same philox counter as _row_update_kernel (column, row low word, row high word, step):
-        # both variants draw the same bits for an element.
-        zeros = tl.zeros([ROWS, BLOCK_D], dtype=tl.int32)
-        random_bits, _, _, _ = tl.philox(seed, zeros + columns[None, :],
-                                         zeros + (rows & 0xFFFFFFFF).to(tl.int32)[:, None],
-                                         zeros + (rows >> 32).to(tl.int32)[:, None], zeros + step)
-        weights = _stochastic_round(weights, random_bits, device_weights_ptr.dtype.element_ty)
-    tl.debug_barrier()
-    if OPTIMIZER == _OPTIMIZER_ROWWISE_ADAGRAD:
-        tl.store(state_ptrs, accumulated, mask=is_end)
-    if OPTIMIZER == _OPTIMIZER_ADAM:
-        tl.store(m_ptrs, m, mask=update_mask)
-        tl.store(m_ptrs + dims[:, None], v, mask=update_mask)
-    tl.store(weights_ptrs[:, None] + columns[None, :], weights.to(device_weights_ptr.dtype.element_ty),
-             mask=update_mask)
-
-
-@triton.jit
 def _per_sample_weights_grad_kernel(
     per_sample_weights_grad_ptr,  # fp32 [N]: out, d loss / d per_sample_weights[i]
     grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
@@ -640,18 +383,6 @@ def update_config(block_d: int) -> tuple[int, int]:
     return max(1, min(8, 256 // block_d)), 2 if block_d <= 128 else 4 if block_d <= 512 else 8
 
 
-def window_config(rows_per_program: int, block_d: int) -> tuple[int, int]:
-    """``(BLOCK_L, num_warps)`` of ``_window_update_kernel`` with ``rows_per_program`` positions per
-    window. BLOCK_L tiles only the rare walk over a segment's part before the window, as
-    ``update_config``'s tiles do; the warps give each thread about 16 elements of the window's tile
-    (not yet measured: a first guess, to be tuned with ``bench_kernels.py --rows-per-program``).
-    """
-    block_l, _ = update_config(block_d)
-    if INTERPRETING:
-        return block_l, _warps_for(block_d)
-    return block_l, max(1, min(8, rows_per_program * block_d // (32 * 16)))
-
-
 def backward_update(
     grad_output: torch.Tensor,
     stores: RowStores,
@@ -668,7 +399,6 @@ def backward_update(
     stochastic_rounding: bool = False,
     seed: int = 0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    rows_per_program: int | None = None,
 ) -> None:
     """Sum the gradient of each unique row of the batch and apply the optimizer to it, in place.
 
@@ -689,11 +419,6 @@ def backward_update(
         chunk_size: lookups of one row summed by one program before the partial sums are combined
             (a power of two, at most 4096); only hot rows with more lookups than this use more than
             one program.
-        rows_per_program: 0 runs ``_row_update_kernel`` (one program per sorted position); a power
-            of two (at most 256) runs ``_window_update_kernel`` with that many sorted positions per
-            program. None: ``DEFAULT_ROWS_PER_PROGRAM``, from the environment variable
-            ``TIERED_TBE_BACKWARD_ROWS_PER_PROGRAM``. Both give the same results up to the order
-            of the fp32 sums (each deterministic).
     """
     kind = int(optimizer_kind)
     if kind == OPTIMIZER_NONE or lookups.num_lookups == 0:
@@ -705,11 +430,6 @@ def backward_update(
         raise ValueError(f"chunk_size must be a power of two in [1, 4096], got {chunk_size}")
     if step < 1:
         raise ValueError(f"step is 1-based, got {step}")
-    rows_per_program = DEFAULT_ROWS_PER_PROGRAM if rows_per_program is None else int(rows_per_program)
-    if rows_per_program and (not 1 <= rows_per_program <= MAX_ROWS_PER_PROGRAM
-                             or rows_per_program & (rows_per_program - 1)):
-        raise ValueError(f"rows_per_program must be 0 or a power of two in [1, {MAX_ROWS_PER_PROGRAM}], "
-                         f"got {rows_per_program}")
     mode = pooling_code(pooling)
     check_lookups(stores, lookups, slot_of_index)
     grad_output = _check_grad_output(grad_output, stores, lookups, mode)
@@ -741,13 +461,7 @@ def backward_update(
         CHUNK=chunk_size, BLOCK_L=min(tile_rows_for(block_d), chunk_size), BLOCK_D=block_d,
         num_warps=_warps_for(block_d),
     )
-    update_kernel, grid = _row_update_kernel, (num_lookups,)
-    window = {}
-    if rows_per_program:
-        update_kernel, grid = _window_update_kernel, (triton.cdiv(num_lookups, rows_per_program),)
-        update_block_l, update_num_warps = window_config(rows_per_program, block_d)
-        window = dict(ROWS=rows_per_program)
-    update_kernel[grid](
+    _row_update_kernel[(num_lookups,)](
         sorted_rows, sort_order, segment_start, partial_gradients, num_lookups,
         lookups.indices.contiguous(), bag_of_index, offsets, per_sample_weights, slot_of_index.contiguous(),
         grad_output, grad_output.stride(0),
@@ -762,7 +476,7 @@ def backward_update(
         POOLING=mode, HAS_PER_SAMPLE_WEIGHTS=has_per_sample_weights,
         USE_CACHE=tensors["cache_weights"].shape[0] > 0, OPTIMIZER=kind,
         STOCHASTIC_ROUNDING=bool(stochastic_rounding) and tensors["device_weights"].dtype != torch.float32,
-        CHUNK=chunk_size, BLOCK_L=update_block_l, BLOCK_D=block_d, num_warps=update_num_warps, **window,
+        CHUNK=chunk_size, BLOCK_L=update_block_l, BLOCK_D=block_d, num_warps=update_num_warps,
     )
 
 

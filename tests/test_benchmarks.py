@@ -151,19 +151,6 @@ def test_cli_bench_kernels(capsys, tmp_path):
     assert all(r["speedup"] > 0 for r in document["results"] if "torch_ms" in r)
 
 
-def test_cli_bench_kernels_times_each_backward_variant(capsys, tmp_path):
-    """--rows-per-program 0 4: a fwd+bwd line per variant, the per-position one labelled as before."""
-    json_file = tmp_path / "kernels.json"
-    code = cli_main(["bench", "kernels", "--rows", "200", "--dim", "8", "--batch-size", "4", "--bag-size", "3",
-                     "--alpha", "0", "--rep-ms", "1", "--rows-per-program", "0", "4", "--json", str(json_file)])
-    assert code == 0
-    out = capsys.readouterr().out
-    for op in ("fwd+bwd+sgd", "fwd+bwd+adagrad"):
-        assert f"| {op} | uniform |" in out and f"| {op} [4 rows/program] | uniform |" in out, op
-    steps = [r for r in json.loads(json_file.read_text())["results"] if r["op"].startswith("fwd+bwd")]
-    assert sorted(r["rows_per_program"] for r in steps) == [0, 0, 4, 4]
-
-
 def test_cli_bench_cache_records_only_when_asked(capsys, tmp_path):
     results_file = tmp_path / "RESULTS.md"
     args = ["bench", "cache", "--tables", "2", "--rows", "500", "--dim", "16", "--batch-size", "8", "--bag-size", "2",
@@ -197,7 +184,6 @@ def test_cli_bench_pipeline(capsys):
     (["cache", "--tables", "27"], "--tables must be between 1 and 26"),
     (["pipeline", "--depth", "9"], "--depth must be between 1 and 8"),
     (["kernels", "--rows", "0"], "--rows must be >= 1"),
-    (["kernels", "--rows-per-program", "0", "6"], "--rows-per-program: each value must be 0 or a power of two"),
     (["cache", "--cache-fraction", "2"], "--cache-fraction must be in (0, 1]"),
     (["cache", "--dtype", "fp8"], "invalid choice: 'fp8'"),
 ])

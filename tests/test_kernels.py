@@ -2,9 +2,7 @@
 
 Every check draws fresh random inputs: several tables with different dims (1, 3, 17, 33) and
 tiers, tables of one row, empty bags, rows repeated in a bag and across bags, per-sample weights,
-rows in a small slot cache beside rows read from backing stores. Every backward test runs both
-row-update variants (``rows_per_program`` 0: a program per sorted position; 4: windows of four
-positions, small enough that windows cut segments). Outputs the kernels allocate
+rows in a small slot cache beside rows read from backing stores. Outputs the kernels allocate
 start as NaN (``poison_empty``), so an element no program writes shows up. In CPU simulation
 the Triton interpreter runs everything: sizes stay small.
 """
@@ -48,12 +46,6 @@ def poison_empty(monkeypatch):
 
     monkeypatch.setattr(forward_module.torch, "empty", empty_filled_with_nan)
     assert backward_module.torch.empty is empty_filled_with_nan
-
-
-@pytest.fixture(params=[0, 4], ids=["per-position", "window-4"])
-def rows_per_program(request) -> int:
-    """``backward_update``'s row-update variant: 0 one program per sorted position, 4 windows of 4."""
-    return request.param
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +245,7 @@ def _one_table_stores(weights: torch.Tensor, dim: int) -> RowStores:
         cache_state=empty(torch.float32).view(0, 1), max_dim=dim, total_dim=dim)
 
 
-def test_rows_past_2_to_the_32_elements(rows_per_program, device):
+def test_rows_past_2_to_the_32_elements(device):
     """Rows whose elements lie past 2^31 (and 2^32): int32 address arithmetic would wrap.
 
     The store is an 8 GiB fp16 tensor that ``torch.empty`` only reserves (on the CPU): only the
@@ -288,8 +280,7 @@ def test_rows_past_2_to_the_32_elements(rows_per_program, device):
 
     grad_output = torch.randn(2, dim, device=device)
     reference_backward_update(grad_output, compact_stores, compact_lookups, slot_of_index, "sum", SGD, lr=0.5)
-    backward_update(grad_output, far_stores, far_lookups, slot_of_index, "sum", SGD, lr=0.5,
-                    rows_per_program=rows_per_program)
+    backward_update(grad_output, far_stores, far_lookups, slot_of_index, "sum", SGD, lr=0.5)
     for number, row in enumerate(used_rows):
         torch.testing.assert_close(store[row * dim : (row + 1) * dim].float(),
                                    compact[number * dim : (number + 1) * dim].float(),
@@ -345,7 +336,7 @@ HYPER_PARAMETERS = dict(lr=0.05, eps=1e-3, beta1=0.8, beta2=0.95, weight_decay=0
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("optimizer_kind", [SGD, ADAGRAD, ADAM], ids=lambda kind: kind.name)
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
-def test_backward_update_matches_reference(pooling, optimizer_kind, dtype, rows_per_program, device):
+def test_backward_update_matches_reference(pooling, optimizer_kind, dtype, device):
     stores, lookups, slot_of_index = make_batch(
         dtype=dtype, optimizer_kind=optimizer_kind, weighted=pooling == "sum", device=device)
     grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
@@ -353,8 +344,7 @@ def test_backward_update_matches_reference(pooling, optimizer_kind, dtype, rows_
 
     reference_backward_update(grad_output, expected, lookups, slot_of_index, pooling, optimizer_kind,
                               **HYPER_PARAMETERS)
-    backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer_kind, **HYPER_PARAMETERS,
-                    rows_per_program=rows_per_program)
+    backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer_kind, **HYPER_PARAMETERS)
 
     assert_stores_close(stores, expected, dtype)
 
@@ -377,7 +367,7 @@ def test_reference_sgd_step_is_the_autograd_gradient(pooling, device):
 
 
 @pytest.mark.parametrize("optimizer_kind", [SGD, ADAM], ids=lambda kind: kind.name)
-def test_backward_update_pooling_none(optimizer_kind, rows_per_program, device):
+def test_backward_update_pooling_none(optimizer_kind, device):
     stores, lookups, slot_of_index = make_batch(
         dims=(33, 33), num_rows=(20, 2), tiers=(TIER_MANAGED, TIER_DEVICE), optimizer_kind=optimizer_kind,
         weighted=True, device=device)
@@ -386,14 +376,13 @@ def test_backward_update_pooling_none(optimizer_kind, rows_per_program, device):
 
     reference_backward_update(grad_output, expected, lookups, slot_of_index, "none", optimizer_kind,
                               **HYPER_PARAMETERS)
-    backward_update(grad_output, stores, lookups, slot_of_index, "none", optimizer_kind, **HYPER_PARAMETERS,
-                    rows_per_program=rows_per_program)
+    backward_update(grad_output, stores, lookups, slot_of_index, "none", optimizer_kind, **HYPER_PARAMETERS)
 
     assert_stores_close(stores, expected, torch.float32)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 2, 4, 8])
-def test_hot_rows_split_into_chunks(chunk_size, rows_per_program, device):
+def test_hot_rows_split_into_chunks(chunk_size, device):
     """Rows looked up many times are summed in chunks of ``chunk_size`` lookups, then combined.
 
     The batch has a row with more than two full chunks and a row whose count is not a multiple
@@ -412,83 +401,12 @@ def test_hot_rows_split_into_chunks(chunk_size, rows_per_program, device):
     expected = clone_stores(stores)
 
     reference_backward_update(grad_output, expected, lookups, slot_of_index, "mean", ADAGRAD, lr=0.1)
-    backward_update(grad_output, stores, lookups, slot_of_index, "mean", ADAGRAD, lr=0.1, chunk_size=chunk_size,
-                    rows_per_program=rows_per_program)
+    backward_update(grad_output, stores, lookups, slot_of_index, "mean", ADAGRAD, lr=0.1, chunk_size=chunk_size)
 
     assert_stores_close(stores, expected, torch.float32)
 
 
-@pytest.mark.parametrize("rows_per_program", [2, 8])
-@pytest.mark.parametrize("pooling", ["mean", "none"])
-@pytest.mark.parametrize("optimizer_kind", [SGD, ADAGRAD, ADAM], ids=lambda kind: kind.name)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_windows_cut_long_segments(dtype, optimizer_kind, pooling, rows_per_program, device):
-    """The windowed update where windows cut segments, and segments span several chunks of 4.
-
-    A one-row table (all its lookups one segment, longer than two chunks plus a window) beside rows
-    seen once or a few times; empty bags, per-sample weights, cached rows beside rows with slot -1
-    in three tiers; bf16 rows are rounded stochastically.
-    """
-    chunk_size = 4
-    dims = (9, 9, 9) if pooling == "none" else (5, 9, 3)  # pooling none needs one dim
-    for _ in range(20):
-        stores, lookups, slot_of_index = make_batch(
-            dims=dims, num_rows=(1, 3, 30), tiers=(TIER_DEVICE, TIER_HOST, TIER_MANAGED), batch_size=8, max_bag=8,
-            dtype=dtype, optimizer_kind=optimizer_kind, weighted=True, num_slots=4, device=device)
-        counts = torch.unique(lookups.global_rows, return_counts=True)[1]
-        if (counts.max() > 2 * chunk_size + rows_per_program and (counts == 1).any()
-                and (slot_of_index >= 0).any() and (slot_of_index < 0).any()):
-            break
-    else:
-        pytest.fail("no batch with a long segment beside single lookups and cached rows")
-    grad_shape = (lookups.num_lookups, 9) if pooling == "none" else (lookups.batch_size, stores.total_dim)
-    grad_output = torch.randn(grad_shape, device=device)
-    expected = clone_stores(stores)
-
-    reference_backward_update(grad_output, expected, lookups, slot_of_index, pooling, optimizer_kind,
-                              **HYPER_PARAMETERS)
-    backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer_kind, **HYPER_PARAMETERS,
-                    stochastic_rounding=dtype != torch.float32, seed=3, chunk_size=chunk_size,
-                    rows_per_program=rows_per_program)
-
-    assert_stores_close(stores, expected, dtype)
-
-
-def test_window_update_is_deterministic(device):
-    """Two identical windowed updates give bit-identical rows and state; other window sizes (and the
-    per-position kernel) sum in another order, so they agree within a rounding of the rows."""
-    stores, lookups, slot_of_index = make_batch(
-        dims=(5, 9), num_rows=(1, 3), tiers=(TIER_DEVICE, TIER_HOST), batch_size=8, max_bag=8,
-        dtype=torch.bfloat16, optimizer_kind=ADAM, weighted=True, num_slots=2, device=device)
-    grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
-    results = []
-    for rows_per_program in (4, 4, 1, 16, 0):
-        step_stores = clone_stores(stores)
-        backward_update(grad_output, step_stores, lookups, slot_of_index, "sum", ADAM, **HYPER_PARAMETERS,
-                        stochastic_rounding=True, seed=7, chunk_size=4, rows_per_program=rows_per_program)
-        results.append(step_stores)
-    for name in ("device_weights", "host_weights", "cache_weights", "device_state", "host_state", "cache_state"):
-        assert torch.equal(getattr(results[0], name), getattr(results[1], name)), name
-    for other in results[2:]:
-        assert_stores_close(other, results[0], torch.bfloat16)
-
-
-def test_rows_per_program_default_comes_from_the_environment(monkeypatch, device):
-    read = backward_module.rows_per_program_from_env
-    assert read({}) == 0 and read({"TIERED_TBE_BACKWARD_ROWS_PER_PROGRAM": ""}) == 0
-    assert read({"TIERED_TBE_BACKWARD_ROWS_PER_PROGRAM": " 16 "}) == 16
-    with pytest.raises(ValueError, match="TIERED_TBE_BACKWARD_ROWS_PER_PROGRAM"):
-        read({"TIERED_TBE_BACKWARD_ROWS_PER_PROGRAM": "eight"})
-
-    stores, lookups, slot_of_index = make_batch(dims=(4,), num_rows=(5,), tiers=(TIER_DEVICE,), device=device)
-    grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
-    monkeypatch.setattr(backward_module, "DEFAULT_ROWS_PER_PROGRAM", 3)
-    with pytest.raises(ValueError, match="rows_per_program"):  # None reads the module default
-        backward_update(grad_output, stores, lookups, slot_of_index, "sum", SGD, lr=1.0)
-    backward_update(grad_output, stores, lookups, slot_of_index, "sum", SGD, lr=1.0, rows_per_program=0)
-
-
-def test_backward_update_leaves_backing_rows_of_cached_lookups(rows_per_program, device):
+def test_backward_update_leaves_backing_rows_of_cached_lookups(device):
     """A cached row is updated in its slot only; its (older) backing copy stays as it was."""
     stores, lookups, slot_of_index = make_batch(
         dims=(8,), num_rows=(6,), tiers=(TIER_DEVICE,), num_slots=3, optimizer_kind=ADAGRAD, device=device)
@@ -498,22 +416,20 @@ def test_backward_update_leaves_backing_rows_of_cached_lookups(rows_per_program,
     state_before = stores.device_state[cached_rows].clone()
     grad_output = torch.randn(lookups.batch_size, 8, device=device)
 
-    backward_update(grad_output, stores, lookups, slot_of_index, "sum", ADAGRAD, lr=0.1,
-                    rows_per_program=rows_per_program)
+    backward_update(grad_output, stores, lookups, slot_of_index, "sum", ADAGRAD, lr=0.1)
 
     assert torch.equal(stores.device_weights.view(6, 8)[cached_rows], before)
     assert torch.equal(stores.device_state[cached_rows], state_before)
 
 
-def test_optimizer_none_and_empty_batch_change_nothing(rows_per_program, device):
+def test_optimizer_none_and_empty_batch_change_nothing(device):
     stores, lookups, slot_of_index = make_batch(optimizer_kind=ADAM, device=device)
     untouched = clone_stores(stores)
     grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
-    backward_update(grad_output, stores, lookups, slot_of_index, "sum", OptimizerKind.NONE, lr=1.0,
-                    rows_per_program=rows_per_program)
+    backward_update(grad_output, stores, lookups, slot_of_index, "sum", OptimizerKind.NONE, lr=1.0)
     empty_stores, empty_lookups, empty_slots = make_batch(max_bag=0, device=device)
     backward_update(torch.randn(empty_lookups.batch_size, empty_stores.total_dim, device=device), empty_stores,
-                    empty_lookups, empty_slots, "sum", SGD, lr=1.0, rows_per_program=rows_per_program)
+                    empty_lookups, empty_slots, "sum", SGD, lr=1.0)
     for name in ("device_weights", "host_weights", "managed_weights", "cache_weights", "device_state"):
         assert torch.equal(getattr(stores, name), getattr(untouched, name))
 
@@ -527,13 +443,10 @@ def test_backward_update_rejects_bad_arguments(device):
         backward_update(grad_output, stores, lookups, slot_of_index, "sum", SGD, lr=1.0, chunk_size=3)
     with pytest.raises(TypeError, match="slot_of_index"):
         backward_update(grad_output, stores, lookups, slot_of_index.long(), "sum", SGD, lr=1.0)
-    for bad in (3, -4, 512):
-        with pytest.raises(ValueError, match="rows_per_program"):
-            backward_update(grad_output, stores, lookups, slot_of_index, "sum", SGD, lr=1.0, rows_per_program=bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_stochastic_rounding_is_unbiased(dtype, rows_per_program, device):
+def test_stochastic_rounding_is_unbiased(dtype, device):
     """Each element lands on a neighbour of the exact value, and their mean is the exact value.
 
     SGD with lr=1 on 3 groups of rows: w=1 moved up by 0.3 ulp, w=-1 moved down by 0.7 ulp (so
@@ -559,7 +472,7 @@ def test_stochastic_rounding_is_unbiased(dtype, rows_per_program, device):
     for seed, step in ((11, 1), (12, 1), (11, 2), (11, 1)):
         weights = stores._replace(device_weights=stores.device_weights.clone())
         backward_update(grad_output, weights, lookups, slot_of_index, "sum", SGD, lr=1.0,
-                        stochastic_rounding=True, seed=seed, step=step, rows_per_program=rows_per_program)
+                        stochastic_rounding=True, seed=seed, step=step)
         runs.append(weights.device_weights.view(3, -1).double().cpu())
     assert not torch.equal(runs[0], runs[1]), "two seeds gave the same roundings"
     assert not torch.equal(runs[0], runs[2]), "two steps gave the same roundings"
@@ -608,8 +521,7 @@ def _zipf_batch(num_rows, dim, batch_size, bag_size, device, dtype=torch.float32
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows_per_program", [0, 8, 16])
-def test_two_identical_steps_are_bitwise_equal(dtype, rows_per_program, device):
+def test_two_identical_steps_are_bitwise_equal(dtype, device):
     """At a size where many programs run at once, forward and update are deterministic."""
     stores, lookups, slot_of_index = _zipf_batch(1_000_000, 128, 16384, 32, device, dtype)
     counts = torch.unique(lookups.global_rows, return_counts=True)[1]
@@ -621,7 +533,7 @@ def test_two_identical_steps_are_bitwise_equal(dtype, rows_per_program, device):
         step_stores = clone_stores(stores)
         outputs.append(pooled_forward(step_stores, lookups, slot_of_index, "sum"))
         backward_update(grad_output, step_stores, lookups, slot_of_index, "sum", ADAGRAD, lr=0.01,
-                        stochastic_rounding=True, seed=5, step=3, rows_per_program=rows_per_program)
+                        stochastic_rounding=True, seed=5, step=3)
         results.append(step_stores)
     assert torch.equal(outputs[0], outputs[1])
     assert torch.equal(results[0].device_weights, results[1].device_weights)
@@ -630,8 +542,7 @@ def test_two_identical_steps_are_bitwise_equal(dtype, rows_per_program, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("optimizer_kind", [SGD, ADAGRAD, ADAM], ids=lambda kind: kind.name)
-@pytest.mark.parametrize("rows_per_program", [0, 8, 16])
-def test_large_batch_matches_reference(optimizer_kind, rows_per_program, device):
+def test_large_batch_matches_reference(optimizer_kind, device):
     """dim 128 and long bags: the autotuned forward tiles and the default chunk size on hot rows."""
     stores, lookups, slot_of_index = _zipf_batch(50_000, 128, 2048, 40, device, optimizer_kind=optimizer_kind)
     grad_output = torch.randn(lookups.batch_size, 128, device=device)
@@ -641,13 +552,12 @@ def test_large_batch_matches_reference(optimizer_kind, rows_per_program, device)
     expected = clone_stores(stores)
     reference_backward_update(grad_output, expected, lookups, slot_of_index, "mean", optimizer_kind,
                               **HYPER_PARAMETERS)
-    backward_update(grad_output, stores, lookups, slot_of_index, "mean", optimizer_kind, **HYPER_PARAMETERS,
-                    rows_per_program=rows_per_program)
+    backward_update(grad_output, stores, lookups, slot_of_index, "mean", optimizer_kind, **HYPER_PARAMETERS)
     assert_stores_close(stores, expected, torch.float32)
 
 
 @pytest.mark.gpu
-def test_host_tier_in_pinned_memory(rows_per_program, device):
+def test_host_tier_in_pinned_memory(device):
     """HOST tables read and updated in place in pinned host memory, beside DEVICE and cached rows."""
     stores, lookups, slot_of_index = make_batch(optimizer_kind=ADAM, weighted=True, device=device)
     stores = stores._replace(host_weights=stores.host_weights.cpu().pin_memory(),
@@ -660,7 +570,6 @@ def test_host_tier_in_pinned_memory(rows_per_program, device):
                                rtol=1e-5, atol=1e-5)
     expected = clone_stores(stores)
     reference_backward_update(grad_output, expected, lookups, slot_of_index, "sum", ADAM, **HYPER_PARAMETERS)
-    backward_update(grad_output, stores, lookups, slot_of_index, "sum", ADAM, **HYPER_PARAMETERS,
-                    rows_per_program=rows_per_program)
+    backward_update(grad_output, stores, lookups, slot_of_index, "sum", ADAM, **HYPER_PARAMETERS)
     torch.cuda.synchronize()
     assert_stores_close(stores, expected, torch.float32)
