@@ -105,7 +105,7 @@ def device_stores(weights: torch.Tensor, state: torch.Tensor, num_tables: int) -
         table_output_offset=(table * dim).to(torch.int32),
         cache_weights=torch.empty(0, 1, dtype=weights.dtype, device=device),
         cache_state=torch.empty(0, 1, device=device),
-        max_dim=dim, total_dim=num_tables * dim)
+        max_dim=dim, total_dim=num_tables * dim, num_rows=weights.shape[0])
 
 
 def measure_copy_bandwidth(gib: float, rep_ms: float, device: torch.device) -> tuple[float, float]:

@@ -23,8 +23,10 @@ How, without atomics and without a host synchronization:
    bit-identical results.
 
 Measured on an H200 (20M x 128 fp32 rows, 2M lookups, uniform and Zipf 1.05): about 2.5 ms per
-backward, sort included. A variant with one program per block of 16 sorted positions, summing
-segments with a small matrix product, was 1.4-2.8x slower.
+backward, sort included. Two variants with one program per window of R sorted positions were
+slower: summing segments with a small matrix product (R = 16) 1.4-2.8x; with a segmented
+scan over [R, dim] tiles, R = 8: 6% faster for SGD on uniform lookups, 1.1x slower for SGD on
+Zipf and 1.8-1.9x slower for row-wise Adagrad (benchmarks/RESULTS.md, session 2).
 
 Per-sample-weight gradients (``per_sample_weights_grad``) need the rows before the update: the
 caller computes them first.
