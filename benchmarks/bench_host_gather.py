@@ -7,6 +7,8 @@ every host address it touches, and a larger buffer has more pages to translate. 
 measures that directly with ``torch.index_select`` (one 512-byte fp32 row per index) for:
 
 - ``cudaHostAlloc`` buffers of several sizes (what ``Placement.HOST`` allocates);
+- pinned host memory from the VMM API (``cuMemCreate`` with a host NUMA location, mapped at
+  its allocation granularity);
 - anonymous memory advised to transparent huge pages (``madvise(MADV_HUGEPAGE)``), then
   registered with ``cudaHostRegister``: if address translation is the limit, 2 MB host pages
   may help the IOMMU and the GPU's page tables.
@@ -53,6 +55,43 @@ def huge_page_registered(nbytes: int):
     return memory
 
 
+def vmm_host_memory(nbytes: int):
+    """Pinned host memory from the virtual memory management API (``cuMemCreate`` on the host's
+    NUMA node 0, ``cuMemMap`` at the recommended granularity, readable and writable by GPU 0):
+    the driver may map it into the GPU's page tables with larger pages than ``cudaHostAlloc``."""
+    from cuda.bindings import driver
+
+    def check(result, call):
+        err, *values = result if isinstance(result, tuple) else (result,)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{call} failed: {err}")
+        return values[0] if len(values) == 1 else values
+
+    prop = driver.CUmemAllocationProp()
+    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
+    prop.location.id = 0
+    granularity = check(driver.cuMemGetAllocationGranularity(
+        prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "granularity")
+    size = -(-nbytes // granularity) * granularity
+    handle = check(driver.cuMemCreate(size, prop, 0), "cuMemCreate")
+    pointer = check(driver.cuMemAddressReserve(size, granularity, 0, 0), "cuMemAddressReserve")
+    check(driver.cuMemMap(pointer, size, 0, handle, 0), "cuMemMap")
+    access = driver.CUmemAccessDesc()
+    access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = 0
+    access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    check(driver.cuMemSetAccess(pointer, size, [access], 1), "cuMemSetAccess")
+    print(f"  (VMM host allocation granularity {granularity / 2**20:g} MiB)")
+
+    def free(_):
+        driver.cuMemUnmap(pointer, size)
+        driver.cuMemRelease(handle)
+        driver.cuMemAddressFree(pointer, size)
+
+    return tiers._CudaMemory(int(pointer), nbytes, free, "VMM host")
+
+
 def anon_huge_pages_kb() -> int | None:
     try:
         for line in open("/proc/meminfo"):
@@ -95,7 +134,8 @@ def main(argv=None) -> int:
         print("transparent huge pages:", open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip())
     except OSError:
         print("transparent huge pages: unknown")
-    kinds = [("cudaHostAlloc", lambda n: tiers._pinned_host_memory(n))]
+    kinds = [("cudaHostAlloc", lambda n: tiers._pinned_host_memory(n)), ("cuMemCreate (VMM, host NUMA)",
+                                                                         vmm_host_memory)]
     if not args.no_huge_pages:
         kinds.append(("THP + cudaHostRegister", huge_page_registered))
     print("| allocation | buffer GB | rows | ms | GB/s | / memcpy | setup s |")
