@@ -44,7 +44,7 @@ from tiered_tbe._mode import SIMULATION, default_device, describe_mode  # first:
 from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.bench_cache import build_module, free, judge
 from tiered_tbe.cache.policy import NEXT_USE_UNKNOWN
-from tiered_tbe.pipeline import PrefetchPipeline
+from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD, PrefetchPipeline
 from tiered_tbe.specs import CacheConfig, Placement
 
 SCRIPT = "bench_pipeline.py"
@@ -66,6 +66,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     common.add_cache_flags(parser, POLICIES, several=True)
     run = parser.add_argument_group("run")
     run.add_argument("--depth", type=int, default=2, help="batches the pipeline prefetches ahead, 1..8 (default 2)")
+    run.add_argument("--lookahead", type=int, default=DEFAULT_LOOKAHEAD,
+                     help=f"batches a lookahead cache learns from (default {DEFAULT_LOOKAHEAD})")
     run.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                      help="what to run (default: all): hbm, managed, serial (lru, prefetch in forward), "
                           "pipelined (every --policy)")
@@ -88,8 +90,8 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
     common.check_table_args(args, GPU_DEFAULTS, SIMULATION_DEFAULTS)
     if not 1 <= args.depth <= 8:
         raise ValueError("--depth must be between 1 and 8")
-    if args.warmup < 0 or args.batches < 1:
-        raise ValueError("--warmup must be >= 0 and --batches >= 1")
+    if args.warmup < 0 or args.batches < 1 or args.lookahead < 0:
+        raise ValueError("--warmup and --lookahead must be >= 0, --batches >= 1")
     try:
         if isinstance(args.bottom_mlp, str):
             args.bottom_mlp = [int(w) for w in args.bottom_mlp.split(",") if w]
@@ -139,9 +141,10 @@ class SmallDLRM(nn.Module):
 
 
 def make_batches(table_rows, alpha, args, device) -> list[tuple[torch.Tensor, ...]]:
-    """``warmup + batches + depth`` batches ``(indices, offsets, dense, labels)`` on the device:
-    the pipeline keeps ``depth`` batches ahead of the last timed step."""
-    count = args.warmup + args.batches + args.depth
+    """``warmup + batches + depth + lookahead`` batches ``(indices, offsets, dense, labels)`` on
+    the device: the pipeline keeps ``depth`` batches prefetched and ``lookahead`` more pulled
+    ahead of the last timed step."""
+    count = args.warmup + args.batches + args.depth + args.lookahead
     lookups = common.ZipfBatches(table_rows, alpha, args.batch_size, args.bag_size, device, seed=args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed + 1)
     batches = []
@@ -166,7 +169,8 @@ def train(model: SmallDLRM, batches, args, pipelined: bool) -> dict:
     steps = args.warmup + args.batches
     hints = False
     start = None
-    source = PrefetchPipeline(model, batches, depth=args.depth) if pipelined else None
+    lookahead = args.lookahead if emb.uses_lookahead else 0
+    source = PrefetchPipeline(model, batches, depth=args.depth, lookahead=lookahead) if pipelined else None
     try:
         for i, (indices, offsets, dense, labels) in enumerate(source if pipelined else batches):
             if i == args.warmup:
@@ -315,7 +319,8 @@ def run_command(args: argparse.Namespace, argv=None) -> int:
     if SIMULATION:
         print(common.SIMULATION_NOTE)
     print(f"{common.describe_tables(args)}, row-wise Adagrad; batch {args.batch_size} x bag {args.bag_size}; "
-          f"cache {args.cache_fraction:g} of rows, {args.associativity} ways; pipeline depth {args.depth}; "
+          f"cache {args.cache_fraction:g} of rows, {args.associativity} ways; pipeline depth {args.depth}, "
+          f"lookahead window {args.lookahead}; "
           f"{args.warmup} warm-up + {args.batches} timed steps per run; on {common.device_name()}", flush=True)
     tf32 = None
     if not SIMULATION:

@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import shlex
 import statistics
 import subprocess
@@ -373,7 +374,10 @@ def device_name() -> str:
 
 def git_commit() -> str:
     """Short commit of the checkout, ``+uncommitted`` when tracked files changed; ``unknown``
-    outside a git checkout."""
+    outside a git checkout. ``TIERED_TBE_COMMIT`` overrides it: the lent GPU machine runs a copy
+    of the working tree whose git metadata may be stale (docs/GPU.md passes the real commit)."""
+    if os.environ.get("TIERED_TBE_COMMIT"):
+        return os.environ["TIERED_TBE_COMMIT"]
     here = Path(__file__).parent
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,

@@ -115,7 +115,7 @@ run_step bench_cache 130 "$OUT/bench_cache.log" 40 \
     ${CACHE_ARGS:-}
 # shellcheck disable=SC2086
 run_step bench_pipeline 170 "$OUT/bench_pipeline.log" 60 \
-    python3 benchmarks/bench_pipeline.py --warmup 12 --batches 15 "${RECORD[@]}" \
+    python3 benchmarks/bench_pipeline.py --warmup 60 --batches 15 "${RECORD[@]}" \
     --json "$WORK/bench_pipeline.json" ${PIPELINE_ARGS:-}
 
 # Where the step time goes (host vs device per phase, launch costs, top operators).

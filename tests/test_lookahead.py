@@ -274,3 +274,24 @@ def test_gpu_lookahead_pipeline_matches_simulator_and_never_syncs():
         simulator.run(np.concatenate(known), np.concatenate([[0], np.cumsum([b.size for b in known])]), 1)
     assert cache.stats() == simulator.stats
     assert_same_state(cache, simulator)
+
+
+def test_rows_for_hint_gives_each_distinct_row_once_then_padding():
+    from tiered_tbe import CacheConfig, Placement, TableSpec, TieredEmbeddingBags
+    from tiered_tbe._sorting import INT64_MAX
+    from tiered_tbe.pipeline import _HintRows
+
+    cached = Placement.HOST_CACHED
+    tables = [TableSpec(50, 4, placement=cached), TableSpec(1, 4), TableSpec(30, 4, placement=cached)]
+    module = TieredEmbeddingBags(tables, cache=CacheConfig(slots=16, policy="lookahead", associativity=4),
+                                 device="cpu", backend="torch")
+    # B = 3 bags per table; repeats within a bag and across bags, an empty bag, a one-row table
+    # (index 29 there is out of range: clamped to its row 0, global row 50).
+    indices = torch.tensor([7, 7, 3, 49, 3, 0, 0, 29, 29, 5, 0])
+    offsets = torch.tensor([0, 2, 4, 5, 7, 7, 8, 9, 10, 11])
+    rows, count = module.rows_for_hint(indices, offsets)
+    expected = sorted({7, 3, 49, 50, 50 + 1 + 29, 50 + 1 + 5, 50 + 1 + 0})
+    assert int(count) == len(expected) and rows.shape == indices.shape
+    assert rows[: len(expected)].tolist() == expected
+    assert (rows[len(expected):] == INT64_MAX).all()
+    assert _HintRows(rows, count).rows().tolist() == expected  # on the CPU the count is known at once

@@ -10,6 +10,7 @@ from torch import nn
 
 from tiered_tbe import validation
 from tiered_tbe._mode import default_device
+from tiered_tbe._sorting import INT64_MAX, sort_ids
 from tiered_tbe.backends import backend_named
 from tiered_tbe.cache.slot_cache import SlotCache
 from tiered_tbe.cache.stats import CacheStats
@@ -187,15 +188,26 @@ class TieredEmbeddingBags(nn.Module):
         positions = torch.arange(indices.numel(), device=self.device)
         return torch.searchsorted(offsets, positions, right=True) - 1
 
-    def rows_for_hint(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """int64 [N]: global row id of each lookup of a batch not yet validated, for
-        :meth:`hint_upcoming`. Out-of-range indices are clamped into their tables: that can only
-        make a hint less exact, never a result wrong (values are checked at the batch's prefetch)."""
+    def rows_for_hint(self, indices: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distinct global rows of a batch not yet validated, for :meth:`hint_upcoming`.
+
+        Returns ``(rows, count)``: ``rows`` int64 [N] holds the batch's ``count`` distinct
+        global rows in ascending order, then ``INT64_MAX`` padding (rows a hint ignores);
+        ``count`` is an int64 device scalar (read it when convenient: nothing here waits for
+        the GPU). ``rows[:count]`` is the same hint, shorter. Out-of-range indices are clamped
+        into their tables: that can only make a hint less exact, never a result wrong (values
+        are checked at the batch's prefetch)."""
         batch_size = max(validation.check_static(self.tables, indices, offsets, self.device), 1)
         indices, offsets = indices.long(), offsets.long()
         table_of_index = (self._bag_of_index(indices, offsets) // batch_size).clamp_(0, len(self.tables) - 1)
         rows = torch.minimum(indices.clamp(min=0), self._num_rows_of_table[table_of_index] - 1)
-        return self._row_offset[table_of_index] + rows
+        rows = self._row_offset[table_of_index] + rows
+        num_rows = sum(t.num_embeddings for t in self.tables)
+        sorted_rows = sort_ids(rows, num_rows)[0]
+        first = torch.ones_like(sorted_rows, dtype=torch.bool)
+        first[1:] = sorted_rows[1:] != sorted_rows[:-1]
+        distinct = sort_ids(torch.where(first, sorted_rows, INT64_MAX), num_rows)[0]  # repeats sort last
+        return distinct, first.sum()
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
         """Fill the cache for a batch ahead of its forward.
@@ -217,8 +229,9 @@ class TieredEmbeddingBags(nn.Module):
     def hint_upcoming(self, upcoming_rows: list[torch.Tensor]) -> None:
         """Tell a lookahead cache the global rows of the batches that follow the next prefetch.
 
-        ``upcoming_rows[d - 1]`` (int64, from :meth:`rows_for_hint`) are the rows of the batch
-        ``d`` places after the next one. Each cached row gets, as its next use, the cache step at
+        ``upcoming_rows[d - 1]`` (int64, e.g. from :meth:`rows_for_hint`; repeats allowed, rows
+        outside the cached tables ignored) are the rows of the batch ``d`` places after the next
+        one. Each cached row gets, as its next use, the cache step at
         which the first of these batches naming it will be prefetched; the policy evicts the row
         needed latest first.
         """
