@@ -67,6 +67,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run.add_argument("--bounds-check", default="off", choices=["off", "raise"],
                      help="the module's bounds_check ('raise' adds a host sync per batch); default off")
     run.add_argument("--no-hbm", action="store_true", help="skip the all-HBM baseline")
+    run.add_argument("--copy-blocks", type=int, nargs="+",
+                     help="time the copy kernels alone with at most these many thread blocks each "
+                          "(default: the cache's, tiered_tbe.cache.slot_cache.DEFAULT_COPY_BLOCKS)")
     run.add_argument("--memcpy-gib", type=float, help="GiB copied to measure the pinned memcpy bandwidth (default 1)")
     run.add_argument("--rep-ms", type=float, default=200.0,
                      help="do_bench repetition time of the memcpy, ms (default 200)")
@@ -146,7 +149,7 @@ def train_steps(emb: TieredEmbeddingBags, batches, grad: torch.Tensor, warmup: i
     return result
 
 
-def copy_bandwidth(cache, counts, rep_ms: float) -> list[dict]:
+def copy_bandwidth(cache, counts, rep_ms: float, block_caps=(None,)) -> list[dict]:
     """GB/s of the cache's copy kernels alone (``SlotCache._copy_rows``), as a prefetch runs them:
     ``count`` distinct random rows of the cached tables, in ascending row order, to or from
     distinct random slots, weights and optimizer state. Clobbers the cache's rows and the
@@ -160,13 +163,17 @@ def copy_bandwidth(cache, counts, rep_ms: float) -> list[dict]:
         slots = torch.randperm(cache.num_slots, device=device, generator=generator)[:count].to(torch.int32)
         selected = torch.ones(count, dtype=torch.uint8, device=device)
         nbytes = int(cache._bytes_of(rows, selected))
-        for direction, to_backing in (("fill", False), ("write-back", True)):
-            copy = functools.partial(cache._copy_rows, selected, 1, rows, slots, to_backing=to_backing)
-            ms = common.time_ms(copy, rep_ms)
-            results.append(dict(kind="copy", direction=direction, rows=count, row_bytes=nbytes // count, ms=ms,
-                                gbs=nbytes / ms / 1e6))
-            print(f"  {direction} kernel, {count:,} rows of {nbytes // count} bytes: {ms:.3f} ms, "
-                  f"{nbytes / ms / 1e6:.1f} GB/s", flush=True)
+        default_blocks = cache.copy_blocks
+        for blocks in block_caps:
+            cache.copy_blocks = blocks or default_blocks
+            for direction, to_backing in (("fill", False), ("write-back", True)):
+                copy = functools.partial(cache._copy_rows, selected, 1, rows, slots, to_backing=to_backing)
+                ms = common.time_ms(copy, rep_ms)
+                results.append(dict(kind="copy", direction=direction, rows=count, row_bytes=nbytes // count,
+                                    ms=ms, gbs=nbytes / ms / 1e6, blocks=cache.copy_blocks))
+                print(f"  {direction} kernel, {count:,} rows of {nbytes // count} bytes, at most "
+                      f"{cache.copy_blocks} blocks: {ms:.3f} ms, {nbytes / ms / 1e6:.1f} GB/s", flush=True)
+        cache.copy_blocks = default_blocks
     return results
 
 
@@ -203,7 +210,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         if emb.cache is not None:  # last use of this module: the copies below clobber its rows
             moved = [r["stats"]["rows_copied_in"] // max(r["stats"]["batches"], 1) for r in results
                      if r.get("model") == label]
-            for copy in copy_bandwidth(emb.cache, sorted({*moved, COPY_BULK_ROWS}), args.rep_ms):
+            for copy in copy_bandwidth(emb.cache, sorted({*moved, COPY_BULK_ROWS}), args.rep_ms,
+                                       args.copy_blocks or (None,)):
                 copy["vs_memcpy"] = copy["gbs"] / bandwidth["h2d_gbs" if copy["direction"] == "fill" else "d2h_gbs"]
                 results.append(copy)
         del emb
@@ -255,13 +263,13 @@ def format_table(results: list[dict], args) -> list[str]:
         lines.append("The copy kernels alone (distinct random rows in ascending order, random slots, rows and state):")
         lines.append("")
         lines += common.markdown_table(
-            ["copy", "rows", "bytes / row", "ms", "GB/s", "/ memcpy"],
-            [[r["direction"], f"{r['rows']:,}", str(r["row_bytes"]), common.fmt(r["ms"]), common.fmt(r["gbs"], ".1f"),
-              common.fmt(r["vs_memcpy"], ".2f")] for r in copies], "lrrrrr")
+            ["copy", "rows", "bytes / row", "blocks (most)", "ms", "GB/s", "/ memcpy"],
+            [[r["direction"], f"{r['rows']:,}", str(r["row_bytes"]), str(r["blocks"]), common.fmt(r["ms"]),
+              common.fmt(r["gbs"], ".1f"), common.fmt(r["vs_memcpy"], ".2f")] for r in copies], "lrrrrrr")
         lines.append("")
         for r in (r for r in copies if r["direction"] == "fill"):
-            lines.append(f"- fill of {r['rows']:,} rows: fill / memcpy {r['vs_memcpy']:.2f} (target >= "
-                         f"{FILL_TARGET:.2f} for 512-byte rows: {judge(r['vs_memcpy'] >= FILL_TARGET)})")
+            lines.append(f"- fill of {r['rows']:,} rows ({r['blocks']} blocks): fill / memcpy {r['vs_memcpy']:.2f} "
+                         f"(target >= {FILL_TARGET:.2f} for 512-byte rows: {judge(r['vs_memcpy'] >= FILL_TARGET)})")
     for r in (r for r in results if r["kind"] == "model" and r["model"] != "all HBM"):
         if r["step_vs_hbm"] is not None:
             lines.append(f"- zipf {r['alpha']:g}: serial step / all-HBM {r['step_vs_hbm']:.2f} (target <= "

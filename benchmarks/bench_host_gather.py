@@ -116,6 +116,37 @@ def gather_gbs(memory, nbytes: int, counts, rep_ms: float) -> list[tuple[int, fl
     return results
 
 
+def duplex(memory, nbytes: int, count: int, rep_ms: float) -> list[tuple[str, float, float]]:
+    """(what, ms, GB/s) of a scatter of ``count`` rows into the buffer (ascending and random
+    order), and of a gather and a scatter of different rows at once on two streams: whether
+    the bus's two directions overlap when the GPU reads and writes host memory in place."""
+    table = torch.as_tensor(memory, device="cuda").view(torch.float32).view(-1, ROW_FLOATS)
+    num_rows = nbytes // (4 * ROW_FLOATS)
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    chosen = torch.randperm(num_rows, device="cuda", generator=generator)[: 2 * count]
+    gather_rows, scatter_rows = chosen[:count].sort().values, chosen[count:].sort().values
+    shuffled = scatter_rows[torch.randperm(count, device="cuda", generator=generator)]
+    values = torch.randn(count, ROW_FLOATS, device="cuda")
+    out = torch.empty(count, ROW_FLOATS, device="cuda")
+    other = torch.cuda.Stream()
+
+    def both():
+        other.wait_stream(torch.cuda.current_stream())
+        torch.index_select(table, 0, gather_rows, out=out)
+        with torch.cuda.stream(other):
+            table.index_copy_(0, scatter_rows, values)
+        torch.cuda.current_stream().wait_stream(other)
+
+    row_bytes = 4 * ROW_FLOATS
+    results = []
+    for what, fn, moved in (("scatter, ascending rows", lambda: table.index_copy_(0, scatter_rows, values), count),
+                            ("scatter, random order", lambda: table.index_copy_(0, shuffled, values), count),
+                            ("gather + scatter on two streams", both, 2 * count)):
+        ms = common.time_ms(fn, rep_ms)
+        results.append((what, ms, moved * row_bytes / ms / 1e6))
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-gb", type=float, nargs="+", default=[4.0, 17.0],
@@ -123,6 +154,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[65536, 262144], help="rows gathered per call")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time, ms")
     parser.add_argument("--no-huge-pages", action="store_true", help="skip the huge-page registered buffers")
+    parser.add_argument("--only-host-alloc", action="store_true", help="measure cudaHostAlloc buffers only")
+    parser.add_argument("--duplex", action="store_true",
+                        help="also time scatters into the buffer and a gather and a scatter at once")
     args = parser.parse_args(argv)
     print(describe_mode())
     if SIMULATION:
@@ -136,7 +170,9 @@ def main(argv=None) -> int:
         print("transparent huge pages: unknown")
     kinds = [("cudaHostAlloc", lambda n: tiers._pinned_host_memory(n)), ("cuMemCreate (VMM, host NUMA)",
                                                                          vmm_host_memory)]
-    if not args.no_huge_pages:
+    if args.only_host_alloc:
+        kinds = kinds[:1]
+    elif not args.no_huge_pages:
         kinds.append(("THP + cudaHostRegister", huge_page_registered))
     print("| allocation | buffer GB | rows | ms | GB/s | / memcpy | setup s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -154,6 +190,11 @@ def main(argv=None) -> int:
             for count, ms, gbs in gather_gbs(memory, nbytes, args.rows, args.rep_ms):
                 print(f"| {name} | {size_gb:g} | {count:,} | {ms:.3f} | {gbs:.1f} | {gbs / memcpy['h2d_gbs']:.2f} "
                       f"| {setup_s:.1f} |", flush=True)
+            if args.duplex:
+                for count in args.rows:
+                    for what, ms, gbs in duplex(memory, nbytes, count, args.rep_ms):
+                        print(f"| {name}: {what} | {size_gb:g} | {count:,} | {ms:.3f} | {gbs:.1f} | "
+                              f"{gbs / memcpy['h2d_gbs']:.2f} | {setup_s:.1f} |", flush=True)
             del memory
             torch.cuda.synchronize()
     return 0

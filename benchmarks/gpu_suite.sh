@@ -182,7 +182,8 @@ if cache:
               f"{f(r['backward'], '.3f'):>7} {f(r['step'], '.3f'):>8} {f(hit, '.3f'):>6} "
               f"{f(r.get('rows_in_per_batch'), ',.0f'):>8} {f(r['step_vs_hbm']):>8}")
     for r in (r for r in cache["results"] if r["kind"] == "copy"):
-        print(f"  {r['direction']:<10} kernel: {r['rows']:>9,} rows x {r['row_bytes']} B {f(r['ms'], '.3f')} ms "
+        print(f"  {r['direction']:<10} kernel: {r['rows']:>9,} rows x {r['row_bytes']} B, <= {r.get('blocks')} blocks: "
+              f"{f(r['ms'], '.3f')} ms "
               f"{f(r['gbs'], '.1f')} GB/s = {f(r['vs_memcpy'])} of memcpy")
 
 pipe = merged["bench_pipeline"]

@@ -49,6 +49,12 @@ from tiered_tbe.cache.stats import CacheStats
 # (TIERED_TBE_SIMULATED_THREADS=1), the cache's own tests keep several so threads interleave.
 SIMULATED_THREADS = int(os.environ.get("TIERED_TBE_SIMULATED_THREADS", "32"))
 
+# Most thread blocks a copy launch (fill, write-back, flush) uses; each block moves 8 rows at a
+# time. Copies from and to host memory are limited by address translation, not by threads:
+# fewer blocks can move rows as fast while leaving the SMs to the training stream's kernels
+# (see benchmarks/bench_cache.py --copy-blocks). Env TIERED_TBE_COPY_BLOCKS overrides it.
+DEFAULT_COPY_BLOCKS = int(os.environ.get("TIERED_TBE_COPY_BLOCKS", "16384"))
+
 # Counters kept on the device, in CacheStats order (``batches`` is counted on the host).
 _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
 
@@ -191,6 +197,7 @@ class SlotCache:
             self._kernel_array(t) for t in (self.tags, self.last_use, self.use_count, self.dirty, self.locks,
                                             self.next_use))
         self._copy_groups = self._make_copy_groups()
+        self.copy_blocks = DEFAULT_COPY_BLOCKS  # most thread blocks per copy launch (GPU only)
 
     # ------------------------------------------------------------------ public API
 
@@ -500,7 +507,7 @@ class SlotCache:
             grid, block = 1, (1, SIMULATED_THREADS)
         else:
             rows_per_block = 8
-            grid, block = max(1, min(-(-num_entries // rows_per_block), 16384)), (32, rows_per_block)
+            grid, block = max(1, min(-(-num_entries // rows_per_block), self.copy_blocks)), (32, rows_per_block)
         for _tensors, k_info, k_cache_weights, k_cache_state, k_store_weights, k_store_state in self._copy_groups:
             self._launch_configured(
                 _kernels.copy_rows_kernel, grid, block, selected, wanted, row_of_entry, slot_of_entry, k_info,
