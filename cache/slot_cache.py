@@ -198,6 +198,9 @@ class SlotCache:
                                             self.next_use))
         self._copy_groups = self._make_copy_groups()
         self.copy_blocks = DEFAULT_COPY_BLOCKS  # most thread blocks per copy launch (GPU only)
+        # int32 [N] after each prefetch: the distinct slots it locked (one per unique row, NO_SLOT
+        # padding); unlock(locked_slots, distinct=True) releases them without a sort.
+        self.locked_slots = torch.empty(0, dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------ public API
 
@@ -219,16 +222,17 @@ class SlotCache:
 
         Hits update policy state and gain a lock; misses evict unlocked victims (writing back
         only dirty ones, weights and optimizer state), are copied in from the backing store and
-        gain a lock. Each unique row is locked once; :meth:`unlock` releases the batch.
+        gain a lock. Each unique row is locked once; :meth:`unlock` releases the batch (with
+        ``slot_of_index``, or faster with :attr:`locked_slots` and ``distinct=True``).
         """
         rows = self._check_rows(global_rows)
         self._step += 1
         self._batches += 1
         n = rows.numel()
         if n > 0:
-            slot_of_index = self._prefetch(rows)
+            slot_of_index, self.locked_slots = self._prefetch(rows)
         else:
-            slot_of_index = torch.empty(0, dtype=torch.int32, device=self.device)
+            slot_of_index = self.locked_slots = torch.empty(0, dtype=torch.int32, device=self.device)
         if self._step % self.lfu_decay_interval == 0:
             self.use_count >>= 1  # LFU aging, after every lfu_decay_interval-th prefetch
         return slot_of_index
@@ -282,19 +286,23 @@ class SlotCache:
         self._launch(_kernels.set_next_use_kernel, rows.numel(), (keys >> 32).to(torch.int32),
                      (keys & _USE_OFFSET_MASK) + self._step, self._k_next_use)
 
-    def unlock(self, slot_of_index: torch.Tensor) -> None:
-        """Release one batch's locks: one per distinct slot >= 0 of ``slot_of_index`` (int32 [N])."""
+    def unlock(self, slot_of_index: torch.Tensor, distinct: bool = False) -> None:
+        """Release one batch's locks: one per distinct slot >= 0 of ``slot_of_index`` (int32 [N]).
+
+        ``distinct=True`` says no slot >= 0 appears twice (e.g. :attr:`locked_slots` of the
+        batch's prefetch), which saves sorting them.
+        """
         slots = self._check_slots(slot_of_index)
         if slots.numel() == 0:
             return
-        sorted_slots = torch.sort(slots).values
+        slots = slots if distinct else torch.sort(slots).values  # repeats side by side: released once
         if self.device.type == "cpu":
             # Cheap here (no device to wait for): catch an unlock without its prefetch.
-            distinct = torch.unique(sorted_slots[sorted_slots >= 0])
-            if (self.locks[distinct] <= 0).any():
+            held = slots[slots >= 0]
+            if (self.locks[torch.unique(held)] <= 0).any() or (distinct and torch.unique(held).numel() < held.numel()):
                 raise RuntimeError("unlock of a slot that holds no lock: unlock called twice for a batch, "
-                                   "or with a remap that is not a prefetch's")
-        self._launch(_kernels.unlock_kernel, slots.numel(), sorted_slots, self._k_locks)
+                                   "or with a remap that is not a prefetch's (or repeats with distinct=True)")
+        self._launch(_kernels.unlock_kernel, slots.numel(), slots, self._k_locks)
 
     def mark_dirty(self, slot_of_index: torch.Tensor) -> None:
         """Mark slots updated in place (by backward): they are written back before being dropped."""
@@ -314,11 +322,8 @@ class SlotCache:
         n = slots.numel()
         if n == 0:
             return
-        slots = torch.sort(slots).values  # repeats side by side: each slot is written once
-        distinct = slots >= 0
-        distinct[1:] &= slots[1:] != slots[:-1]
-        rows = torch.where(distinct, self.tags[slots.clamp(min=0).long()], EMPTY)
-        self._write_rows_back(rows, slots)
+        rows = torch.where(slots >= 0, self.tags[slots.clamp(min=0).long()], EMPTY)
+        self._write_rows_back(rows, slots)  # repeats of a slot are repeats of its row: written once
 
     def flush(self) -> None:
         """Write every dirty slot (weights and state) back to its backing store; clear dirty bits.
@@ -428,10 +433,11 @@ class SlotCache:
             "bytes_out": self._bytes_of(victim_row, victim_was_dirty),
         }
         self._counters += torch.stack([update[name] for name in _DEVICE_COUNTERS])
-        return slot_of_index.to(torch.int32)
+        return slot_of_index.to(torch.int32), slot_of_unique
 
     def _write_rows_back(self, rows: torch.Tensor, slots: torch.Tensor, count: bool = True) -> None:
-        """Copy slot ``slots[i]`` to the backing row ``rows[i]`` (int64 [M]; EMPTY skips), every table.
+        """Copy slot ``slots[i]`` to the backing row ``rows[i]`` (int64 [M]; EMPTY skips; a row named
+        more than once must name one slot, and is copied once), every table.
 
         The copies go in ascending row order: the GPU writes host memory at ~52 GB/s in row order
         and ~21 GB/s in random order (512-byte rows, H200). ``count`` adds them to write_backs and
@@ -439,7 +445,9 @@ class SlotCache:
         """
         keys = torch.where(rows == EMPTY, NOT_CACHED, rows)  # skipped entries sort last
         sorted_rows, order = sort_ids(keys, self._rows_end)
-        selected = (sorted_rows != NOT_CACHED).to(torch.uint8)
+        selected = sorted_rows != NOT_CACHED
+        selected[1:] &= sorted_rows[1:] != sorted_rows[:-1]  # a row named twice is copied once
+        selected = selected.to(torch.uint8)
         self._copy_rows(selected, 1, sorted_rows, slots[order], to_backing=True)
         if count:
             update = torch.zeros_like(self._counters)

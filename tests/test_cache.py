@@ -508,3 +508,21 @@ def test_gpu_large_trace_matches_simulator_and_never_syncs():
     assert_same_state(cache, simulator)
     cache.flush()
     assert torch.equal(table.weights, reference)
+
+
+def test_locked_slots_release_a_batch_without_a_sort_and_write_back_names_a_row_once():
+    table = CachedTable(0, 300, 3, initial_rows(0, 300, 3).to(DEVICE), None)
+    cache = SlotCache([table], num_slots=8, associativity=2)
+    slot_of_index = cache.prefetch(rows_tensor([7, 7, 250, 7, 3, 250, 11, 19, 23]))
+    locked = cache.locked_slots
+    held = locked[locked >= 0]
+    assert held.numel() == torch.unique(held).numel() == int((cache.locks > 0).sum())  # one lock per row
+    assert set(held.tolist()) == set(slot_of_index[slot_of_index >= 0].tolist())
+    cache.weights[slot_of_index[0]] += 1.0
+    cache.write_back(slot_of_index)  # row 7 named three times: one write
+    assert cache.stats().write_backs == int((slot_of_index >= 0).sum()) - 3  # 7 x3 and 250 x2 once each
+    torch.testing.assert_close(table.weights[7].cpu(), initial_rows(7, 1, 3)[0] + 1.0)
+    cache.unlock(locked, distinct=True)
+    assert cache.num_locked() == 0
+    with pytest.raises(RuntimeError, match="holds no lock"):
+        cache.unlock(locked, distinct=True)

@@ -39,15 +39,16 @@ class PreparedBatch:
     ready: torch.cuda.Event | None = None  # recorded after its prefetch, on the stream that ran it
     value_check: validation.ValueCheck | None = None  # verdict still to read (prefetched ahead)
     prefetch_step: int = 0  # the cache's step right after this batch's prefetch
+    locked_slots: torch.Tensor | None = None  # int32: the distinct slots its prefetch locked
     _released: bool = field(default=False, repr=False)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (*self.lookups, self.slot_of_index) if isinstance(t, torch.Tensor)]
+        return [t for t in (*self.lookups, self.slot_of_index, self.locked_slots) if isinstance(t, torch.Tensor)]
 
     def release(self) -> None:
         if not self._released and self.cache is not None:
             self._released = True
-            self.cache.unlock(self.slot_of_index)
+            self.cache.unlock(self.locked_slots, distinct=True)
 
 
 class TieredEmbeddingBags(nn.Module):
@@ -181,7 +182,8 @@ class TieredEmbeddingBags(nn.Module):
         else:
             slot_of_index = self.cache.prefetch(global_rows)
         return PreparedBatch(lookups, slot_of_index, self.cache, value_check=value_check,
-                             prefetch_step=self.cache.step if self.cache is not None else 0)
+                             prefetch_step=self.cache.step if self.cache is not None else 0,
+                             locked_slots=self.cache.locked_slots if self.cache is not None else None)
 
     def _bag_of_index(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """int64 [N]: the bag (t*B + b) of each lookup; empty bags are skipped by searchsorted."""
