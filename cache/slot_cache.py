@@ -50,9 +50,9 @@ from tiered_tbe.cache.stats import CacheStats
 SIMULATED_THREADS = int(os.environ.get("TIERED_TBE_SIMULATED_THREADS", "32"))
 
 # Most thread blocks a copy launch (fill, write-back, flush) uses; each block moves 8 rows at a
-# time. Copies from and to host memory are limited by address translation, not by threads:
-# fewer blocks can move rows as fast while leaving the SMs to the training stream's kernels
-# (see benchmarks/bench_cache.py --copy-blocks). Env TIERED_TBE_COPY_BLOCKS overrides it.
+# time. On the H200 fewer blocks (1056, 264, 132) copied 10-20% more slowly and did not speed a
+# pipeline up (benchmarks/RESULTS.md); other platforms can try `bench_cache.py --copy-blocks`.
+# Env TIERED_TBE_COPY_BLOCKS overrides it.
 DEFAULT_COPY_BLOCKS = int(os.environ.get("TIERED_TBE_COPY_BLOCKS", "16384"))
 
 # Counters kept on the device, in CacheStats order (``batches`` is counted on the host).
