@@ -1,7 +1,7 @@
 """Bounds against the simulator and against exhaustive search; the hit-rate benchmark's pieces."""
 
 import itertools
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
@@ -15,8 +15,10 @@ from tiered_tbe.hit_rate import (
     SimOptions,
     cache_rows,
     check_cache_size,
+    expand_policies,
     find_smallest_cache,
     format_results,
+    measure,
     round_to_sets,
     sweep,
 )
@@ -210,3 +212,198 @@ def test_lookahead_policy_takes_its_window_from_the_flag():
     text = out.getvalue()
     assert "lookahead window 4 batches" in text
     assert any(line.startswith("lookahead ") for line in text.splitlines())
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline depth, warm-up, several lookahead windows.
+# --------------------------------------------------------------------------------------------
+
+SIMULATED = ("lru", "lfu", "lookahead")
+
+
+def small_trace():
+    """Batches of ~200 unique rows against caches of 256-1024 slots: depth 2 locks ~600 rows."""
+    return zipf_trace(20_000, 1.05, 64, 4, 40, seed=1)
+
+
+def simulator(policy, slots, options, **overrides):
+    from tiered_tbe.cache.simulator import CacheSimulator
+
+    settings = dict(lfu_decay_interval=options.lfu_decay_interval, training=options.training,
+                    row_bytes=options.row_bytes, lookahead_window=options.lookahead_window,
+                    pipeline_depth=options.pipeline_depth)
+    settings.update(overrides)
+    return CacheSimulator(slots, options.associativity, policy, **settings)
+
+
+def minus(total: CacheStats, before: CacheStats) -> CacheStats:
+    return CacheStats(**{f.name: getattr(total, f.name) - getattr(before, f.name) for f in fields(CacheStats)})
+
+
+@pytest.mark.parametrize("policy", SIMULATED)
+def test_pipeline_depth_counts_as_the_simulator_does(policy):
+    trace = small_trace()
+    for slots in (256, 1024):
+        by_depth = {}
+        for depth in (0, 1, 2, 4):
+            options = SimOptions(associativity=8, lookahead_window=3, pipeline_depth=depth)
+            got = POLICIES[policy].run(trace, slots, options)
+            assert got == simulate(trace.rows, trace.batch_offsets, slots, 8, policy, row_bytes=options.row_bytes,
+                                   lookahead_window=3, pipeline_depth=depth), (slots, depth)
+            by_depth[depth] = got
+        assert by_depth[2] != by_depth[0], slots  # the locks of the batches in flight change the counts
+        assert by_depth[4].misses_no_slot > by_depth[0].misses_no_slot, slots
+
+
+@pytest.mark.parametrize("bound", ["fa-lru", "belady"])
+def test_bounds_ignore_the_pipeline_depth(bound):
+    trace = small_trace()
+    serial = POLICIES[bound].run(trace, 512, SimOptions(associativity=8))
+    assert POLICIES[bound].run(trace, 512, SimOptions(associativity=8, pipeline_depth=3)) == serial
+
+
+@pytest.mark.parametrize("policy", SIMULATED)
+@pytest.mark.parametrize("depth", [0, 2])
+def test_warmup_counts_are_the_whole_run_minus_the_warmup(policy, depth):
+    trace = small_trace()
+    warmup = 15
+    options = SimOptions(associativity=8, lookahead_window=4, pipeline_depth=depth)
+    for slots in (256, 1024):
+        got = POLICIES[policy].run(trace, slots, replace(options, warmup_batches=warmup))
+        whole = simulate(trace.rows, trace.batch_offsets, slots, 8, policy, row_bytes=options.row_bytes,
+                         lookahead_window=4, pipeline_depth=depth)
+        # The warm-up alone: the same cache over the first batches, its window looking past them.
+        prefix = simulator(policy, slots, options).run(trace.rows, trace.batch_offsets, warmup).stats
+        assert got == minus(whole, prefix), (slots, depth)
+        assert got.batches == trace.num_batches - warmup
+        assert got.lookups == trace.batch_offsets[-1] - trace.batch_offsets[warmup]
+        if policy != "lookahead":  # no window: the prefix alone is a trace of its own
+            end = trace.batch_offsets[warmup]
+            alone = simulate(trace.rows[:end], trace.batch_offsets[: warmup + 1], slots, 8, policy,
+                             row_bytes=options.row_bytes, pipeline_depth=depth)
+            assert alone == prefix
+    # A measurement's rates and rows per batch are over the counted batches.
+    m = measure(trace, policy, 256, replace(options, warmup_batches=warmup), "x")
+    assert m.rows_moved_per_batch == (m.stats.rows_copied_in + m.stats.write_backs) / (trace.num_batches - warmup)
+
+
+def test_warmup_of_the_bounds():
+    trace = small_trace()
+    warmup, slots = 15, 512
+    options = SimOptions(associativity=8, warmup_batches=warmup)
+    # Fully associative LRU is the simulator's LRU with one set of every slot.
+    fa = POLICIES["fa-lru"].run(trace, slots, options)
+    one_set = simulator("lru", slots, replace(options, associativity=slots))
+    before = one_set.run(trace.rows, trace.batch_offsets, warmup).stats
+    assert fa == minus(one_set.run(trace.rows[trace.batch_offsets[warmup]:],
+                                   trace.batch_offsets[warmup:] - trace.batch_offsets[warmup]).stats, before)
+    # Belady: counted over the same batches as every policy; warm-up plus the rest is the whole run.
+    optimum = POLICIES["belady"].run(trace, slots, options)
+    lru = POLICIES["lru"].run(trace, slots, options)
+    for name in ("batches", "lookups", "unique_rows"):
+        assert getattr(optimum, name) == getattr(lru, name), name
+    end = trace.batch_offsets[warmup]
+    warm = belady(trace.rows[:end], trace.batch_offsets[: warmup + 1], slots, row_bytes=options.row_bytes,
+                  num_rows=trace.num_rows,
+                  next_uses=next_use(trace.rows, trace.batch_offsets, trace.num_rows)[:end])
+    assert minus(POLICIES["belady"].run(trace, slots, SimOptions(associativity=8)), warm) == optimum
+    assert optimum.unique_hits >= lru.unique_hits and 0 < optimum.hit_rate_by_lookup < 1
+
+
+def test_several_lookahead_windows_give_one_policy_each():
+    import io
+
+    from tiered_tbe.hit_rate import build_parser, run
+
+    args = build_parser().parse_args(["--rows", "20000", "--batch-size", "64", "--bag-size", "4", "--batches", "30",
+                                      "--cache-sizes", "512", "--associativity", "8", "--policies",
+                                      "lru,lookahead,belady", "--lookahead-window", "2,4,16,4", "--pipeline-depth",
+                                      "1", "--warmup", "5", "--no-progress"])
+    assert args.lookahead_window == [2, 4, 16]  # repeats dropped
+    out = io.StringIO()
+    assert run(args, out) == 0
+    text = out.getvalue()
+    assert "lookahead windows 2, 4, 16 batches" in text and "pipeline depth 1 (the bounds ignore it" in text
+    assert "batches 5..29 (25 of the 30 run, after 5 of warm-up)" in text
+    table = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("lru ", "lookahead"))}
+    assert set(table) == {"lru", "lookahead(2)", "lookahead(4)", "lookahead(16)"}
+    trace = zipf_trace(20_000, 1.05, 64, 4, 30, seed=0)
+    moved = set()
+    for window in (2, 4, 16):
+        options = SimOptions(associativity=8, lookahead_window=window, pipeline_depth=1, warmup_batches=5)
+        expected = POLICIES["lookahead"].run(trace, 512, options)
+        m = measure(trace, f"lookahead({window})", 512, replace(options, lookahead_window=99), "512")
+        assert m.stats == expected and m.options.lookahead_window == window
+        assert table[f"lookahead({window})"][5] == f"{100 * expected.hit_rate_by_lookup:.2f}"
+        moved.add(m.rows_moved_per_batch)
+    assert len(moved) == 3  # the windows differ
+    # One window: the policy keeps its plain name.
+    assert expand_policies(["lru", "lookahead"], [8]) == ["lru", "lookahead"]
+    assert expand_policies(["lookahead", "belady"], [8, 32]) == ["lookahead(8)", "lookahead(32)", "belady"]
+
+
+def test_full_window_keeps_the_last_batches_as_future_only():
+    from tiered_tbe.hit_rate import build_parser, options_from_args, trace_from_args
+
+    args = build_parser().parse_args(["--rows", "20000", "--batch-size", "64", "--bag-size", "4", "--batches", "30",
+                                      "--policies", "lru,lookahead", "--lookahead-window", "3,6", "--full-window",
+                                      "--warmup", "4"])
+    trace, options = trace_from_args(args), options_from_args(args)
+    assert trace.num_batches == 36 and options.future_batches == 6 and options.batches_run(trace) == 30
+    for policy in ("lru", "lookahead"):
+        got = POLICIES[policy].run(trace, 512, replace(options, lookahead_window=6))
+        sim = simulator(policy, 512, replace(options, lookahead_window=6))
+        before = sim.run(trace.rows, trace.batch_offsets, 4).stats
+        assert got == minus(_continue(sim, trace, 4, 30), before)
+        assert got.batches == 26
+
+
+def _continue(sim, trace, start, stop):
+    """Run ``sim`` (which ran batches ``0 .. start-1``) on to batch ``stop - 1``, the rest its future."""
+    first = trace.batch_offsets[start]
+    return sim.run(trace.rows[first:], trace.batch_offsets[start:] - first, stop - start).stats
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--pipeline-depth", "-1"], "--pipeline-depth: expected a whole number >= 0, got '-1'"),
+    (["--warmup", "-2"], "--warmup: expected a whole number >= 0, got '-2'"),
+    (["--lookahead-window", ""], "--lookahead-window: expected a window >= 1"),
+    (["--lookahead-window", "8,,16"], "--lookahead-window: expected a window >= 1"),
+    (["--lookahead-window", "8,0"], "--lookahead-window: expected a window >= 1"),
+    (["--warmup", "20"], "--warmup 20 must be less than the batches run, 20"),
+    (["--warmup", "25"], "--warmup 25 must be less than the batches run, 20"),
+])
+def test_bad_depth_warmup_and_windows_are_usage_errors(capsys, flags, message):
+    from tiered_tbe.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "hit-rate", "--rows", "5000", "--batch-size", "64", "--bag-size", "4", "--batches", "20",
+              "--cache-sizes", "5%", "--policies", "lru", "--no-progress", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_options_from_python():
+    trace = small_trace()
+    for bad in (dict(pipeline_depth=-1), dict(warmup_batches=-1), dict(lookahead_window=-3)):
+        with pytest.raises(ValueError, match="must be a whole number >= 0"):
+            SimOptions(**bad)
+    with pytest.raises(ValueError, match="--warmup 40 must be less than the batches run, 40"):
+        POLICIES["lru"].run(trace, 256, SimOptions(associativity=8, warmup_batches=40))
+    with pytest.raises(ValueError, match="must be less than the batches run, 30 \\(of 40, less 10"):
+        measure(trace, "belady", 256, SimOptions(associativity=8, warmup_batches=30, future_batches=10), "x")
+    with pytest.raises(ValueError, match="unknown policy"):
+        measure(trace, "lookahead(x)", 256, SimOptions(associativity=8), "x")
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_real_cache_with_depth_and_warmup_agrees_with_the_simulator(depth):
+    from tiered_tbe.hit_rate import run_slot_cache
+
+    trace = zipf_trace(4_000, 1.05, 32, 4, 14, seed=0)
+    options = SimOptions(associativity=8, lookahead_window=3, pipeline_depth=depth, warmup_batches=4,
+                         future_batches=2)
+    for policy in ("lru", "lookahead(3)"):
+        expected = measure(trace, policy, 120, options, "3%").stats
+        assert run_slot_cache(trace, policy, 120, options) == expected, policy
+        assert expected.batches == 8 and expected.evictions > 0

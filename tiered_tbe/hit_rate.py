@@ -1,26 +1,47 @@
 """``tiered-tbe bench hit-rate``: how large must the slot cache be, and what does it move?
 
 Runs a lookup trace (:mod:`tiered_tbe.traces`) through the exact CPU simulator of the slot
-cache (:func:`tiered_tbe.cache.simulator.simulate`) for every policy and cache size asked for
-(LRU, LFU, and lookahead told the rows of the next ``--lookahead-window`` batches; serial
-training: no pipeline keeps earlier batches locked),
+cache (:class:`tiered_tbe.cache.simulator.CacheSimulator`) for every policy and cache size asked for
+(LRU, LFU, and lookahead told the rows of the next ``--lookahead-window`` batches; a
+comma-separated list of windows gives one ``lookahead(W)`` policy per window),
 beside two bounds (:mod:`tiered_tbe.cache.bounds`): fully associative LRU (no set conflicts)
 and offline Belady (knows the whole future). Prints a table; writes CSV, JSON and a PNG plot
 on request; ``--target-hit-rate`` finds the smallest cache reaching a hit rate, per policy;
 ``--record`` appends the table to ``benchmarks/HIT_RATES.md``.
 
+Steady state of a prefetch pipeline:
+
+- ``--pipeline-depth D`` (default 0, serial training): the rows of the ``D`` batches prefetched
+  before the one being prefetched stay locked, as :class:`~tiered_tbe.PrefetchPipeline` with
+  ``depth=D`` holds them until their backward (the simulator's ``pipeline_depth``), for LRU, LFU
+  and lookahead alike. The bounds ignore it (they lock only the batch being prefetched).
+- ``--warmup N`` (default 0): the first ``N`` batches run but are not counted: every counter
+  (hit rates, rows moved and bytes per batch) is over the batches after them, for every policy
+  and both bounds. The policies count the two parts in one run of the simulator; a bound runs
+  over the whole trace and over its first ``N`` batches and the counts are subtracted, which is
+  exact: fully associative LRU after ``N`` batches does not depend on the batches after them,
+  and Belady's prefix run is given the next uses of the whole trace, so it makes the same
+  choices as the whole run over those batches.
+- ``--full-window``: lookahead's window shrinks over the last batches of a trace (nothing comes
+  after them). With this flag the trace gets ``max(--lookahead-window)`` more batches
+  (zipf, drift, criteo; a file's last batches instead) that no policy or bound runs, only
+  lookahead sees as its future (and Belady in its next uses), so every batch run sees a full
+  window, as in a long training run.
+
 ``--real-cache`` also drives the real cache, :class:`tiered_tbe.cache.SlotCache` (its Numba
 kernels: on the GPU, or in the Numba CUDA simulator on a CPU, where only small traces finish),
-over the same trace for every set-associative policy and size, as serial training does (per
-batch: lookahead's ``set_next_use`` from the next ``--lookahead-window`` batches, ``prefetch``,
-``mark_dirty`` when training, ``unlock``), prints both, and exits with status 1 if any counter
+over the same trace for every set-associative policy and size, as training does (per
+batch: lookahead's ``set_next_use`` from the next ``--lookahead-window`` batches, ``prefetch``;
+then the batch prefetched ``--pipeline-depth`` batches earlier: ``mark_dirty`` when training,
+``unlock``), prints both, and exits with status 1 if any counter
 differs from the simulator's.
 
 Columns of the table:
 
 - ``hit% lookup``: lookups whose row was cached when their batch was prefetched;
   ``hit% unique``: the same per unique row of a batch (what the prefetch sees).
-- ``moved/batch``: rows copied into the cache plus dirty rows written back, per batch.
+- ``moved/batch``: rows copied into the cache plus dirty rows written back, per batch;
+  ``moved/lru``: the same relative to set-associative LRU's at the same size (when LRU ran).
 - ``bus/batch``: bytes over the host bus per batch: rows (and optimizer state) copied in and
   written back, plus the rows of misses that found no slot, read in place by forward and read
   and written in place by backward (training).
@@ -55,13 +76,13 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from tqdm import tqdm
 
 from tiered_tbe.cache.bounds import belady, fully_associative_lru, next_use
-from tiered_tbe.cache.simulator import simulate
+from tiered_tbe.cache.simulator import CacheSimulator
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.optimizers import SGD, Adam, RowwiseAdagrad
 from tiered_tbe.specs import parse_bytes
@@ -89,6 +110,31 @@ class SimOptions:
     training: bool = True  # rows are updated, so evicted rows are written back
     lfu_decay_interval: int = 64  # LFU halves every use count every this many batches
     lookahead_window: int = 8  # lookahead knows the rows of this many batches after the one prefetched
+    pipeline_depth: int = 0  # batches in flight (locked) before the one prefetched; 0: serial (bounds ignore it)
+    warmup_batches: int = 0  # the first batches run but are not counted
+    future_batches: int = 0  # the last batches of the trace are not run: only lookahead's (and Belady's) future
+
+    def __post_init__(self):
+        for name in ("lookahead_window", "pipeline_depth", "warmup_batches", "future_batches"):
+            value = getattr(self, name)
+            if int(value) != value or value < 0:
+                raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+
+    def batches_run(self, trace: Trace) -> int:
+        """Batches of ``trace`` that are run (warm-up included): all but the ``future_batches``."""
+        return trace.num_batches - self.future_batches
+
+    def check(self, trace: Trace) -> None:
+        """``ValueError`` unless at least one batch of ``trace`` is counted after the warm-up."""
+        run = self.batches_run(trace)
+        future = f" (of {trace.num_batches}, less {self.future_batches} of lookahead's future)" \
+            if self.future_batches else ""
+        if run < 1:
+            raise ValueError(f"the trace has {trace.num_batches} batches, no more than the {self.future_batches} "
+                             "kept as lookahead's future (--full-window): give more --batches")
+        if self.warmup_batches >= run:
+            raise ValueError(f"--warmup {self.warmup_batches} must be less than the batches run, {run}{future}: "
+                             "at least one batch must be counted")
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,24 +152,54 @@ class Policy:
     description: str
 
 
+def _minus(total: CacheStats, before: CacheStats) -> CacheStats:
+    """The counters of the batches between two snapshots of cumulative counters."""
+    return CacheStats(**{name: value - getattr(before, name) for name, value in vars(total).items()})
+
+
 def _simulated(policy: str, **policy_kwargs) -> PolicyRun:
-    """A policy of the slot cache, through the exact set-associative simulator, in serial training
-    (``pipeline_depth=0``); ``lookahead`` gets ``options.lookahead_window``, the others ignore it."""
+    """A policy of the slot cache, through the exact set-associative simulator, with
+    ``options.pipeline_depth`` batches in flight; ``lookahead`` gets ``options.lookahead_window``,
+    the others ignore it. The ``options.warmup_batches`` first batches run uncounted (one
+    simulator, two runs: the counters before and after them); the last ``options.future_batches``
+    are only the future that the window sees."""
 
     def run(trace: Trace, num_slots: int, options: SimOptions) -> CacheStats:
-        return simulate(
-            trace.rows, trace.batch_offsets, num_slots, options.associativity, policy=policy,
-            lfu_decay_interval=options.lfu_decay_interval, training=options.training,
-            row_bytes=options.row_bytes, lookahead_window=options.lookahead_window, pipeline_depth=0,
-            **policy_kwargs,
+        options.check(trace)
+        simulator = CacheSimulator(
+            num_slots, options.associativity, policy=policy, lfu_decay_interval=options.lfu_decay_interval,
+            training=options.training, row_bytes=options.row_bytes, lookahead_window=options.lookahead_window,
+            pipeline_depth=options.pipeline_depth, **policy_kwargs,
         )
+        rows, offsets = trace.rows, trace.batch_offsets
+        warmup, batches = options.warmup_batches, options.batches_run(trace)
+        before = CacheStats()
+        if warmup:
+            before = simulator.run(rows, offsets, warmup).stats  # the whole trace: the window sees past it
+            start = int(offsets[warmup])
+            rows, offsets = rows[start:], offsets[warmup:] - start
+        return _minus(simulator.run(rows, offsets, batches - warmup).stats, before)
 
     return run
 
 
+def _bound(trace: Trace, options: SimOptions, count: Callable[[np.ndarray, np.ndarray, int], CacheStats]) -> CacheStats:
+    """A bound's counters over the batches after the warm-up: ``count(rows, batch_offsets, end)``
+    over the batches run, minus the same over the warm-up batches (``end``: lookups counted)."""
+    options.check(trace)
+    rows, offsets = trace.rows, trace.batch_offsets
+    batches, warmup = options.batches_run(trace), options.warmup_batches
+    total = count(rows[: offsets[batches]], offsets[: batches + 1], int(offsets[batches]))
+    if not warmup:
+        return total
+    return _minus(total, count(rows[: offsets[warmup]], offsets[: warmup + 1], int(offsets[warmup])))
+
+
 def _fully_associative_lru(trace: Trace, num_slots: int, options: SimOptions) -> CacheStats:
-    return fully_associative_lru(trace.rows, trace.batch_offsets, num_slots, training=options.training,
-                                 row_bytes=options.row_bytes, num_rows=trace.num_rows)
+    # Online: its state after the warm-up depends only on the warm-up batches, so the
+    # difference of the two runs is exactly its count over the batches after them.
+    return _bound(trace, options, lambda rows, offsets, _: fully_associative_lru(
+        rows, offsets, num_slots, training=options.training, row_bytes=options.row_bytes, num_rows=trace.num_rows))
 
 
 # Belady's next-use table depends only on the trace: computed once, dropped with the trace.
@@ -133,8 +209,12 @@ _NEXT_USES: weakref.WeakKeyDictionary[Trace, np.ndarray] = weakref.WeakKeyDictio
 def _belady(trace: Trace, num_slots: int, options: SimOptions) -> CacheStats:
     if trace not in _NEXT_USES:
         _NEXT_USES[trace] = next_use(trace.rows, trace.batch_offsets, trace.num_rows)
-    return belady(trace.rows, trace.batch_offsets, num_slots, training=options.training,
-                  row_bytes=options.row_bytes, num_rows=trace.num_rows, next_uses=_NEXT_USES[trace])
+    next_uses = _NEXT_USES[trace]  # over the whole trace, future batches included
+    # Each run, the warm-up's too, is told the next uses in the whole trace, so over the warm-up
+    # batches it makes the choices of the whole run: the difference is exactly the batches after.
+    return _bound(trace, options, lambda rows, offsets, end: belady(
+        rows, offsets, num_slots, training=options.training, row_bytes=options.row_bytes, num_rows=trace.num_rows,
+        next_uses=next_uses[:end]))
 
 
 # One line per policy; `_simulated("name", **kwargs)` passes further keyword arguments to `simulate`.
@@ -147,6 +227,36 @@ POLICIES: dict[str, Policy] = {policy.name: policy for policy in (
     Policy("fa-lru", _fully_associative_lru, True, "reference: fully associative LRU (no set conflicts)"),
     Policy("belady", _belady, True, "bound: offline Belady MIN (knows the whole future)"),
 )}
+
+# ``lookahead(W)``: lookahead with a window of W batches (one per value of --lookahead-window).
+_WINDOWED = re.compile(r"^lookahead\((\d+)\)$")
+
+
+def base_policy(name: str) -> str:
+    """``'lookahead'`` for ``'lookahead(32)'``; any other name as it is."""
+    return "lookahead" if _WINDOWED.match(name) else name
+
+
+def resolve_policy(name: str, options: SimOptions) -> tuple[Policy, SimOptions]:
+    """The :class:`Policy` a name means, and the options it runs with: ``lookahead(W)`` is
+    lookahead with ``lookahead_window=W``; any other name is a key of :data:`POLICIES`."""
+    match = _WINDOWED.match(name)
+    if match:
+        return POLICIES["lookahead"], replace(options, lookahead_window=int(match[1]))
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)} or lookahead(W)")
+    return POLICIES[name], options
+
+
+def expand_policies(policies: Sequence[str], windows: Sequence[int]) -> list[str]:
+    """``policies`` with ``lookahead`` replaced by ``lookahead(W)`` for every window ``W`` when
+    there are several windows (one window: ``lookahead`` stays, with the window of the options)."""
+    if len(windows) <= 1:
+        return list(policies)
+    expanded: list[str] = []
+    for name in policies:
+        expanded += [f"lookahead({w})" for w in windows] if name == "lookahead" else [name]
+    return list(dict.fromkeys(expanded))
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,6 +327,8 @@ class Measurement:
     seconds: float
     belady_hit_rate: float | None = None  # Belady's lookup hit rate at the same size, when measured
     real_stats: CacheStats | None = None  # the same run through the real SlotCache (--real-cache)
+    lookups_run: int | None = None  # lookups simulated in ``seconds``, warm-up included (None: stats.lookups)
+    lru_rows_moved: float | None = None  # rows moved per batch by set-associative LRU at the same size, when run
 
     @property
     def cache_fraction(self) -> float:
@@ -250,7 +362,15 @@ class Measurement:
 
     @property
     def lookups_per_second(self) -> float:
-        return self.stats.lookups / self.seconds if self.seconds > 0 else math.inf
+        lookups = self.stats.lookups if self.lookups_run is None else self.lookups_run
+        return lookups / self.seconds if self.seconds > 0 else math.inf
+
+    @property
+    def rows_moved_vs_lru(self) -> float | None:
+        """Rows moved per batch relative to LRU's at the same size (None: LRU not run, or moved none)."""
+        if not self.lru_rows_moved:
+            return None
+        return self.rows_moved_per_batch / self.lru_rows_moved
 
     @property
     def ratio_to_belady(self) -> float | None:
@@ -266,7 +386,11 @@ class Measurement:
             associativity=self.options.associativity, hit_rate_by_lookup=self.stats.hit_rate_by_lookup,
             hit_rate_by_unique=self.stats.hit_rate_by_unique, rows_moved_per_batch=self.rows_moved_per_batch,
             bus_bytes_per_batch=self.bus_bytes_per_batch, ratio_to_belady=self.ratio_to_belady,
+            rows_moved_vs_lru=self.rows_moved_vs_lru,
             seconds=self.seconds, lookups_per_second=self.lookups_per_second,
+            lookahead_window=self.options.lookahead_window if base_policy(self.policy) == "lookahead" else None,
+            pipeline_depth=None if self.is_bound else self.options.pipeline_depth,
+            warmup_batches=self.options.warmup_batches,
         )
         row.update({f"stats_{k}": v for k, v in self.stats.as_dict().items()
                     if k not in ("hit_rate_by_lookup", "hit_rate_by_unique")})
@@ -286,12 +410,14 @@ def rows_moved_per_batch(stats: CacheStats) -> float:
 
 
 def measure(trace: Trace, policy: str, num_slots: int, options: SimOptions, size_label: str) -> Measurement:
-    """Run ``policy`` (a key of :data:`POLICIES`) with ``num_slots`` slots over ``trace``."""
-    entry = POLICIES[policy]
+    """Run ``policy`` (a key of :data:`POLICIES`, or ``lookahead(W)``) with ``num_slots`` slots over
+    ``trace``; its counters are those of the batches after ``options.warmup_batches``."""
+    entry, options = resolve_policy(policy, options)
     start = time.perf_counter()
     stats = entry.run(trace, num_slots, options)
     seconds = time.perf_counter() - start
-    return Measurement(policy, entry.is_bound, size_label, num_slots, trace.num_rows, options, stats, seconds)
+    return Measurement(policy, entry.is_bound, size_label, num_slots, trace.num_rows, options, stats, seconds,
+                       lookups_run=int(trace.batch_offsets[options.batches_run(trace)]))
 
 
 def sweep(
@@ -322,9 +448,12 @@ def _no_bar(progress: bool | None) -> bool | None:
 
 
 def _attach_belady(results: Sequence[Measurement]) -> None:
+    """Fill ``belady_hit_rate`` and ``lru_rows_moved`` from the Belady and LRU runs of the same size."""
     best = {m.num_slots: m.hit_rate for m in results if m.policy == "belady"}
+    lru = {m.num_slots: m.rows_moved_per_batch for m in results if m.policy == "lru"}
     for m in results:
         m.belady_hit_rate = best.get(m.num_slots)
+        m.lru_rows_moved = lru.get(m.num_slots)
 
 
 @dataclass
@@ -433,12 +562,16 @@ def _one_simulated_thread():
 
 
 def run_slot_cache(trace: Trace, policy: str, num_slots: int, options: SimOptions) -> CacheStats:
-    """Drive a real :class:`~tiered_tbe.cache.SlotCache` of ``num_slots`` slots over ``trace`` as serial
-    training does, and return its counters (comparable to ``POLICIES[policy].run``'s, counter for counter).
+    """Drive a real :class:`~tiered_tbe.cache.SlotCache` of ``num_slots`` slots over ``trace`` as training
+    with a prefetch pipeline of depth ``options.pipeline_depth`` does (0: serial), and return its
+    counters (comparable to ``POLICIES[policy].run``'s, counter for counter).
 
-    Per batch ``j``: (lookahead) ``set_next_use`` with the rows of batches ``j+1 .. j+W``
-    (``W = options.lookahead_window``), each at the step of its batch's prefetch, as
-    :class:`~tiered_tbe.PrefetchPipeline` does; ``prefetch``; ``mark_dirty`` (training); ``unlock``.
+    Per batch ``j`` (of the batches run, ``options.batches_run(trace)``): (lookahead) ``set_next_use``
+    with the rows of batches ``j+1 .. j+W`` (``W = options.lookahead_window``, up to the end of the
+    trace, its future batches included), each at the step of its batch's prefetch, as
+    :class:`~tiered_tbe.PrefetchPipeline` does; ``prefetch``; then batch ``j - depth`` finishes:
+    ``mark_dirty`` when training, ``unlock``. The counters of the ``options.warmup_batches`` first
+    batches are subtracted.
 
     The cached table has one fp32 column per row: which rows hit depends on the policy, not on
     the row width, and a narrow row keeps the copies cheap. ``bytes_in`` / ``bytes_out`` are
@@ -449,30 +582,39 @@ def run_slot_cache(trace: Trace, policy: str, num_slots: int, options: SimOption
     from tiered_tbe._mode import default_device
     from tiered_tbe.cache import CachedTable, SlotCache
 
+    _, options = resolve_policy(policy, options)
+    policy = base_policy(policy)
     if policy not in REAL_CACHE_POLICIES:
         raise ValueError(f"no real cache for {policy!r}: only {', '.join(REAL_CACHE_POLICIES)}")
+    options.check(trace)
     device = default_device()
     weights = torch.zeros(trace.num_rows, 1, dtype=torch.float32, device=device)
     cache = SlotCache([CachedTable(0, trace.num_rows, 1, weights)], num_slots, options.associativity, policy=policy,
                       lfu_decay_interval=options.lfu_decay_interval, device=device)
     rows = torch.from_numpy(trace.rows).to(device)
     offsets = trace.batch_offsets.tolist()
-    num_batches = trace.num_batches
+    known_batches = trace.num_batches  # the window sees the future batches too
     window = options.lookahead_window if policy == "lookahead" else 0
+    in_flight: list[torch.Tensor] = []  # slot_of_index of the batches prefetched and not finished
+    before = CacheStats()
     with _one_simulated_thread():
-        for j in range(num_batches):
+        for j in range(options.batches_run(trace)):
+            if j == options.warmup_batches and j:
+                before = cache.stats()
             if window:
-                later = range(j + 1, min(j + window, num_batches - 1) + 1)
+                later = range(j + 1, min(j + window, known_batches - 1) + 1)
                 hint_rows = rows[offsets[j + 1]:offsets[later[-1] + 1]] if later else rows[:0]
                 uses_at = torch.cat([torch.full((offsets[k + 1] - offsets[k],), cache.step + 1 + (k - j),
                                                 dtype=torch.int64, device=device) for k in later]) \
                     if later else rows[:0]
                 cache.set_next_use(hint_rows, uses_at)
-            slot_of_index = cache.prefetch(rows[offsets[j]:offsets[j + 1]])
-            if options.training:
-                cache.mark_dirty(slot_of_index)
-            cache.unlock(slot_of_index)
-    stats = cache.stats()
+            in_flight.append(cache.prefetch(rows[offsets[j]:offsets[j + 1]]))
+            if len(in_flight) > options.pipeline_depth:  # the batch prefetched depth steps ago finishes
+                slot_of_index = in_flight.pop(0)
+                if options.training:
+                    cache.mark_dirty(slot_of_index)
+                cache.unlock(slot_of_index)
+    stats = _minus(cache.stats(), before)
     stats.bytes_in = stats.bytes_in // 4 * options.row_bytes  # 4 bytes per row in this cache
     stats.bytes_out = stats.bytes_out // 4 * options.row_bytes
     return stats
@@ -481,7 +623,7 @@ def run_slot_cache(trace: Trace, policy: str, num_slots: int, options: SimOption
 def run_real_cache(trace: Trace, results: Sequence[Measurement], options: SimOptions,
                    progress: bool | None = None) -> list[Measurement]:
     """Set ``real_stats`` of every set-associative measurement in ``results``; return those."""
-    chosen = [m for m in results if m.policy in REAL_CACHE_POLICIES]
+    chosen = [m for m in results if base_policy(m.policy) in REAL_CACHE_POLICIES]
     with tqdm(total=len(chosen), desc="real cache", unit="run", disable=_no_bar(progress), file=sys.stderr) as bar:
         for m in chosen:
             bar.set_postfix_str(f"{m.policy} @ {m.size_label}")
@@ -548,8 +690,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) 
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
-RESULT_COLUMNS = ("policy", "cache", "rows", "size", "hit% lookup", "hit% unique", "moved/batch", "bus/batch",
-                  "vs belady", "Mlookups/s")
+RESULT_COLUMNS = ("policy", "cache", "rows", "size", "hit% lookup", "hit% unique", "moved/batch", "moved/lru",
+                  "bus/batch", "vs belady", "Mlookups/s")
 
 
 def format_results(results: Sequence[Measurement]) -> str:
@@ -559,8 +701,8 @@ def format_results(results: Sequence[Measurement]) -> str:
     rows = [
         (m.policy, m.size_label, f"{m.num_slots:,}", format_bytes(m.cache_bytes),
          f"{100 * m.stats.hit_rate_by_lookup:.2f}", f"{100 * m.stats.hit_rate_by_unique:.2f}",
-         f"{m.rows_moved_per_batch:,.1f}", format_bytes(m.bus_bytes_per_batch),
-         "-" if m.ratio_to_belady is None else f"{m.ratio_to_belady:.3f}",
+         f"{m.rows_moved_per_batch:,.1f}", "-" if m.rows_moved_vs_lru is None else f"{m.rows_moved_vs_lru:.3f}",
+         format_bytes(m.bus_bytes_per_batch), "-" if m.ratio_to_belady is None else f"{m.ratio_to_belady:.3f}",
          f"{m.lookups_per_second / 1e6:.3g}")
         for m in ordered
     ]
@@ -598,7 +740,12 @@ def write_json(path: str, results: Sequence[Measurement], targets: Sequence[Targ
         options=dict(associativity=options.associativity, row_bytes=options.row_bytes,
                      weight_bytes=options.weight_bytes, training=options.training,
                      lfu_decay_interval=options.lfu_decay_interval,
-                     lookahead_window=options.lookahead_window),
+                     lookahead_window=options.lookahead_window,
+                     lookahead_windows=sorted({m.options.lookahead_window for m in results
+                                               if base_policy(m.policy) == "lookahead"}),
+                     pipeline_depth=options.pipeline_depth, warmup_batches=options.warmup_batches,
+                     future_batches=options.future_batches, batches_run=options.batches_run(trace),
+                     bounds_ignore_pipeline_depth=True),
         results=[m.as_row() for m in results],
         targets=[t.as_row() for t in targets],
     )
@@ -614,16 +761,70 @@ def default_results_file() -> str:
     return str(common.RESULTS.with_name("HIT_RATES.md"))
 
 
+@dataclass
+class CountedBatches:
+    """Which batches of a trace are run and counted, and the hit-rate ceiling over those counted."""
+
+    trace_batches: int
+    run: int  # batches run: all but the future ones
+    warmup: int  # the first of them, not counted
+    future: int  # batches after them, only lookahead's future
+    lookups: int  # lookups of the counted batches
+    touched: int  # rows the batches run touch
+    first_touches: int  # rows first touched in a counted batch: their first lookup always misses
+
+    @property
+    def ceiling(self) -> float:
+        """The largest lookup hit rate any cache can reach over the counted batches."""
+        return 1 - self.first_touches / self.lookups if self.lookups else 0.0
+
+    def describe(self) -> str:
+        future = f"; the {self.future} after them only lookahead's future" if self.future else ""
+        return (f"batches {self.warmup}..{self.run - 1} ({self.run - self.warmup} of the {self.run} run, after "
+                f"{self.warmup} of warm-up{future}): {self.lookups:,} lookups, {self.first_touches:,} rows first "
+                f"touched in them, so at most {100 * self.ceiling:.2f}% of their lookups can hit")
+
+
+def counted_batches(trace: Trace, options: SimOptions) -> CountedBatches:
+    options.check(trace)
+    run, warmup = options.batches_run(trace), options.warmup_batches
+    start, end = int(trace.batch_offsets[warmup]), int(trace.batch_offsets[run])
+    seen = np.zeros(trace.num_rows, dtype=np.bool_)
+    seen[trace.rows[:start]] = True
+    before = int(seen.sum())
+    seen[trace.rows[start:end]] = True
+    touched = int(seen.sum())
+    return CountedBatches(trace.num_batches, run, warmup, options.future_batches, end - start, touched,
+                          touched - before)
+
+
+def describe_run(options: SimOptions, policies: Sequence[str], always_window: bool = False) -> str:
+    """``training, pipeline depth 2 (the bounds ignore it), lookahead window 8 batches``."""
+    text = "training" if options.training else "inference"
+    if options.pipeline_depth:
+        text += f", pipeline depth {options.pipeline_depth} (the bounds ignore it: they lock only the batch prefetched)"
+    windows = [resolve_policy(name, options)[1].lookahead_window for name in policies
+               if base_policy(name) == "lookahead"]
+    if len(windows) > 1:
+        text += f", lookahead windows {', '.join(map(str, windows))} batches"
+    elif windows or always_window:
+        text += f", lookahead window {windows[0] if windows else options.lookahead_window} batches"
+    return text
+
+
 def record_lines(results: Sequence[Measurement], trace: Trace, options: SimOptions, command: str,
-                 touched: int) -> list[str]:
-    """A markdown section: the trace, date, machine, commit, the command, and the table."""
+                 counted: int | CountedBatches) -> list[str]:
+    """A markdown section: the trace, date, machine, commit, the command, and the table.
+
+    ``counted``: :func:`counted_batches` (or, as before warm-ups, the number of rows the trace touches)."""
     from tiered_tbe.benchmarks.common import git_commit
 
+    if isinstance(counted, int):
+        counted = CountedBatches(trace.num_batches, trace.num_batches, 0, 0, trace.num_lookups, counted, counted)
     machine = "CPU simulator (exact)"
     if any(m.real_stats is not None for m in results):
         machine += f"; real SlotCache in {real_cache_device()}"
-    ceiling = 1 - touched / trace.num_lookups if trace.num_lookups else 0.0
-    mode = "training" if options.training else "inference"
+    policies = list(dict.fromkeys(m.policy for m in results))
     lines = [
         f"## {trace.description}",
         "",
@@ -631,23 +832,41 @@ def record_lines(results: Sequence[Measurement], trace: Trace, options: SimOptio
         "",
         f"`{command}`",
         "",
-        f"{trace.num_lookups:,} lookups in {trace.num_batches:,} batches over {trace.num_rows:,} rows "
-        f"({touched:,} touched: first touches always miss, so at most {100 * ceiling:.2f}% of lookups can hit); "
-        f"{options.associativity}-way sets, {options.row_bytes} B per row, {mode}, lookahead window "
-        f"{options.lookahead_window} batches, LFU halving every {options.lfu_decay_interval} batches.",
-        "",
     ]
+    if counted.warmup or counted.future:
+        lines += [
+            f"{trace.num_lookups:,} lookups in {trace.num_batches:,} batches over {trace.num_rows:,} rows "
+            f"({counted.touched:,} touched by the batches run). Counted: {counted.describe()}; "
+            f"{options.associativity}-way sets, {options.row_bytes} B per row, "
+            f"{describe_run(options, policies, always_window=True)}, LFU halving every "
+            f"{options.lfu_decay_interval} batches.",
+            "",
+        ]
+    else:
+        lines += [
+            f"{trace.num_lookups:,} lookups in {trace.num_batches:,} batches over {trace.num_rows:,} rows "
+            f"({counted.touched:,} touched: first touches always miss, so at most {100 * counted.ceiling:.2f}% of "
+            f"lookups can hit); {options.associativity}-way sets, {options.row_bytes} B per row, "
+            f"{describe_run(options, policies, always_window=True)}, LFU halving every "
+            f"{options.lfu_decay_interval} batches.",
+            "",
+        ]
     header = ["policy", "cache", "rows", "hit % (lookups)", "hit % (unique rows)", "rows moved / batch",
               "bus / batch", "vs Belady"]
+    with_lru = any(m.rows_moved_vs_lru is not None and m.policy != "lru" for m in results)
+    if with_lru:
+        header += ["rows moved / LRU's"]
     real = any(m.real_stats is not None for m in results)
     if real:
         header += ["real cache hit % (lookups)", "real = simulator"]
     lines += ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|"]
-    order = {policy: i for i, policy in enumerate(dict.fromkeys(m.policy for m in results))}
+    order = {policy: i for i, policy in enumerate(policies)}
     for m in sorted(results, key=lambda m: (m.num_slots, order[m.policy])):
         cells = [m.policy, m.size_label, f"{m.num_slots:,}", f"{100 * m.stats.hit_rate_by_lookup:.2f}",
                  f"{100 * m.stats.hit_rate_by_unique:.2f}", f"{m.rows_moved_per_batch:,.0f}",
                  format_bytes(m.bus_bytes_per_batch), "-" if m.ratio_to_belady is None else f"{m.ratio_to_belady:.3f}"]
+        if with_lru:
+            cells += ["-" if m.rows_moved_vs_lru is None else f"{m.rows_moved_vs_lru:.3f}"]
         if real:
             cells += (["-", "-"] if m.real_stats is None else
                       [f"{100 * m.real_stats.hit_rate_by_lookup:.2f}", "yes" if m.real_cache_agrees else "NO"])
@@ -663,7 +882,7 @@ def append_record(path: str, lines: Sequence[str]) -> None:
 
 
 def plot(path: str, results: Sequence[Measurement], trace: Trace,
-         targets: Sequence[TargetResult] = ()) -> None:
+         targets: Sequence[TargetResult] = (), options: SimOptions | None = None) -> None:
     """PNG: hit rate by lookup (left) and rows moved per batch (right) against cache size, one line
     per policy (bounds dashed), the smallest caches reaching a target as stars.
 
@@ -700,7 +919,13 @@ def plot(path: str, results: Sequence[Measurement], trace: Trace,
         axes.set_ylabel(ylabel)
         axes.grid(True, alpha=0.3)
         axes.legend()
-    figure.suptitle(trace.description, fontsize=10)
+    title = trace.description
+    if options is not None and (options.pipeline_depth or options.warmup_batches or options.future_batches):
+        title += (f"\npipeline depth {options.pipeline_depth} (not the bounds), counted after "
+                  f"{options.warmup_batches} warm-up batches"
+                  + (f", last {options.future_batches} batches only lookahead's future" if options.future_batches
+                     else ""))
+    figure.suptitle(title, fontsize=10)
     figure.savefig(path, dpi=110)
 
 
@@ -734,11 +959,35 @@ def _rate(text: str) -> float:
 
 def _policy_list(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [name for name in names if name not in POLICIES]
+    unknown = [name for name in names if name not in POLICIES and not _WINDOWED.match(name)]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown policy {', '.join(unknown) or '(none)'}; choose from "
                                          f"{', '.join(POLICIES)}")
     return list(dict.fromkeys(names))
+
+
+def _windows(text: str) -> list[int]:
+    """``--lookahead-window``: one window or comma-separated windows, each >= 1 (repeats dropped)."""
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        windows = [int(part) for part in parts]
+    except ValueError:
+        windows = []
+    if not windows or any(w < 1 for w in windows):
+        raise argparse.ArgumentTypeError(f"expected a window >= 1 (batches), or comma-separated windows such as "
+                                         f"8,16,32, got {text!r}")
+    return list(dict.fromkeys(windows))
+
+
+def lookahead_windows(args: argparse.Namespace) -> list[int]:
+    """The windows of ``--lookahead-window`` (the default is a bare int)."""
+    value = args.lookahead_window
+    return [value] if isinstance(value, int) else list(value)
+
+
+def policies_from_args(args: argparse.Namespace) -> list[str]:
+    """``--policies``, with ``lookahead`` as ``lookahead(W)`` per window when several are given."""
+    return expand_policies(args.policies, lookahead_windows(args))
 
 
 def _cache_sizes(text: str) -> list[str]:
@@ -749,6 +998,7 @@ def _cache_sizes(text: str) -> list[str]:
 
 
 _positive_int = _checked(int, lambda v: v >= 1, "a whole number >= 1")
+_non_negative_int = _checked(int, lambda v: v >= 0, "a whole number >= 0")
 _seed = _checked(int, lambda v: v >= 0, "a whole number >= 0")
 _alphas = _checked(_split(float), lambda values: all(0 < v < math.inf for v in values),
                    "an alpha > 0, or comma-separated alphas")
@@ -798,9 +1048,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     cache.add_argument("--associativity", type=_positive_int, default=32, help="ways per set (default 32)")
     cache.add_argument("--lfu-decay-interval", type=_positive_int, default=64,
                        help="LFU halves its use counts every this many batches (default 64)")
-    cache.add_argument("--lookahead-window", type=_positive_int, default=8,
+    cache.add_argument("--lookahead-window", type=_windows, default=8,
                        help="lookahead knows the rows of this many batches after the one being "
-                            "prefetched (default 8)")
+                            "prefetched (default 8); comma-separated windows (8,16,32) run one "
+                            "lookahead(W) policy per window")
+    cache.add_argument("--full-window", action="store_true",
+                       help="add max(--lookahead-window) batches to the trace that no policy runs, only "
+                            "lookahead sees as its future, so the window is full to the last batch (a "
+                            "file's last batches serve instead)")
+    cache.add_argument("--pipeline-depth", type=_non_negative_int, default=0,
+                       help="batches prefetched ahead of the one training, whose rows stay locked, as "
+                            "PrefetchPipeline(depth=D) holds them (default 0: serial training); the bounds "
+                            "ignore it")
+    cache.add_argument("--warmup", type=_non_negative_int, default=0,
+                       help="the first this many batches run but are not counted: every figure is over the "
+                            "batches after them, a cache in steady state (default 0)")
     cache.add_argument("--dim", type=_positive_int, default=128,
                        help="embedding dim, for bytes (default 128)")
     cache.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="fp32",
@@ -850,7 +1112,7 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
             hint = " (use --row-cap)" if (name, kind) == ("rows", "criteo") else ""
             raise ValueError(f"--{name.replace('_', '-')} does not apply to --trace {kind}{hint}")
     alphas = args.alpha or [1.05]
-    batches = args.batches or 250
+    batches = (args.batches or 250) + future_batches(args)  # a file's own last batches are its future
     batch_size = args.batch_size or 2048
     if kind in ("zipf", "drift") and len(alphas) != 1:
         raise ValueError(f"--trace {kind} takes one --alpha, got {len(alphas)}")
@@ -878,7 +1140,18 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
     row_bytes = weight_bytes + 4 * OPTIMIZERS[args.optimizer].state_width(args.dim)
     return SimOptions(associativity=args.associativity, weight_bytes=weight_bytes, row_bytes=row_bytes,
                       training=not args.inference, lfu_decay_interval=args.lfu_decay_interval,
-                      lookahead_window=args.lookahead_window)
+                      lookahead_window=lookahead_windows(args)[0],
+                      pipeline_depth=getattr(args, "pipeline_depth", 0), warmup_batches=getattr(args, "warmup", 0),
+                      future_batches=future_batches(args))
+
+
+def future_batches(args: argparse.Namespace) -> int:
+    """Batches at the end of the trace that only lookahead's window sees (``--full-window``)."""
+    uses_window = any(base_policy(name) == "lookahead" for name in args.policies)
+    if not getattr(args, "full_window", False) or not uses_window:
+        return 0
+    windows = lookahead_windows(args) + [int(_WINDOWED.match(n)[1]) for n in args.policies if _WINDOWED.match(n)]
+    return max(windows)
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -907,31 +1180,32 @@ def run(args: argparse.Namespace, out=None) -> int:
     if progress is None and sys.stderr.isatty():  # a large trace takes seconds to build
         print("building the trace ...", file=sys.stderr, flush=True)
     trace = trace_from_args(args)
+    options.check(trace)
     if args.real_cache:
         check_real_cache_trace(trace)
-    touched = np.zeros(trace.num_rows, dtype=np.bool_)
-    touched[trace.rows] = True
-    num_touched = int(touched.sum())
-    del touched
+    policies = policies_from_args(args)
+    counted = counted_batches(trace, options)
     print(f"trace: {trace.description}\n"
-          f"       {trace.num_lookups:,} lookups, {trace.num_rows:,} rows ({num_touched:,} touched), "
+          f"       {trace.num_lookups:,} lookups, {trace.num_rows:,} rows ({counted.touched:,} touched), "
           f"built in {time.perf_counter() - start:.1f} s", file=out)
-    mode = "inference" if args.inference else "training"
-    window = f", lookahead window {options.lookahead_window} batches" if "lookahead" in args.policies else ""
     print(f"cache: {options.associativity}-way sets, {options.row_bytes} B per row "
-          f"({args.dim} x {args.dtype} + {args.optimizer} state), {mode}{window}", file=out)
+          f"({args.dim} x {args.dtype} + {args.optimizer} state), {describe_run(options, policies)}", file=out)
+    if options.warmup_batches or options.future_batches:
+        print(f"counted: {counted.describe()}", file=out)
 
     by_slots: dict[int, str] = {}  # sizes that round to the same slot count run once
     for spec in args.cache_sizes:
         by_slots.setdefault(round_to_sets(cache_rows(spec, trace.num_rows, options.row_bytes),
                                           options.associativity), spec)
     sizes = sorted(((label, slots) for slots, label in by_slots.items()), key=lambda size: size[1])
-    results = sweep(trace, args.policies, sizes, options, progress=progress)
+    results = sweep(trace, policies, sizes, options, progress=progress)
     print("\n" + format_results(results), file=out)
     no_slot = [f"{m.policy} @ {m.size_label} {100 * m.stats.misses_no_slot / m.stats.unique_misses:.0f}%"
                for m in results if m.policy != "belady" and m.stats.misses_no_slot]
-    if no_slot:  # a cache smaller than a batch's rows: the rest of the batch bypasses it
-        print("misses that found every way of their set locked by their own batch, read in place: "
+    if no_slot:  # a cache smaller than a batch's rows (or the batches in flight): the rest bypasses it
+        lockers = "their own batch" + (f" and the {options.pipeline_depth} before it (the bounds: their own only)"
+                                       if options.pipeline_depth else "")
+        print(f"misses that found every way of their set locked by {lockers}, read in place: "
               + ", ".join(no_slot), file=out)
 
     mismatches: list[Measurement] = []
@@ -951,7 +1225,7 @@ def run(args: argparse.Namespace, out=None) -> int:
     if args.target_hit_rate is not None:
         with tqdm(desc=f"searching for {100 * args.target_hit_rate:g}% hits", unit="run",
                   disable=_no_bar(progress), file=sys.stderr) as bar:
-            for policy in args.policies:
+            for policy in policies:
                 targets.append(find_smallest_cache(trace, policy, args.target_hit_rate, options,
                                                    metric=args.target_metric, known=results,
                                                    tolerance=args.target_tolerance, bar=bar))
@@ -961,14 +1235,14 @@ def run(args: argparse.Namespace, out=None) -> int:
 
     for path, write in ((args.csv, lambda p: write_csv(p, results, trace)),
                         (args.json, lambda p: write_json(p, results, targets, trace, options)),
-                        (args.plot, lambda p: plot(p, results, trace, targets))):
+                        (args.plot, lambda p: plot(p, results, trace, targets, options))):
         if path:
             write(path)
             print(f"wrote {path}", file=out)
     if args.record:
         path = args.results_file or default_results_file()
         command = getattr(args, "command_line", None) or "tiered_tbe.hit_rate.run(...) from Python"
-        append_record(path, record_lines(results, trace, options, command, num_touched))
+        append_record(path, record_lines(results, trace, options, command, counted))
         print(f"appended to {path}", file=out)
     if mismatches:
         warning = "\n".join(f"  {m.policy} @ {m.size_label} ({m.num_slots:,} slots): {disagreements(m)}"
