@@ -22,7 +22,7 @@ from tiered_tbe.hit_rate import (
     round_to_sets,
     sweep,
 )
-from tiered_tbe.traces import criteo_trace, drifting_zipf_trace, zipf_trace
+from tiered_tbe.traces import Trace, criteo_trace, drifting_zipf_trace, zipf_trace
 
 
 def random_trace(rng: np.random.Generator, max_rows: int, max_lookups: int):
@@ -356,6 +356,12 @@ def test_full_window_keeps_the_last_batches_as_future_only():
         before = sim.run(trace.rows, trace.batch_offsets, 4).stats
         assert got == minus(_continue(sim, trace, 4, 30), before)
         assert got.batches == 26
+        # A shrunk window changes which unneeded rows go first, not the counters (here exactly; in
+        # general up to ties between needed rows of the same next and last use, broken by way).
+        end = trace.batch_offsets[30]
+        shrunk = Trace(rows=trace.rows[:end], batch_offsets=trace.batch_offsets[:31], table_rows=trace.table_rows,
+                       batch_bag_offsets=trace.batch_bag_offsets[:31], bag_size=trace.bag_size)
+        assert POLICIES[policy].run(shrunk, 512, replace(options, lookahead_window=6, future_batches=0)) == got
 
 
 def _continue(sim, trace, start, stop):
