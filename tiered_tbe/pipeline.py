@@ -32,7 +32,8 @@ from tiered_tbe.module import TieredEmbeddingBags
 
 # Batches after the one being prefetched that a lookahead cache learns from, by default. On the
 # Criteo-sized benchmark (Zipf 1.05, 5% cache, depth 2) the CPU simulator gives rows moved / LRU
-# of 0.89 at 8, 0.81 at 16, 0.72 at 32, ~0.66 at 64.
+# of 0.89 at 8, 0.81 at 16, 0.72 at 32, 0.64 at 64 (benchmarks/HIT_RATES.md); the H200 measured
+# 0.72 at 32.
 DEFAULT_LOOKAHEAD = 32
 
 LookupsOf = Callable[[Any], Mapping[str, tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor]]
