@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from tiered_tbe._mode import SIMULATION, default_device
-from tiered_tbe._sorting import sort_ids
+from tiered_tbe._sorting import INT32_MAX, sort_ids
 from tiered_tbe.cache import _kernels
 from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT
 from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, NO_SLOT, check_geometry, policy_code
@@ -57,8 +57,6 @@ DEFAULT_COPY_BLOCKS = int(os.environ.get("TIERED_TBE_COPY_BLOCKS", "16384"))
 
 # Counters kept on the device, in CacheStats order (``batches`` is counted on the host).
 _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
-
-_USE_OFFSET_MASK = (1 << 32) - 1  # set_next_use packs a slot and a use offset in one int64
 
 # Integer type of the same size as each element size: copies move bits, not numbers.
 _BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -252,7 +250,7 @@ class SlotCache:
                          slot_of_index)
         return slot_of_index
 
-    def set_next_use(self, global_rows: torch.Tensor, uses_at: torch.Tensor) -> None:
+    def set_next_use(self, global_rows: torch.Tensor, uses_at: torch.Tensor, horizon: int | None = None) -> None:
         """Tell the lookahead policy when queued batches will need cached rows (before a prefetch).
 
         Args:
@@ -262,12 +260,16 @@ class SlotCache:
             uses_at: int64 [M], for each entry the step at which its batch will be prefetched:
                 ``step + 1 + d`` for the batch ``d`` places after the next prefetch (whose step
                 is ``step + 1``).
+            horizon: the farthest use the caller names, as steps after the current one (a window
+                of W batches: ``W + 1``); uses past it count as ``step + horizon``. Optional: a
+                small horizon lets the sort run on int32 keys (half the work of int64).
 
         Every slot's :attr:`next_use` becomes ``NEXT_USE_UNKNOWN``, then each slot holding a
         row of ``global_rows`` gets the smallest ``uses_at`` among that row's entries. Only the
         lookahead policy reads it (see :mod:`tiered_tbe.cache.policy`). Deterministic, no
         atomics and no host sync: the (slot, use) pairs are sorted and the first of each slot
-        written. Uses before the current step count as the current step.
+        written. Uses before the current step count as the current step; without ``horizon``,
+        uses more than 2^32 - 1 steps ahead count as that.
         """
         rows = self._check_rows(global_rows)
         if not isinstance(uses_at, torch.Tensor) or uses_at.dtype != torch.int64 or uses_at.shape != rows.shape:
@@ -277,14 +279,18 @@ class SlotCache:
         self.next_use.fill_(NEXT_USE_UNKNOWN)
         if rows.numel() == 0:
             return
+        if horizon is not None and (not isinstance(horizon, int) or horizon < 1):
+            raise ValueError(f"horizon must be a positive int, got {horizon!r}")
         slots = self.lookup(rows)  # int32 [M], NO_SLOT where not cached
-        # One sort of (slot, use) packed in an int64: each slot's entries end up together,
-        # soonest first; NO_SLOT entries (negative keys) first. Uses are kept as offsets from
-        # this step (uses before it read as this step; offsets past 2^32 - 1 as that).
-        offsets = (uses_at.contiguous() - self._step).clamp_(0, _USE_OFFSET_MASK)
-        keys = torch.sort((slots.long() << 32) | offsets).values
-        self._launch(_kernels.set_next_use_kernel, rows.numel(), (keys >> 32).to(torch.int32),
-                     (keys & _USE_OFFSET_MASK) + self._step, self._k_next_use)
+        # One sort of (slot + 1, use offset) packed in an integer: each slot's entries end up
+        # together, soonest first; NO_SLOT entries (slot + 1 = 0) first. int32 when it holds.
+        bits = horizon.bit_length() if horizon is not None else 32
+        mask = (1 << bits) - 1
+        dtype = torch.int32 if (self.num_slots + 1) << bits <= INT32_MAX else torch.int64
+        offsets = (uses_at.contiguous() - self._step).clamp_(0, mask)
+        keys = torch.sort(((slots.to(dtype) + 1) << bits) | offsets.to(dtype)).values
+        self._launch(_kernels.set_next_use_kernel, rows.numel(), ((keys >> bits) - 1).to(torch.int32),
+                     (keys & mask).long() + self._step, self._k_next_use)
 
     def unlock(self, slot_of_index: torch.Tensor, distinct: bool = False) -> None:
         """Release one batch's locks: one per distinct slot >= 0 of ``slot_of_index`` (int32 [N]).

@@ -91,11 +91,17 @@ def test_set_next_use_takes_the_soonest_use_of_each_cached_row():
     cache.next_use[:] = 99  # stale hints are dropped
     # Row 17 at steps 5 and 3 (3 wins); row 260 at 4; row 42 twice at 6; uncached rows (1, 210,
     # 10**12, -1) change nothing; rows 3 and 301 are not named.
-    cache.set_next_use(rows_tensor([17, 1, 260, 42, 210, 17, 42, 10**12, -1]),
-                       rows_tensor([5, 2, 4, 6, 2, 3, 6, 2, 2]))
+    hint = rows_tensor([17, 1, 260, 42, 210, 17, 42, 10**12, -1]), rows_tensor([5, 2, 4, 6, 2, 3, 6, 2, 2])
     want = torch.full((16,), NEXT_USE_UNKNOWN, dtype=torch.int64)
     want[slot[17]], want[slot[260]], want[slot[42]] = 3, 4, 6
+    for horizon in (None, 5, 6, 1000):  # int64 keys, then int32 keys of 3, 3 and 10 use bits
+        cache.set_next_use(*hint, horizon=horizon)
+        assert torch.equal(cache.next_use.cpu(), want), horizon
+    cache.set_next_use(*hint, horizon=3)  # uses past step + 3 = 4 count as 4: row 42 gets 4
+    want[slot[42]] = 4
     assert torch.equal(cache.next_use.cpu(), want)
+    with pytest.raises(ValueError, match="horizon"):
+        cache.set_next_use(*hint, horizon=0)
     cache.set_next_use(rows_tensor([]), rows_tensor([]))  # no hint: every next use unknown
     assert (cache.next_use == NEXT_USE_UNKNOWN).all()
     with pytest.raises(TypeError, match="uses_at"):

@@ -241,7 +241,8 @@ class TieredEmbeddingBags(nn.Module):
             return
         next_step = self.cache.step + 1
         uses_at = [torch.full_like(rows, next_step + distance) for distance, rows in enumerate(upcoming_rows, 1)]
-        self.cache.set_next_use(torch.cat(upcoming_rows), torch.cat(uses_at))
+        # Uses are steps step + 2 .. step + 1 + W: a horizon of W + 1 lets the sort use int32 keys.
+        self.cache.set_next_use(torch.cat(upcoming_rows), torch.cat(uses_at), horizon=len(upcoming_rows) + 1)
 
     def cancel_prefetched(self) -> None:
         """Drop every batch prefetched but not yet forwarded, releasing its cache locks."""
