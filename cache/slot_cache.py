@@ -305,7 +305,8 @@ class SlotCache:
         if self.device.type == "cpu":
             # Cheap here (no device to wait for): catch an unlock without its prefetch.
             held = slots[slots >= 0]
-            if (self.locks[torch.unique(held)] <= 0).any() or (distinct and torch.unique(held).numel() < held.numel()):
+            distinct_held = torch.unique(held)
+            if (self.locks[distinct_held] <= 0).any() or (distinct and distinct_held.numel() < held.numel()):
                 raise RuntimeError("unlock of a slot that holds no lock: unlock called twice for a batch, "
                                    "or with a remap that is not a prefetch's (or repeats with distinct=True)")
         self._launch(_kernels.unlock_kernel, slots.numel(), slots, self._k_locks)

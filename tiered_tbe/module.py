@@ -204,7 +204,7 @@ class TieredEmbeddingBags(nn.Module):
         table_of_index = (self._bag_of_index(indices, offsets) // batch_size).clamp_(0, len(self.tables) - 1)
         rows = torch.minimum(indices.clamp(min=0), self._num_rows_of_table[table_of_index] - 1)
         rows = self._row_offset[table_of_index] + rows
-        num_rows = sum(t.num_embeddings for t in self.tables)
+        num_rows = self.row_stores.num_rows
         sorted_rows = sort_ids(rows, num_rows)[0]
         first = torch.ones_like(sorted_rows, dtype=torch.bool)
         first[1:] = sorted_rows[1:] != sorted_rows[:-1]
