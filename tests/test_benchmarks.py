@@ -247,3 +247,25 @@ def test_profile_step_reports_host_and_device_time_per_phase(capsys):
         assert f"   {phase} " in out
     assert "host time of one SlotCache.lookup of 8 rows" in out
     assert "Self CPU" in out  # the profiler's table
+
+
+def test_trace_pipeline_measures_busy_overlap_and_idle_time_per_stream(capsys):
+    trace = importlib.import_module("tiered_tbe.benchmarks.trace_pipeline")
+    assert trace.union_ms([(0, 1000), (500, 1500), (3000, 4000)]) == 2.5  # us in, ms out
+    assert trace.intersect([(0, 1000), (2000, 3000)], [(500, 2500)]) == [(500, 1000), (2000, 2500)]
+
+    def kernel(name, stream, start, end):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": end - start, "args": {"stream": stream}}
+
+    # Two steps: the training stream (7) runs 0-4 ms and 6-10 ms; the side stream (13) 3-5 ms.
+    events = [kernel("gemm", 7, 0, 4000), kernel("gemm", 7, 6000, 10000), kernel("copy_rows", 13, 3000, 5000),
+              {"ph": "X", "cat": "user_annotation", "name": "forward", "ts": 0, "dur": 300}]
+    lines = "\n".join(trace.summarize(events, steps=2, top=3))
+    assert "forward 0.15" in lines  # host ms per step of each phase
+    assert "GPU span of the 2 steps: 10.00 ms = 5.00 ms / step" in lines
+    assert "stream 7: busy 4.000 ms / step (80% of the span), idle 1.000 ms / step, 1 kernels / step" in lines
+    assert "stream 13: busy 1.000 ms / step" in lines
+    assert "streams 7 and 13 both busy: 0.500 ms / step" in lines
+    trace.main([*TINY_MODEL, "--steps", "1", "--runs", "hbm", "lru-pipelined"])
+    out = capsys.readouterr().out
+    assert "== lru-pipelined" in out and "host ms / step: step" in out
