@@ -54,6 +54,8 @@ SIMULATED_THREADS = int(os.environ.get("TIERED_TBE_SIMULATED_THREADS", "32"))
 # pipeline up (benchmarks/RESULTS.md); other platforms can try `bench_cache.py --copy-blocks`.
 # Env TIERED_TBE_COPY_BLOCKS overrides it.
 DEFAULT_COPY_BLOCKS = int(os.environ.get("TIERED_TBE_COPY_BLOCKS", "16384"))
+# Rows a copy block moves at a time (a warp each): 32 x this many threads per block.
+DEFAULT_COPY_ROWS_PER_BLOCK = int(os.environ.get("TIERED_TBE_COPY_ROWS_PER_BLOCK", "8"))
 
 # Counters kept on the device, in CacheStats order (``batches`` is counted on the host).
 _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
@@ -196,6 +198,7 @@ class SlotCache:
                                             self.next_use))
         self._copy_groups = self._make_copy_groups()
         self.copy_blocks = DEFAULT_COPY_BLOCKS  # most thread blocks per copy launch (GPU only)
+        self.copy_rows_per_block = DEFAULT_COPY_ROWS_PER_BLOCK  # warps per copy block (GPU only)
         # int32 [N] after each prefetch: the distinct slots it locked (one per unique row, NO_SLOT
         # padding); unlock(locked_slots, distinct=True) releases them without a sort.
         self.locked_slots = torch.empty(0, dtype=torch.int32, device=self.device)
@@ -521,7 +524,7 @@ class SlotCache:
             # Few simulator threads (each is a Python thread); each walks many entries, all columns.
             grid, block = 1, (1, SIMULATED_THREADS)
         else:
-            rows_per_block = 8
+            rows_per_block = self.copy_rows_per_block
             grid, block = max(1, min(-(-num_entries // rows_per_block), self.copy_blocks)), (32, rows_per_block)
         for _tensors, k_info, k_cache_weights, k_cache_state, k_store_weights, k_store_state in self._copy_groups:
             self._launch_configured(
