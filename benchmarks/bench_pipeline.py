@@ -34,6 +34,7 @@ Without a GPU (CPU simulation) it runs at a tiny size to prove it works; its tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -80,6 +81,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run.add_argument("--top-mlp", default="512,256", help="hidden widths of the top MLP, then 1 (default 512,256)")
     run.add_argument("--dense-precision", default="tf32", choices=["tf32", "fp32"],
                      help="matmuls of the dense MLPs on a GPU (default tf32, as DLRM training on Hopper)")
+    run.add_argument("--training-priority", default="default", choices=["default", "high"],
+                     help="CUDA stream priority of the training loop: 'high' runs every step on a "
+                          "high-priority stream, so the GPU schedules training kernels before pending "
+                          "prefetch blocks (default: torch's default stream)")
     run.add_argument("--seed", type=int, default=0, help="seed of the weights, the lookups and the dense data")
     common.add_output_flags(parser)
     return parser
@@ -164,27 +169,16 @@ def lookahead_hints(emb) -> bool:
 def train(model: SmallDLRM, batches, args, pipelined: bool) -> dict:
     """Run ``warmup`` steps, then time ``batches`` steps (wall clock, synchronized at both ends)."""
     emb = model.embeddings
-    dense_optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
-    loss_fn = nn.BCEWithLogitsLoss()
-    steps = args.warmup + args.batches
-    hints = False
-    start = None
     lookahead = args.lookahead if emb.uses_lookahead else 0
     source = PrefetchPipeline(model, batches, depth=args.depth, lookahead=lookahead) if pipelined else None
+    training_stream = contextlib.nullcontext()
+    if args.training_priority == "high" and not SIMULATION:
+        high = torch.cuda.Stream(priority=-100)  # clamped to the device's highest priority
+        high.wait_stream(torch.cuda.current_stream())
+        training_stream = torch.cuda.stream(high)
     try:
-        for i, (indices, offsets, dense, labels) in enumerate(source if pipelined else batches):
-            if i == args.warmup:
-                common.synchronize()
-                emb.reset_cache_stats()
-                start = time.perf_counter()
-            loss = loss_fn(model(indices, offsets, dense), labels)
-            dense_optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # the embedding tables update here, fused
-            dense_optimizer.step()
-            if i < args.warmup and emb.cache is not None and emb.cache.policy == "lookahead" and not hints:
-                hints = lookahead_hints(emb)  # outside the timed steps: it reads the device
-            if i + 1 == steps:
-                break
+        with training_stream:
+            start, hints = train_steps(model, source if pipelined else batches, args)
     finally:
         if source is not None:
             source.close()
@@ -198,6 +192,31 @@ def train(model: SmallDLRM, batches, args, pipelined: bool) -> dict:
                 hit_rate=stats.hit_rate_by_lookup if emb.cache is not None else None,
                 lookahead_hints=hints if emb.cache is not None and emb.cache.policy == "lookahead" else None,
                 stats=stats.as_dict())
+
+
+def train_steps(model: SmallDLRM, source, args) -> tuple[float, bool]:
+    """The loop of :func:`train` over ``source`` (batches, or a pipeline of them): returns the
+    ``perf_counter`` time the timed steps started at and whether lookahead hints were seen."""
+    emb = model.embeddings
+    dense_optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    loss_fn = nn.BCEWithLogitsLoss()
+    steps = args.warmup + args.batches
+    hints = False
+    start = None
+    for i, (indices, offsets, dense, labels) in enumerate(source):
+        if i == args.warmup:
+            common.synchronize()
+            emb.reset_cache_stats()
+            start = time.perf_counter()
+        loss = loss_fn(model(indices, offsets, dense), labels)
+        dense_optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # the embedding tables update here, fused
+        dense_optimizer.step()
+        if i < args.warmup and emb.cache is not None and emb.cache.policy == "lookahead" and not hints:
+            hints = lookahead_hints(emb)  # outside the timed steps: it reads the device
+        if i + 1 == steps:
+            break
+    return start, hints
 
 
 def run(args: argparse.Namespace) -> list[dict]:
