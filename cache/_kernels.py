@@ -6,7 +6,8 @@ thread). Entries past the end of the real data are marked in the data itself (a 
 ``NOT_CACHED``, a flag of 0), so launches are sized from host-known bounds and the GPU path
 never waits for the device to learn how many rows a batch had.
 
-No kernel uses atomics: each set is handled by one thread, each unique row or slot by one.
+No kernel uses atomics: each set is handled by one thread, each unique row or slot by one
+(``window_bits_kernel`` lets threads race on a repeated row, benignly: see there).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from numba import cuda
 
 from tiered_tbe.cache.policy import (
     EMPTY,
+    NEXT_USE_UNKNOWN,
     NO_SLOT,
     choose_victim_device,
     find_way_device,
@@ -31,6 +33,10 @@ OUTCOME_NONE = 0  # padding past the batch's unique rows
 OUTCOME_HIT = 1
 OUTCOME_FILLED = 2  # missed, copied into a slot
 OUTCOME_NO_SLOT = 3  # missed, every way of its set locked: slot -1
+
+# Steps of the lookahead window one int64 word of ``window_bits`` holds: bit ``s % WINDOW_BITS``
+# of a row's word stands for the batch prefetched at step ``s``.
+WINDOW_BITS = 64
 
 
 @cuda.jit
@@ -59,6 +65,9 @@ def assign_slots_kernel(
     last_use,  # int64 [S]
     use_count,  # int32 [S]
     next_use,  # int64 [S]: lookahead's per-slot hint, read by victim_key only
+    window_bits,  # int64 [R]: per global row, bit s % WINDOW_BITS set when the hinted batch of step s
+    #               names the row (SlotCache.add_upcoming); a [1] dummy when read_window_bits is False
+    read_window_bits,  # bool: decode next_use from window_bits (lookahead, hints recorded); else use it as is
     locks,  # int32 [S]
     dirty,  # uint8 [S]
     slot_of_unique,  # int32 [N] out (pre-filled with NO_SLOT): slot of each unique row
@@ -66,7 +75,12 @@ def assign_slots_kernel(
     victim_row,  # int64 [N] out (pre-filled with EMPTY): row evicted to make room for a fill
     victim_was_dirty,  # uint8 [N] out (pre-filled with 0): 1 when that row must be written back
 ):
-    """One thread per set that the batch touches: hits first, then misses in ascending row order."""
+    """One thread per set that the batch touches: hits first, then misses in ascending row order.
+
+    With ``read_window_bits``, the ways of a set get their ``next_use`` from the window bits just
+    before the set's first victim choice (its rows are then still those of before this
+    prefetch); a slot filled later keeps that value (it is locked: no victim choice reads it).
+    """
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     n = set_of_position.shape[0]
@@ -91,12 +105,16 @@ def assign_slots_kernel(
                 outcome[u] = OUTCOME_HIT
 
         set_full = False
+        next_use_decoded = not read_window_bits
         for position in range(begin, end):
             u = unique_of_position[position]
             if outcome[u] == OUTCOME_HIT:
                 continue
             slot = NO_SLOT
             if not set_full:
+                if not next_use_decoded:
+                    _decode_next_use_of_set(first_slot, associativity, step, tags, window_bits, next_use)
+                    next_use_decoded = True
                 slot = choose_victim_device(policy, tags, last_use, use_count, next_use, locks,
                                             first_slot, associativity)
                 set_full = slot == NO_SLOT  # locks only grow within a prefetch: it stays full
@@ -113,6 +131,65 @@ def assign_slots_kernel(
             locks[slot] += 1
             slot_of_unique[u] = slot
             outcome[u] = OUTCOME_FILLED
+
+
+@cuda.jit(device=True, inline=True)
+def _decode_next_use_of_set(first_slot, associativity, step, tags, window_bits, next_use):
+    """``next_use`` of every way of a set holding a row: the soonest hinted step after ``step``
+    (this prefetch's) naming the row, from its window bits."""
+    for slot in range(first_slot, first_slot + associativity):
+        row = tags[slot]
+        if row != EMPTY:
+            next_use[slot] = soonest_hinted_step(window_bits[row], step)
+
+
+@cuda.jit(device=True, inline=True)
+def soonest_hinted_step(word, step):
+    """The smallest step ``s`` in ``step + 1 .. step + WINDOW_BITS`` whose bit ``s % WINDOW_BITS``
+    is set in ``word`` (a row's int64 window bits), or ``NEXT_USE_UNKNOWN`` when none is."""
+    if word == 0:
+        return NEXT_USE_UNKNOWN  # the common case: no batch of the window names the row
+    first_bit = (step + 1) % WINDOW_BITS  # the bit of step + 1
+    # Bits first_bit .. 63 are steps step + 1 onwards. The shift is arithmetic: copies of bit 63
+    # land above its own new place, never below, so the lowest set bit is still the soonest step.
+    from_first = word >> first_bit
+    if from_first != 0:
+        return step + 1 + _lowest_set_bit(from_first)
+    # Only bits 0 .. first_bit - 1 are set: steps past the next multiple of WINDOW_BITS.
+    return step + 1 + (WINDOW_BITS - first_bit) + _lowest_set_bit(word)
+
+
+@cuda.jit(device=True, inline=True)
+def _lowest_set_bit(word):
+    """Index (0 .. 63) of the lowest set bit of a nonzero int64, by halving the search six times.
+    Not ``cuda.ffs``: the CUDA simulator's reads only the low 32 bits."""
+    index = 0
+    for width in (32, 16, 8, 4, 2, 1):
+        if (word & ((1 << width) - 1)) == 0:
+            index += width
+            word >>= width
+    return index
+
+
+@cuda.jit
+def window_bits_kernel(
+    rows,  # int64 [M]: the rows of one hinted step's batch, NOT_CACHED outside the cached tables (skipped)
+    step_bit,  # int64: that step's bit, 1 << (step % WINDOW_BITS) (bit 63 is the sign bit)
+    set_bit,  # bool: True sets the bit in each row's word, False clears it
+    window_bits,  # int64 [R]: per global row, the bits of the hinted steps whose batch names it
+):
+    """Record (or forget) one hinted step for every row of its batch."""
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for i in range(start, rows.shape[0], stride):
+        row = rows[i]
+        if row == NOT_CACHED:
+            continue
+        # A row named twice is updated by two threads without atomics: a benign race, since every
+        # thread of a launch changes only this one bit, the same way, so whichever write lands
+        # last leaves the word right (launches on one stream do not overlap).
+        word = window_bits[row]
+        window_bits[row] = (word | step_bit) if set_bit else (word & ~step_bit)
 
 
 # Columns of ``table_info``, the int64 [G, TABLE_INFO_COLUMNS] description of the G tables whose
@@ -250,19 +327,3 @@ def unlock_kernel(
         slot = sorted_slots[i]
         if slot != NO_SLOT and (i == 0 or sorted_slots[i - 1] != slot):
             locks[slot] -= 1
-
-
-@cuda.jit
-def set_next_use_kernel(
-    sorted_slots,  # int32 [M]: slot of each hinted row (NO_SLOT when not cached), sorted ascending;
-    #                equal slots ordered by ascending use, so the first of each run is the soonest
-    sorted_uses,  # int64 [M]: the step at which each hinted row is next used, in the same order
-    next_use,  # int64 [S]: reset to NEXT_USE_UNKNOWN by the caller; out: soonest use per hinted slot
-):
-    """Write each hinted slot's soonest use, once per distinct slot (no atomics: one writer each)."""
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, sorted_slots.shape[0], stride):
-        slot = sorted_slots[i]
-        if slot != NO_SLOT and (i == 0 or sorted_slots[i - 1] != slot):
-            next_use[slot] = sorted_uses[i]

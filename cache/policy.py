@@ -60,22 +60,31 @@ Victim keys (smaller is evicted first; compared as a pair, then by way)
     With no hint every ``next_use`` is unknown and lookahead is exactly LRU.
 
 Lookahead window
-    Before the prefetch of batch ``j`` (whose step will be ``step + 1``), the caller passes the
-    rows of the next ``W`` batches, ``j+1 .. j+W`` (fewer at the end of the data), to
-    ``SlotCache.set_next_use(rows, uses_at)``, each row with the step at which its batch will
-    be prefetched, ``step + 1 + (m - j)`` for batch ``m``. Every ``next_use`` becomes
-    ``NEXT_USE_UNKNOWN``; then each slot holding a named row gets the smallest step naming it.
-    Rows named but not cached change nothing. The prefetch of batch ``j`` then ranks its
-    victims by these values: a row used by batch ``j`` itself is locked (a hit) before any
-    victim is chosen, and the slot a miss fills keeps its previous occupant's value, which
-    nothing reads before the next ``set_next_use`` (the slot is locked meanwhile).
+    The caller tells the cache of each batch of the window once, when it enters the window:
+    ``SlotCache.add_upcoming(rows, s)`` with the rows of the batch that will be prefetched at
+    step ``s``. Before the prefetch of batch ``j`` (whose step will be ``step + 1``) the batches
+    ``j+1 .. j+W`` (fewer at the end of the data) have been recorded, batch ``m`` at step
+    ``step + 1 + (m - j)``; ``W`` is at most 64 (``MAX_LOOKAHEAD``), as a step must be in
+    ``step + 2 .. step + 65`` when it is recorded. The prefetch at step ``t`` first forgets every
+    recorded step ``<= t``; then, in each set, just before its first victim choice, every way
+    holding a row gets ``next_use`` = the smallest recorded step in ``t + 1 .. t + 64`` whose batch
+    names the row, or ``NEXT_USE_UNKNOWN`` if none does. Rows named but not cached change nothing.
+    A row used by batch ``j`` itself is locked (a hit) before any victim is chosen, and the slot a
+    miss fills keeps its previous occupant's value, which nothing reads before the next prefetch
+    refreshes it (the slot is locked meanwhile). Until the first ``add_upcoming`` the prefetch
+    ranks by ``next_use`` as it is (all ``NEXT_USE_UNKNOWN``, i.e. LRU, unless set by hand).
+
+    The cache keeps, per row of the cached tables, a 64-bit word (``window_bits``): bit ``s %
+    64`` is set while the recorded batch of step ``s`` names the row. The prefetch at step ``t``
+    sees only steps ``t + 1 .. t + 64`` (one per bit) because ``add_upcoming`` forgets step
+    ``step + 1`` (the bit that step ``step + 65`` reuses) and every earlier one before recording.
 
     The simulator (:mod:`tiered_tbe.cache.simulator`, ``lookahead_window=W``) reads the window
     from the trace: each lookup's next batch naming its row is found once, in one backward
     pass; each slot keeps its row's next use, set whenever a batch uses the row (a cached row
     is used by every batch naming it, as a hit); before a miss chooses a victim, the ways of
     its set get ``next_use = that step`` if it is at most ``step + W``, else
-    ``NEXT_USE_UNKNOWN``: what ``set_next_use`` wrote for them.
+    ``NEXT_USE_UNKNOWN``: what the cache decodes from its window bits for them.
 
 Locks
     A prefetch adds one lock to each slot it returns (hit or fill), once per unique row.
@@ -91,9 +100,9 @@ Locks
 Extending the policy
     A new policy adds a code below and a branch to :func:`victim_key`; the kernels and the
     simulator call ``victim_key`` through :func:`choose_victim` and need no change. Knowledge
-    from outside the slot enters as a per-slot array written before the prefetch, as the
-    lookahead policy's ``next_use`` (``SlotCache.set_next_use``; the simulator derives the
-    same values from the trace).
+    from outside the slot enters as a per-slot array the prefetch kernel writes before it
+    chooses victims, as the lookahead policy's ``next_use`` (decoded from the window bits that
+    ``SlotCache.add_upcoming`` records; the simulator derives the same values from the trace).
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ kernels use) over a trace of batches of global row ids, as training drives a
 :class:`~tiered_tbe.cache.slot_cache.SlotCache`. With ``pipeline_depth = k`` (0: serial
 training), for each batch ``j`` in order:
 
-1. (``lookahead`` only) ``set_next_use`` with the rows of batches ``j+1 .. j+W``
-   (``W = lookahead_window``, fewer at the end of the trace), each at the step at which its
-   batch will be prefetched;
+1. (``lookahead`` only) ``add_upcoming`` of batch ``j+W`` (``W = lookahead_window``; of
+   ``j+1 .. j+W`` before the first batch), at the step at which it will be prefetched, so the
+   rows of batches ``j+1 .. j+W`` (fewer at the end of the trace) are known (the cache takes
+   ``W <= MAX_LOOKAHEAD = 64``; the simulator any ``W``);
 2. ``prefetch`` of batch ``j``;
 3. batch ``j - k`` finishes: (with ``training=True``) ``mark_dirty`` of every slot its
    prefetch returned, then ``unlock``.
@@ -23,7 +24,7 @@ computed once, in one backward pass (:func:`_next_batches`). A cached row's next
 only when a batch uses it, so each slot keeps the step of its row's next use
 (``next_step``), and before a miss chooses a victim the ways of its set get
 ``next_use = next_step`` where that is within the window, else ``NEXT_USE_UNKNOWN``: exactly
-what ``set_next_use`` would have written for them.
+what the cache decodes for them from its window bits (policy.py, "Lookahead window").
 
 The whole trace goes through one ``numba.njit`` call. Measured on one core of a development
 machine (Zipf 1.05 over 50M rows, batches of 65536, 32 ways): 3.5-7 M lookups/s for 64K-4M
@@ -133,7 +134,7 @@ def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associa
                 continue
             unique_misses += 1
             first_slot = set_of_row_cpu(row, num_sets) * associativity
-            if hinted:  # what set_next_use wrote before this prefetch, for the ways of this set
+            if hinted:  # what the cache decodes from its window bits, for the ways of this set
                 for slot in range(first_slot, first_slot + associativity):
                     next_use[slot] = next_step[slot] if next_step[slot] <= horizon else NEXT_USE_UNKNOWN
             slot = choose_victim_cpu(policy, tags, last_use, use_count, next_use, locks, first_slot,

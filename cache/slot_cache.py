@@ -14,7 +14,8 @@ What the TBE kernels read
 
 A training step with the cache::
 
-    cache.set_next_use(window_rows, uses_at)     # lookahead only: when queued batches need rows
+    cache.add_upcoming(rows_of_batch, its_step)  # lookahead only: each queued batch once, as it
+                                                 # enters the window (step = cache.step + 1 + d)
     slot_of_index = cache.prefetch(global_rows)  # hits locked, misses filled and locked
     ... forward / backward read and update rows through slot_of_index ...
     cache.mark_dirty(slot_of_index)              # the slots that backward updated
@@ -22,6 +23,13 @@ A training step with the cache::
 
 With a prefetch pipeline of depth ``k`` the unlock (and mark_dirty) of a batch comes after the
 prefetches of the ``k`` batches that follow it: those prefetches cannot evict its rows.
+
+Lookahead hints are incremental: each batch of the window is recorded once, as a bit in a
+per-row word (``window_bits``: bit ``s % 64`` for the batch of step ``s``), and forgotten when
+its step is prefetched; a prefetch decodes each row's next use from its word, only for the
+sets that choose a victim. Telling the cache of a batch costs one pass over that batch's rows,
+whatever the window's length. The words cost 8 bytes of device memory per row of the cached
+tables (allocated by the first hint only).
 
 GPU mode runs every step on torch's current stream and never waits for the device: the
 number of unique rows stays on the device (arrays are sized by the number of lookups and
@@ -38,10 +46,10 @@ from typing import NamedTuple
 import torch
 
 from tiered_tbe._mode import SIMULATION, default_device
-from tiered_tbe._sorting import INT32_MAX, sort_ids
+from tiered_tbe._sorting import sort_ids
 from tiered_tbe.cache import _kernels
-from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT
-from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, NO_SLOT, check_geometry, policy_code
+from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT, WINDOW_BITS
+from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, NO_SLOT, POLICY_LOOKAHEAD, check_geometry, policy_code
 from tiered_tbe.cache.stats import CacheStats
 
 # Threads per launch in the CUDA simulator, where each is a Python thread (~0.2 ms to start).
@@ -56,6 +64,11 @@ SIMULATED_THREADS = int(os.environ.get("TIERED_TBE_SIMULATED_THREADS", "32"))
 DEFAULT_COPY_BLOCKS = int(os.environ.get("TIERED_TBE_COPY_BLOCKS", "16384"))
 # Rows a copy block moves at a time (a warp each): 32 x this many threads per block.
 DEFAULT_COPY_ROWS_PER_BLOCK = int(os.environ.get("TIERED_TBE_COPY_ROWS_PER_BLOCK", "8"))
+
+# Most batches after the next prefetch that lookahead hints can name: the batch ``d`` places after
+# it is prefetched at step ``step + 1 + d``, and add_upcoming takes steps up to
+# ``step + 1 + WINDOW_BITS``, so ``d <= WINDOW_BITS``.
+MAX_LOOKAHEAD = WINDOW_BITS
 
 # Counters kept on the device, in CacheStats order (``batches`` is counted on the host).
 _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
@@ -93,8 +106,9 @@ class SlotCache:
         num_slots: slots in all, a multiple of ``associativity``.
         associativity: ways per set.
         policy: ``"lru"``, ``"lfu"`` or ``"lookahead"`` (see :mod:`tiered_tbe.cache.policy`;
-            lookahead ranks by :attr:`next_use`, which a prefetch pipeline sets with
-            :meth:`set_next_use` before each prefetch, and is LRU while no hint was given).
+            lookahead ranks by :attr:`next_use`, which a prefetch decodes from the batches a
+            prefetch pipeline records with :meth:`add_upcoming`; before the first hint it
+            ranks by ``next_use`` as it is: all unknown, i.e. LRU, unless set by hand).
         lfu_decay_interval: every this many prefetches every use count is halved.
         row_width: columns of a slot row (default, and at least, the largest table dim).
         state_width: fp32 optimizer-state values per slot (default, and at least, the largest
@@ -107,10 +121,17 @@ class SlotCache:
     ``s // associativity``):
         ``tags`` int64 [S] (row held, -1 empty), ``last_use`` int64 [S] (step of last use),
         ``use_count`` int32 [S], ``dirty`` uint8 [S], ``locks`` int32 [S],
-        ``next_use`` int64 [S] (lookahead hint, ``NEXT_USE_UNKNOWN`` when none),
+        ``next_use`` int64 [S] (lookahead hint, ``NEXT_USE_UNKNOWN`` when none; with hints
+        recorded, written by each prefetch for the sets that choose a victim, see
+        :meth:`next_use_of_slots`),
         ``weights`` [S, row_width] (weights dtype; row_width = largest dim),
         ``state`` fp32 [S, state_width] (largest optimizer-state width; 0 columns when none).
         They are updated in place, never replaced: views of them stay valid.
+
+    Per-row tensor (``R`` = one past the last global row of the cached tables), only once a
+    hint was recorded (:meth:`add_upcoming`; ``None`` before): ``window_bits`` int64 [R], bit
+    ``s % WINDOW_BITS`` set when the recorded batch of step ``s`` names the row: 8 bytes of
+    device memory per row of the cached tables.
 
     Streams: every method enqueues its work on torch's current stream of ``device`` and returns
     without waiting (except ``num_locked``, ``stats`` and ``invalidate``, which read the device).
@@ -189,6 +210,13 @@ class SlotCache:
         self._uniform_row_bytes = row_bytes[0] if len(set(row_bytes)) == 1 else None
         self._all_slots = torch.arange(num_slots, dtype=torch.int64, **on)
 
+        # Lookahead hints (add_upcoming): the per-row window bits, allocated by the first hint,
+        # and the masked rows of each recorded step, kept to clear its bit when it leaves the window.
+        self.window_bits: torch.Tensor | None = None
+        self._no_window_bits = torch.zeros(1, dtype=torch.int64, **on)  # the kernels' dummy until then
+        self._k_window_bits = self._kernel_array(self._no_window_bits)
+        self._rows_of_upcoming_step: dict[int, torch.Tensor] = {}
+
         # Kernel views, made once (converting a tensor costs host time at every launch): the
         # per-slot tensors are only ever updated in place.
         self._stream_pointer = None
@@ -223,12 +251,14 @@ class SlotCache:
 
         Hits update policy state and gain a lock; misses evict unlocked victims (writing back
         only dirty ones, weights and optimizer state), are copied in from the backing store and
-        gain a lock. Each unique row is locked once; :meth:`unlock` releases the batch (with
+        gain a lock. Lookahead hints (:meth:`add_upcoming`) of this step and earlier ones are
+        forgotten first. Each unique row is locked once; :meth:`unlock` releases the batch (with
         ``slot_of_index``, or faster with :attr:`locked_slots` and ``distinct=True``).
         """
         rows = self._check_rows(global_rows)
         self._step += 1
         self._batches += 1
+        self._forget_upcoming(through=self._step)  # this batch's own hint, if any, leaves the window
         n = rows.numel()
         if n > 0:
             slot_of_index, self.locked_slots = self._prefetch(rows)
@@ -253,47 +283,75 @@ class SlotCache:
                          slot_of_index)
         return slot_of_index
 
-    def set_next_use(self, global_rows: torch.Tensor, uses_at: torch.Tensor, horizon: int | None = None) -> None:
-        """Tell the lookahead policy when queued batches will need cached rows (before a prefetch).
+    @property
+    def upcoming_steps(self) -> list[int]:
+        """The steps whose batches :meth:`add_upcoming` recorded and no prefetch has reached, ascending."""
+        return sorted(self._rows_of_upcoming_step)
+
+    def add_upcoming(self, global_rows: torch.Tensor, step: int) -> None:
+        """Tell the lookahead policy the rows of the batch that the prefetch at cache step ``step`` will fetch.
 
         Args:
-            global_rows: int64 [M], the global rows of the batches queued after the next
-                prefetch (repeats allowed; rows not cached, or outside every cached table,
-                are ignored).
-            uses_at: int64 [M], for each entry the step at which its batch will be prefetched:
-                ``step + 1 + d`` for the batch ``d`` places after the next prefetch (whose step
-                is ``step + 1``).
-            horizon: the farthest use the caller names, as steps after the current one (a window
-                of W batches: ``W + 1``); uses past it count as ``step + horizon``. Optional: a
-                small horizon lets the sort run on int32 keys (half the work of int64).
+            global_rows: int64 [M], that batch's global rows (repeats allowed; rows outside every
+                cached table, e.g. ``INT64_MAX`` padding, are ignored).
+            step: the step of that batch's prefetch: the batch ``d`` places after the next prefetch
+                (whose step is ``self.step + 1``) has step ``self.step + 1 + d``, for ``d`` in
+                ``1 .. MAX_LOOKAHEAD``. A step already recorded raises (skip those in
+                :attr:`upcoming_steps`).
 
-        Every slot's :attr:`next_use` becomes ``NEXT_USE_UNKNOWN``, then each slot holding a
-        row of ``global_rows`` gets the smallest ``uses_at`` among that row's entries. Only the
-        lookahead policy reads it (see :mod:`tiered_tbe.cache.policy`). Deterministic, no
-        atomics and no host sync: the (slot, use) pairs are sorted and the first of each slot
-        written. Uses before the current step count as the current step; without ``horizon``,
-        uses more than 2^32 - 1 steps ahead count as that.
+        Record each batch once, when it enters the window: the prefetch at step ``t`` ranks a
+        victim's rows by the soonest recorded step in ``t + 1 .. t + WINDOW_BITS`` naming them
+        (policy.py, "Lookahead window"), and forgets its own step and any before it. One kernel
+        launch over ``M`` rows; no sort, no host sync. The first call allocates
+        :attr:`window_bits`; the masked rows (a copy, int64 [M]) are kept until the step is
+        forgotten. Only the lookahead policy reads the hints.
+
+        Raises ``TypeError`` / ``ValueError`` for rows not a 1-D int64 tensor on the cache's
+        device, or a step outside ``self.step + 2 .. self.step + 1 + WINDOW_BITS`` or already
+        recorded; nothing changes then.
         """
         rows = self._check_rows(global_rows)
-        if not isinstance(uses_at, torch.Tensor) or uses_at.dtype != torch.int64 or uses_at.shape != rows.shape:
-            raise TypeError(f"uses_at must be an int64 tensor shaped like global_rows {tuple(rows.shape)}")
-        if uses_at.device.type != self.device.type:
-            raise ValueError(f"uses_at on {uses_at.device}, the cache on {self.device}")
-        self.next_use.fill_(NEXT_USE_UNKNOWN)
-        if rows.numel() == 0:
-            return
-        if horizon is not None and (not isinstance(horizon, int) or horizon < 1):
-            raise ValueError(f"horizon must be a positive int, got {horizon!r}")
-        slots = self.lookup(rows)  # int32 [M], NO_SLOT where not cached
-        # One sort of (slot + 1, use offset) packed in an integer: each slot's entries end up
-        # together, soonest first; NO_SLOT entries (slot + 1 = 0) first. int32 when it holds.
-        bits = horizon.bit_length() if horizon is not None else 32
-        mask = (1 << bits) - 1
-        dtype = torch.int32 if (self.num_slots + 1) << bits <= INT32_MAX else torch.int64
-        offsets = (uses_at.contiguous() - self._step).clamp_(0, mask)
-        keys = torch.sort(((slots.to(dtype) + 1) << bits) | offsets.to(dtype)).values
-        self._launch(_kernels.set_next_use_kernel, rows.numel(), ((keys >> bits) - 1).to(torch.int32),
-                     (keys & mask).long() + self._step, self._k_next_use)
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {step!r}")
+        if not self._step + 1 < step <= self._step + 1 + WINDOW_BITS:
+            raise ValueError(f"step {step} outside the window of hints: steps {self._step + 2} .. "
+                             f"{self._step + 1 + WINDOW_BITS} (the next prefetch is step {self._step + 1}; "
+                             f"at most MAX_LOOKAHEAD = {MAX_LOOKAHEAD} batches after it)")
+        if step in self._rows_of_upcoming_step:
+            raise ValueError(f"step {step} is already recorded (upcoming_steps: {self.upcoming_steps})")
+        if self.window_bits is None:
+            self.window_bits = torch.zeros(self._rows_end, dtype=torch.int64, device=self.device)
+            self._k_window_bits = self._kernel_array(self.window_bits)
+        # The next prefetch's step shares its bit with step + 1 + WINDOW_BITS: forget it first.
+        self._forget_upcoming(through=self._step + 1)
+        masked = self._mask_uncached(rows)
+        self._rows_of_upcoming_step[step] = masked
+        self._update_window_bits(masked, step, set_bit=True)
+
+    def clear_upcoming(self) -> None:
+        """Forget every recorded hint (e.g. when the batches they name will not be prefetched)."""
+        if self._rows_of_upcoming_step:
+            self._forget_upcoming(through=max(self._rows_of_upcoming_step))
+
+    def next_use_of_slots(self) -> torch.Tensor:
+        """int64 [S]: the ``next_use`` the prefetch at step ``self.step + 1`` will give each slot's
+        row from the recorded hints: the soonest recorded step ``s`` in ``self.step + 2 ..
+        self.step + 1 + WINDOW_BITS`` whose bit is set in the row's :attr:`window_bits`, else
+        ``NEXT_USE_UNKNOWN`` (also for empty slots and before any hint).
+
+        Plain torch, for tests and inspection: the reference of the prefetch kernel's decode.
+        """
+        next_use = torch.full((self.num_slots,), NEXT_USE_UNKNOWN, dtype=torch.int64, device=self.device)
+        if self.window_bits is None:
+            return next_use
+        occupied = self.tags != EMPTY
+        words = torch.where(occupied, self.window_bits[self.tags.clamp(min=0)], 0)
+        next_step = self._step + 1
+        for step in sorted(self._rows_of_upcoming_step, reverse=True):  # the soonest step is written last
+            if next_step < step <= next_step + WINDOW_BITS:
+                named = ((words >> (step % WINDOW_BITS)) & 1).bool()
+                next_use = torch.where(named, step, next_use)
+        return next_use
 
     def unlock(self, slot_of_index: torch.Tensor, distinct: bool = False) -> None:
         """Release one batch's locks: one per distinct slot >= 0 of ``slot_of_index`` (int32 [N]).
@@ -347,6 +405,7 @@ class SlotCache:
         """Drop every cached row without writing it back (e.g. after the backing store was reloaded).
 
         Raises RuntimeError while any slot is locked: a batch in flight still reads those rows.
+        Recorded lookahead hints stay: they describe batches to come, not what is cached.
         """
         if self.num_locked():
             raise RuntimeError(f"invalidate() with {self.num_locked()} locked slots: unlock every "
@@ -410,11 +469,12 @@ class SlotCache:
         outcome = torch.zeros(n, dtype=torch.int8, **on)
         victim_row = torch.full((n,), EMPTY, dtype=torch.int64, **on)
         victim_was_dirty = torch.zeros(n, dtype=torch.uint8, **on)
+        read_window_bits = self._policy_code == POLICY_LOOKAHEAD and self.window_bits is not None
         self._launch(_kernels.assign_slots_kernel, n,
                      set_of_position, unique_of_position, unique_rows, self.num_sets, self.associativity,
                      self._step, self._policy_code, self._k_tags, self._k_last_use, self._k_use_count,
-                     self._k_next_use, self._k_locks, self._k_dirty, slot_of_unique, outcome, victim_row,
-                     victim_was_dirty)
+                     self._k_next_use, self._k_window_bits, read_window_bits, self._k_locks, self._k_dirty,
+                     slot_of_unique, outcome, victim_row, victim_was_dirty)
 
         # 4. Write back dirty victims (all tables), then fill (all tables): a slot's old row
         # leaves before its new row arrives.
@@ -444,6 +504,23 @@ class SlotCache:
         }
         self._counters += torch.stack([update[name] for name in _DEVICE_COUNTERS])
         return slot_of_index.to(torch.int32), slot_of_unique
+
+    def _forget_upcoming(self, through: int) -> None:
+        """Clear the window bits of every recorded step ``<= through`` and drop its rows."""
+        for step in [s for s in self._rows_of_upcoming_step if s <= through]:
+            rows = self._rows_of_upcoming_step.pop(step)
+            if rows.is_cuda:  # the rows may come from another stream: free them after this one's clear
+                rows.record_stream(torch.cuda.current_stream(self.device))
+            self._update_window_bits(rows, step, set_bit=False)
+
+    def _update_window_bits(self, rows: torch.Tensor, step: int, set_bit: bool) -> None:
+        """Set (or clear) bit ``step % WINDOW_BITS`` of the window bits of ``rows`` (int64 [M],
+        NOT_CACHED skipped): one launch."""
+        if rows.numel() == 0:
+            return
+        bit = step % WINDOW_BITS
+        step_bit = 1 << bit if bit < WINDOW_BITS - 1 else -(1 << bit)  # as an int64: bit 63 is the sign
+        self._launch(_kernels.window_bits_kernel, rows.numel(), rows, step_bit, set_bit, self._k_window_bits)
 
     def _write_rows_back(self, rows: torch.Tensor, slots: torch.Tensor, count: bool = True) -> None:
         """Copy slot ``slots[i]`` to the backing row ``rows[i]`` (int64 [M]; EMPTY skips; a row named

@@ -172,6 +172,14 @@ def test_real_cache_refuses_a_large_trace_in_simulation(capsys):
     assert "give a trace of at most 200,000 lookups (this one has 409,600" in capsys.readouterr().err
 
 
+def test_real_cache_refuses_a_lookahead_window_past_its_hints(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "hit-rate", *REAL_TINY, "--policies", "lru,lookahead(65)", "--real-cache"])
+    assert exit_info.value.code == 2
+    assert "lookahead window 65 is longer than the real cache's hints reach (MAX_LOOKAHEAD = 64" in \
+        capsys.readouterr().err
+
+
 def test_record_appends_to_the_results_file_only_when_asked(capsys, tmp_path):
     results = tmp_path / "HIT_RATES.md"
     args = [*TINY, "--cache-sizes", "2%,10%", "--policies", "lru,belady", "--results-file", str(results)]

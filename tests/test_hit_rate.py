@@ -413,3 +413,5 @@ def test_real_cache_with_depth_and_warmup_agrees_with_the_simulator(depth):
         expected = measure(trace, policy, 120, options, "3%").stats
         assert run_slot_cache(trace, policy, 120, options) == expected, policy
         assert expected.batches == 8 and expected.evictions > 0
+    with pytest.raises(ValueError, match="MAX_LOOKAHEAD = 64"):  # the cache's hints reach 64 batches
+        run_slot_cache(trace, "lookahead(65)", 120, options)

@@ -1,5 +1,6 @@
-"""The lookahead policy and pipelined locking: SlotCache.set_next_use, the simulator's window and
-pipeline depth against the cache, Belady's rule within the window, and what lookahead saves.
+"""The lookahead policy and pipelined locking: SlotCache.add_upcoming (the window bits), the
+simulator's window and pipeline depth against the cache, Belady's rule within the window, and what
+lookahead saves.
 
 The SlotCache tests run the Numba kernels in the CUDA simulator (tiny caches, short traces);
 the simulator-only tests use larger Zipf traces.
@@ -19,22 +20,34 @@ from test_cache import (
     rows_tensor,
 )
 
-from tiered_tbe.cache import CachedTable, CacheSimulator, SlotCache, simulate
+from tiered_tbe._sorting import INT64_MAX
+from tiered_tbe.cache import MAX_LOOKAHEAD, CachedTable, CacheSimulator, SlotCache, simulate
+from tiered_tbe.cache._kernels import WINDOW_BITS
 from tiered_tbe.cache.bounds import belady
-from tiered_tbe.cache.policy import NEXT_USE_UNKNOWN
+from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN
 from tiered_tbe.traces import zipf_trace
 
 
-def window_hint(batches, j, window, step_before):
-    """What the pipeline passes to set_next_use before prefetching batch ``j``: the rows of batches
-    ``j+1 .. j+window`` (int64 [M]) and the step of each one's prefetch (int64 [M])."""
-    rows, uses_at = [], []
+def add_window(cache: SlotCache, batches, j: int, window: int) -> None:
+    """What the pipeline does before prefetching batch ``j``: record each batch of ``j+1 .. j+window``
+    (fewer at the end) that is not recorded yet, at the step of its prefetch."""
     for later in range(j + 1, min(j + window, len(batches) - 1) + 1):
-        rows.append(batches[later])
-        uses_at.append(np.full(batches[later].size, step_before + 1 + (later - j), dtype=np.int64))
-    if not rows:
-        return rows_tensor([]), rows_tensor([])
-    return torch.from_numpy(np.concatenate(rows)).to(DEVICE), torch.from_numpy(np.concatenate(uses_at)).to(DEVICE)
+        step = cache.step + 1 + (later - j)
+        if step not in cache.upcoming_steps:
+            cache.add_upcoming(torch.from_numpy(batches[later]).to(DEVICE), step)
+
+
+def assert_decoded_next_use(cache: SlotCache, reference: list[int], tags_before: list[int]) -> None:
+    """After a lookahead prefetch: every slot that held a row, in a set where a row was filled (so
+    a victim was chosen), has the next use that ``next_use_of_slots`` gave before the prefetch."""
+    ways = cache.associativity
+    tags_after, next_use = cache.tags.tolist(), cache.next_use.tolist()
+    for first in range(0, cache.num_slots, ways):
+        if tags_before[first:first + ways] == tags_after[first:first + ways]:
+            continue  # no fill: the set may not have chosen a victim, its next_use is stale
+        for slot in range(first, first + ways):
+            if tags_before[slot] != EMPTY:
+                assert next_use[slot] == reference[slot], (cache.step, slot)
 
 
 class PipelinedDriver:
@@ -49,9 +62,9 @@ class PipelinedDriver:
         self.in_flight: list[torch.Tensor] = []
 
     def hint(self, j: int) -> None:
-        """The lookahead hint before batch j's prefetch (nothing for other policies)."""
+        """The lookahead hints before batch j's prefetch (nothing for other policies)."""
         if self.hints:
-            self.cache.set_next_use(*window_hint(self.batches, j, self.window, self.cache.step))
+            add_window(self.cache, self.batches, j, self.window)
 
     def prefetch(self, j: int) -> torch.Tensor:
         """Batch j's prefetch, then batch j - depth finishes."""
@@ -84,30 +97,135 @@ def assert_same_state(cache: SlotCache, simulator: CacheSimulator):
         np.testing.assert_array_equal(getattr(cache, name).cpu().numpy(), getattr(simulator, name), err_msg=name)
 
 
-def test_set_next_use_takes_the_soonest_use_of_each_cached_row():
+def words_of(cache: SlotCache, rows) -> list[int]:
+    return cache.window_bits[rows_tensor(rows)].tolist()
+
+
+def bit(step: int) -> int:
+    """The int64 value of a word holding only the bit of ``step``."""
+    return int(np.array([1 << (step % WINDOW_BITS)], dtype=np.uint64).view(np.int64)[0])
+
+
+def test_add_upcoming_sets_one_bit_per_step_and_clears_it_when_the_step_leaves_the_window():
     cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy="lookahead")
-    cache.unlock(cache.prefetch(rows_tensor([3, 17, 42, 260, 301])))
-    slot = {int(row): s for s, row in enumerate(cache.tags.tolist()) if row >= 0}
-    cache.next_use[:] = 99  # stale hints are dropped
-    # Row 17 at steps 5 and 3 (3 wins); row 260 at 4; row 42 twice at 6; uncached rows (1, 210,
-    # 10**12, -1) change nothing; rows 3 and 301 are not named.
-    hint = rows_tensor([17, 1, 260, 42, 210, 17, 42, 10**12, -1]), rows_tensor([5, 2, 4, 6, 2, 3, 6, 2, 2])
-    want = torch.full((16,), NEXT_USE_UNKNOWN, dtype=torch.int64)
-    want[slot[17]], want[slot[260]], want[slot[42]] = 3, 4, 6
-    for horizon in (None, 5, 6, 1000):  # int64 keys, then int32 keys of 3, 3 and 10 use bits
-        cache.set_next_use(*hint, horizon=horizon)
-        assert torch.equal(cache.next_use.cpu(), want), horizon
-    cache.set_next_use(*hint, horizon=3)  # uses past step + 3 = 4 count as 4: row 42 gets 4
-    want[slot[42]] = 4
-    assert torch.equal(cache.next_use.cpu(), want)
-    with pytest.raises(ValueError, match="horizon"):
-        cache.set_next_use(*hint, horizon=0)
-    cache.set_next_use(rows_tensor([]), rows_tensor([]))  # no hint: every next use unknown
-    assert (cache.next_use == NEXT_USE_UNKNOWN).all()
-    with pytest.raises(TypeError, match="uses_at"):
-        cache.set_next_use(rows_tensor([3, 17]), rows_tensor([4]))
-    with pytest.raises(TypeError, match="int64"):
-        cache.set_next_use(rows_tensor([3], torch.int32), rows_tensor([4]))
+    assert cache.window_bits is None  # nothing allocated before the first hint
+    # Repeats, a row of the uncached table between the cached ones (210), rows outside every
+    # table (10**12, -1) and padding (INT64_MAX) are fine; only rows of cached tables get bits.
+    cache.add_upcoming(rows_tensor([17, 3, 17, 210, 10**12, -1, INT64_MAX, 260, 17]), 2)
+    cache.add_upcoming(rows_tensor([3, 3, 299]), 3)
+    cache.add_upcoming(rows_tensor([]), 4)
+    cache.add_upcoming(rows_tensor([17, 349]), 65)  # bit 1: step 1 is not recorded
+    assert cache.window_bits.shape == (350,) and cache.upcoming_steps == [2, 3, 4, 65]
+    assert words_of(cache, [17, 3, 260, 299, 349]) == [bit(2) | bit(65), bit(2) | bit(3), bit(2), bit(3), bit(65)]
+    assert int(cache.window_bits.count_nonzero()) == 5  # row 210 and the others got nothing
+
+    cache.unlock(cache.prefetch(rows_tensor([17])))  # step 1: nothing recorded leaves the window
+    assert cache.upcoming_steps == [2, 3, 4, 65]
+    # Step 66 shares bit 2 with step 2, which the next prefetch (step 2) forgets: forgotten first.
+    cache.add_upcoming(rows_tensor([3, 349, 349]), 66)
+    assert cache.upcoming_steps == [3, 4, 65, 66]
+    assert words_of(cache, [17, 3, 260, 299, 349]) == [bit(65), bit(3) | bit(66), 0, bit(3), bit(65) | bit(66)]
+    for _ in range(2):  # steps 2 and 3: step 3 leaves
+        cache.unlock(cache.prefetch(rows_tensor([])))
+    assert cache.upcoming_steps == [4, 65, 66]
+    assert words_of(cache, [17, 3, 260, 299, 349]) == [bit(65), bit(66), 0, 0, bit(65) | bit(66)]
+    # Bit 63, the sign bit: step 127 is the soonest use of row 3 at the prefetch of step 64 ...
+    for _ in range(60):  # ... steps 4 .. 63
+        cache.prefetch(rows_tensor([]))
+    cache.add_upcoming(rows_tensor([3]), 127)
+    assert words_of(cache, [3]) == [bit(66) | bit(127)] and bit(127) < 0
+    cache.clear_upcoming()
+    assert cache.upcoming_steps == [] and int(cache.window_bits.count_nonzero()) == 0
+
+
+def test_add_upcoming_rejects_bad_input_and_changes_nothing():
+    cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy="lookahead")
+    cache.unlock(cache.prefetch(rows_tensor([3])))  # step 1: hints for steps 3 .. 66
+    bad = [
+        (ValueError, "outside the window", rows_tensor([3]), 2),  # the next prefetch's own batch
+        (ValueError, "outside the window", rows_tensor([3]), 1),
+        (ValueError, "outside the window", rows_tensor([3]), 3 + WINDOW_BITS),
+        (TypeError, "step must be an int", rows_tensor([3]), 3.0),
+        (TypeError, "step must be an int", rows_tensor([3]), True),
+        (TypeError, "int64", rows_tensor([3], torch.int32), 3),
+        (TypeError, "int64", rows_tensor([[3]]), 3),
+        (ValueError, "on meta", torch.zeros(1, dtype=torch.int64, device="meta"), 3),
+    ]
+    for error, message, rows, step in bad:  # before any hint: nothing gets allocated either
+        with pytest.raises(error, match=message):
+            cache.add_upcoming(rows, step)
+        assert cache.window_bits is None and cache.upcoming_steps == []
+    cache.add_upcoming(rows_tensor([3, 17]), 3)
+    cache.add_upcoming(rows_tensor([42]), 2 + MAX_LOOKAHEAD)  # the farthest step
+    bits_before = cache.window_bits.clone()
+    for error, message, rows, step in bad + [(ValueError, "already recorded", rows_tensor([5]), 3)]:
+        with pytest.raises(error, match=message):
+            cache.add_upcoming(rows, step)
+        assert torch.equal(cache.window_bits, bits_before) and cache.upcoming_steps == [3, 2 + MAX_LOOKAHEAD]
+
+
+def soonest_uses(recorded: dict[int, list[int]], step: int) -> dict[int, int]:
+    """row -> the soonest recorded step in ``step + 2 .. step + 1 + WINDOW_BITS`` naming it."""
+    soonest = {}
+    for later in sorted(recorded, reverse=True):
+        if step + 1 < later <= step + 1 + WINDOW_BITS:
+            soonest.update({row: later for row in recorded[later]})
+    return soonest
+
+
+def test_next_use_of_slots_is_the_soonest_recorded_step_of_each_row():
+    """Random hints over 150 steps (the window's bits wrap around twice), checked before every
+    prefetch against a direct computation; each prefetch decodes the same values on the device."""
+    rng = np.random.default_rng(5)
+    cache = SlotCache(make_tables(), num_slots=32, associativity=4, policy="lookahead")
+    candidates = np.concatenate([np.arange(0, 40), np.arange(250, 270)])  # crowded sets, two tables
+    recorded: dict[int, list[int]] = {}
+    for _ in range(150):
+        step = cache.step
+        for later in rng.choice(np.arange(step + 2, step + 2 + WINDOW_BITS), size=3, replace=False).tolist():
+            if later not in cache.upcoming_steps:
+                rows = rng.choice(candidates, size=int(rng.integers(0, 6))).tolist() + [210, INT64_MAX]
+                cache.add_upcoming(rows_tensor(rows), later)
+                recorded[later] = rows
+        soonest = soonest_uses(recorded, step)
+        tags_before = cache.tags.tolist()
+        reference = cache.next_use_of_slots().tolist()
+        assert reference == [soonest.get(row, NEXT_USE_UNKNOWN) for row in tags_before]
+        cache.unlock(cache.prefetch(rows_tensor(rng.choice(candidates, size=6).tolist())))
+        assert_decoded_next_use(cache, reference, tags_before)
+    assert cache.stats().evictions > 100
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_a_window_of_64_batches_agrees_with_the_simulator_across_the_wrap_of_the_bits(depth):
+    """Steps 60 .. 130 with a window of 64 batches: every prefetch's window spans a multiple of 64,
+    so the steps' bits wrap around; the cache and the simulator choose the same victims."""
+    window, warmup = MAX_LOOKAHEAD, 59
+    batches = make_trace(num_batches=71, num_sets=8, seed=3)
+    cached_batches = [batch[is_cached_row(batch)] for batch in batches]
+    cache = SlotCache(make_tables(), num_slots=32, associativity=4, policy="lookahead", lfu_decay_interval=4)
+    simulator = CacheSimulator(32, 4, "lookahead", lfu_decay_interval=4, row_bytes=ROW_BYTES,
+                               lookahead_window=window, pipeline_depth=depth)
+    for _ in range(warmup):  # empty batches: only the steps move
+        cache.prefetch(rows_tensor([]))
+    simulator.run(np.zeros(0, dtype=np.int64), np.zeros(warmup + 1, dtype=np.int64))
+    driver = PipelinedDriver(cache, batches, window, depth)
+    for j in range(len(batches)):
+        driver.hint(j)
+        tags_before, reference = cache.tags.tolist(), cache.next_use_of_slots().tolist()
+        driver.prefetch(j)
+        assert_decoded_next_use(cache, reference, tags_before)
+        known = cached_batches[j : j + 1 + window]
+        simulator.run(np.concatenate(known), np.concatenate([[0], np.cumsum([b.size for b in known])]), 1)
+        assert cache.stats() == simulator.stats, j
+        assert_same_state(cache, simulator)
+    assert cache.step == warmup + len(batches) and cache.upcoming_steps == []
+    driver.finish()
+    simulator.finish()
+    assert_same_state(cache, simulator)
+    lru = simulate(np.concatenate(cached_batches), np.concatenate([[0], np.cumsum([b.size for b in cached_batches])]),
+                   32, 4, "lru", lfu_decay_interval=4, row_bytes=ROW_BYTES, pipeline_depth=depth)
+    assert cache.stats().evictions > 20 and cache.stats() != lru  # the hints changed victims
 
 
 @pytest.mark.parametrize("policy, window, depth", [
@@ -166,8 +284,9 @@ def eviction_check(policy: str, window: int, depth: int, seed: int) -> tuple[int
     the cache's own state, each row evicted against the rows left in the set.
 
     Returns (needed rows evicted while an unneeded unlocked row stayed: violations, evictions
-    checked). Asserts the cache's next_use equals the window's soonest use, and that no locked
-    row is evicted.
+    checked). Asserts that the next use the cache decodes (``next_use_of_slots``, and the kernel's
+    own for the sets it chose victims in) is the window's soonest use, and that no locked row is
+    evicted.
     """
     rng = np.random.default_rng(seed)
     table = CachedTable(0, 400, 1, initial_rows(0, 400, 1).to(DEVICE), None)
@@ -186,8 +305,11 @@ def eviction_check(policy: str, window: int, depth: int, seed: int) -> tuple[int
             soonest.update({int(row): step + later - j for row in batches[later]})
         driver.hint(j)
         tags_before, locks_before = cache.tags.tolist(), cache.locks.tolist()
-        assert cache.next_use.tolist() == [soonest.get(row, NEXT_USE_UNKNOWN) for row in tags_before]
+        reference = cache.next_use_of_slots().tolist()
+        assert reference == [soonest.get(row, NEXT_USE_UNKNOWN) for row in tags_before]
         driver.prefetch(j)
+        if policy == "lookahead":
+            assert_decoded_next_use(cache, reference, tags_before)
         tags_after, used = cache.tags.tolist(), set(batch.tolist())
         for slot, (old, new) in enumerate(zip(tags_before, tags_after)):
             if old < 0 or old == new:
@@ -250,7 +372,7 @@ def test_lookahead_moves_fewer_rows_than_lru():
 @pytest.mark.gpu
 def test_gpu_lookahead_pipeline_matches_simulator_and_never_syncs():
     """A Zipf trace over a 1M-row table, 4096 slots, window 4, depth 2: counters and slots equal the
-    simulator's, and set_next_use / prefetch / mark_dirty / unlock never wait for the device."""
+    simulator's, and add_upcoming / prefetch / mark_dirty / unlock never wait for the device."""
     num_rows, dim, window, depth = 1 << 20, 16, 4, 2
     table = CachedTable(0, num_rows, dim, torch.randn(num_rows, dim, device="cuda"), None)
     cache = SlotCache([table], num_slots=4096, associativity=32, policy="lookahead", device="cuda")
@@ -260,15 +382,17 @@ def test_gpu_lookahead_pipeline_matches_simulator_and_never_syncs():
     batches = [(rng.zipf(1.1, 20000) - 1) % num_rows for _ in range(24)]
     in_flight = []
     for j, batch in enumerate(batches):
-        later = batches[j + 1 : j + 1 + window]
-        hint_rows = torch.from_numpy(np.concatenate(later) if later else np.zeros(0, np.int64)).cuda()
-        uses_at = torch.from_numpy(np.concatenate([np.full(b.size, cache.step + 2 + d) for d, b in enumerate(later)])
-                                   if later else np.zeros(0, np.int64)).cuda()
+        # Each batch is recorded once, at the step of its prefetch, when it enters the window:
+        # batch j + window (the whole first window at j = 0). Copied to the GPU before the checks.
+        first_new = j + window if j else 1
+        new = {cache.step + 1 + (later - j): torch.from_numpy(batches[later]).cuda()
+               for later in range(first_new, min(j + window, len(batches) - 1) + 1)}
         rows = torch.from_numpy(batch).cuda()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            cache.set_next_use(hint_rows, uses_at)
+            for step, hint_rows in new.items():
+                cache.add_upcoming(hint_rows, step)
             in_flight.append(cache.prefetch(rows))
             if len(in_flight) > depth:
                 done = in_flight.pop(0)
@@ -301,3 +425,27 @@ def test_rows_for_hint_gives_each_distinct_row_once_then_padding():
     assert rows[: len(expected)].tolist() == expected
     assert (rows[len(expected):] == INT64_MAX).all()
     assert _HintRows(rows, count).rows().tolist() == expected  # on the CPU the count is known at once
+
+
+def test_hint_upcoming_records_each_batch_once_up_to_max_lookahead():
+    from tiered_tbe import CacheConfig, Placement, TableSpec, TieredEmbeddingBags
+
+    module = TieredEmbeddingBags([TableSpec(50, 4, placement=Placement.HOST_CACHED)],
+                                 cache=CacheConfig(slots=16, policy="lookahead", associativity=4), device="cpu",
+                                 backend="torch")
+    cache = module.cache
+    module.hint_upcoming([rows_tensor([1]), rows_tensor([2]), rows_tensor([3, 4])])  # steps 2, 3, 4
+    assert cache.upcoming_steps == [2, 3, 4]
+    bits = cache.window_bits.clone()
+    module.hint_upcoming([rows_tensor([7]), rows_tensor([8])])  # steps 2 and 3 again: skipped
+    assert torch.equal(cache.window_bits, bits)
+    cache.unlock(cache.prefetch(rows_tensor([1, 9])))  # step 1
+    module.hint_upcoming([rows_tensor([2]), rows_tensor([3, 4]), rows_tensor([5])])  # only step 5 is new
+    assert cache.upcoming_steps == [3, 4, 5]
+    # Step 2 (row 1) left the window; steps 3 and 4 kept their first rows, not the ones passed now.
+    assert words_of(cache, [1, 2, 3, 5, 7]) == [0, bit(3), bit(4), bit(5), 0]
+    with pytest.raises(ValueError, match=f"at most MAX_LOOKAHEAD = {MAX_LOOKAHEAD}"):
+        module.hint_upcoming([rows_tensor([1])] * (MAX_LOOKAHEAD + 1))
+    assert cache.upcoming_steps == [3, 4, 5]
+    module.hint_upcoming([rows_tensor([d]) for d in range(MAX_LOOKAHEAD)])  # the longest window
+    assert cache.upcoming_steps == list(range(3, 2 + MAX_LOOKAHEAD + 1))

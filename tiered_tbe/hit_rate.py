@@ -35,7 +35,8 @@ Steady state of a prefetch pipeline:
 ``--real-cache`` also drives the real cache, :class:`tiered_tbe.cache.SlotCache` (its Numba
 kernels: on the GPU, or in the Numba CUDA simulator on a CPU, where only small traces finish),
 over the same trace for every set-associative policy and size, as training does (per
-batch: lookahead's ``set_next_use`` from the next ``--lookahead-window`` batches, ``prefetch``;
+batch: lookahead's ``add_upcoming`` of the batch that enters the window of the next
+``--lookahead-window`` batches, at most ``MAX_LOOKAHEAD`` = 64; ``prefetch``;
 then the batch prefetched ``--pipeline-depth`` batches earlier: ``mark_dirty`` when training,
 ``unlock``), prints both, and exits with status 1 if any counter
 differs from the simulator's.
@@ -551,6 +552,18 @@ def check_real_cache_trace(trace: Trace) -> None:
             f"(this one has {trace.num_lookups:,}; use fewer --batches or a smaller --batch-size), or run on a GPU")
 
 
+def check_real_cache_windows(policies: Sequence[str], options: SimOptions) -> None:
+    """``ValueError`` when a lookahead window of ``policies`` is longer than the real cache's hints
+    reach (``MAX_LOOKAHEAD`` batches after the one prefetched); the simulator has no such limit."""
+    from tiered_tbe.cache import MAX_LOOKAHEAD
+
+    windows = sorted({resolve_policy(name, options)[1].lookahead_window for name in policies
+                      if base_policy(name) == "lookahead"})
+    if windows and windows[-1] > MAX_LOOKAHEAD:
+        raise ValueError(f"--real-cache: lookahead window {windows[-1]} is longer than the real cache's hints "
+                         f"reach (MAX_LOOKAHEAD = {MAX_LOOKAHEAD} batches after the one prefetched)")
+
+
 @contextlib.contextmanager
 def _one_simulated_thread():
     """One CUDA-simulator thread per cache-kernel launch (each is a Python thread); the kernels are
@@ -570,10 +583,11 @@ def run_slot_cache(trace: Trace, policy: str, num_slots: int, options: SimOption
     with a prefetch pipeline of depth ``options.pipeline_depth`` does (0: serial), and return its
     counters (comparable to ``POLICIES[policy].run``'s, counter for counter).
 
-    Per batch ``j`` (of the batches run, ``options.batches_run(trace)``): (lookahead) ``set_next_use``
-    with the rows of batches ``j+1 .. j+W`` (``W = options.lookahead_window``, up to the end of the
-    trace, its future batches included), each at the step of its batch's prefetch, as
-    :class:`~tiered_tbe.PrefetchPipeline` does; ``prefetch``; then batch ``j - depth`` finishes:
+    Per batch ``j`` (of the batches run, ``options.batches_run(trace)``): (lookahead) ``add_upcoming``
+    of each batch of ``j+1 .. j+W`` not told yet (``W = options.lookahead_window``, at most
+    ``MAX_LOOKAHEAD``; up to the end of the trace, its future batches included), at the step of its
+    batch's prefetch, as :class:`~tiered_tbe.PrefetchPipeline` does; ``prefetch``; then batch
+    ``j - depth`` finishes:
     ``mark_dirty`` when training, ``unlock``. The counters of the ``options.warmup_batches`` first
     batches are subtracted.
 
@@ -591,6 +605,7 @@ def run_slot_cache(trace: Trace, policy: str, num_slots: int, options: SimOption
     if policy not in REAL_CACHE_POLICIES:
         raise ValueError(f"no real cache for {policy!r}: only {', '.join(REAL_CACHE_POLICIES)}")
     options.check(trace)
+    check_real_cache_windows([policy], options)
     device = default_device()
     weights = torch.zeros(trace.num_rows, 1, dtype=torch.float32, device=device)
     cache = SlotCache([CachedTable(0, trace.num_rows, 1, weights)], num_slots, options.associativity, policy=policy,
@@ -600,18 +615,16 @@ def run_slot_cache(trace: Trace, policy: str, num_slots: int, options: SimOption
     known_batches = trace.num_batches  # the window sees the future batches too
     window = options.lookahead_window if policy == "lookahead" else 0
     in_flight: list[torch.Tensor] = []  # slot_of_index of the batches prefetched and not finished
+    next_to_hint = 1  # the first batch not yet told to the cache (add_upcoming)
     before = CacheStats()
     with _one_simulated_thread():
         for j in range(options.batches_run(trace)):
             if j == options.warmup_batches and j:
                 before = cache.stats()
-            if window:
-                later = range(j + 1, min(j + window, known_batches - 1) + 1)
-                hint_rows = rows[offsets[j + 1]:offsets[later[-1] + 1]] if later else rows[:0]
-                uses_at = torch.cat([torch.full((offsets[k + 1] - offsets[k],), cache.step + 1 + (k - j),
-                                                dtype=torch.int64, device=device) for k in later]) \
-                    if later else rows[:0]
-                cache.set_next_use(hint_rows, uses_at)
+            if window:  # each batch once, as it enters the window j+1 .. j+W, at the step of its prefetch
+                for k in range(next_to_hint, min(j + window, known_batches - 1) + 1):
+                    cache.add_upcoming(rows[offsets[k]:offsets[k + 1]], cache.step + 1 + (k - j))
+                next_to_hint = max(next_to_hint, j + window + 1)
             in_flight.append(cache.prefetch(rows[offsets[j]:offsets[j + 1]]))
             if len(in_flight) > options.pipeline_depth:  # the batch prefetched depth steps ago finishes
                 slot_of_index = in_flight.pop(0)
@@ -1185,9 +1198,10 @@ def run(args: argparse.Namespace, out=None) -> int:
         print("building the trace ...", file=sys.stderr, flush=True)
     trace = trace_from_args(args)
     options.check(trace)
+    policies = policies_from_args(args)
     if args.real_cache:
         check_real_cache_trace(trace)
-    policies = policies_from_args(args)
+        check_real_cache_windows(policies, options)
     counted = counted_batches(trace, options)
     print(f"trace: {trace.description}\n"
           f"       {trace.num_lookups:,} lookups, {trace.num_rows:,} rows ({counted.touched:,} touched), "

@@ -12,7 +12,7 @@ from tiered_tbe import validation
 from tiered_tbe._mode import default_device
 from tiered_tbe._sorting import INT64_MAX, sort_ids
 from tiered_tbe.backends import backend_named
-from tiered_tbe.cache.slot_cache import SlotCache
+from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD, SlotCache
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.function import TieredEmbeddingBagsFunction
 from tiered_tbe.kernels.rows import Lookups
@@ -233,16 +233,26 @@ class TieredEmbeddingBags(nn.Module):
 
         ``upcoming_rows[d - 1]`` (int64, e.g. from :meth:`rows_for_hint`; repeats allowed, rows
         outside the cached tables ignored) are the rows of the batch ``d`` places after the next
-        one. Each cached row gets, as its next use, the cache step at
-        which the first of these batches naming it will be prefetched; the policy evicts the row
+        one, for ``d`` up to ``MAX_LOOKAHEAD`` (64, ``tiered_tbe.cache.MAX_LOOKAHEAD``; more raise
+        ``ValueError``): that batch will be prefetched at cache step ``cache.step + 1 + d``, and
+        the cache holds hints for the 64 steps after the next one. When a victim is chosen, each
+        cached row's next use is the first of these batches naming it; the policy evicts the row
         needed latest first.
+
+        Incremental: a batch whose step the cache has recorded already (passed before a previous
+        prefetch) is skipped, so passing the whole window before every prefetch costs one pass
+        over the rows of the batch that entered it (``SlotCache.add_upcoming``).
         """
-        if self.cache is None or not upcoming_rows:
+        if len(upcoming_rows) > MAX_LOOKAHEAD:
+            raise ValueError(f"hint_upcoming: {len(upcoming_rows)} batches, at most MAX_LOOKAHEAD = {MAX_LOOKAHEAD} "
+                             "after the next prefetch (the cache holds hints for that many steps)")
+        if self.cache is None:
             return
-        next_step = self.cache.step + 1
-        uses_at = [torch.full_like(rows, next_step + distance) for distance, rows in enumerate(upcoming_rows, 1)]
-        # Uses are steps step + 2 .. step + 1 + W: a horizon of W + 1 lets the sort use int32 keys.
-        self.cache.set_next_use(torch.cat(upcoming_rows), torch.cat(uses_at), horizon=len(upcoming_rows) + 1)
+        recorded = set(self.cache.upcoming_steps)
+        for distance, rows in enumerate(upcoming_rows, 1):
+            step = self.cache.step + 1 + distance
+            if step not in recorded:
+                self.cache.add_upcoming(rows, step)
 
     def cancel_prefetched(self) -> None:
         """Drop every batch prefetched but not yet forwarded, releasing its cache locks."""

@@ -74,7 +74,9 @@ class CacheConfig:
 
     Give exactly one size: ``slots`` (rows), ``memory`` (bytes of cached rows and their
     optimizer state, e.g. ``"8GiB"``) or ``fraction`` (of all cached rows). ``policy`` is
-    ``"lru"``, ``"lfu"`` or ``"lookahead"``; ``associativity`` ways per set.
+    ``"lru"``, ``"lfu"`` or ``"lookahead"``; ``associativity`` ways per set. A lookahead cache
+    told of upcoming batches (a :class:`~tiered_tbe.PrefetchPipeline`) also holds 8 bytes of
+    device memory per row of the cached tables for the hints, beyond ``memory``.
     ``lfu_decay_interval``: every this many prefetches, LFU halves every use count, so a
     once-hot row does not stay forever.
     """
