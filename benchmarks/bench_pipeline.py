@@ -34,7 +34,6 @@ Without a GPU (CPU simulation) it runs at a tiny size to prove it works; its tim
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 
@@ -44,7 +43,6 @@ from torch import nn
 from tiered_tbe._mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.bench_cache import build_module, free, judge
-from tiered_tbe.cache.policy import NEXT_USE_UNKNOWN
 from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD, PrefetchPipeline
 from tiered_tbe.specs import CacheConfig, Placement
 
@@ -81,10 +79,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run.add_argument("--top-mlp", default="512,256", help="hidden widths of the top MLP, then 1 (default 512,256)")
     run.add_argument("--dense-precision", default="tf32", choices=["tf32", "fp32"],
                      help="matmuls of the dense MLPs on a GPU (default tf32, as DLRM training on Hopper)")
-    run.add_argument("--training-priority", default="default", choices=["default", "high"],
-                     help="CUDA stream priority of the training loop: 'high' runs every step on a "
-                          "high-priority stream, so the GPU schedules training kernels before pending "
-                          "prefetch blocks (default: torch's default stream)")
+    run.add_argument("--training-priority", default="high", choices=["default", "high"],
+                     help="pipelined runs: PrefetchPipeline(high_priority=...): 'high' (the default) runs "
+                          "each step on a high-priority stream, 'default' on the current stream")
     run.add_argument("--seed", type=int, default=0, help="seed of the weights, the lookups and the dense data")
     common.add_output_flags(parser)
     return parser
@@ -162,23 +159,18 @@ def make_batches(table_rows, alpha, args, device) -> list[tuple[torch.Tensor, ..
 
 
 def lookahead_hints(emb) -> bool:
-    """Whether any slot holds a next-use hint now (reads the device)."""
-    return emb.cache is not None and bool((emb.cache.next_use != NEXT_USE_UNKNOWN).any())
+    """Whether the cache has recorded next-use hints (the pipeline's window)."""
+    return emb.cache is not None and emb.cache.window_bits is not None
 
 
 def train(model: SmallDLRM, batches, args, pipelined: bool) -> dict:
     """Run ``warmup`` steps, then time ``batches`` steps (wall clock, synchronized at both ends)."""
     emb = model.embeddings
     lookahead = args.lookahead if emb.uses_lookahead else 0
-    source = PrefetchPipeline(model, batches, depth=args.depth, lookahead=lookahead) if pipelined else None
-    training_stream = contextlib.nullcontext()
-    if args.training_priority == "high" and not SIMULATION:
-        high = torch.cuda.Stream(priority=-100)  # clamped to the device's highest priority
-        high.wait_stream(torch.cuda.current_stream())
-        training_stream = torch.cuda.stream(high)
+    source = PrefetchPipeline(model, batches, depth=args.depth, lookahead=lookahead,
+                              high_priority=args.training_priority == "high") if pipelined else None
     try:
-        with training_stream:
-            start, hints = train_steps(model, source if pipelined else batches, args)
+        start, hints = train_steps(model, source if pipelined else batches, args)
     finally:
         if source is not None:
             source.close()
@@ -339,7 +331,7 @@ def run_command(args: argparse.Namespace, argv=None) -> int:
         print(common.SIMULATION_NOTE)
     print(f"{common.describe_tables(args)}, row-wise Adagrad; batch {args.batch_size} x bag {args.bag_size}; "
           f"cache {args.cache_fraction:g} of rows, {args.associativity} ways; pipeline depth {args.depth}, "
-          f"lookahead window {args.lookahead}; "
+          f"lookahead window {args.lookahead}; pipelined steps on a {args.training_priority}-priority stream; "
           f"{args.warmup} warm-up + {args.batches} timed steps per run; on {common.device_name()}", flush=True)
     tf32 = None
     if not SIMULATION:

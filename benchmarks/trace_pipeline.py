@@ -24,7 +24,6 @@ stream that waits (idle time), for the host or for a prefetch. The traces are wr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import json
 import sys
@@ -57,16 +56,11 @@ def train_and_trace(model, batches, args, pipelined: bool, trace_path: Path | No
     dense_optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
     loss_fn = nn.BCEWithLogitsLoss()
     lookahead = args.lookahead if model.embeddings.uses_lookahead else 0
-    source = iter(PrefetchPipeline(model, batches, depth=args.depth, lookahead=lookahead) if pipelined else batches)
+    source = iter(PrefetchPipeline(model, batches, depth=args.depth, lookahead=lookahead,
+                                   high_priority=args.training_priority == "high") if pipelined else batches)
     activities = [ProfilerActivity.CPU] + ([] if SIMULATION else [ProfilerActivity.CUDA])
     prof = profile(activities=activities)
-    training_stream = contextlib.nullcontext()
-    if args.training_priority == "high" and not SIMULATION:
-        high = torch.cuda.Stream(priority=-100)  # clamped to the device's highest priority
-        high.wait_stream(torch.cuda.current_stream())
-        training_stream = torch.cuda.stream(high)
     try:
-        training_stream.__enter__()
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 common.synchronize()
@@ -84,7 +78,6 @@ def train_and_trace(model, batches, args, pipelined: bool, trace_path: Path | No
         common.synchronize()
         prof.stop()
     finally:
-        training_stream.__exit__(None, None, None)
         if pipelined:
             source.close()
     path = trace_path or Path(f"/tmp/trace_pipeline_{id(prof)}.json")

@@ -70,6 +70,8 @@ def assign_slots_kernel(
     read_window_bits,  # bool: decode next_use from window_bits (lookahead, hints recorded); else use it as is
     locks,  # int32 [S]
     dirty,  # uint8 [S]
+    bypass_count,  # uint8 [R]: per global row, the batches in flight that got no slot for it; a miss
+    #                of such a row gets no slot either, and every row given none is counted here
     slot_of_unique,  # int32 [N] out (pre-filled with NO_SLOT): slot of each unique row
     outcome,  # int8 [N] out (pre-filled with OUTCOME_NONE): OUTCOME_* of each unique row
     victim_row,  # int64 [N] out (pre-filled with EMPTY): row evicted to make room for a fill
@@ -110,8 +112,9 @@ def assign_slots_kernel(
             u = unique_of_position[position]
             if outcome[u] == OUTCOME_HIT:
                 continue
+            row = unique_rows[u]
             slot = NO_SLOT
-            if not set_full:
+            if not set_full and bypass_count[row] == 0:  # else a batch in flight reads it in place
                 if not next_use_decoded:
                     _decode_next_use_of_set(first_slot, associativity, step, tags, window_bits, next_use)
                     next_use_decoded = True
@@ -120,12 +123,13 @@ def assign_slots_kernel(
                 set_full = slot == NO_SLOT  # locks only grow within a prefetch: it stays full
             if slot == NO_SLOT:
                 outcome[u] = OUTCOME_NO_SLOT
+                bypass_count[row] += 1  # one thread per set, unique rows: no other thread writes it
                 continue
             evicted = tags[slot]
             if evicted != EMPTY:
                 victim_row[u] = evicted
                 victim_was_dirty[u] = dirty[slot]
-            tags[slot] = unique_rows[u]
+            tags[slot] = row
             touch_on_fill_device(slot, step, last_use, use_count)
             dirty[slot] = 0
             locks[slot] += 1
@@ -313,6 +317,20 @@ def mark_dirty_kernel(
         slot = slot_of_index[i]
         if slot != NO_SLOT:
             dirty[slot] = 1  # repeated slots write the same value: no atomics needed
+
+
+@cuda.jit
+def release_bypassed_kernel(
+    bypassed_rows,  # int64 [N]: the rows a batch's prefetch gave no slot, each once; NOT_CACHED padding
+    bypass_count,  # uint8 [R]: per global row (see assign_slots_kernel)
+):
+    """The batch no longer reads these rows from their backing stores: later prefetches may cache them."""
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for i in range(start, bypassed_rows.shape[0], stride):
+        row = bypassed_rows[i]
+        if row != NOT_CACHED:
+            bypass_count[row] -= 1  # distinct rows: one writer each
 
 
 @cuda.jit

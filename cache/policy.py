@@ -97,6 +97,18 @@ Locks
     of the ``k`` batches before batch ``j`` are locked while it is prefetched; ``k = 0`` is
     serial training.
 
+Rows left in the backing store
+    A batch reads and updates the rows it got slot -1 for (``misses_no_slot``) in their backing
+    stores, from its forward to its backward. So that no later prefetch copies such a row into a
+    slot while that batch may still write it (its update would land on the backing store after
+    the copy, and be lost), a miss whose row some batch still in flight got no slot for gets no
+    slot either: it counts in ``misses_no_slot``, leaves the cache unchanged, and is itself
+    barred until its batch finishes. Nothing else about a prefetch depends on the backwards in
+    flight, so a pipeline's prefetches need not wait for them (only for the unlocks). In serial
+    training no other batch is in flight and this never applies. The GPU cache keeps one count
+    per row (``bypass_count``, uint8: batches in flight that left the row in its backing store);
+    the simulator keeps the rows of each batch in flight.
+
 Extending the policy
     A new policy adds a code below and a branch to :func:`victim_key`; the kernels and the
     simulator call ``victim_key`` through :func:`choose_victim` and need no change. Knowledge

@@ -69,7 +69,8 @@ _DIRECT_IDS_PER_LOOKUP = 4
 @numba.njit
 def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associativity, policy,
                  lfu_decay_interval, training, lookahead_window, next_batch_of_lookup, tags, last_use,
-                 use_count, next_use, next_step, locks, dirty, in_flight_slots, in_flight_counts, counters):
+                 use_count, next_use, next_step, locks, dirty, in_flight_slots, in_flight_counts,
+                 in_flight_bypassed, in_flight_bypassed_counts, counters):
     """Advance the cache state over the first ``num_batches`` batches of ``batch_offsets`` (see
     CacheSimulator.run); the batches after them are only the future that lookahead sees.
 
@@ -77,7 +78,8 @@ def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associa
     next batch (index into ``batch_offsets``) naming each lookup's row, ``batch_offsets.size - 1``
     when none does. ``in_flight_slots`` (int32 [depth + 1, capacity]) / ``in_flight_counts``
     (int64 [depth + 1]): a ring of the slots each batch in flight locked, batch of step ``s`` in
-    row ``s % (depth + 1)``.
+    row ``s % (depth + 1)``; ``in_flight_bypassed`` / ``in_flight_bypassed_counts``, the same ring
+    of the rows each batch got no slot for (policy.py, "Rows left in the backing store").
     """
     hinted = policy == POLICY_LOOKAHEAD and lookahead_window > 0
     known_batches = batch_offsets.size - 1
@@ -137,10 +139,15 @@ def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associa
             if hinted:  # what the cache decodes from its window bits, for the ways of this set
                 for slot in range(first_slot, first_slot + associativity):
                     next_use[slot] = next_step[slot] if next_step[slot] <= horizon else NEXT_USE_UNKNOWN
-            slot = choose_victim_cpu(policy, tags, last_use, use_count, next_use, locks, first_slot,
-                                     associativity)
+            slot = NO_SLOT
+            if not _bypassed_in_flight(row, step, in_flight_bypassed, in_flight_bypassed_counts):
+                slot = choose_victim_cpu(policy, tags, last_use, use_count, next_use, locks, first_slot,
+                                         associativity)
             if slot == NO_SLOT:
                 misses_no_slot += 1
+                bypassed = in_flight_bypassed[step % ring]
+                bypassed[in_flight_bypassed_counts[step % ring]] = row
+                in_flight_bypassed_counts[step % ring] += 1
                 continue
             if tags[slot] != EMPTY:
                 evictions += 1
@@ -165,12 +172,27 @@ def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associa
             if training:
                 dirty[slot] = 1
         in_flight_counts[finished] = 0
+        in_flight_bypassed_counts[finished] = 0
         if step % lfu_decay_interval == 0:
             for slot in range(use_count.size):
                 use_count[slot] >>= 1
     for k, value in enumerate((lookups, lookup_hits, unique_hits, unique_misses, misses_no_slot, evictions,
                                write_backs)):
         counters[k] += value
+
+
+@numba.njit
+def _bypassed_in_flight(row, step, in_flight_bypassed, in_flight_bypassed_counts):
+    """Whether a batch in flight other than this step's got no slot for ``row`` (a linear scan:
+    such rows are few, only from sets full of locked rows)."""
+    ring = in_flight_bypassed_counts.size
+    for entry in range(ring):
+        if entry == step % ring:
+            continue
+        for k in range(in_flight_bypassed_counts[entry]):
+            if in_flight_bypassed[entry, k] == row:
+                return True
+    return False
 
 
 @numba.njit(inline="always")
@@ -254,6 +276,9 @@ class CacheSimulator:
         # The slots each batch in flight locked: row s % (depth + 1) for the batch of step s.
         self._in_flight_slots = np.zeros((pipeline_depth + 1, 0), dtype=np.int32)
         self._in_flight_counts = np.zeros(pipeline_depth + 1, dtype=np.int64)
+        # The rows each batch in flight got no slot for (read from its backing store), same ring.
+        self._in_flight_bypassed = np.zeros((pipeline_depth + 1, 0), dtype=np.int64)
+        self._in_flight_bypassed_counts = np.zeros(pipeline_depth + 1, dtype=np.int64)
         self._counters = np.zeros(len(_COUNTERS), dtype=np.int64)
         self.step = 0  # batches simulated so far
 
@@ -295,7 +320,7 @@ class CacheSimulator:
                      self._policy_code, self.lfu_decay_interval, self.training, self.lookahead_window,
                      next_batch_of_lookup, self.tags, self.last_use, self.use_count, self._next_use,
                      self._next_step, self.locks, self.dirty, self._in_flight_slots, self._in_flight_counts,
-                     self._counters)
+                     self._in_flight_bypassed, self._in_flight_bypassed_counts, self._counters)
         self.step += num_batches
         return self
 
@@ -310,6 +335,7 @@ class CacheSimulator:
             if self.training:
                 self.dirty[slots] = 1
             self._in_flight_counts[row] = 0
+            self._in_flight_bypassed_counts[row] = 0
         return self
 
     @property
@@ -328,6 +354,10 @@ class CacheSimulator:
         if needed > held.shape[1]:
             self._in_flight_slots = np.zeros((held.shape[0], needed), dtype=np.int32)
             self._in_flight_slots[:, : held.shape[1]] = held
+        bypassed = self._in_flight_bypassed
+        if longest_batch > bypassed.shape[1]:
+            self._in_flight_bypassed = np.zeros((bypassed.shape[0], longest_batch), dtype=np.int64)
+            self._in_flight_bypassed[:, : bypassed.shape[1]] = bypassed
 
     def _prepare_hints(self, rows: np.ndarray, batch_offsets: np.ndarray) -> np.ndarray:
         """Each lookup's next batch (int32 [len(rows)]); and every cached row's next use, from the

@@ -128,10 +128,14 @@ class SlotCache:
         ``state`` fp32 [S, state_width] (largest optimizer-state width; 0 columns when none).
         They are updated in place, never replaced: views of them stay valid.
 
-    Per-row tensor (``R`` = one past the last global row of the cached tables), only once a
-    hint was recorded (:meth:`add_upcoming`; ``None`` before): ``window_bits`` int64 [R], bit
-    ``s % WINDOW_BITS`` set when the recorded batch of step ``s`` names the row: 8 bytes of
-    device memory per row of the cached tables.
+    Per-row tensors (``R`` = one past the last global row of the cached tables):
+        ``bypass_count`` uint8 [R]: the batches prefetched and not yet unlocked that got no slot
+        for the row (they read and update it in its backing store); while it is not 0 no
+        prefetch caches the row (policy.py, "Rows left in the backing store"). 1 byte of device
+        memory per row; at most 255 batches in flight.
+        ``window_bits`` int64 [R], only once a hint was recorded (:meth:`add_upcoming`; ``None``
+        before): bit ``s % WINDOW_BITS`` set when the recorded batch of step ``s`` names the
+        row: 8 bytes of device memory per row of the cached tables.
 
     Streams: every method enqueues its work on torch's current stream of ``device`` and returns
     without waiting (except ``num_locked``, ``stats`` and ``invalidate``, which read the device).
@@ -216,20 +220,29 @@ class SlotCache:
         self._no_window_bits = torch.zeros(1, dtype=torch.int64, **on)  # the kernels' dummy until then
         self._k_window_bits = self._kernel_array(self._no_window_bits)
         self._rows_of_upcoming_step: dict[int, torch.Tensor] = {}
+        self.bypass_count = torch.zeros(self._rows_end, dtype=torch.uint8, **on)
 
         # Kernel views, made once (converting a tensor costs host time at every launch): the
         # per-slot tensors are only ever updated in place.
         self._stream_pointer = None
         self._numba_stream = None
-        self._k_tags, self._k_last_use, self._k_use_count, self._k_dirty, self._k_locks, self._k_next_use = (
-            self._kernel_array(t) for t in (self.tags, self.last_use, self.use_count, self.dirty, self.locks,
-                                            self.next_use))
+        (self._k_tags, self._k_last_use, self._k_use_count, self._k_dirty, self._k_locks, self._k_next_use,
+         self._k_bypass_count) = (self._kernel_array(t) for t in (self.tags, self.last_use, self.use_count, self.dirty,
+                                                                   self.locks, self.next_use, self.bypass_count))
         self._copy_groups = self._make_copy_groups()
         self.copy_blocks = DEFAULT_COPY_BLOCKS  # most thread blocks per copy launch (GPU only)
         self.copy_rows_per_block = DEFAULT_COPY_ROWS_PER_BLOCK  # warps per copy block (GPU only)
         # int32 [N] after each prefetch: the distinct slots it locked (one per unique row, NO_SLOT
         # padding); unlock(locked_slots, distinct=True) releases them without a sort.
         self.locked_slots = torch.empty(0, dtype=torch.int32, device=self.device)
+        # int64 [N] after each prefetch: the rows it gave no slot (once each, NOT_CACHED padding).
+        self.bypassed_rows = torch.empty(0, dtype=torch.int64, device=self.device)
+        # Prefetches not yet unlocked: id of the remap they returned, and of their locked_slots ->
+        # (remap, locked_slots, bypassed_rows). unlock() of either releases the bypassed rows.
+        self._unreleased: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # (stream, event) after the latest prefetch on CUDA: an unlock elsewhere waits for it,
+        # since lock counts are updated without atomics.
+        self._last_prefetch: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -253,7 +266,9 @@ class SlotCache:
         only dirty ones, weights and optimizer state), are copied in from the backing store and
         gain a lock. Lookahead hints (:meth:`add_upcoming`) of this step and earlier ones are
         forgotten first. Each unique row is locked once; :meth:`unlock` releases the batch (with
-        ``slot_of_index``, or faster with :attr:`locked_slots` and ``distinct=True``).
+        the returned ``slot_of_index``, or faster with :attr:`locked_slots` and
+        ``distinct=True``), and with it the rows it gave no slot (:attr:`bypassed_rows`), which
+        no prefetch caches until then.
         """
         rows = self._check_rows(global_rows)
         self._step += 1
@@ -261,11 +276,17 @@ class SlotCache:
         self._forget_upcoming(through=self._step)  # this batch's own hint, if any, leaves the window
         n = rows.numel()
         if n > 0:
-            slot_of_index, self.locked_slots = self._prefetch(rows)
+            slot_of_index, self.locked_slots, self.bypassed_rows = self._prefetch(rows)
         else:
             slot_of_index = self.locked_slots = torch.empty(0, dtype=torch.int32, device=self.device)
+            self.bypassed_rows = torch.empty(0, dtype=torch.int64, device=self.device)
         if self._step % self.lfu_decay_interval == 0:
             self.use_count >>= 1  # LFU aging, after every lfu_decay_interval-th prefetch
+        entry = (slot_of_index, self.locked_slots, self.bypassed_rows)
+        self._unreleased[id(slot_of_index)] = self._unreleased[id(self.locked_slots)] = entry
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            self._last_prefetch = (stream, stream.record_event())
         return slot_of_index
 
     def lookup(self, global_rows: torch.Tensor) -> torch.Tensor:
@@ -357,9 +378,23 @@ class SlotCache:
         """Release one batch's locks: one per distinct slot >= 0 of ``slot_of_index`` (int32 [N]).
 
         ``distinct=True`` says no slot >= 0 appears twice (e.g. :attr:`locked_slots` of the
-        batch's prefetch), which saves sorting them.
+        batch's prefetch), which saves sorting them. Given the very tensor its prefetch returned
+        (or its :attr:`locked_slots`), the rows that prefetch gave no slot may be cached again;
+        a copy of it releases the locks only, and those rows then stay in their backing stores
+        (lost hits, never lost updates). On CUDA an unlock on another stream than the latest
+        prefetch's waits for that prefetch: lock counts are updated without atomics.
         """
         slots = self._check_slots(slot_of_index)
+        if self._last_prefetch is not None:
+            stream, done = self._last_prefetch
+            if stream != torch.cuda.current_stream(self.device):
+                torch.cuda.current_stream(self.device).wait_event(done)
+        entry = self._unreleased.get(id(slot_of_index))
+        if entry is not None and (entry[0] is slot_of_index or entry[1] is slot_of_index):
+            self._unreleased.pop(id(entry[0]), None)
+            self._unreleased.pop(id(entry[1]), None)  # the same tensor for an empty batch
+            if entry[2].numel():
+                self._launch(_kernels.release_bypassed_kernel, entry[2].numel(), entry[2], self._k_bypass_count)
         if slots.numel() == 0:
             return
         slots = slots if distinct else torch.sort(slots).values  # repeats side by side: released once
@@ -382,9 +417,7 @@ class SlotCache:
         """Copy the rows of these slots (int32/int64 [N]; -1 skipped, repeats fine) to their backing
         stores now, weights and state. Dirty bits are left as they are.
 
-        For a pipeline: a row that a queued batch will read from its backing store (its slot was
-        -1 at that batch's prefetch) but that a later prefetch cached, and backward just updated
-        in its slot. Counted in ``write_backs`` and ``bytes_out``.
+        Counted in ``write_backs`` and ``bytes_out``.
         """
         slots = self._check_slots(slot_of_index)
         n = slots.numel()
@@ -411,6 +444,7 @@ class SlotCache:
             raise RuntimeError(f"invalidate() with {self.num_locked()} locked slots: unlock every "
                                "prefetched batch first")
         self.tags.fill_(EMPTY)
+        self.bypass_count.zero_()  # no batch is in flight
         self.next_use.fill_(NEXT_USE_UNKNOWN)
         self.last_use.zero_()
         self.use_count.zero_()
@@ -440,7 +474,8 @@ class SlotCache:
 
     # ------------------------------------------------------------------ prefetch
 
-    def _prefetch(self, rows: torch.Tensor) -> torch.Tensor:
+    def _prefetch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(slot_of_index int32 [N], locked_slots int32 [N], bypassed_rows int64 [N]) of a batch."""
         n = rows.numel()
         on = dict(device=self.device)
 
@@ -474,7 +509,7 @@ class SlotCache:
                      set_of_position, unique_of_position, unique_rows, self.num_sets, self.associativity,
                      self._step, self._policy_code, self._k_tags, self._k_last_use, self._k_use_count,
                      self._k_next_use, self._k_window_bits, read_window_bits, self._k_locks, self._k_dirty,
-                     slot_of_unique, outcome, victim_row, victim_was_dirty)
+                     self._k_bypass_count, slot_of_unique, outcome, victim_row, victim_was_dirty)
 
         # 4. Write back dirty victims (all tables), then fill (all tables): a slot's old row
         # leaves before its new row arrives.
@@ -503,7 +538,8 @@ class SlotCache:
             "bytes_out": self._bytes_of(victim_row, victim_was_dirty),
         }
         self._counters += torch.stack([update[name] for name in _DEVICE_COUNTERS])
-        return slot_of_index.to(torch.int32), slot_of_unique
+        bypassed_rows = torch.where(outcome == OUTCOME_NO_SLOT, unique_rows, NOT_CACHED)
+        return slot_of_index.to(torch.int32), slot_of_unique, bypassed_rows
 
     def _forget_upcoming(self, through: int) -> None:
         """Clear the window bits of every recorded step ``<= through`` and drop its rows."""

@@ -330,9 +330,10 @@ def eviction_check(policy: str, window: int, depth: int, seed: int) -> tuple[int
 @pytest.mark.parametrize("depth", [0, 1])
 def test_lookahead_never_evicts_a_needed_row_while_an_unneeded_one_is_in_the_set(depth):
     """Also: of needed rows, the one needed latest goes first. LRU, on the same trace, does not."""
-    violations, checked = eviction_check("lookahead", window=3, depth=depth, seed=depth)
+    seed = 2 + 2 * depth  # traces on which LRU does evict a needed row (the check is not vacuous)
+    violations, checked = eviction_check("lookahead", window=3, depth=depth, seed=seed)
     assert violations == 0 and checked > 20
-    lru_violations, _ = eviction_check("lru", window=3, depth=depth, seed=depth)
+    lru_violations, _ = eviction_check("lru", window=3, depth=depth, seed=seed)
     assert lru_violations > 0  # the trace does put needed and unneeded rows in one set
 
 

@@ -106,30 +106,38 @@ def test_pipelined_triton_kernels_equal_serial():
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
-def test_update_lands_on_newest_copy_when_a_later_prefetch_caches_the_row():
-    """B reads row 0 from the backing store (its one set is full of A's locked rows); C's
-    prefetch, after A's backward but before B's, caches row 0; B's update must reach both the
-    slot (which C reads) and the backing store."""
+@pytest.mark.parametrize("defer_unlock", [False, True])
+def test_a_row_left_in_the_backing_store_stays_there_while_its_batch_is_in_flight(defer_unlock):
+    """B reads row 0 from the backing store (its one set is full of A's locked rows). C's
+    prefetch, while B is in flight, must not copy row 0 into a slot: B's update would land in
+    the backing store after the copy and be lost to C. Once B is released, D's prefetch caches
+    row 0, with B's update."""
     module = make_model("lru", slots=4).sgd  # one set of 4 ways, SGD lr 0.3
     def batch(rows):  # every lookup in table "big", bag 0
         return torch.tensor(rows), torch.tensor([0, len(rows)] + [len(rows)] * 5)
-    a, b, c = batch([10, 11, 12, 13]), batch([0]), batch([0])
-    module.prefetch(*a)
-    module.prefetch(*b)
+    a, b, c, d = batch([10, 11, 12, 13]), batch([0]), batch([0]), batch([0])
+    module.prefetch(*a, defer_unlock=defer_unlock)
+    module.prefetch(*b, defer_unlock=defer_unlock)
     assert module._prefetched[1][2].slot_of_index.tolist() == [-1]
     module(*a).backward(torch.ones(2, 12))
-    module.prefetch(*c)
-    assert module._prefetched[1][2].slot_of_index.tolist() != [-1], "C's prefetch must cache row 0"
+    module.prefetch(*c, defer_unlock=defer_unlock)  # A's rows are free now, but B is in flight
+    assert module._prefetched[1][2].slot_of_index.tolist() == [-1], "row 0 must stay in the backing store"
     row_before = module.storage.weights(0)[0].clone()
     out_b = module(*b)
     torch.testing.assert_close(out_b[0, :4], row_before)
     out_b.backward(torch.ones(2, 12))
     updated = row_before - 0.3
-    torch.testing.assert_close(module.storage.weights(0)[0], updated)  # written through
-    out_c = module(*c)  # reads the slot
+    torch.testing.assert_close(module.storage.weights(0)[0], updated)
+    out_c = module(*c)  # reads the backing store, updated
     torch.testing.assert_close(out_c[0, :4], updated)
     out_c.backward(torch.zeros(2, 12))
+    module.prefetch(*d, defer_unlock=defer_unlock)  # B and C are done: row 0 comes in
+    assert module._prefetched[0][2].slot_of_index.tolist() != [-1]
+    with torch.no_grad():
+        torch.testing.assert_close(module(*d)[0, :4], updated)
+    module.cancel_prefetched()  # runs the deferred unlocks
     assert module.cache.num_locked() == 0
+    assert module.cache.stats().misses_no_slot == 2  # B's and C's row 0
 
 
 def test_no_locks_after_eval_exception_and_early_exit():
@@ -169,5 +177,7 @@ def test_single_module_and_default_lookups():
     assert module.cache.num_locked() == 0
     with pytest.raises(ValueError, match="depth must be between 1 and 8"):
         PrefetchPipeline(module, batches, depth=9)
+    with pytest.raises(ValueError, match="lookahead must be between 0 and MAX_LOOKAHEAD = 64, got 65"):
+        PrefetchPipeline(module, batches, lookahead=65)
     with pytest.raises(ValueError, match="holds no TieredEmbeddingBags"):
         PrefetchPipeline(nn.Linear(2, 2), batches)

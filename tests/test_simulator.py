@@ -22,6 +22,7 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
     sets = [[None] * associativity for _ in range(num_sets)]
     stats = CacheStats()
     held_by_batch = []  # (set, way) locked by each batch
+    bypassed_by_batch = []  # rows each batch got no slot for (read from the backing store)
 
     def next_use(row, batch_index):
         for later in range(batch_index + 1, min(batch_index + lookahead_window, len(batches) - 1) + 1):
@@ -40,7 +41,9 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
     for batch_index, batch in enumerate(batches):
         step = batch_index + 1
         stats.batches += 1
-        held = []
+        held, bypassed = [], set()
+        in_flight = range(max(0, batch_index - pipeline_depth), batch_index)  # not yet finished
+        barred = set().union(*(bypassed_by_batch[b] for b in in_flight))
         unique_rows = sorted(set(int(r) for r in batch))
         hit_rows = set()
         for row in unique_rows:  # hits first
@@ -58,19 +61,18 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
             ways = sets[the_set]
             free = [w for w in range(associativity) if ways[w] is None or ways[w]["locks"] == 0]
             empty = [w for w in free if ways[w] is None]
-            if empty:
-                way = empty[0]
-            elif free:
-                way = min(free, key=lambda w, ways=ways: rank(ways, w, batch_index))
-            else:
+            if row in barred or not free:  # a batch in flight reads it from its backing store; or a full set
                 stats.misses_no_slot += 1
+                bypassed.add(row)
                 continue
+            way = empty[0] if empty else min(free, key=lambda w, ways=ways: rank(ways, w, batch_index))
             if ways[way] is not None:
                 stats.evictions += 1
                 stats.write_backs += ways[way]["dirty"]
             ways[way] = {"row": row, "last_use": step, "count": 1, "dirty": False, "locks": 1}
             held.append((the_set, way))
         held_by_batch.append(held)
+        bypassed_by_batch.append(bypassed)
         if batch_index >= pipeline_depth:  # that batch's backward: dirty, then unlocked
             for the_set, way in held_by_batch[batch_index - pipeline_depth]:
                 sets[the_set][way]["locks"] -= 1

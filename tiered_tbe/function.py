@@ -32,10 +32,11 @@ class TieredEmbeddingBagsFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         module, batch = ctx.module, ctx.batch
         grad_psw = None
-        slot_of_index = module._slots_for_backward(batch)
+        # The batch's rows are where its prefetch put them: its slots stay locked, and the rows
+        # it left in their backing stores stay out of the cache until it is released.
         if ctx.needs_input_grad[3]:
             grad_psw = module.backend.per_sample_weights_grad(
-                grad_output, module.row_stores, batch.lookups, slot_of_index, module.pooling
+                grad_output, module.row_stores, batch.lookups, batch.slot_of_index, module.pooling
             )
-        module._apply_update(grad_output.contiguous(), batch, slot_of_index)
+        module._apply_update(grad_output.contiguous(), batch)
         return None, None, None, grad_psw

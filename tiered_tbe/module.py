@@ -23,14 +23,30 @@ from tiered_tbe.storage import lay_out
 _WEIGHTS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+class DeferredUnlocks:
+    """Batches released by a pipeline's training loop, ``(event after the batch's last kernel,
+    batch)``, for the module's next prefetch to unlock on its own stream. Once closed (the
+    pipeline is done), a release unlocks at once."""
+
+    def __init__(self):
+        self.queue: deque[tuple[torch.cuda.Event | None, PreparedBatch]] = deque()
+        self.open = True
+
+
 @dataclass(eq=False)
 class PreparedBatch:
     """A validated batch and the slots its rows were given by its prefetch.
 
     While it lives, the slots in ``slot_of_index`` stay locked in the cache (its rows cannot
-    be evicted); the locks go when its backward has run, after its forward under no_grad, or
-    when autograd drops the graph without a backward (``release`` is then called from a
-    finalizer), so no path leaks a lock.
+    be evicted), and the rows it got no slot for stay out of the cache (a later prefetch does
+    not copy them in while this batch may update them in their backing stores). Both go when
+    its backward has run, after its forward under no_grad, or when autograd drops the graph
+    without a backward (``release`` is then called from a finalizer), so no path leaks a lock.
+
+    A batch prefetched by a :class:`~tiered_tbe.PrefetchPipeline` on its side stream is not
+    unlocked on the training stream, where the unlock would race with a prefetch running
+    beside it: ``release`` queues it (``deferred``) behind an event, and the module's next
+    prefetch, on the side stream, runs it first (:meth:`TieredEmbeddingBags.run_deferred_unlocks`).
     """
 
     lookups: Lookups
@@ -38,17 +54,30 @@ class PreparedBatch:
     cache: SlotCache | None
     ready: torch.cuda.Event | None = None  # recorded after its prefetch, on the stream that ran it
     value_check: validation.ValueCheck | None = None  # verdict still to read (prefetched ahead)
-    prefetch_step: int = 0  # the cache's step right after this batch's prefetch
     locked_slots: torch.Tensor | None = None  # int32: the distinct slots its prefetch locked
+    deferred: DeferredUnlocks | None = None  # where release() queues the unlock, while open
     _released: bool = field(default=False, repr=False)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (*self.lookups, self.slot_of_index, self.locked_slots) if isinstance(t, torch.Tensor)]
 
     def release(self) -> None:
-        if not self._released and self.cache is not None:
-            self._released = True
-            self.cache.unlock(self.locked_slots, distinct=True)
+        """The batch is done with its rows: unlock them now, or queue the unlock (``deferred``)."""
+        if self._released or self.cache is None:
+            return
+        self._released = True
+        if self.deferred is None or not self.deferred.open:
+            self.unlock()
+            return
+        done = None
+        if self.slot_of_index.is_cuda:
+            done = torch.cuda.Event()
+            done.record()  # on the stream that ran the batch's last kernel
+        self.deferred.queue.append((done, self))
+
+    def unlock(self) -> None:
+        """Release the batch's locks, and the rows it left in their backing stores, on the current stream."""
+        self.cache.unlock(self.locked_slots, distinct=True)
 
 
 class TieredEmbeddingBags(nn.Module):
@@ -150,7 +179,7 @@ class TieredEmbeddingBags(nn.Module):
         )
         self._row_offset = torch.tensor(self.storage.row_offset, dtype=torch.int64, device=self.device)
         self._prefetched: deque[tuple[torch.Tensor, torch.Tensor, PreparedBatch]] = deque()
-        self._last_prefetch: torch.cuda.Event | None = None  # the latest prefetch issued, any stream
+        self._deferred_unlocks = DeferredUnlocks()  # of the batches prefetched with defer_unlock
         # An empty leaf that requires grad, so autograd calls backward (the fused update).
         self._grad_anchor = torch.empty(0, device=self.device, requires_grad=True)
 
@@ -162,6 +191,7 @@ class TieredEmbeddingBags(nn.Module):
         is read at that forward (see :mod:`tiered_tbe.validation`), so nothing here waits for
         the GPU. Until then the batch only moves rows into the cache (no value changes).
         """
+        self.run_deferred_unlocks()  # batches finished since the last prefetch free their slots first
         batch_size = validation.check_static(self.tables, indices, offsets, self.device)
         indices = indices.long()
         offsets = offsets.long()
@@ -182,8 +212,16 @@ class TieredEmbeddingBags(nn.Module):
         else:
             slot_of_index = self.cache.prefetch(global_rows)
         return PreparedBatch(lookups, slot_of_index, self.cache, value_check=value_check,
-                             prefetch_step=self.cache.step if self.cache is not None else 0,
                              locked_slots=self.cache.locked_slots if self.cache is not None else None)
+
+    def run_deferred_unlocks(self) -> None:
+        """Unlock, on the current stream, the batches a pipeline's training loop has released
+        since the last prefetch, each after the event recorded at its release (its backward)."""
+        while self._deferred_unlocks.queue:
+            done, batch = self._deferred_unlocks.queue.popleft()
+            if done is not None:
+                torch.cuda.current_stream(self.device).wait_event(done)
+            batch.unlock()
 
     def _bag_of_index(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """int64 [N]: the bag (t*B + b) of each lookup; empty bags are skipped by searchsorted."""
@@ -211,17 +249,23 @@ class TieredEmbeddingBags(nn.Module):
         distinct = sort_ids(torch.where(first, sorted_rows, INT64_MAX), num_rows)[0]  # repeats sort last
         return distinct, first.sum()
 
-    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, defer_unlock: bool = False) -> None:
         """Fill the cache for a batch ahead of its forward.
 
         Batches queue in order: the next forward called with these same ``indices`` and
         ``offsets`` tensors uses this prefetch instead of prefetching itself.
+
+        ``defer_unlock``: the batch's unlock waits for the next prefetch (which runs it first, on
+        its own stream) instead of running where the batch's backward runs. A pipeline that
+        prefetches on a side stream asks for it, so that unlocks and prefetches never run side by
+        side and backwards need not wait for prefetches (see :class:`PreparedBatch`).
         """
         batch = self._prepare(indices, offsets, ahead=True)
         if self.device.type == "cuda":
             batch.ready = torch.cuda.Event()
             batch.ready.record()
-            self._last_prefetch = batch.ready
+        if defer_unlock:
+            batch.deferred = self._deferred_unlocks
         self._prefetched.append((indices, offsets, batch))
 
     @property
@@ -255,9 +299,14 @@ class TieredEmbeddingBags(nn.Module):
                 self.cache.add_upcoming(rows, step)
 
     def cancel_prefetched(self) -> None:
-        """Drop every batch prefetched but not yet forwarded, releasing its cache locks."""
+        """Drop every batch prefetched but not yet forwarded, releasing its cache locks, and run
+        every deferred unlock (the cache then holds no lock of a batch gone through forward)."""
         while self._prefetched:
             self._prefetched.popleft()[2].release()
+        self.run_deferred_unlocks()
+        # Batches still in flight (forwarded, no backward yet) unlock at their release from now on.
+        self._deferred_unlocks.open = False
+        self._deferred_unlocks = DeferredUnlocks()
 
     def _take_prefetched(self, indices, offsets) -> PreparedBatch | None:
         if not self._prefetched:
@@ -299,23 +348,9 @@ class TieredEmbeddingBags(nn.Module):
         )
 
     # ---------------------------------------------------------------- backward
-    def _slots_for_backward(self, batch: PreparedBatch) -> torch.Tensor:
-        """Slots to update: looked up again, since a later prefetch may have cached a row this
-        batch read from its backing store; the update must land on the newest copy. Waits for
-        every prefetch issued so far, so no prefetch changes the tags under the lookup.
-
-        Without a later prefetch (serial training) the batch's own slots are still the newest:
-        its cached rows are locked, and nothing cached the others since."""
-        if self.cache is None:
-            return batch.slot_of_index
-        if self._last_prefetch is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._last_prefetch)
-        if self.cache.step == batch.prefetch_step:
-            return batch.slot_of_index
-        return self.cache.lookup(batch.lookups.global_rows)
-
-    def _apply_update(self, grad_output: torch.Tensor, batch: PreparedBatch, slot_of_index) -> None:
+    def _apply_update(self, grad_output: torch.Tensor, batch: PreparedBatch) -> None:
         optimizer = self.optimizer
+        slot_of_index = batch.slot_of_index
         if optimizer is not None:
             self.optimizer_step += 1
             betas = getattr(optimizer, "betas", (0.0, 0.0))
@@ -337,12 +372,6 @@ class TieredEmbeddingBags(nn.Module):
             )
             if self.cache is not None:
                 self.cache.mark_dirty(slot_of_index)
-                # Rows this batch's forward read from the backing store but a later prefetch
-                # has since cached: write them through, so a forward still queued that reads
-                # them from the backing store sees this update too (pipeline = serial).
-                if slot_of_index is not batch.slot_of_index:
-                    moved_in = (batch.slot_of_index < 0) & (slot_of_index >= 0)
-                    self.cache.write_back(torch.where(moved_in, slot_of_index, -1))  # -1: skipped, no sync
         batch.release()
 
     # ---------------------------------------------------------------- tables and state
@@ -405,6 +434,7 @@ class TieredEmbeddingBags(nn.Module):
             error_msgs.extend(problems)
             return  # touch nothing when any entry is wrong
         if self.cache is not None:
+            self.run_deferred_unlocks()
             if self._prefetched or self.cache.num_locked():
                 raise RuntimeError("load_state_dict while batches are in flight (prefetched, or awaiting backward)")
             self.cache.invalidate()  # the cached copies are about to be stale

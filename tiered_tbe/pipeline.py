@@ -3,18 +3,21 @@
 Schedule, per module, with ``k = depth`` (``P`` = prefetch, ``F``/``B`` = the module's
 forward/backward, all ``B`` and ``F`` on the training stream, all ``P`` on a side stream):
 
-1. When batch ``i`` is handed to the loop, ``P(i+k)`` is issued on the side stream, after an
-   event recorded on the training stream: it starts only once ``B(i-1)`` (and every earlier
-   backward) has written its rows, since it may evict them.
-2. ``F(i)`` waits only for ``P(i)`` (issued k steps earlier), so ``P(i+k)`` overlaps ``F(i)``
-   and the dense work of step ``i``.
-3. ``B(i)`` waits for every prefetch issued so far, then looks its rows up again: a row that
-   ``P(i)`` left in the backing store (no free way) but a later prefetch brought in is updated
-   in its slot *and* written through to the backing store, so every later forward that reads
-   it from either place sees the update (training equals serial training, bitwise).
+1. When batch ``i`` is handed to the loop, ``P(i+k)`` is issued on the side stream, after the
+   training stream's work so far: it starts once ``B(i-1)`` has run, and first unlocks the
+   batches released since the last prefetch (``B(i-1)``'s), so their rows may be evicted.
+2. ``F(i)`` waits only for ``P(i)`` (issued k steps earlier), so ``P(i+k)`` overlaps ``F(i)``,
+   ``B(i)`` and the dense work of step ``i`` and beyond: nothing on the training stream waits
+   for it until ``F(i+k)``.
+3. ``B(i)`` waits for no prefetch. Its rows are where ``P(i)`` put them: a slot locked until its
+   unlock, or (no free way) the backing store, and a later prefetch copies none of those rows
+   into a slot until batch ``i`` is unlocked (``tiered_tbe.cache.policy``, "Rows left in the
+   backing store"). So training equals serial training, bitwise.
 
 Rows of every batch in flight stay locked from its prefetch until its backward (or its
-forward, under no_grad; or when the pipeline closes), so a prefetch never evicts them.
+forward, under no_grad; or when the pipeline closes) has run and the next prefetch has
+unlocked them, on the side stream, so a prefetch never evicts them, and unlocks never run beside a
+prefetch.
 """
 
 from __future__ import annotations
@@ -28,13 +31,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD
 from tiered_tbe.module import TieredEmbeddingBags
 
 # Batches after the one being prefetched that a lookahead cache learns from, by default. On the
 # Criteo-sized benchmark (Zipf 1.05, 5% cache, depth 2) the CPU simulator gives rows moved / LRU
 # of 0.89 at 8, 0.81 at 16, 0.72 at 32, 0.64 at 64 (benchmarks/HIT_RATES.md); the H200 measured
-# 0.72 at 32.
-DEFAULT_LOOKAHEAD = 32
+# 0.72 at 32 and 0.64 at 64. 64 is the most the cache's window bits hold (MAX_LOOKAHEAD). The
+# window's batches wait on the device: 64 of the benchmark's (B = 65536 x 26 lookups) take ~1.7 GB.
+DEFAULT_LOOKAHEAD = 64
 
 LookupsOf = Callable[[Any], Mapping[str, tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor]]
 
@@ -105,19 +110,25 @@ class PrefetchPipeline:
         lookahead: batches beyond the one being prefetched whose rows tell a ``"lookahead"``
             cache which rows are needed soonest (pulled from ``batches`` early and kept on the
             device; default ``DEFAULT_LOOKAHEAD`` when a module uses the lookahead policy, else
-            0). Longer windows move fewer rows (see benchmarks/HIT_RATES.md) for more device
-            memory and a longer sort per prefetch.
+            0; at most ``MAX_LOOKAHEAD`` = 64). Longer windows move fewer rows (see
+            benchmarks/HIT_RATES.md); each batch's rows are recorded once, when it enters the
+            window, so the window's length costs device memory for its batches, not time.
+        high_priority: on CUDA, run the loop's steps on a stream of the device's highest
+            priority (made to wait for the work queued before the loop; the stream current at
+            the end waits for it). The GPU then schedules the training kernels' blocks before
+            the prefetch's pending copy blocks, which otherwise hold every SM while they move
+            rows over the bus (benchmarks/RESULTS.md). False keeps the steps on the current stream.
 
     Use it as a plain iterator or a context manager; ``close()`` (also on exceptions, and at the
     end of iteration) releases the locks of batches prefetched but never trained.
     """
 
     def __init__(self, model: nn.Module, batches: Iterable, depth: int = 2, lookups: LookupsOf | None = None,
-                 lookahead: int | None = None):
+                 lookahead: int | None = None, high_priority: bool = True):
         if not 1 <= depth <= 8:
             raise ValueError(f"depth must be between 1 and 8, got {depth}")
-        if lookahead is not None and lookahead < 0:
-            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+        if lookahead is not None and not 0 <= lookahead <= MAX_LOOKAHEAD:
+            raise ValueError(f"lookahead must be between 0 and MAX_LOOKAHEAD = {MAX_LOOKAHEAD}, got {lookahead}")
         self.modules = {name: m for name, m in model.named_modules() if isinstance(m, TieredEmbeddingBags)}
         if not self.modules:
             raise ValueError("PrefetchPipeline: the model holds no TieredEmbeddingBags")
@@ -127,6 +138,11 @@ class PrefetchPipeline:
         self.device = next(iter(self.modules.values())).device
         self.is_cuda = self.device.type == "cuda"
         self.side_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        # Where the loop's steps run: a stream of the device's highest priority, or the stream
+        # current when iteration starts (set then).
+        self.high_priority_stream = (torch.cuda.Stream(device=self.device, priority=-100)  # clamped to the highest
+                                     if self.is_cuda and high_priority else None)
+        self.training_stream: torch.cuda.Stream | None = None
         self.queue: deque[tuple[Any, torch.cuda.Event | None]] = deque()  # prefetched, not yet trained
         # Moved to the device, not yet prefetched: (batch, lookups by module, hint rows by module).
         self.upcoming: deque[tuple[Any, dict, dict]] = deque()
@@ -181,14 +197,14 @@ class PrefetchPipeline:
         window = [hint_rows for _, _, hint_rows in list(self.upcoming)[: self.lookahead]]
         if self.is_cuda:
             # The prefetch may evict rows that earlier backwards wrote: start after them.
-            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.side_stream.wait_stream(self.training_stream)
         context = torch.cuda.stream(self.side_stream) if self.is_cuda else contextlib.nullcontext()
         with context:
             for name, (indices, offsets) in lookups.items():
                 module = self.modules[name]
                 if module.uses_lookahead:
                     module.hint_upcoming([hint_rows[name].rows() for hint_rows in window])
-                module.prefetch(indices, offsets)
+                module.prefetch(indices, offsets, defer_unlock=True)
             ready = None
             if self.is_cuda:
                 ready = torch.cuda.Event()
@@ -198,6 +214,11 @@ class PrefetchPipeline:
 
     # --------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator:
+        if self.is_cuda:
+            self.training_stream = torch.cuda.current_stream(self.device)
+            if self.high_priority_stream is not None:
+                self.high_priority_stream.wait_stream(self.training_stream)  # the work before the loop
+                self.training_stream = self.high_priority_stream
         try:
             while len(self.queue) < self.depth and self._prefetch_next():
                 pass
@@ -205,14 +226,20 @@ class PrefetchPipeline:
                 batch, ready = self.queue.popleft()
                 self._prefetch_next()  # P(i + depth), overlapping this step
                 if ready is not None:
-                    training_stream = torch.cuda.current_stream(self.device)
-                    training_stream.wait_event(ready)
+                    self.training_stream.wait_event(ready)
                     for tensor in _tensors(batch):
                         if tensor.is_cuda:
-                            tensor.record_stream(training_stream)
-                yield batch
+                            tensor.record_stream(self.training_stream)
+                with self._step_context():
+                    yield batch
         finally:
             self.close()
+
+    def _step_context(self) -> contextlib.AbstractContextManager:
+        """The user's step runs on the high-priority stream, when there is one."""
+        if self.high_priority_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.high_priority_stream)
 
     def close(self) -> None:
         """Release every lock still held by batches prefetched but not trained."""
@@ -221,8 +248,14 @@ class PrefetchPipeline:
         self.closed = True
         self.queue.clear()
         self.upcoming.clear()
+        if self.is_cuda:  # the unlocks below run here, after the prefetches they release
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
         for module in self.modules.values():
             module.cancel_prefetched()
+            if module.uses_lookahead:  # hints of batches this pipeline pulled but will not prefetch
+                module.cache.clear_upcoming()
+        if self.high_priority_stream is not None and self.training_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.high_priority_stream)  # the loop's steps
 
     def __enter__(self) -> PrefetchPipeline:
         return self
