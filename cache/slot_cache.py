@@ -290,12 +290,7 @@ class SlotCache:
         return slot_of_index
 
     def lookup(self, global_rows: torch.Tensor) -> torch.Tensor:
-        """Where each row is now: int32 [N] slots, -1 when not cached. No policy change, no lock.
-
-        A pipeline calls this before backward: a row that missed at its batch's prefetch may
-        have been brought in since by the prefetch of a later batch, and its update must land
-        on that newest copy.
-        """
+        """Where each row is now: int32 [N] slots, -1 when not cached. No policy change, no lock."""
         rows = self._check_rows(global_rows)
         slot_of_index = torch.empty(rows.numel(), dtype=torch.int32, device=self.device)
         if rows.numel():

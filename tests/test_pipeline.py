@@ -3,8 +3,8 @@
 These tests are about the cache and the schedule, not the row math, so most run the module's
 plain-torch backend (``backend="torch"``: far faster than the Triton interpreter); one runs the
 Triton kernels. In CPU simulation the side stream is the main stream: what is checked here is
-the cache state (locks, re-lookup before backward, write-through), in the issue order the GPU
-streams would enforce.
+the cache state (locks, deferred unlocks, rows kept out of the cache while a batch in flight
+reads them from the backing store), in the issue order the GPU streams would enforce.
 """
 
 from __future__ import annotations
