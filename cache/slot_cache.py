@@ -139,8 +139,10 @@ class SlotCache:
 
     Streams: every method enqueues its work on torch's current stream of ``device`` and returns
     without waiting (except ``num_locked``, ``stats`` and ``invalidate``, which read the device).
-    A caller running prefetch on a side stream orders it after the backward (``mark_dirty``,
-    ``unlock``) of earlier batches with events.
+    A caller running prefetch on a side stream orders it after the backwards whose rows it may
+    evict (events), and runs ``unlock`` on that same stream (lock counts have no atomics; an
+    ``unlock`` on another stream waits for the latest prefetch). ``mark_dirty`` may run beside a
+    prefetch: it touches only the batch's locked slots, which no prefetch evicts or fills.
 
     Example::
 
