@@ -31,6 +31,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from .simulator import as_trace_arrays
 from .stats import CacheStats
 
 # Order of the counters the kernels fill (the CacheStats fields, less the bytes).
@@ -39,16 +40,9 @@ _NUM_COUNTERS = 8
 
 
 def _check_trace(rows: np.ndarray, batch_offsets: np.ndarray, num_slots: int, num_rows: int | None):
-    rows = np.ascontiguousarray(rows, dtype=np.int64)
-    batch_offsets = np.ascontiguousarray(batch_offsets, dtype=np.int64)
-    if rows.ndim != 1 or batch_offsets.ndim != 1 or batch_offsets.size < 1:
-        raise ValueError("rows and batch_offsets must be 1-D; batch_offsets needs num_batches + 1 entries")
-    if batch_offsets[0] != 0 or batch_offsets[-1] != rows.size or np.any(np.diff(batch_offsets) < 0):
-        raise ValueError(f"batch_offsets must be non-decreasing from 0 to len(rows)={rows.size}")
+    rows, batch_offsets = as_trace_arrays(rows, batch_offsets)
     if num_slots < 1:
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-    if rows.size and rows.min() < 0:
-        raise ValueError(f"row ids must be >= 0, found {rows.min()}")
     max_row = int(rows.max()) if rows.size else -1
     if num_rows is None:
         num_rows = max_row + 1

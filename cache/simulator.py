@@ -218,6 +218,21 @@ def _next_batches(ids, batch_offsets, num_ids, next_batch_of_lookup, first_batch
             first_batch_of_id[ids[i]] = b
 
 
+def as_trace_arrays(rows: np.ndarray, batch_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` and ``batch_offsets`` as contiguous int64 arrays, checked: a ``ValueError`` unless
+    ``rows`` is 1-D with ids >= 0 and ``batch_offsets`` rises from 0 to ``len(rows)``."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    batch_offsets = np.ascontiguousarray(batch_offsets, dtype=np.int64)
+    if rows.ndim != 1 or batch_offsets.ndim != 1 or batch_offsets.size < 1:
+        raise ValueError("rows and batch_offsets must be 1-D, batch_offsets with at least one entry "
+                         "(num_batches + 1)")
+    if batch_offsets[0] != 0 or batch_offsets[-1] != rows.size or np.any(np.diff(batch_offsets) < 0):
+        raise ValueError(f"batch_offsets must rise from 0 to len(rows) = {rows.size}")
+    if rows.size and rows.min() < 0:
+        raise ValueError(f"row ids must be >= 0, found {rows.min()}")
+    return rows, batch_offsets
+
+
 class CacheSimulator:
     """The state of a simulated slot cache, fed batches in order (possibly in several calls).
 
@@ -297,14 +312,7 @@ class CacheSimulator:
                 after them are the future the lookahead window sees (the next call must start
                 with the first of them); without them the window ends with the trace given.
         """
-        rows = np.ascontiguousarray(rows, dtype=np.int64)
-        batch_offsets = np.ascontiguousarray(batch_offsets, dtype=np.int64)
-        if rows.ndim != 1 or batch_offsets.ndim != 1 or batch_offsets.size < 1:
-            raise ValueError("rows and batch_offsets must be 1-D, batch_offsets with at least one entry")
-        if batch_offsets[0] != 0 or batch_offsets[-1] != rows.size or np.any(np.diff(batch_offsets) < 0):
-            raise ValueError(f"batch_offsets must rise from 0 to len(rows) = {rows.size}")
-        if rows.size and rows.min() < 0:
-            raise ValueError("row ids must be >= 0")
+        rows, batch_offsets = as_trace_arrays(rows, batch_offsets)
         known_batches = batch_offsets.size - 1
         if num_batches is None:
             num_batches = known_batches

@@ -55,11 +55,11 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
-def _move(obj: Any, device: torch.device, stream: torch.cuda.Stream | None) -> Any:
+def _move(obj: Any, device: torch.device) -> Any:
     """Tensors anywhere in tuples, lists, dicts and dataclasses, moved to ``device``.
 
-    On CUDA the copies are non-blocking from pinned memory on ``stream`` and every moved
-    tensor is recorded on the training stream (``record_stream``) before it is used there.
+    On CUDA the copies are non-blocking, from pinned memory, on the current stream (the caller
+    records every moved tensor on the training stream, ``record_stream``, before it is used there).
     """
     if isinstance(obj, torch.Tensor):
         if _same_device(obj.device, device):
@@ -68,14 +68,14 @@ def _move(obj: Any, device: torch.device, stream: torch.cuda.Stream | None) -> A
             obj = obj.pin_memory()
         return obj.to(device, non_blocking=device.type == "cuda")
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_move(x, device, stream) for x in obj)
+        return type(obj)(_move(x, device) for x in obj)
     if isinstance(obj, tuple):  # NamedTuple
-        return type(obj)(*(_move(x, device, stream) for x in obj))
+        return type(obj)(*(_move(x, device) for x in obj))
     if isinstance(obj, dict):
-        return {k: _move(v, device, stream) for k, v in obj.items()}
+        return {k: _move(v, device) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(
-            obj, **{f.name: _move(getattr(obj, f.name), device, stream) for f in dataclasses.fields(obj) if f.init}
+            obj, **{f.name: _move(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
         )
     return obj
 
@@ -169,15 +169,11 @@ class PrefetchPipeline:
             batch = next(self.batches)
         except StopIteration:
             return False
-        if self.is_cuda:
-            with torch.cuda.stream(self.side_stream):
-                batch = _move(batch, self.device, self.side_stream)
-        else:
-            batch = _move(batch, self.device, None)
+        with self._on_side_stream():
+            batch = _move(batch, self.device)
         lookups = self._lookups_by_module(batch)
         # Rows a lookahead cache is told about, once per batch (each serves `lookahead` prefetches).
-        context = torch.cuda.stream(self.side_stream) if self.is_cuda else contextlib.nullcontext()
-        with context:
+        with self._on_side_stream():
             hint_rows = {name: _HintRows(*self.modules[name].rows_for_hint(indices, offsets))
                          for name, (indices, offsets) in lookups.items() if self.modules[name].uses_lookahead}
         self.upcoming.append((batch, lookups, hint_rows))
@@ -198,8 +194,7 @@ class PrefetchPipeline:
         if self.is_cuda:
             # The prefetch may evict rows that earlier backwards wrote: start after them.
             self.side_stream.wait_stream(self.training_stream)
-        context = torch.cuda.stream(self.side_stream) if self.is_cuda else contextlib.nullcontext()
-        with context:
+        with self._on_side_stream():
             for name, (indices, offsets) in lookups.items():
                 module = self.modules[name]
                 if module.uses_lookahead:
@@ -240,6 +235,10 @@ class PrefetchPipeline:
         if self.high_priority_stream is None:
             return contextlib.nullcontext()
         return torch.cuda.stream(self.high_priority_stream)
+
+    def _on_side_stream(self) -> contextlib.AbstractContextManager:
+        """Work issued inside runs on the side stream (on the CPU: in order, as it comes)."""
+        return torch.cuda.stream(self.side_stream) if self.is_cuda else contextlib.nullcontext()
 
     def close(self) -> None:
         """Release every lock still held by batches prefetched but not trained."""
