@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from tiered_tbe._mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.module import TieredEmbeddingBags
 from tiered_tbe.optimizers import RowwiseAdagrad

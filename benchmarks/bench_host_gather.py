@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from tiered_tbe._mode import SIMULATION, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.base.mode import SIMULATION, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.cache import tiers
 

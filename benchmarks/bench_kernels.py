@@ -32,7 +32,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from tiered_tbe._mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.kernels.backward import backward_update
 from tiered_tbe.kernels.forward import pooled_forward

@@ -40,7 +40,7 @@ import time
 import torch
 from torch import nn
 
-from tiered_tbe._mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.bench_cache import build_module, free, judge
 from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD, PrefetchPipeline

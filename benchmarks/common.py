@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from tiered_tbe._mode import SIMULATION
+from tiered_tbe.base.mode import SIMULATION
 from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
 
 

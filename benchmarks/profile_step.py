@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from tiered_tbe._mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import bench_cache, common
 from tiered_tbe.specs import CacheConfig, Placement
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from tiered_tbe._mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import bench_pipeline, common
 from tiered_tbe.benchmarks.bench_cache import build_module, free
 from tiered_tbe.pipeline import PrefetchPipeline

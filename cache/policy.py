@@ -124,7 +124,7 @@ import types
 import numba
 import numpy as np
 
-from tiered_tbe._mode import SIMULATION
+from tiered_tbe.base.mode import SIMULATION
 
 # Policy codes, as passed to the kernels and the simulator.
 POLICY_LRU = 0
@@ -256,7 +256,7 @@ touch_on_hit_cpu = _cpu_inlined(touch_on_hit)
 touch_on_fill_cpu = _cpu_inlined(touch_on_fill)
 
 # --- GPU (numba.cuda.jit(device=True)), for the prefetch kernels
-from numba import cuda  # noqa: E402  (after tiered_tbe._mode, which the import above guarantees)
+from numba import cuda  # noqa: E402  (after tiered_tbe.base.mode, which the import above guarantees)
 
 _device = cuda.jit(device=True)
 if SIMULATION:

@@ -45,8 +45,8 @@ from typing import NamedTuple
 
 import torch
 
-from tiered_tbe._mode import SIMULATION, default_device
-from tiered_tbe._sorting import sort_ids
+from tiered_tbe.base.mode import SIMULATION, default_device
+from tiered_tbe.base.sorting import sort_ids
 from tiered_tbe.cache import _kernels
 from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT, WINDOW_BITS
 from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, NO_SLOT, POLICY_LOOKAHEAD, check_geometry, policy_code

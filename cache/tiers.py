@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from tiered_tbe._mode import SIMULATION
-from tiered_tbe.specs import Placement
+from tiered_tbe.base.codes import Placement
+from tiered_tbe.base.mode import SIMULATION
 
 
 class TierBuffer:
@@ -77,7 +77,7 @@ def allocate(placement_backing: Placement, numel: int, dtype: torch.dtype,
         store = allocate(Placement.HOST, 200_000_000 * 128, torch.float32, "cuda")
         table = store.tensor.view(200_000_000, 128)   # a CUDA tensor over pinned host memory
     """
-    from tiered_tbe._mode import default_device
+    from tiered_tbe.base.mode import default_device
 
     placement = Placement(placement_backing).backing
     if numel < 0:

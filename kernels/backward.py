@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tiered_tbe._sorting import INT64_MAX, sort_ids
+from tiered_tbe.base.sorting import INT64_MAX, sort_ids
 
 from .forward import (
     _POOLING_MEAN,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tiered_tbe  # noqa: F401  (chooses the mode before triton / numba load)
-from tiered_tbe._mode import SIMULATION
+from tiered_tbe.base.mode import SIMULATION
 
 
 def pytest_collection_modifyitems(config, items):

@@ -162,7 +162,7 @@ def test_real_cache_disagreement_fails_loudly(capsys, monkeypatch):
 
 
 def test_real_cache_refuses_a_large_trace_in_simulation(capsys):
-    from tiered_tbe._mode import SIMULATION
+    from tiered_tbe.base.mode import SIMULATION
 
     if not SIMULATION:
         pytest.skip("the limit applies only in CPU simulation")

@@ -20,7 +20,7 @@ from test_cache import (
     rows_tensor,
 )
 
-from tiered_tbe._sorting import INT64_MAX
+from tiered_tbe.base.sorting import INT64_MAX
 from tiered_tbe.cache import MAX_LOOKAHEAD, CachedTable, CacheSimulator, SlotCache, simulate
 from tiered_tbe.cache._kernels import WINDOW_BITS
 from tiered_tbe.cache.bounds import belady
@@ -409,7 +409,7 @@ def test_gpu_lookahead_pipeline_matches_simulator_and_never_syncs():
 
 def test_rows_for_hint_gives_each_distinct_row_once_then_padding():
     from tiered_tbe import CacheConfig, Placement, TableSpec, TieredEmbeddingBags
-    from tiered_tbe._sorting import INT64_MAX
+    from tiered_tbe.base.sorting import INT64_MAX
     from tiered_tbe.pipeline import _HintRows
 
     cached = Placement.HOST_CACHED

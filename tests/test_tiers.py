@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 
-from tiered_tbe._mode import SIMULATION
+from tiered_tbe.base.mode import SIMULATION
 from tiered_tbe.cache import tiers
 from tiered_tbe.cache.tiers import TierBuffer, allocate
 from tiered_tbe.specs import Placement

@@ -543,7 +543,7 @@ REAL_CACHE_SIMULATION_MAX_LOOKUPS = 200_000
 
 def check_real_cache_trace(trace: Trace) -> None:
     """``ValueError`` when ``--real-cache`` would take too long: a large trace in CPU simulation."""
-    from tiered_tbe._mode import SIMULATION
+    from tiered_tbe.base.mode import SIMULATION
 
     if SIMULATION and trace.num_lookups > REAL_CACHE_SIMULATION_MAX_LOOKUPS:
         raise ValueError(
@@ -597,7 +597,7 @@ def run_slot_cache(trace: Trace, policy: str, num_slots: int, options: SimOption
     """
     import torch
 
-    from tiered_tbe._mode import default_device
+    from tiered_tbe.base.mode import default_device
     from tiered_tbe.cache import CachedTable, SlotCache
 
     _, options = resolve_policy(policy, options)
@@ -650,7 +650,7 @@ def run_real_cache(trace: Trace, results: Sequence[Measurement], options: SimOpt
 
 
 def real_cache_device() -> str:
-    from tiered_tbe._mode import SIMULATION
+    from tiered_tbe.base.mode import SIMULATION
 
     if SIMULATION:
         return "the Numba CUDA simulator (CPU)"

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from tiered_tbe import validation
-from tiered_tbe._mode import default_device
-from tiered_tbe._sorting import INT64_MAX, sort_ids
 from tiered_tbe.backends import backend_named
+from tiered_tbe.base.mode import default_device
+from tiered_tbe.base.sorting import INT64_MAX, sort_ids
 from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD, SlotCache
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.function import TieredEmbeddingBagsFunction

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from tiered_tbe._mode import SIMULATION, default_device, describe_mode
+from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode
 from tiered_tbe.module import TieredEmbeddingBags
 from tiered_tbe.optimizers import RowwiseAdagrad
 from tiered_tbe.specs import CacheConfig, Placement, TableSpec

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-INT64_MAX = torch.iinfo(torch.int64).max
-INT32_MAX = torch.iinfo(torch.int32).max
+from .codes import INT32_MAX, INT64_MAX
 
 
 def sort_ids(ids: torch.Tensor, upper_bound: int, stable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,9 @@
+"""What every layer shares: the simulation/GPU mode, sorting helpers, sentinels and tier codes.
+
+``tiered_tbe.base`` imports nothing of ``tiered_tbe.cache``, ``tiered_tbe.kernels`` or the public
+API: every other module may import it, it imports none of them.
+
+- :mod:`~tiered_tbe.base.mode`: picks CPU simulation or GPU mode before triton / numba load.
+- :mod:`~tiered_tbe.base.sorting`: ``sort_ids``, sorting row ids on int32 keys when they fit.
+- :mod:`~tiered_tbe.base.codes`: ``Placement`` (the memory tiers) and the shared sentinels.
+"""
