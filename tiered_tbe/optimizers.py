@@ -72,3 +72,16 @@ class Adam:
 
 
 Optimizer = SGD | RowwiseAdagrad | Adam
+
+# The registry: an optimizer's name (CLI choices, configs) -> its class. Each class takes its
+# hyper-parameters as keyword arguments, every one with a default.
+OPTIMIZERS: dict[str, type] = {"sgd": SGD, "rowwise_adagrad": RowwiseAdagrad, "adam": Adam}
+
+
+def optimizer_named(name: str, **hyper_parameters):
+    """``optimizer_named("adam", lr=1e-3)`` -> ``Adam(lr=1e-3)``; ValueError naming the choices."""
+    try:
+        cls = OPTIMIZERS[name]
+    except KeyError:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {name!r}") from None
+    return cls(**hyper_parameters)
