@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from tiered_tbe import CacheConfig, Placement, PrefetchPipeline, RowwiseAdagrad, TableSpec
+from tiered_tbe import CacheConfig, Placement, PrefetchPipeline, RowwiseAdagrad, TableSpec, default_device
 from tiered_tbe.module import TieredEmbeddingBags
 
 BATCH_SIZE = 2
+DEVICE = default_device()  # the module's: cuda on a GPU, cpu in simulation
 
 
 def make_module(**kwargs) -> TieredEmbeddingBags:
@@ -30,11 +31,11 @@ def batch(seed: int, lookups_per_bag: int = 2) -> tuple[torch.Tensor, torch.Tens
     big = torch.randint(0, 40, (BATCH_SIZE * lookups_per_bag,), generator=generator)
     small = torch.randint(0, 6, (BATCH_SIZE * lookups_per_bag,), generator=generator)
     offsets = torch.arange(0, 2 * BATCH_SIZE * lookups_per_bag + 1, lookups_per_bag)
-    return torch.cat([big, small]), offsets
+    return torch.cat([big, small]).to(DEVICE), offsets.to(DEVICE)
 
 
 def grad_of(seed: int) -> torch.Tensor:
-    return torch.randn(BATCH_SIZE, 7, generator=torch.Generator().manual_seed(100 + seed))
+    return torch.randn(BATCH_SIZE, 7, generator=torch.Generator().manual_seed(100 + seed)).to(DEVICE)
 
 
 def state(module) -> dict[str, torch.Tensor]:
@@ -49,9 +50,9 @@ def assert_clean(module) -> None:
 
 
 BAD_WEIGHTS = {
-    "too short": (lambda n: torch.ones(n - 1), r"per_sample_weights has shape \(7,\), expected \(8,\)"),
-    "integers": (lambda n: torch.ones(n, dtype=torch.int64), "must be a floating-point tensor"),
-    "2-D": (lambda n: torch.ones(n, 1), r"per_sample_weights has shape \(8, 1\)"),
+    "too short": (lambda n: torch.ones(n - 1, device=DEVICE), r"per_sample_weights has shape \(7,\), expected \(8,\)"),
+    "integers": (lambda n: torch.ones(n, dtype=torch.int64, device=DEVICE), "must be a floating-point tensor"),
+    "2-D": (lambda n: torch.ones(n, 1, device=DEVICE), r"per_sample_weights has shape \(8, 1\)"),
     "other device": (lambda n: torch.ones(n, device="meta"), "per_sample_weights is on meta"),
 }
 
@@ -70,7 +71,7 @@ def test_bad_per_sample_weights_lock_nothing(kind, one_simulated_thread):
     assert all(torch.equal(before[k], after[k]) for k in before)
     module.load_state_dict(after)  # refused while batches were in flight
     for step in range(3):  # later batches get hits again
-        module(indices, offsets, torch.rand(indices.numel())).backward(grad_of(step))
+        module(indices, offsets, torch.rand(indices.numel(), device=DEVICE)).backward(grad_of(step))
     assert module.cache_stats().unique_hits > 0
     assert_clean(module)
 
@@ -82,9 +83,9 @@ def test_bad_per_sample_weights_leave_a_prefetched_batch_queued(one_simulated_th
     locked = module.cache.num_locked()
     assert locked > 0
     with pytest.raises(ValueError, match="per_sample_weights has shape"):
-        module(indices, offsets, torch.ones(3))
+        module(indices, offsets, torch.ones(3, device=DEVICE))
     assert len(module._prefetched) == 1 and module.cache.num_locked() == locked  # as it was
-    module(indices, offsets, torch.rand(indices.numel())).backward(grad_of(1))
+    module(indices, offsets, torch.rand(indices.numel(), device=DEVICE)).backward(grad_of(1))
     assert_clean(module)
 
 
@@ -93,7 +94,7 @@ def test_bad_per_sample_weights_inside_a_pipeline_leave_no_lock(one_simulated_th
     batches = [batch(seed) for seed in range(5)]
     with pytest.raises(ValueError, match="per_sample_weights has shape"):
         for step, (indices, offsets) in enumerate(PrefetchPipeline(module, batches, depth=2)):
-            weights = torch.rand(indices.numel() - (step == 2))  # step 2's weights are one short
+            weights = torch.rand(indices.numel() - (step == 2), device=DEVICE)  # step 2's: one short
             module(indices, offsets, weights).backward(grad_of(step))
     assert_clean(module)
     module.load_state_dict(state(module))
@@ -113,7 +114,7 @@ def test_a_malformed_prefetched_batch_raises_at_its_forward(kind, one_simulated_
     module = make_module()
     indices = batch(2)[0]
     before = state(module)
-    module.prefetch(indices, torch.tensor(offsets))  # used to raise IndexError here
+    module.prefetch(indices, torch.tensor(offsets, device=DEVICE))  # used to raise IndexError here
     with pytest.raises(ValueError, match=message):
         module(indices, module._prefetched[0][1])
     assert_clean(module)
@@ -123,7 +124,7 @@ def test_a_malformed_prefetched_batch_raises_at_its_forward(kind, one_simulated_
 
 def test_a_malformed_batch_in_a_pipeline_raises_after_the_good_ones_trained(one_simulated_thread):
     good = [batch(seed) for seed in range(3)]
-    bad = (batch(9)[0], torch.tensor(MALFORMED["ends short"][0]))
+    bad = (batch(9)[0], torch.tensor(MALFORMED["ends short"][0], device=DEVICE))
     serial = make_module()
     for step, (indices, offsets) in enumerate(good):
         serial(indices, offsets).backward(grad_of(step))
@@ -147,7 +148,7 @@ def test_nan_check_refuses_the_update_and_names_the_culprit(where, bad_value, on
     indices, offsets = batch(5)
     module(indices, offsets).backward(grad_of(0))  # a good step first: rows cached and dirty
     before = state(module)
-    weights, grad = torch.rand(indices.numel()), grad_of(1)
+    weights, grad = torch.rand(indices.numel(), device=DEVICE), grad_of(1)
     if where == "gradient":
         grad[1, 5] = bad_value  # column 5: table 'small' (columns 4..6)
         message = (r"gradient of the output has 1 NaN/inf values, "
