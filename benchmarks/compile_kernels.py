@@ -10,6 +10,12 @@ rejects, and lost vector loads, at no GPU time.
 
     python benchmarks/compile_kernels.py                # dim 128, fp32, every optimizer
     python benchmarks/compile_kernels.py --dim 64 --dtype bf16 --arch 90
+    python benchmarks/compile_kernels.py --count-compilations   # compiles over batches of varying sizes
+
+``--count-compilations`` runs the real host functions (``pooled_forward``, ``backward_update``)
+over batches whose sizes, steps and seeds vary, every launch compiled and none run, and prints
+how many kernels each Triton function compiled: one per model shape (per tile the autotuner
+tries, for the forward) when no per-batch integer is specialized.
 
 Run it as its own process (it must set TRITON_INTERPRET before triton is imported).
 """
@@ -127,7 +133,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
         results.append(_report(f"forward B{config.kwargs['BLOCK_B']} L{config.kwargs['BLOCK_L']} "
                                f"w{config.num_warps}", kernel, arch))
     results.append(_report("linearize", linearize._linearize_kernel.warmup(
-        i32, i32, addresses, i64, i64, 65536, BLOCK_B=32, BLOCK_L=4, grid=grid, num_warps=4), arch))
+        i32, i32, addresses, i64, i64, n, 65536, BLOCK_B=32, BLOCK_L=4, grid=grid, num_warps=4), arch))
     config = backward.default_config(block_d)
     common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, GRAD_ALIGN_BYTES=16, CHUNK=config.chunk, BLOCK_D=block_d)
     results.append(_report("hot window sums", backward._hot_window_sums_kernel.warmup(
@@ -157,13 +163,88 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     return results
 
 
+def compile_only(arch: int = 90) -> None:
+    """Compile on every launch, run nothing: an offline driver, and the autotuner "times" each
+    candidate by compiling it (every candidate then counts as compiled once)."""
+    from triton.runtime import autotuner, jit
+
+    triton.runtime.driver.set_active(OfflineDriver(arch))
+    run = jit.JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        return run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    def bench_by_compiling(self, *args, config, **meta):
+        self.fn.run(*args, **meta, **config.all_kwargs())
+        return [0.0, 0.0, 0.0]
+
+    jit.JITFunction.run = compile_instead
+    autotuner.Autotuner._bench = bench_by_compiling
+
+
+def compilations() -> dict[str, int]:
+    """Kernels compiled so far by each Triton function of tiered_tbe.kernels."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    import tiered_tbe.kernels.backward as backward
+    import tiered_tbe.kernels.forward as forward
+    import tiered_tbe.kernels.linearize as linearize
+
+    counts = {}
+    for module in (forward, backward, linearize):
+        for name, value in vars(module).items():
+            function = value.fn if isinstance(value, Autotuner) else value
+            if isinstance(function, JITFunction) and name.endswith("_kernel"):
+                counts[name] = sum(len(caches[0]) for caches in function.device_caches.values())
+    return counts
+
+
+def count_compilations(batches: int = 6) -> dict[str, int]:
+    """Forward and backward (row-wise Adagrad, SGD) over ``batches`` batches of one model shape whose
+    lookup counts, batch sizes, steps and seeds vary; returns ``compilations()``."""
+    compile_only()
+    from tiered_tbe.kernels.backward import backward_update
+    from tiered_tbe.kernels.forward import pooled_forward
+    from tiered_tbe.kernels.optimizers import SGD, RowwiseAdagrad
+    from tiered_tbe.kernels.rows import Lookups, RowStores, no_cache
+
+    generator = torch.Generator().manual_seed(0)
+    tables = [1000, 50, 7]
+    dim = 64
+    state = [torch.zeros(n, 1) for n in tables]
+    stores = RowStores(tuple(torch.randn(n, dim) for n in tables), tuple(state), *no_cache(torch.float32, "cpu"))
+    for batch in range(batches):
+        batch_size = 512 if batch < batches - 1 else 77  # a last, smaller batch
+        lengths = torch.randint(1, 5, (len(tables) * batch_size,), generator=generator)  # mean 2.5: one class
+        # Lookup counts that are multiples of 16 in some batches, odd or even in others.
+        lengths[-1] += (16 - int(lengths.sum()) + (0, 1, 2, 16, 9, 0)[batch % 6]) % 16
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        offsets[1:] = lengths.cumsum(0)
+        num_lookups = int(offsets[-1])
+        table_of = torch.arange(len(tables)).repeat_interleave(batch_size).repeat_interleave(lengths)
+        indices = (torch.rand(num_lookups, generator=generator) * torch.tensor(tables)[table_of]).long()
+        lookups = Lookups(indices, offsets, batch_size)
+        pooled_forward(stores, lookups, None, "sum")
+        grad = torch.randn(batch_size, dim * len(tables), generator=generator)
+        for optimizer in (RowwiseAdagrad(lr=0.01 * (batch + 1)), SGD(lr=0.1)):
+            backward_update(grad, stores, lookups, None, "sum", optimizer, step=batch + 1, seed=batch)
+    return compilations()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim", type=int, default=128, help="embedding dim (default 128)")
     parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="weights dtype")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
     parser.add_argument("--optimizers", nargs="+", help="optimizer names (default: all)")
+    parser.add_argument("--count-compilations", action="store_true",
+                        help="count the kernels compiled over batches of varying sizes instead")
     args = parser.parse_args(argv)
+    if args.count_compilations:
+        for name, count in sorted(count_compilations().items()):
+            print(f"{name:<36} {count} compiled")
+        return 0
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     print(f"triton {triton.__version__}: compiling for sm_{args.arch}, dim {args.dim}, {args.dtype} (nothing runs)")
     compile_all(args.dim, dtype, args.arch, args.optimizers)

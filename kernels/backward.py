@@ -526,7 +526,7 @@ def grad_alignment_bytes(grad_output: torch.Tensor, stores: RowStores) -> int:
 
 
 def _multiprocessors(device: torch.device) -> int:
-    if INTERPRETING:
+    if INTERPRETING or device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
 
