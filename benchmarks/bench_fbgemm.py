@@ -115,9 +115,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="distinct batches cycled through (default 6: more than the L2 holds)")
     parser.add_argument("--ours-only", action="store_true", help="time our side only (no FBGEMM)")
     parser.add_argument("--mover", default=None, help="our cache's row mover (CacheConfig.mover), when it has one")
-    parser.add_argument("--backward-configs", nargs="+", default=None, metavar="R,L,W,CHUNK,P",
-                        help="also time our HBM steps with these backward tile shapes (rows, lanes, warps, chunk, "
-                             "programs per SM): a tuning sweep")
+    parser.add_argument("--backward-configs", nargs="+", default=None, metavar="R,L,W,CHUNK",
+                        help="also time our HBM steps with these backward tile shapes (rows, lanes, warps, chunk): "
+                             "a tuning sweep")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the lookups")
     common.add_output_flags(parser)
     return parser

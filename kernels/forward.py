@@ -46,10 +46,13 @@ MAX_TILE_ELEMENTS = 8192
 # length): many bags of one lookup, or few bags walked many lookups at a time.
 _SHAPES_BY_CLASS = {
     0: [(16, 1, 4), (32, 1, 4), (64, 1, 8), (32, 1, 8), (8, 1, 2)],
-    1: [(16, 2, 4), (32, 2, 8), (8, 2, 4), (16, 1, 4)],
-    2: [(8, 4, 4), (16, 4, 8), (4, 4, 4), (8, 2, 4)],
+    1: [(16, 1, 4), (8, 1, 2), (32, 1, 8), (8, 2, 4), (16, 2, 8)],
+    2: [(4, 4, 4), (4, 4, 2), (8, 4, 4), (16, 1, 4), (8, 1, 2)],
 }
-_LONG_BAG_SHAPES = [(1, 32, 4), (2, 16, 4), (4, 8, 4), (2, 32, 8), (1, 64, 8), (4, 16, 8)]
+# Long bags: a whole bag per step (a reduction across the tile's rows), or one lookup of many bags
+# per step (no reduction, a longer loop).
+_LONG_BAG_SHAPES = [(1, 32, 4), (2, 16, 4), (4, 8, 4), (2, 32, 8), (1, 64, 8), (1, 32, 2), (16, 1, 4), (32, 1, 8),
+                    (8, 1, 2), (8, 2, 4), (16, 2, 8), (4, 4, 2)]
 
 
 def _forward_configs() -> list[triton.Config]:
