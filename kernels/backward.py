@@ -305,9 +305,10 @@ def _hot_window_sums_kernel(
         if tl.load(run_count_ptr + first) == tl.load(run_count_ptr + first + CHUNK - 1):  # a pure window
             columns = tl.arange(0, BLOCK_D)
             positions = first + tl.arange(0, CHUNK)
-            tile = _lookup_gradients(positions, positions >= 0, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
-                                 grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns,
-                                 POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
+            tile = _lookup_gradients(
+                positions, positions >= 0, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
+                grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns,
+                POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
             tl.store(window_sums_ptr + window * BLOCK_D + columns, tl.sum(tile, axis=0))
 
 
@@ -386,12 +387,14 @@ def _hot_row_update_kernel(
                 for offset in range(0, CHUNK, BLOCK_L):  # each part is shorter than CHUNK
                     head = start + offset + lanes
                     tail = tail_start + offset + lanes
-                    grad += tl.sum(_lookup_gradients(head, head < head_end, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
-                                 grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns,
-                                 POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES), axis=0)
-                    grad += tl.sum(_lookup_gradients(tail, tail < end, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
-                                 grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns,
-                                 POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES), axis=0)
+                    grad += tl.sum(_lookup_gradients(
+                        head, head < head_end, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
+                        grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size,
+                        columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES), axis=0)
+                    grad += tl.sum(_lookup_gradients(
+                        tail, tail < end, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
+                        grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size,
+                        columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES), axis=0)
                 slots = one
                 if USE_CACHE:
                     slots = one + tl.load(sorted_slots_ptr + start)
@@ -465,9 +468,10 @@ def _row_update_kernel(
         for step_start in range(0, tl.max(tl.where(row_mask, ends - starts, 0), axis=0), BLOCK_L):
             positions = lane_starts + step_start + lanes
             valid = (positions < lane_ends) & lane_mask
-            tile_grads = _lookup_gradients(positions, valid, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
-                                 grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns,
-                                 POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
+            tile_grads = _lookup_gradients(
+                positions, valid, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
+                grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns, POOLING,
+                HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
             grad += sum_lanes(tile_grads, ROWS, BLOCK_L, BLOCK_D)
         tables = tl.load(sorted_bags_ptr + starts, mask=row_mask, other=0) // batch_size
         dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=row_mask, other=0), ALIGN)
