@@ -10,6 +10,7 @@ wires them together, by module name::
     tiered-tbe bench kernels ...      Triton TBE kernels vs torch's embedding bags (benchmarks/bench_kernels.py)
     tiered-tbe bench cache ...        the slot cache vs all-HBM (benchmarks/bench_cache.py)
     tiered-tbe bench pipeline ...     the prefetch pipeline vs serial, all-HBM, managed (benchmarks/bench_pipeline.py)
+    tiered-tbe bench fbgemm ...       ours beside FBGEMM_GPU's TBE on the same batches (benchmarks/bench_fbgemm.py)
 
 A command's module is imported only when that command runs (or its ``--help`` is asked for), so
 the library never imports the benchmarks, and ``tiered-tbe train`` loads none of them. A new
@@ -48,6 +49,8 @@ COMMANDS = (
             "tiered_tbe.benchmarks.bench_cache", "run_command"),
     Command(("bench", "pipeline"), "time training steps with the prefetch pipeline against serial prefetch, "
             "all-HBM and managed memory (GPU)", "tiered_tbe.benchmarks.bench_pipeline", "run_command"),
+    Command(("bench", "fbgemm"), "time training steps against FBGEMM_GPU's TBE side by side, in HBM and cached "
+            "(GPU; needs fbgemm-gpu)", "tiered_tbe.benchmarks.bench_fbgemm", "run_command"),
 )
 GROUPS = {"bench": "benchmarks of tiered-tbe"}
 

@@ -38,7 +38,7 @@ class TieredEmbeddingBagsFunction(torch.autograd.Function):
             # before the batch (its own locks go with it).
             lookups = batch.lookups
             try:
-                validation.check_finite_update(module.tables, module.pooling, grad_output, lookups.bag_of_index,
+                validation.check_finite_update(module.tables, module.pooling, grad_output, lookups.offsets,
                                                lookups.batch_size, lookups.per_sample_weights)
             except ValueError:
                 batch.release()

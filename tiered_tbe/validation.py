@@ -121,14 +121,15 @@ def start_value_check(
 NAN_CHECKS = ("off", "raise")
 
 
-def check_finite_update(tables: list[TableSpec], pooling: str, grad_output: torch.Tensor, bag_of_index: torch.Tensor,
+def check_finite_update(tables: list[TableSpec], pooling: str, grad_output: torch.Tensor, offsets: torch.Tensor,
                         batch_size: int, per_sample_weights: torch.Tensor | None) -> None:
     """``nan_check="raise"``: refuse an update whose inputs are not all finite.
 
     Args:
         grad_output: fp32 ``[B, sum of dims]`` (``pooling="none"``: ``[N, dim]``), the gradient
             arriving at the module's output.
-        bag_of_index: int64 [N], ``t * B + b`` of each lookup; batch_size: ``B``.
+        offsets: int32/int64 ``[T*B+1]``, the batch's (a valid batch: it went through forward);
+            batch_size: ``B``.
         per_sample_weights: fp32 [N] of the batch, or None.
 
     Cost: one elementwise pass over each tensor and one host sync. Only when something is not
@@ -142,15 +143,20 @@ def check_finite_update(tables: list[TableSpec], pooling: str, grad_output: torc
     any_bad = bad_grad.any() if bad_weights is None else bad_grad.any() | bad_weights.any()
     if not bool(any_bad):  # the one sync
         return
+
+    def table_of_lookup(position: int) -> int:
+        bag = int(torch.searchsorted(offsets.cpu(), torch.tensor(position), right=True)) - 1
+        return min(max(bag, 0) // max(batch_size, 1), len(tables) - 1)
+
     refused = "nan_check='raise' refused the update of this batch (every row is as it was)"
     if bad_weights is not None and bool(bad_weights.any()):
         position = int(torch.nonzero(bad_weights)[0])
-        t = min(int(bag_of_index[position]) // max(batch_size, 1), len(tables) - 1)
         raise ValueError(f"{refused}: per_sample_weights has {int(bad_weights.sum())} NaN/inf values, the first "
-                         f"at position {position} ({_name(tables, t)}) = {float(per_sample_weights[position])}")
+                         f"at position {position} ({_name(tables, table_of_lookup(position))}) = "
+                         f"{float(per_sample_weights[position])}")
     row, column = (int(i) for i in torch.nonzero(bad_grad)[0])
     if pooling == "none":  # one output row per lookup
-        t, where = min(int(bag_of_index[row]) // max(batch_size, 1), len(tables) - 1), f"lookup {row}"
+        t, where = table_of_lookup(row), f"lookup {row}"
     else:  # columns: the tables' dims side by side
         ends = torch.tensor([s.embedding_dim for s in tables]).cumsum(0)
         t, where = int(torch.searchsorted(ends, column, right=True)), f"sample {row}"
