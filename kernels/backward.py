@@ -80,6 +80,10 @@ def default_config(block_d: int) -> BackwardConfig:
                           chunk=32)
 
 
+# Windows per group of the second level of hot-row sums (a power of two).
+HOT_GROUP = 4 if INTERPRETING else 32
+
+
 class SortedLookups(NamedTuple):
     """A batch's lookups grouped by global row (all on the device, nothing read back)."""
 
@@ -312,9 +316,52 @@ def _hot_window_sums_kernel(
             tl.store(window_sums_ptr + window * BLOCK_D + columns, tl.sum(tile, axis=0))
 
 
+@triton.jit(do_not_specialize=["num_lookups"])
+def _hot_group_sums_kernel(
+    group_sums_ptr,  # fp32 [cdiv(cdiv(N, CHUNK), GROUP), BLOCK_D] out: sum of each pure group of windows
+    window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D]: gradient sum of each pure window
+    run_count_ptr,  # int32 [N]: runs begun up to each sorted position
+    num_lookups,  # N
+    CHUNK: tl.constexpr,  # sorted positions per window
+    GROUP: tl.constexpr,  # windows per group
+    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
+):
+    """Second level for the hottest rows: a group of GROUP windows inside one run is summed once,
+    so the run's owner adds at most ~2 GROUP window sums beside its groups' sums."""
+    group = tl.program_id(0).to(tl.int64)
+    first = group * GROUP * CHUNK
+    last = first + GROUP * CHUNK - 1
+    if last < num_lookups:
+        if tl.load(run_count_ptr + first) == tl.load(run_count_ptr + last):  # every window pure, one run
+            columns = tl.arange(0, BLOCK_D)
+            windows = group * GROUP + tl.arange(0, GROUP)
+            sums = tl.load(window_sums_ptr + windows[:, None] * BLOCK_D + columns[None, :])
+            tl.store(group_sums_ptr + group * BLOCK_D + columns, tl.sum(sums, axis=0))
+
+
+@triton.jit
+def _sum_rows(
+    rows_ptr,  # fp32 [M, BLOCK_D]: rows to add
+    first,  # int64: first row
+    last,  # int64: last row (inclusive; none when last < first)
+    in_row,  # bool [1, BLOCK_D]: the columns that count
+    BLOCK_P: tl.constexpr,  # rows added per step
+    BLOCK_D: tl.constexpr,  # columns
+):
+    """fp32 [BLOCK_D]: the sum of rows first..last of a [M, BLOCK_D] buffer."""
+    columns = tl.arange(0, BLOCK_D)
+    sums = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
+    for row_start in range(first, last + 1, BLOCK_P):
+        rows = row_start + tl.arange(0, BLOCK_P)
+        sums += tl.load(rows_ptr + rows[:, None] * BLOCK_D + columns[None, :], mask=(rows <= last)[:, None] & in_row,
+                        other=0.0)
+    return tl.sum(sums, axis=0)
+
+
 @triton.jit(do_not_specialize=["num_lookups", "batch_size", "seed", "step"])
 def _hot_row_update_kernel(
     window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D]: gradient sum of each pure window
+    group_sums_ptr,  # fp32 [cdiv(cdiv(N, CHUNK), GROUP), BLOCK_D]: sum of each pure group of windows
     run_count_ptr,  # int32 [N]: runs begun up to each sorted position
     run_end_ptr,  # int32 [N]: one past the last position of each run
     order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
@@ -353,6 +400,7 @@ def _hot_row_update_kernel(
     STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically
     ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
     STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
+    GROUP: tl.constexpr,  # windows per group
     BLOCK_P: tl.constexpr,  # window sums added per step
     BLOCK_L: tl.constexpr,  # lookups before the first / after the last pure window summed per step
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
@@ -374,13 +422,18 @@ def _hot_row_update_kernel(
                 dims = one + tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
                 in_row = columns[None, :] < dims[:, None]
 
-                # The run's pure windows, then its lookups before the first and after the last of them.
-                sums = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
-                for window_start in range(first_window, last_window + 1, BLOCK_P):
-                    windows = window_start + tl.arange(0, BLOCK_P)
-                    sums += tl.load(window_sums_ptr + windows[:, None] * BLOCK_D + columns[None, :],
-                                    mask=(windows <= last_window)[:, None] & in_row, other=0.0)
-                grad = tl.sum(sums, axis=0)
+                # The run's pure groups of windows, its windows outside them, then its lookups before
+                # the first and after the last pure window.
+                first_group = (first_window + GROUP - 1) // GROUP
+                last_group = (last_window + 1) // GROUP - 1
+                if first_group <= last_group:
+                    grad = _sum_rows(group_sums_ptr, first_group, last_group, in_row, BLOCK_P, BLOCK_D)
+                    grad += _sum_rows(window_sums_ptr, first_window, first_group * GROUP - 1, in_row, BLOCK_P,
+                                      BLOCK_D)
+                    grad += _sum_rows(window_sums_ptr, (last_group + 1) * GROUP, last_window, in_row, BLOCK_P,
+                                      BLOCK_D)
+                else:
+                    grad = _sum_rows(window_sums_ptr, first_window, last_window, in_row, BLOCK_P, BLOCK_D)
                 lanes = tl.arange(0, BLOCK_L)
                 head_end = first_window * CHUNK
                 tail_start = (last_window + 1) * CHUNK
@@ -602,10 +655,15 @@ def backward_update(
     window_sums = torch.empty(num_windows, block_d, dtype=torch.float32, device=device)
     _hot_window_sums_kernel[(num_windows,)](
         window_sums, s.run_count, *gradient_args, num_lookups, lookups.batch_size, **common, num_warps=4)
+    group = HOT_GROUP
+    num_groups = triton.cdiv(num_windows, group)
+    group_sums = torch.empty(num_groups, block_d, dtype=torch.float32, device=device)
+    _hot_group_sums_kernel[(num_groups,)](group_sums, window_sums, s.run_count, num_lookups, CHUNK=chunk, GROUP=group,
+                                          BLOCK_D=block_d, num_warps=4)
     _hot_row_update_kernel[(num_windows,)](
-        window_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups, lookups.batch_size,
-        # One row a program: one warp holds a 128-wide row in 4-element vectors.
-        **common, **updating, BLOCK_P=8, BLOCK_L=4, num_warps=max(1, min(8, block_d // 128)))
+        window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups,
+        lookups.batch_size, **common, **updating, GROUP=group, BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=4,
+        num_warps=4)
     _row_update_kernel[(triton.cdiv(num_lookups, config.rows),)](
         s.run_end, s.num_runs, *gradient_args, *update_args, lookups.batch_size,
         **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
@@ -636,7 +694,8 @@ def _per_sample_weights_grad_kernel(
 ):
     table = tl.program_id(1)
     element = cache_weights_ptr.dtype.element_ty
-    bags, in_batch, starts, ends = bag_tile_bounds(offsets_ptr, table, batch_size, BLOCK_B, BLOCK_L)
+    bags, in_batch, starts, ends = bag_tile_bounds(offsets_ptr, table, tl.program_id(0) * BLOCK_B, batch_size, BLOCK_B,
+                                                  BLOCK_L)
     lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
     table_rows = table_row_zero(table_weights_address_ptr, table, element)
     row_stride = tl.load(table_weights_stride_ptr + table)
