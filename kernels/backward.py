@@ -91,7 +91,7 @@ class SortedLookups(NamedTuple):
     order: torch.Tensor  # int64 [N]: lookup at each sorted position
     sorted_bags: torch.Tensor  # int32 [N]: bag t*B+b of the lookup at each sorted position
     run_count: torch.Tensor  # int32 [N]: runs (distinct rows) begun up to and including each position
-    run_end: torch.Tensor  # int32 [N]: one past the last sorted position of run u (u < number of runs)
+    run_end: torch.Tensor  # int32 [N]: one past the last sorted position of run u; N past the last run
     num_runs: torch.Tensor  # int32 [1]: distinct rows of the batch
 
 
@@ -142,7 +142,8 @@ def sort_lookups(stores: RowStores, lookups: Lookups) -> SortedLookups:
     else:  # int64 rows computed by the caller (the cache's prefetch): sort them on int32 keys
         sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows, stable=True)
     run_starts = torch.empty(num_lookups, dtype=torch.int32, device=device)
-    run_end = torch.empty(num_lookups, dtype=torch.int32, device=device)
+    # Entries past the last run stay N: a run number past the batch's reads as an empty run.
+    run_end = torch.full((num_lookups,), num_lookups, dtype=torch.int32, device=device)
     num_runs = torch.zeros(1, dtype=torch.int32, device=device)
     if num_lookups == 0:
         return SortedLookups(sorted_rows, order, lookups.bag_of_index, run_starts, run_end, num_runs)
@@ -460,10 +461,9 @@ def _hot_row_update_kernel(
                      ALIGN_BYTES, STATE_ALIGN_BYTES)
 
 
-@triton.jit(do_not_specialize=["batch_size", "seed", "step"])
+@triton.jit(do_not_specialize=["num_lookups", "batch_size", "seed", "step"])
 def _row_update_kernel(
-    run_end_ptr,  # int32 [N]: one past the last position of each run
-    num_runs_ptr,  # int32 [1]: number of runs (read on the device: programs past it exit at once)
+    run_end_ptr,  # int32 [N]: one past the last position of each run; N past the last run
     order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
@@ -486,6 +486,7 @@ def _row_update_kernel(
     hyper,  # tuple of fp32: the optimizer's hyper-parameters
     seed,  # stochastic rounding: philox key
     step,  # optimizer step
+    num_lookups,  # N
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
@@ -504,18 +505,18 @@ def _row_update_kernel(
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
 ):
     tile = tl.program_id(0)
-    num_runs = tl.load(num_runs_ptr)
-    if tile * ROWS < num_runs:
+    runs = tile * ROWS + tl.arange(0, ROWS)
+    starts, ends, row_mask = _runs_of_tile(runs, run_end_ptr, num_lookups, CHUNK)
+    # Programs past the batch's runs exit here (their runs read as empty): one load, no count read first.
+    if tl.min(starts, axis=0) < num_lookups:
         columns = tl.arange(0, BLOCK_D)
-        runs = tile * ROWS + tl.arange(0, ROWS)
-        starts, ends, row_mask = _runs_of_tile(runs, num_runs, run_end_ptr, CHUNK)
         # Gradient tiles have ROWS * BLOCK_L rows, (run, lane) pairs: BLOCK_L lookups of each run per step.
         lanes = tl.arange(0, ROWS * BLOCK_L) % BLOCK_L
         if BLOCK_L == 1:
             lane_starts, lane_ends, lane_mask = starts, ends, row_mask
         else:
             lane_runs = tile * ROWS + tl.arange(0, ROWS * BLOCK_L) // BLOCK_L
-            lane_starts, lane_ends, lane_mask = _runs_of_tile(lane_runs, num_runs, run_end_ptr, CHUNK)
+            lane_starts, lane_ends, lane_mask = _runs_of_tile(lane_runs, run_end_ptr, num_lookups, CHUNK)
 
         grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         for step_start in range(0, tl.max(tl.where(row_mask, ends - starts, 0), axis=0), BLOCK_L):
@@ -544,17 +545,18 @@ def _row_update_kernel(
 @triton.jit
 def _runs_of_tile(
     runs,  # int32 tensor: run numbers
-    num_runs,  # int32 scalar: runs of the batch
-    run_end_ptr,  # int32 [N]: one past the last position of each run
+    run_end_ptr,  # int32 [N]: one past the last position of each run; N past the last run
+    num_lookups,  # N (run numbers from N on read as empty runs)
     CHUNK: tl.constexpr,  # window of sorted positions: a run holding a whole one is the hot kernel's
 ):
     """``(starts, ends, mask)`` of ``runs``: int64 first and one-past-last sorted positions, and
-    which runs exist and are not hot (the row-update kernel's)."""
-    in_range = runs < num_runs
-    starts = tl.load(run_end_ptr + runs - 1, mask=in_range & (runs > 0), other=0).to(tl.int64)
-    ends = tl.load(run_end_ptr + runs, mask=in_range, other=0).to(tl.int64)
+    which runs exist (are not empty) and are not hot (the row-update kernel's)."""
+    inside = runs < num_lookups
+    starts = tl.load(run_end_ptr + runs - 1, mask=(runs > 0) & inside, other=num_lookups).to(tl.int64)
+    starts = tl.where(runs == 0, 0, starts)
+    ends = tl.load(run_end_ptr + runs, mask=inside, other=num_lookups).to(tl.int64)
     hot = ((starts + CHUNK - 1) // CHUNK + 1) * CHUNK <= ends  # holds a pure window
-    return starts, ends, in_range & ~hot
+    return starts, ends, (ends > starts) & ~hot
 
 
 def check_grad_output(grad_output: torch.Tensor, stores: RowStores, lookups: Lookups, mode: int) -> torch.Tensor:
@@ -665,7 +667,7 @@ def backward_update(
         lookups.batch_size, **common, **updating, GROUP=group, BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=4,
         num_warps=4)
     _row_update_kernel[(triton.cdiv(num_lookups, config.rows),)](
-        s.run_end, s.num_runs, *gradient_args, *update_args, lookups.batch_size,
+        s.run_end, *gradient_args, *update_args, num_lookups, lookups.batch_size,
         **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
 
 
