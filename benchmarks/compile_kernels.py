@@ -131,7 +131,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
             POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16,
             BLOCK_D=block_d, grid=grid, num_warps=config.num_warps, **config.kwargs)
         results.append(_report(f"forward B{config.kwargs['BLOCK_B']} L{config.kwargs['BLOCK_L']} "
-                               f"w{config.num_warps}", kernel, arch))
+                               f"w{config.num_warps} G{config.kwargs['GROUPS']}", kernel, arch))
     results.append(_report("linearize", linearize._linearize_kernel.warmup(
         i32, i32, addresses, i64, i64, n, 65536, BLOCK_B=32, BLOCK_L=4, grid=grid, num_warps=4), arch))
     config = backward.default_config(block_d)
@@ -141,6 +141,8 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     gradient_args = (i64, i32, f32, i64, f32, 3328, i32, i32)  # order, bags, weights, offsets, grad, stride, tables
     results.append(_report("hot window sums", backward._hot_window_sums_kernel.warmup(
         f32, i32, *gradient_args, n, 65536, **common, grid=grid, num_warps=4), arch))
+    results.append(_report("hot group sums", backward._hot_group_sums_kernel.warmup(
+        f32, f32, i32, n, CHUNK=config.chunk, GROUP=32, BLOCK_D=block_d, grid=grid, num_warps=4), arch))
     state = torch.zeros(64, 2 * dim, dtype=torch.float32)
     for name in optimizers or list(OPTIMIZERS):
         optimizer = OPTIMIZERS[name]()
@@ -153,11 +155,11 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
                        hyper, 0, 1)
         label = f"row update ({name}) R{config.rows} L{config.lanes} w{config.num_warps}"
         results.append(_report(label, backward._row_update_kernel.warmup(
-            i32, i32, *gradient_args, *update_args, 65536, **common, **updating, ROWS=config.rows,
+            i32, *gradient_args, *update_args, n, 65536, **common, **updating, ROWS=config.rows,
             BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
         results.append(_report(f"hot row update ({name})", backward._hot_row_update_kernel.warmup(
-            f32, i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, BLOCK_P=8, BLOCK_L=4,
-            grid=grid, num_warps=max(1, block_d // 128)), arch))
+            f32, f32, i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, GROUP=32, BLOCK_P=32,
+            BLOCK_L=4, grid=grid, num_warps=4), arch))
     results.append(_report("per-sample-weight grad", backward._per_sample_weights_grad_kernel.warmup(
         f32, f32, 3328, addresses, addresses, i32, i32, weights, dim, i64, i64, i32, 65536, POOLING=0,
         USE_CACHE=True, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16, BLOCK_B=8, BLOCK_L=4, BLOCK_D=block_d,

@@ -80,6 +80,10 @@ def default_config(block_d: int) -> BackwardConfig:
                           chunk=32)
 
 
+# Windows per group of the second level of hot-row sums (a power of two).
+HOT_GROUP = 4 if INTERPRETING else 32
+
+
 class SortedLookups(NamedTuple):
     """A batch's lookups grouped by global row (all on the device, nothing read back)."""
 
@@ -87,7 +91,7 @@ class SortedLookups(NamedTuple):
     order: torch.Tensor  # int64 [N]: lookup at each sorted position
     sorted_bags: torch.Tensor  # int32 [N]: bag t*B+b of the lookup at each sorted position
     run_count: torch.Tensor  # int32 [N]: runs (distinct rows) begun up to and including each position
-    run_end: torch.Tensor  # int32 [N]: one past the last sorted position of run u (u < number of runs)
+    run_end: torch.Tensor  # int32 [N]: one past the last sorted position of run u; N past the last run
     num_runs: torch.Tensor  # int32 [1]: distinct rows of the batch
 
 
@@ -138,7 +142,8 @@ def sort_lookups(stores: RowStores, lookups: Lookups) -> SortedLookups:
     else:  # int64 rows computed by the caller (the cache's prefetch): sort them on int32 keys
         sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows, stable=True)
     run_starts = torch.empty(num_lookups, dtype=torch.int32, device=device)
-    run_end = torch.empty(num_lookups, dtype=torch.int32, device=device)
+    # Entries past the last run stay N: a run number past the batch's reads as an empty run.
+    run_end = torch.full((num_lookups,), num_lookups, dtype=torch.int32, device=device)
     num_runs = torch.zeros(1, dtype=torch.int32, device=device)
     if num_lookups == 0:
         return SortedLookups(sorted_rows, order, lookups.bag_of_index, run_starts, run_end, num_runs)
@@ -312,9 +317,52 @@ def _hot_window_sums_kernel(
             tl.store(window_sums_ptr + window * BLOCK_D + columns, tl.sum(tile, axis=0))
 
 
+@triton.jit(do_not_specialize=["num_lookups"])
+def _hot_group_sums_kernel(
+    group_sums_ptr,  # fp32 [cdiv(cdiv(N, CHUNK), GROUP), BLOCK_D] out: sum of each pure group of windows
+    window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D]: gradient sum of each pure window
+    run_count_ptr,  # int32 [N]: runs begun up to each sorted position
+    num_lookups,  # N
+    CHUNK: tl.constexpr,  # sorted positions per window
+    GROUP: tl.constexpr,  # windows per group
+    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
+):
+    """Second level for the hottest rows: a group of GROUP windows inside one run is summed once,
+    so the run's owner adds at most ~2 GROUP window sums beside its groups' sums."""
+    group = tl.program_id(0).to(tl.int64)
+    first = group * GROUP * CHUNK
+    last = first + GROUP * CHUNK - 1
+    if last < num_lookups:
+        if tl.load(run_count_ptr + first) == tl.load(run_count_ptr + last):  # every window pure, one run
+            columns = tl.arange(0, BLOCK_D)
+            windows = group * GROUP + tl.arange(0, GROUP)
+            sums = tl.load(window_sums_ptr + windows[:, None] * BLOCK_D + columns[None, :])
+            tl.store(group_sums_ptr + group * BLOCK_D + columns, tl.sum(sums, axis=0))
+
+
+@triton.jit
+def _sum_rows(
+    rows_ptr,  # fp32 [M, BLOCK_D]: rows to add
+    first,  # int64: first row
+    last,  # int64: last row (inclusive; none when last < first)
+    in_row,  # bool [1, BLOCK_D]: the columns that count
+    BLOCK_P: tl.constexpr,  # rows added per step
+    BLOCK_D: tl.constexpr,  # columns
+):
+    """fp32 [BLOCK_D]: the sum of rows first..last of a [M, BLOCK_D] buffer."""
+    columns = tl.arange(0, BLOCK_D)
+    sums = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
+    for row_start in range(first, last + 1, BLOCK_P):
+        rows = row_start + tl.arange(0, BLOCK_P)
+        sums += tl.load(rows_ptr + rows[:, None] * BLOCK_D + columns[None, :], mask=(rows <= last)[:, None] & in_row,
+                        other=0.0)
+    return tl.sum(sums, axis=0)
+
+
 @triton.jit(do_not_specialize=["num_lookups", "batch_size", "seed", "step"])
 def _hot_row_update_kernel(
     window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D]: gradient sum of each pure window
+    group_sums_ptr,  # fp32 [cdiv(cdiv(N, CHUNK), GROUP), BLOCK_D]: sum of each pure group of windows
     run_count_ptr,  # int32 [N]: runs begun up to each sorted position
     run_end_ptr,  # int32 [N]: one past the last position of each run
     order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
@@ -353,6 +401,7 @@ def _hot_row_update_kernel(
     STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically
     ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
     STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
+    GROUP: tl.constexpr,  # windows per group
     BLOCK_P: tl.constexpr,  # window sums added per step
     BLOCK_L: tl.constexpr,  # lookups before the first / after the last pure window summed per step
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
@@ -374,13 +423,18 @@ def _hot_row_update_kernel(
                 dims = one + tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
                 in_row = columns[None, :] < dims[:, None]
 
-                # The run's pure windows, then its lookups before the first and after the last of them.
-                sums = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
-                for window_start in range(first_window, last_window + 1, BLOCK_P):
-                    windows = window_start + tl.arange(0, BLOCK_P)
-                    sums += tl.load(window_sums_ptr + windows[:, None] * BLOCK_D + columns[None, :],
-                                    mask=(windows <= last_window)[:, None] & in_row, other=0.0)
-                grad = tl.sum(sums, axis=0)
+                # The run's pure groups of windows, its windows outside them, then its lookups before
+                # the first and after the last pure window.
+                first_group = (first_window + GROUP - 1) // GROUP
+                last_group = (last_window + 1) // GROUP - 1
+                if first_group <= last_group:
+                    grad = _sum_rows(group_sums_ptr, first_group, last_group, in_row, BLOCK_P, BLOCK_D)
+                    grad += _sum_rows(window_sums_ptr, first_window, first_group * GROUP - 1, in_row, BLOCK_P,
+                                      BLOCK_D)
+                    grad += _sum_rows(window_sums_ptr, (last_group + 1) * GROUP, last_window, in_row, BLOCK_P,
+                                      BLOCK_D)
+                else:
+                    grad = _sum_rows(window_sums_ptr, first_window, last_window, in_row, BLOCK_P, BLOCK_D)
                 lanes = tl.arange(0, BLOCK_L)
                 head_end = first_window * CHUNK
                 tail_start = (last_window + 1) * CHUNK
@@ -407,10 +461,9 @@ def _hot_row_update_kernel(
                      ALIGN_BYTES, STATE_ALIGN_BYTES)
 
 
-@triton.jit(do_not_specialize=["batch_size", "seed", "step"])
+@triton.jit(do_not_specialize=["num_lookups", "batch_size", "seed", "step"])
 def _row_update_kernel(
-    run_end_ptr,  # int32 [N]: one past the last position of each run
-    num_runs_ptr,  # int32 [1]: number of runs (read on the device: programs past it exit at once)
+    run_end_ptr,  # int32 [N]: one past the last position of each run; N past the last run
     order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
@@ -433,6 +486,7 @@ def _row_update_kernel(
     hyper,  # tuple of fp32: the optimizer's hyper-parameters
     seed,  # stochastic rounding: philox key
     step,  # optimizer step
+    num_lookups,  # N
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
@@ -451,18 +505,18 @@ def _row_update_kernel(
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
 ):
     tile = tl.program_id(0)
-    num_runs = tl.load(num_runs_ptr)
-    if tile * ROWS < num_runs:
+    runs = tile * ROWS + tl.arange(0, ROWS)
+    starts, ends, row_mask = _runs_of_tile(runs, run_end_ptr, num_lookups, CHUNK)
+    # Programs past the batch's runs exit here (their runs read as empty): one load, no count read first.
+    if tl.min(starts, axis=0) < num_lookups:
         columns = tl.arange(0, BLOCK_D)
-        runs = tile * ROWS + tl.arange(0, ROWS)
-        starts, ends, row_mask = _runs_of_tile(runs, num_runs, run_end_ptr, CHUNK)
         # Gradient tiles have ROWS * BLOCK_L rows, (run, lane) pairs: BLOCK_L lookups of each run per step.
         lanes = tl.arange(0, ROWS * BLOCK_L) % BLOCK_L
         if BLOCK_L == 1:
             lane_starts, lane_ends, lane_mask = starts, ends, row_mask
         else:
             lane_runs = tile * ROWS + tl.arange(0, ROWS * BLOCK_L) // BLOCK_L
-            lane_starts, lane_ends, lane_mask = _runs_of_tile(lane_runs, num_runs, run_end_ptr, CHUNK)
+            lane_starts, lane_ends, lane_mask = _runs_of_tile(lane_runs, run_end_ptr, num_lookups, CHUNK)
 
         grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         for step_start in range(0, tl.max(tl.where(row_mask, ends - starts, 0), axis=0), BLOCK_L):
@@ -491,17 +545,18 @@ def _row_update_kernel(
 @triton.jit
 def _runs_of_tile(
     runs,  # int32 tensor: run numbers
-    num_runs,  # int32 scalar: runs of the batch
-    run_end_ptr,  # int32 [N]: one past the last position of each run
+    run_end_ptr,  # int32 [N]: one past the last position of each run; N past the last run
+    num_lookups,  # N (run numbers from N on read as empty runs)
     CHUNK: tl.constexpr,  # window of sorted positions: a run holding a whole one is the hot kernel's
 ):
     """``(starts, ends, mask)`` of ``runs``: int64 first and one-past-last sorted positions, and
-    which runs exist and are not hot (the row-update kernel's)."""
-    in_range = runs < num_runs
-    starts = tl.load(run_end_ptr + runs - 1, mask=in_range & (runs > 0), other=0).to(tl.int64)
-    ends = tl.load(run_end_ptr + runs, mask=in_range, other=0).to(tl.int64)
+    which runs exist (are not empty) and are not hot (the row-update kernel's)."""
+    inside = runs < num_lookups
+    starts = tl.load(run_end_ptr + runs - 1, mask=(runs > 0) & inside, other=num_lookups).to(tl.int64)
+    starts = tl.where(runs == 0, 0, starts)
+    ends = tl.load(run_end_ptr + runs, mask=inside, other=num_lookups).to(tl.int64)
     hot = ((starts + CHUNK - 1) // CHUNK + 1) * CHUNK <= ends  # holds a pure window
-    return starts, ends, in_range & ~hot
+    return starts, ends, (ends > starts) & ~hot
 
 
 def check_grad_output(grad_output: torch.Tensor, stores: RowStores, lookups: Lookups, mode: int) -> torch.Tensor:
@@ -602,12 +657,17 @@ def backward_update(
     window_sums = torch.empty(num_windows, block_d, dtype=torch.float32, device=device)
     _hot_window_sums_kernel[(num_windows,)](
         window_sums, s.run_count, *gradient_args, num_lookups, lookups.batch_size, **common, num_warps=4)
+    group = HOT_GROUP
+    num_groups = triton.cdiv(num_windows, group)
+    group_sums = torch.empty(num_groups, block_d, dtype=torch.float32, device=device)
+    _hot_group_sums_kernel[(num_groups,)](group_sums, window_sums, s.run_count, num_lookups, CHUNK=chunk, GROUP=group,
+                                          BLOCK_D=block_d, num_warps=4)
     _hot_row_update_kernel[(num_windows,)](
-        window_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups, lookups.batch_size,
-        # One row a program: one warp holds a 128-wide row in 4-element vectors.
-        **common, **updating, BLOCK_P=8, BLOCK_L=4, num_warps=max(1, min(8, block_d // 128)))
+        window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups,
+        lookups.batch_size, **common, **updating, GROUP=group, BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=4,
+        num_warps=4)
     _row_update_kernel[(triton.cdiv(num_lookups, config.rows),)](
-        s.run_end, s.num_runs, *gradient_args, *update_args, lookups.batch_size,
+        s.run_end, *gradient_args, *update_args, num_lookups, lookups.batch_size,
         **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
 
 
@@ -636,7 +696,8 @@ def _per_sample_weights_grad_kernel(
 ):
     table = tl.program_id(1)
     element = cache_weights_ptr.dtype.element_ty
-    bags, in_batch, starts, ends = bag_tile_bounds(offsets_ptr, table, batch_size, BLOCK_B, BLOCK_L)
+    bags, in_batch, starts, ends = bag_tile_bounds(offsets_ptr, table, tl.program_id(0) * BLOCK_B, batch_size, BLOCK_B,
+                                                  BLOCK_L)
     lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
     table_rows = table_row_zero(table_weights_address_ptr, table, element)
     row_stride = tl.load(table_weights_stride_ptr + table)

@@ -386,10 +386,12 @@ def _segments_batch(lengths, dim, device, optimizer):
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
 def test_hot_rows_at_every_segment_length_around_the_split(name, device):
     """Rows looked up 1, 2, CHUNK - 1 .. CHUNK + 1, 2 CHUNK - 2 .. 2 CHUNK (where runs start holding
-    a whole window of sorted positions and go to the hot kernels) and 5 CHUNK + 3 times."""
+    a whole window of sorted positions and go to the hot kernels), 5 CHUNK + 3 times, and over
+    3 HOT_GROUP windows (where whole groups of windows are summed first)."""
     optimizer = ALL_OPTIMIZERS[name]
     c = CHUNK
-    lengths = [1, 2, c - 1, c, c + 1, 2 * c - 2, 2 * c - 1, 2 * c, 5 * c + 3, 1, 2 * c - 1]
+    lengths = [1, 2, c - 1, c, c + 1, 2 * c - 2, 2 * c - 1, 2 * c, 5 * c + 3, 1, 2 * c - 1,
+               3 * backward_module.HOT_GROUP * c + 5]
     stores, lookups, slot_of_index = _segments_batch(lengths, 12, device, optimizer)
     config = BackwardConfig(rows=2, lanes=2, num_warps=4, chunk=c)
     sorted_lookups = sort_lookups(stores, lookups)
