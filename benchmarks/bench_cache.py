@@ -37,8 +37,10 @@ import time
 
 import torch
 
+from tiered_tbe import records
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
+from tiered_tbe.cache.policy import POLICIES
 from tiered_tbe.module import TieredEmbeddingBags
 from tiered_tbe.optimizers import RowwiseAdagrad
 from tiered_tbe.specs import CacheConfig, Placement, TableSpec
@@ -60,7 +62,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     common.add_table_flags(parser, GPU_DEFAULTS, SIMULATION_DEFAULTS)
-    common.add_cache_flags(parser, ["lru", "lfu", "lookahead"])
+    common.add_cache_flags(parser, list(POLICIES))
     run = parser.add_argument_group("run")
     run.add_argument("--warmup", type=int, help="batches before timing, per alpha (default 20; 2 in simulation)")
     run.add_argument("--batches", type=int, help="timed batches per alpha (default 20; 2 in simulation)")
@@ -252,7 +254,7 @@ def format_table(results: list[dict], args) -> list[str]:
             common.fmt(r["prefetch_gbs"], ".1f"),
             common.fmt(r["step_vs_hbm"], ".2f") if cached else "1.00",
         ])
-    lines = common.markdown_table(header, rows, "ll" + "r" * (len(header) - 2))
+    lines = records.markdown_table(header, rows, "ll" + "r" * (len(header) - 2))
     lines.append("")
     lines.append(f"Pinned memcpy in the same run: host->device {memcpy['h2d_gbs']:.1f} GB/s, "
                  f"device->host {memcpy['d2h_gbs']:.1f} GB/s. Prefetch GB/s = bytes copied in (rows and their "
@@ -262,7 +264,7 @@ def format_table(results: list[dict], args) -> list[str]:
         lines.append("")
         lines.append("The copy kernels alone (distinct random rows in ascending order, random slots, rows and state):")
         lines.append("")
-        lines += common.markdown_table(
+        lines += records.markdown_table(
             ["copy", "rows", "bytes / row", "blocks (most)", "ms", "GB/s", "/ memcpy"],
             [[r["direction"], f"{r['rows']:,}", str(r["row_bytes"]), str(r["blocks"]), common.fmt(r["ms"]),
               common.fmt(r["gbs"], ".1f"), common.fmt(r["vs_memcpy"], ".2f")] for r in copies], "lrrrrrr")
@@ -338,7 +340,7 @@ def format_big_table(r: dict) -> list[str]:
            common.fmt(r["prefetch"]), common.fmt(r["forward"]), common.fmt(r["backward"]), common.fmt(r["step"]),
            f"{stats['hit_rate_by_lookup']:.4f}", f"{stats['hit_rate_by_unique']:.4f}",
            common.fmt(r["prefetch_gbs"], ".1f")]
-    return common.markdown_table(header, [row])
+    return records.markdown_table(header, [row])
 
 
 # ------------------------------------------------------------------------------------ main
@@ -360,7 +362,7 @@ def run_command(args: argparse.Namespace, argv=None) -> int:
     else:
         print(f"{common.describe_tables(args)}, row-wise Adagrad; batch {args.batch_size} x bag {args.bag_size}; "
               f"cache {args.cache_fraction:g} of rows, {args.policy}, {args.associativity} ways; {args.warmup} "
-              f"warm-up + {args.batches} timed batches per alpha; on {common.device_name()}", flush=True)
+              f"warm-up + {args.batches} timed batches per alpha; on {records.device_name()}", flush=True)
         results = run(args)
         table = format_table(results, args)
     common.report(args, SCRIPT, argv, results, table)

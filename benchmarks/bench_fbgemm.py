@@ -34,6 +34,7 @@ import sys
 
 import torch
 
+from tiered_tbe import records
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.kernels.backward import backward_update, sort_lookups
@@ -400,7 +401,7 @@ def table_of(results: list[dict]) -> list[str]:
                              common.fmt(value["step"] / row["fbgemm"]["step"] if row["fbgemm"].get("step") else None,
                                         ".2f"), "-", "-"])
     header = ["configuration", "phase", "FBGEMM ms", "ours ms", "ours / FBGEMM", "target", ""]
-    return common.markdown_table(header, rows)
+    return records.markdown_table(header, rows)
 
 
 def run_command(args: argparse.Namespace) -> list[dict]:

@@ -14,7 +14,8 @@ batch tables). Measured in one run, on the same rows and the same lookups:
 
 Each time is the median of ``triton.testing.do_bench``. "GB/s" is the bytes of the looked-up rows
 (lookups x dim x dtype size) over the time, for every line alike, so the columns compare directly.
-Lookups are uniform (``--alpha 0``) or Zipf(alpha) over a random permutation of the rows.
+Lookups are uniform (``--alpha 0``) or Zipf(alpha) over a random permutation of the rows
+(``tiered_tbe.zipf``, the sampler of every trace and benchmark).
 
 Without a GPU (CPU simulation) it runs at a tiny size to prove it works; its times mean nothing.
 
@@ -32,6 +33,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from tiered_tbe import records
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.kernels.backward import backward_update
@@ -72,19 +74,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         return check_args(args)
     except ValueError as error:
         parser.error(str(error))
-
-
-def sample_rows(num_rows: int, num_lookups: int, alpha: float, device: torch.device) -> torch.Tensor:
-    """int64 [num_lookups]: uniform rows (alpha 0), or Zipf(alpha) ranks mapped through a random
-    permutation, so hot rows are scattered over the table. Inverse CDF by ``searchsorted``."""
-    if alpha == 0:
-        return torch.randint(0, num_rows, (num_lookups,), device=device)
-    ranks = torch.arange(1, num_rows + 1, device=device, dtype=torch.float64)
-    cdf = torch.cumsum(ranks.pow_(-alpha), 0)
-    cdf /= cdf[-1].clone()
-    drawn = torch.searchsorted(cdf, torch.rand(num_lookups, device=device, dtype=torch.float64))
-    del cdf, ranks
-    return torch.randperm(num_rows, device=device)[drawn.clamp_(max=num_rows - 1)]
 
 
 def device_stores(weights: torch.Tensor, state: torch.Tensor, num_tables: int) -> RowStores:
@@ -138,7 +127,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     torch_grad = as_torch_layout(grad_output).to(dtype)
 
     for alpha in args.alpha:
-        indices = torch.cat([sample_rows(args.rows, lookups_per_table, alpha, device) for _ in range(num_tables)])
+        indices = common.ZipfBatches([args.rows] * num_tables, alpha, batch_size, bag_size, device,
+                                     seed=args.seed).next()[0]
         global_rows = indices + table_start
         lookups = Lookups(indices, offsets, batch_size)
         unique_rows = torch.unique(global_rows).numel()
@@ -209,7 +199,7 @@ def run_command(args: argparse.Namespace, argv=None) -> int:
         print("SIMULATION: Triton runs in its CPU interpreter; the timings below are meaningless.")
     lookups = args.tables * args.batch_size * args.bag_size
     print(f"{common.describe_tables(args)}, batch {args.batch_size} x bag {args.bag_size} per table "
-          f"({lookups} lookups), on {common.device_name()}; baseline: torch.nn.EmbeddingBag in the same run")
+          f"({lookups} lookups), on {records.device_name()}; baseline: torch.nn.EmbeddingBag in the same run")
     results = run(args)
     table = format_table(results)
     common.report(args, SCRIPT, argv, results, table)

@@ -14,12 +14,13 @@ same batches, for each Zipf exponent:
 - ``serial``: ``HOST_CACHED`` behind a slot cache of ``--cache-fraction`` of the rows, each
   forward prefetching its own batch;
 - ``pipelined``: the same with ``PrefetchPipeline(depth=--depth)``, which prefetches the next
-  batches on a side stream while this one trains; once per cache policy (lru, lfu, lookahead).
+  batches on a side stream while this one trains; once per cache policy (every policy of
+  ``tiered_tbe.cache.policy.POLICIES`` by default: lru, lfu, lookahead).
 
 Reported: step time (wall clock over ``--batches`` steps after ``--warmup``, synchronized at both
 ends), throughput against all-HBM (target for the pipeline: >= 0.8), and the rows moved into the
 cache per batch (``cache_stats().rows_copied_in / batches``) of each policy against LRU's
-(target for lookahead: <= 0.7 at Zipf 1.05). A policy the library does not offer prints "n/a".
+(target for lookahead: <= 0.7 at Zipf 1.05).
 Lookahead ranks rows by next-use hints that the pipeline writes; if none are seen during the
 warm-up, the run is reported as such (it then behaves as LRU).
 
@@ -40,17 +41,19 @@ import time
 import torch
 from torch import nn
 
+from tiered_tbe import records
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.bench_cache import build_module, free, judge
+from tiered_tbe.cache.policy import POLICIES
 from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD, PrefetchPipeline
 from tiered_tbe.specs import CacheConfig, Placement
 
 SCRIPT = "bench_pipeline.py"
 GPU_DEFAULTS = dict(tables=26, row_cap=0, dim=128, batch_size=65536, bag_size=1, warmup=15, batches=20)
 SIMULATION_DEFAULTS = dict(tables=3, row_cap=1000, dim=16, batch_size=8, bag_size=1, warmup=2, batches=2)
-POLICIES = ("lru", "lfu", "lookahead")
 MODES = ("hbm", "managed", "serial", "pipelined")
+BASELINE_POLICY = "lru"  # the serial run's policy, and what every policy's rows moved are divided by
 THROUGHPUT_TARGET = 0.8  # pipelined throughput / all-HBM throughput, at least
 LOOKAHEAD_TARGET = 0.7  # rows moved by lookahead / by LRU at Zipf 1.05, at most
 NUM_DENSE = 13
@@ -62,13 +65,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     common.add_table_flags(parser, GPU_DEFAULTS, SIMULATION_DEFAULTS)
-    common.add_cache_flags(parser, POLICIES, several=True)
+    common.add_cache_flags(parser, list(POLICIES), several=True)
     run = parser.add_argument_group("run")
     run.add_argument("--depth", type=int, default=2, help="batches the pipeline prefetches ahead, 1..8 (default 2)")
     run.add_argument("--lookahead", type=int, default=DEFAULT_LOOKAHEAD,
                      help=f"batches a lookahead cache learns from (default {DEFAULT_LOOKAHEAD})")
     run.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
-                     help="what to run (default: all): hbm, managed, serial (lru, prefetch in forward), "
+                     help=f"what to run (default: all): hbm, managed, serial ({BASELINE_POLICY}, prefetch in forward), "
                           "pipelined (every --policy)")
     run.add_argument("--warmup", type=int, help="steps before timing, per run (default 15; 2 in simulation)")
     run.add_argument("--batches", type=int, help="timed steps per run (default 20; 2 in simulation)")
@@ -182,7 +185,7 @@ def train(model: SmallDLRM, batches, args, pipelined: bool) -> dict:
                 rows_in_per_batch=stats.rows_copied_in / batches_seen if emb.cache is not None else None,
                 write_backs_per_batch=stats.write_backs / batches_seen if emb.cache is not None else None,
                 hit_rate=stats.hit_rate_by_lookup if emb.cache is not None else None,
-                lookahead_hints=hints if emb.cache is not None and emb.cache.policy == "lookahead" else None,
+                lookahead_hints=hints if emb.uses_lookahead else None,
                 stats=stats.as_dict())
 
 
@@ -204,7 +207,7 @@ def train_steps(model: SmallDLRM, source, args) -> tuple[float, bool]:
         dense_optimizer.zero_grad(set_to_none=True)
         loss.backward()  # the embedding tables update here, fused
         dense_optimizer.step()
-        if i < args.warmup and emb.cache is not None and emb.cache.policy == "lookahead" and not hints:
+        if i < args.warmup and emb.uses_lookahead and not hints:
             hints = lookahead_hints(emb)  # outside the timed steps: it reads the device
         if i + 1 == steps:
             break
@@ -225,42 +228,29 @@ def run(args: argparse.Namespace) -> list[dict]:
     for policy in args.policies:
         # Pipelined first: every policy's pipelined runs then start from the same (empty) cache.
         runs = (["pipelined"] if "pipelined" in args.modes else []) + \
-               (["serial"] if policy == "lru" and "serial" in args.modes else [])
+               (["serial"] if policy == BASELINE_POLICY and "serial" in args.modes else [])
         if runs:
             models.append((f"host_cached {policy}", Placement.HOST_CACHED, policy, runs))
 
     results = []
     for label, placement, policy, runs in models:
         start = time.perf_counter()
-        try:
-            cache = CacheConfig(fraction=args.cache_fraction, policy=policy,
-                                associativity=args.associativity) if policy else None
-            emb = build_module(table_rows, args.dim, placement, cache, args)
-        except ValueError as error:
-            if policy is None:
-                raise
-            print(f"{label}: not available ({error}): n/a", flush=True)
-            for run_mode in runs:
-                for alpha in args.alpha:
-                    results.append(dict(model=label, policy=policy, run=run_mode, alpha=alpha, available=False,
-                                        reason=str(error)))
-            continue
+        cache = CacheConfig(fraction=args.cache_fraction, policy=policy,
+                            associativity=args.associativity) if policy else None
+        emb = build_module(table_rows, args.dim, placement, cache, args)
         model = SmallDLRM(emb, len(table_rows), args.dim, args.bottom_mlp, args.top_mlp).to(device)
         print(f"{label}: built in {time.perf_counter() - start:.1f} s", flush=True)
         for run_mode in runs:
             for alpha in args.alpha:
                 measured = train(model, batches[alpha], args, pipelined=run_mode == "pipelined")
-                results.append(dict(model=label, policy=policy, run=run_mode, alpha=alpha, available=True,
-                                    **measured))
+                results.append(dict(model=label, policy=policy, run=run_mode, alpha=alpha, **measured))
                 print(f"  {run_mode} zipf {alpha:g}: step {measured['step_ms']:.3f} ms", flush=True)
         del model, emb
         free()
 
     for r in results:
-        if not r["available"]:
-            continue
         hbm = find(results, "all HBM", "serial", r["alpha"])
-        lru = find(results, "host_cached lru", r["run"], r["alpha"])
+        lru = find(results, f"host_cached {BASELINE_POLICY}", r["run"], r["alpha"])
         r["throughput_vs_hbm"] = r["samples_per_s"] / hbm["samples_per_s"] if hbm else None
         r["rows_vs_lru"] = (r["rows_in_per_batch"] / lru["rows_in_per_batch"]
                             if lru and r["rows_in_per_batch"] is not None and lru["rows_in_per_batch"] else None)
@@ -269,7 +259,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def find(results, model, run_mode, alpha) -> dict | None:
     for r in results:
-        if r["model"] == model and r["run"] == run_mode and r["alpha"] == alpha and r["available"]:
+        if r["model"] == model and r["run"] == run_mode and r["alpha"] == alpha:
             return r
     return None
 
@@ -286,9 +276,6 @@ def format_table(results: list[dict], args) -> list[str]:
     rows = []
     for r in results:
         name = describe(r, args.depth)
-        if not r["available"]:
-            rows.append([name, f"zipf {r['alpha']:g}"] + ["n/a"] * (len(header) - 2))
-            continue
         note = " (no lookahead hints seen: ran as LRU)" if r["lookahead_hints"] is False else ""
         rows.append([
             name + note, f"zipf {r['alpha']:g}", common.fmt(r["step_ms"]), common.fmt(r["samples_per_s"], ",.0f"),
@@ -296,22 +283,19 @@ def format_table(results: list[dict], args) -> list[str]:
             common.fmt(r["rows_vs_lru"], ".2f"), common.fmt(r["write_backs_per_batch"], ",.0f"),
             common.fmt(r["hit_rate"], ".4f"),
         ])
-    lines = common.markdown_table(header, rows, "ll" + "r" * (len(header) - 2))
+    lines = records.markdown_table(header, rows, "ll" + "r" * (len(header) - 2))
     lines.append("")
     lines.append(f"Step = forward + backward (fused table update) + dense SGD step; dense matmuls "
                  f"{args.dense_precision if not SIMULATION else 'fp32 (CPU)'}. Rows moved = "
                  f"cache_stats().rows_copied_in / batches.")
     for alpha in args.alpha:
-        for r in (r for r in results if r["alpha"] == alpha and r["run"] == "pipelined" and r["available"]):
+        for r in (r for r in results if r["alpha"] == alpha and r["run"] == "pipelined"):
             if r["throughput_vs_hbm"] is not None:
                 lines.append(f"- zipf {alpha:g}, {r['model']} pipelined: throughput / all-HBM "
                              f"{r['throughput_vs_hbm']:.2f} (target >= {THROUGHPUT_TARGET}: "
                              f"{judge(r['throughput_vs_hbm'] >= THROUGHPUT_TARGET)})")
         lookahead = find(results, "host_cached lookahead", "pipelined", alpha)
-        if any(r["model"] == "host_cached lookahead" and r["alpha"] == alpha and not r["available"]
-               for r in results):
-            lines.append(f"- zipf {alpha:g}: lookahead rows moved / LRU: n/a (policy not available)")
-        elif lookahead and lookahead["rows_vs_lru"] is not None:
+        if lookahead and lookahead["rows_vs_lru"] is not None:
             verdict = judge(lookahead["rows_vs_lru"] <= LOOKAHEAD_TARGET) if alpha == 1.05 else "target is at zipf 1.05"
             if lookahead["lookahead_hints"] is False:
                 verdict = "no next-use hints were written: it ran as LRU, so the target is not tested"
@@ -332,7 +316,7 @@ def run_command(args: argparse.Namespace, argv=None) -> int:
     print(f"{common.describe_tables(args)}, row-wise Adagrad; batch {args.batch_size} x bag {args.bag_size}; "
           f"cache {args.cache_fraction:g} of rows, {args.associativity} ways; pipeline depth {args.depth}, "
           f"lookahead window {args.lookahead}; pipelined steps on a {args.training_priority}-priority stream; "
-          f"{args.warmup} warm-up + {args.batches} timed steps per run; on {common.device_name()}", flush=True)
+          f"{args.warmup} warm-up + {args.batches} timed steps per run; on {records.device_name()}", flush=True)
     tf32 = None
     if not SIMULATION:
         tf32 = torch.backends.cuda.matmul.allow_tf32

@@ -7,12 +7,14 @@ simulation mode is chosen before triton or numba load; this module imports it fi
 - :class:`StepTimer`: CUDA events around the phases of every step (prefetch, forward, ...),
   read once at the end; medians and totals per phase.
 - :class:`ZipfBatches`: batches in FBGEMM's TBE layout drawn on the device, Zipf(alpha) per
-  table over a random permutation of its rows (the distribution of ``tiered_tbe.traces``).
+  table by the project's one sampler (:mod:`tiered_tbe.zipf`).
 - :func:`pinned_copy_bandwidth`: pinned host <-> device ``memcpy`` GB/s, the bus ceiling.
 - :func:`add_table_flags`, :func:`add_cache_flags`, :func:`add_output_flags`, :func:`check_table_args`,
   :func:`table_rows_of`: the flags every script shares (``--tables --rows --dim --batch-size
   --bag-size --alpha --dtype``, ``--cache-fraction --policy``, ``--json --record``), one spelling.
-- :func:`markdown_table`, :func:`append_results`, :func:`write_json`: report what was measured.
+- :func:`markdown_table`, :func:`append_results`, :func:`write_json`, :func:`report`: report what was
+  measured, through :mod:`tiered_tbe.records` (the one reporting path, shared with
+  ``tiered-tbe bench hit-rate``).
 
 In simulation mode every "time" is of the CPU interpreter and means nothing; the helpers still
 run, so the scripts can be tested without a GPU.
@@ -21,32 +23,25 @@ run, so the scripts can be tested without a GPU.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
 import shlex
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from tiered_tbe import records
 from tiered_tbe.base.mode import SIMULATION
+from tiered_tbe.specs import WEIGHTS_DTYPES
 from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
+from tiered_tbe.zipf import DeviceZipfSampler, ZipfSampler
 
-
-def default_results_file() -> Path:
-    """``benchmarks/RESULTS.md`` of the checkout these scripts run from; ``./RESULTS.md`` when they
-    run from an installed package (which ships no results file)."""
-    beside = Path(__file__).with_name("RESULTS.md")
-    return beside if beside.exists() else Path.cwd() / "RESULTS.md"
-
-
-RESULTS = default_results_file()
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # --dtype: weights dtype
+RESULTS = records.results_file("RESULTS.md")  # beside these scripts in a checkout, else ./RESULTS.md
+DTYPES = WEIGHTS_DTYPES  # --dtype: the weights dtype, by name
 SIMULATION_NOTE = ("SIMULATION: kernels run in the Triton interpreter and the Numba CUDA simulator; "
                    "timings are meaningless.")
 
@@ -262,20 +257,16 @@ def describe_tables(args: argparse.Namespace) -> str:
 
 
 class ZipfBatches:
-    """Batches of lookups in FBGEMM's TBE layout, drawn on ``device``.
+    """Batches of lookups in FBGEMM's TBE layout, drawn on ``device`` by the project's Zipf sampler.
 
-    Every table draws its rows independently: popularity rank ``k`` (1-based) with probability
-    proportional to ``k ** -alpha``, mapped to a row through a random permutation of the table
-    (hot rows scattered over the table, hence over the sets of the cache), as
-    :class:`tiered_tbe.traces.ZipfSampler` does. All tables are sampled by one ``searchsorted``
-    over their CDFs laid end to end, table ``t``'s shifted by ``t`` (values in ``(t, t + 1]``):
-    a uniform draw ``t + u`` finds its rank in table ``t`` only.
-
-    Memory: 16 bytes per row of all tables on ``device`` (float64 CDF, int64 permutation).
+    Every table draws its rows independently from :class:`tiered_tbe.zipf.ZipfSampler`'s
+    distribution (its own seeded permutation), all tables at once on the device
+    (:class:`tiered_tbe.zipf.DeviceZipfSampler`). The CDFs are built on the host (about a second
+    per 30M rows), then kept on ``device``: 16 bytes per row of all tables.
 
     Args:
         table_rows: rows of each table.
-        alpha: Zipf exponent (> 0); ``0`` draws rows uniformly.
+        alpha: Zipf exponent (>= 0); ``0`` draws rows uniformly.
         batch_size: bags per table per batch (``B``).
         bag_size: lookups per bag (``L``).
         device: where the batches (and the CDFs) live.
@@ -287,41 +278,17 @@ class ZipfBatches:
 
     def __init__(self, table_rows: Sequence[int], alpha: float, batch_size: int, bag_size: int,
                  device: torch.device | str, seed: int = 0):
-        if alpha < 0 or not math.isfinite(alpha):
-            raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
         self.table_rows = [int(n) for n in table_rows]
         self.alpha, self.batch_size, self.bag_size = alpha, batch_size, bag_size
         self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        num_tables = len(self.table_rows)
-        lookups_per_table = batch_size * bag_size
-        on = dict(device=self.device)
-        starts = [0]
-        for n in self.table_rows:
-            starts.append(starts[-1] + n)
-        self.row_start = torch.tensor(starts, dtype=torch.int64, **on)
-        self.table_of_lookup = torch.arange(num_tables, **on).repeat_interleave(lookups_per_table)
-        self.offsets = torch.arange(0, num_tables * lookups_per_table + 1, bag_size, dtype=torch.int64, **on)
-        self.local_row = torch.empty(starts[-1], dtype=torch.int64, **on)  # rank -> row, per table
-        self.shifted_cdf = torch.empty(starts[-1] if alpha else 0, dtype=torch.float64, **on)
-        for t, n in enumerate(self.table_rows):
-            self.local_row[starts[t]:starts[t + 1]] = torch.randperm(n, generator=self.generator, **on)
-            if alpha:
-                cdf = torch.arange(1, n + 1, dtype=torch.float64, **on).pow_(-alpha).cumsum_(0)
-                cdf /= cdf[-1].clone()
-                self.shifted_cdf[starts[t]:starts[t + 1]] = cdf.add_(t)
-                del cdf
+        streams = np.random.SeedSequence(seed).spawn(len(self.table_rows))
+        samplers = [ZipfSampler(n, alpha, np.random.default_rng(stream)) for n, stream in zip(self.table_rows, streams)]
+        self.sampler = DeviceZipfSampler(samplers, self.device, torch.Generator(device=self.device).manual_seed(seed))
+        lookups = len(self.table_rows) * batch_size * bag_size
+        self.offsets = torch.arange(0, lookups + 1, bag_size, dtype=torch.int64, device=self.device)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        num_lookups = self.table_of_lookup.numel()
-        uniform = torch.rand(num_lookups, dtype=torch.float64, generator=self.generator, device=self.device)
-        first, end = self.row_start[self.table_of_lookup], self.row_start[self.table_of_lookup + 1]
-        if self.alpha:
-            position = torch.searchsorted(self.shifted_cdf, uniform.add_(self.table_of_lookup), right=True)
-        else:
-            position = first + (uniform * (end - first)).long()
-        position = torch.minimum(position, end - 1)  # t + u may round up to t + 1
-        return self.local_row[position], self.offsets
+        return self.sampler.sample(self.batch_size * self.bag_size), self.offsets
 
     def batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self.next() for _ in range(count)]
@@ -368,27 +335,6 @@ def host_memory_available() -> int | None:
 # ------------------------------------------------------------------------------------ reporting
 
 
-def device_name() -> str:
-    return "CPU simulation" if SIMULATION else torch.cuda.get_device_name()
-
-
-def git_commit() -> str:
-    """Short commit of the checkout, ``+uncommitted`` when tracked files changed; ``unknown``
-    outside a git checkout. ``TIERED_TBE_COMMIT`` overrides it: the lent GPU machine runs a copy
-    of the working tree whose git metadata may be stale (docs/GPU.md passes the real commit)."""
-    if os.environ.get("TIERED_TBE_COMMIT"):
-        return os.environ["TIERED_TBE_COMMIT"]
-    here = Path(__file__).parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                                cwd=here).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=here).stdout.strip()
-        return commit + ("+uncommitted" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def fmt(value, spec: str = ".3f") -> str:
     """``value`` formatted, ``-`` for None / NaN, strings unchanged."""
     if value is None or isinstance(value, str):
@@ -396,13 +342,6 @@ def fmt(value, spec: str = ".3f") -> str:
     if isinstance(value, float) and math.isnan(value):
         return "-"
     return format(value, spec)
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> list[str]:
-    """Lines of a markdown table. ``align``: one of ``l``/``r`` per column (default: first left, rest right)."""
-    align = align or "l" + "r" * (len(header) - 1)
-    rule = ["---" if a == "l" else "---:" for a in align]
-    return ["| " + " | ".join(cells) + " |" for cells in (header, rule, *rows)]
 
 
 def script_command(script: str, argv: Sequence[str]) -> str:
@@ -417,23 +356,17 @@ def command_of(args: argparse.Namespace, script: str, argv: Sequence[str] | None
 
 
 def append_results(results_file: Path, script: str, command: str, lines: Sequence[str]) -> None:
-    """Append a section (date, device, commit, ``command``, the lines) to ``results_file``; the file
-    gets a title when new."""
-    header = "" if results_file.exists() else "# Benchmark results\n"
+    """Append a record of ``script``'s run (date, device, commit, ``command``, the lines) to
+    ``results_file`` (:func:`tiered_tbe.records.append_section`)."""
     note = " (simulation: times meaningless)" if SIMULATION else ""
-    with results_file.open("a") as out:
-        out.write(f"{header}\n## {Path(script).stem}, {datetime.date.today().isoformat()}, {device_name()}, "
-                  f"commit {git_commit()}\n\n`{command}`{note}\n\n" + "\n".join(lines) + "\n")
+    records.append_section(results_file, "Benchmark results", Path(script).stem, command, lines, note=note)
 
 
 def write_json(path: Path, script: str, args, results) -> None:
-    """Write the results (JSON-able), the arguments and the context to ``path``."""
+    """Write the results (JSON-able), the arguments and the context (:func:`tiered_tbe.records.context`)."""
     document = {
         "script": script,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device": device_name(),
-        "simulation": SIMULATION,
-        "commit": git_commit(),
+        **records.context(),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                  if k not in ("run", "command_parser")},  # the CLI's plumbing
         "results": results,

@@ -1,7 +1,8 @@
 """Plot several ``tiered-tbe bench hit-rate --json`` reports side by side: one column per trace.
 
 Top row: hit rate by lookup against cache size (percent of rows, log scale); bottom row: rows
-moved per batch (copied in + written back). One line per policy, bounds (fully associative LRU,
+moved per batch (copied in + written back; rows read and updated in place are not moved, as the
+figure says). One line per policy, bounds (fully associative LRU,
 Belady) dashed, the same color for a policy in every panel. This is how ``docs/hit_rate.png`` is
 made from the runs recorded in ``benchmarks/HIT_RATES.md``::
 
@@ -16,6 +17,8 @@ import json
 import sys
 import textwrap
 from pathlib import Path
+
+from tiered_tbe.hit_rate.plot import MOVED_NOTE
 
 
 def plot_reports(reports: list[dict], titles: list[str], path: Path) -> None:
@@ -54,6 +57,8 @@ def plot_reports(reports: list[dict], titles: list[str], path: Path) -> None:
             f"{trace['rows']:,} rows, {trace['lookups'] / 1e6:.0f}M lookups in {trace['batches']:,} batches", 48)),
             fontsize=10)
     axes[0, 0].legend(title="policy (dashed: bounds)", fontsize=9)
+    for column in range(len(reports)):  # what "moved" counts, above each rows-moved panel
+        axes[1, column].set_title("\n".join(textwrap.wrap(MOVED_NOTE, 62)), fontsize=7)
     options = reports[0]["options"]
     figure.suptitle(f"Slot-cache hit rate, exact CPU simulator: {options['associativity']}-way sets, "
                     f"{'training' if options['training'] else 'inference'}, lookahead window "

@@ -110,16 +110,38 @@ Rows left in the backing store
     the simulator keeps the rows of each batch in flight.
 
 Extending the policy
-    A new policy adds a code below and a branch to :func:`victim_key`; the kernels and the
-    simulator call ``victim_key`` through :func:`choose_victim` and need no change. Knowledge
-    from outside the slot enters as a per-slot array the prefetch kernel writes before it
-    chooses victims, as the lookahead policy's ``next_use`` (decoded from the window bits that
-    ``SlotCache.add_upcoming`` records; the simulator derives the same values from the trace).
+    The registry :data:`POLICIES` is the one list of policies: ``CacheConfig``, the command
+    line's choices, the benchmarks and the tests read it. A policy that ranks by the per-slot
+    state above (``last_use``, ``use_count``, ``next_use``) is a code below, a branch in
+    :func:`victim_key`, and one line in :data:`POLICIES`; the kernels and the simulator call
+    ``victim_key`` through :func:`choose_victim` and need no change, and the tests that run
+    every registered policy (the simulator against the real cache, hit for hit) cover it.
+
+    A policy that needs new per-slot state needs more than this file:
+
+    - the state itself: a tensor in ``SlotCache.__init__`` (``cache/slot_cache.py``), reset by
+      ``invalidate``, passed to the prefetch kernels (``cache/_kernels.py``), and the same
+      array in ``CacheSimulator`` (``cache/simulator.py``) with its njit loop;
+    - its updates: ``touch_on_hit`` / ``touch_on_fill`` here take the new array (both targets
+      call them), and any aging like LFU's halving goes where ``use_count`` is halved in
+      ``SlotCache.prefetch`` and the simulator;
+    - ``victim_key`` and ``choose_victim`` take the new array as an argument (every caller:
+      the kernels, the simulator, ``tests/test_cache_policy.py``);
+    - knowledge from outside the slot enters as a per-slot array the prefetch kernel writes
+      before it chooses victims, as lookahead's ``next_use`` (decoded from the window bits that
+      ``SlotCache.add_upcoming`` records; the simulator derives the same values from the
+      trace). A policy with ``reads_window=True`` is told the window the same way: today the
+      cache and the simulator decode ``next_use`` when the code is ``POLICY_LOOKAHEAD``
+      (``SlotCache._prefetch``'s ``read_window_bits`` and the simulator's ``hinted``), so a
+      second window policy also extends those two tests;
+    - the slot's size: ``TieredEmbeddingBags`` counts 33 bytes of tag, policy state, dirty bit
+      and lock per slot when it turns ``CacheConfig(memory=...)`` into slots.
 """
 
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -130,7 +152,29 @@ from tiered_tbe.base.mode import SIMULATION
 POLICY_LRU = 0
 POLICY_LFU = 1
 POLICY_LOOKAHEAD = 2
-POLICY_CODES = {"lru": POLICY_LRU, "lfu": POLICY_LFU, "lookahead": POLICY_LOOKAHEAD}
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """One entry of the registry: a policy's name (``CacheConfig(policy=...)``, the command
+    line), its code (what the kernels and the simulator branch on) and what it ranks by."""
+
+    name: str
+    code: int
+    summary: str  # one line for --help and reports
+    reads_window: bool = False  # ranks by next_use, told by the lookahead window (hints)
+
+
+# The registry: every policy of the cache, in the order --help lists them.
+POLICIES: dict[str, CachePolicy] = {p.name: p for p in (
+    CachePolicy("lru", POLICY_LRU, "least recently used row first"),
+    CachePolicy("lfu", POLICY_LFU, "least used row first (use counts halved every lfu_decay_interval "
+                "prefetches), the least recent among equals"),
+    CachePolicy("lookahead", POLICY_LOOKAHEAD, "rows no batch of the lookahead window needs first (least "
+                "recent first), then the row needed latest; LRU without hints", reads_window=True),
+)}
+DEFAULT_POLICY = "lru"
+POLICY_CODES = {name: p.code for name, p in POLICIES.items()}
 
 EMPTY = -1  # tag of a slot holding no row
 NO_SLOT = -1  # slot of a row that is not cached (and will not be for this batch)
@@ -145,12 +189,28 @@ _SHIFT_27 = np.uint64(27)
 _SHIFT_31 = np.uint64(31)
 
 
+def policy_named(policy: str) -> CachePolicy:
+    """The registry entry of ``policy`` (``"lru"``, ...); a ValueError naming the choices otherwise."""
+    try:
+        return POLICIES[policy]
+    except (KeyError, TypeError):
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}") from None
+
+
 def policy_code(policy: str) -> int:
     """``"lru"`` -> ``POLICY_LRU``, etc.; a clear error for anything else."""
-    try:
-        return POLICY_CODES[policy]
-    except KeyError:
-        raise ValueError(f"policy must be one of {sorted(POLICY_CODES)}, got {policy!r}") from None
+    return policy_named(policy).code
+
+
+def round_to_sets(rows: int, associativity: int) -> int:
+    """Slots of a cache of at least ``rows`` rows: whole sets of ``associativity`` ways, at least one set.
+
+    The one rounding of a cache size: ``CacheConfig`` (the module's cache) and the hit-rate
+    benchmark (the simulated ones) both call it, so a size means the same cache in both.
+    """
+    if associativity < 1:
+        raise ValueError(f"associativity must be >= 1, got {associativity}")
+    return max(1, -(-int(rows) // associativity)) * associativity
 
 
 def check_geometry(num_slots: int, associativity: int, lfu_decay_interval: int) -> None:

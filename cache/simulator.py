@@ -39,6 +39,7 @@ from collections.abc import Iterable
 import numba
 import numpy as np
 
+from tiered_tbe.base.offsets import check_offsets
 from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
@@ -220,14 +221,13 @@ def _next_batches(ids, batch_offsets, num_ids, next_batch_of_lookup, first_batch
 
 def as_trace_arrays(rows: np.ndarray, batch_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``rows`` and ``batch_offsets`` as contiguous int64 arrays, checked: a ``ValueError`` unless
-    ``rows`` is 1-D with ids >= 0 and ``batch_offsets`` rises from 0 to ``len(rows)``."""
+    ``rows`` is 1-D with ids >= 0 and ``batch_offsets`` rises from 0 to ``len(rows)``
+    (:func:`tiered_tbe.base.offsets.check_offsets`)."""
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     batch_offsets = np.ascontiguousarray(batch_offsets, dtype=np.int64)
-    if rows.ndim != 1 or batch_offsets.ndim != 1 or batch_offsets.size < 1:
-        raise ValueError("rows and batch_offsets must be 1-D, batch_offsets with at least one entry "
-                         "(num_batches + 1)")
-    if batch_offsets[0] != 0 or batch_offsets[-1] != rows.size or np.any(np.diff(batch_offsets) < 0):
-        raise ValueError(f"batch_offsets must rise from 0 to len(rows) = {rows.size}")
+    if rows.ndim != 1:
+        raise ValueError(f"rows must be 1-D, got shape {rows.shape}")
+    check_offsets(batch_offsets, rows.size, "batch_offsets", "len(rows)")
     if rows.size and rows.min() < 0:
         raise ValueError(f"row ids must be >= 0, found {rows.min()}")
     return rows, batch_offsets

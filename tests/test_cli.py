@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from tiered_tbe.cache.policy import POLICIES as CACHE_POLICIES
 from tiered_tbe.cli import main
-from tiered_tbe.hit_rate import POLICIES, RESULT_COLUMNS
+from tiered_tbe.hit_rate.report import RESULT_COLUMNS
+from tiered_tbe.hit_rate.runs import POLICIES
 from tiered_tbe.traces import zipf_trace
 
 TINY = ["--rows", "5000", "--batch-size", "64", "--bag-size", "4", "--batches", "20", "--no-progress"]
@@ -109,6 +111,29 @@ def test_missing_command_lists_the_commands(capsys):
         assert usage in capsys.readouterr().err
 
 
+def test_the_library_never_imports_the_benchmarks():
+    """The benchmarks sit above the library: the CLI loads a benchmark's module only for its command."""
+    code = ("import sys, tiered_tbe.cli, tiered_tbe.hit_rate, tiered_tbe.train\n"
+            "from tiered_tbe.hit_rate.report import default_results_file\n"
+            "default_results_file()\n"
+            "for argv in (['train'], ['bench', 'hit-rate']):\n"
+            "    tiered_tbe.cli.build_parser(argv)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('tiered_tbe.benchmarks')))\n"
+            "tiered_tbe.cli.build_parser(['bench', 'cache'])\n"
+            "print('tiered_tbe.benchmarks.bench_cache' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split("\n")[:2] == ["[]", "True"], result.stdout
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tiered-tbe {version('tiered-tbe')}"
+
+
 def test_python_dash_m_runs_the_same_command():
     command = [sys.executable, "-m", "tiered_tbe", "bench", "hit-rate", *TINY, "--cache-sizes", "5%",
                "--policies", "lru,belady"]
@@ -126,35 +151,36 @@ REAL_TINY = ["--rows", "4000", "--batch-size", "32", "--bag-size", "4", "--batch
 def test_real_cache_agrees_with_the_simulator(capsys, tmp_path):
     """SlotCache (the Numba kernels, in the CUDA simulator here) over the same trace: every counter equal."""
     json_path = tmp_path / "r.json"
-    code, out, err = run_cli(capsys, *REAL_TINY, "--policies", "lru,lfu,lookahead,belady", "--real-cache",
+    code, out, err = run_cli(capsys, *REAL_TINY, "--policies", ",".join([*CACHE_POLICIES, "belady"]), "--real-cache",
                              "--json", str(json_path))
     assert code == 0, err
     assert "the same trace through the real cache (SlotCache in" in out
     table = out[out.index("the same trace through the real cache"):].splitlines()
-    for policy in ("lru", "lfu", "lookahead"):
+    for policy in CACHE_POLICIES:  # every policy of the cache's registry
         line = next(line for line in table if line.startswith(policy + " "))
         assert line.rstrip().endswith("yes"), line
     assert not any(line.startswith("belady ") for line in table)  # no real cache for a bound
-    assert "real cache and simulator agree on every counter (3 runs)" in out and "DISAGREE" not in out + err
+    assert f"real cache and simulator agree on every counter ({len(CACHE_POLICIES)} runs)" in out
+    assert "DISAGREE" not in out + err
     rows = {row["policy"]: row for row in json.loads(json_path.read_text())["results"]}
     assert rows["lookahead"]["real_cache_agrees"] is True and "real_cache_agrees" not in rows["belady"]
     assert rows["lru"]["real_cache_hit_rate_by_lookup"] == rows["lru"]["hit_rate_by_lookup"] > 0
     assert rows["lookahead"]["real_cache_stats_bytes_in"] == rows["lookahead"]["stats_bytes_in"] > 0
     assert all(rows[p]["real_cache_stats_evictions"] > 100 and rows[p]["real_cache_stats_write_backs"] > 100
-               for p in ("lru", "lfu", "lookahead"))  # a cache under pressure, not a trivially warm one
+               for p in CACHE_POLICIES)  # a cache under pressure, not a trivially warm one
 
 
 def test_real_cache_disagreement_fails_loudly(capsys, monkeypatch):
-    from tiered_tbe import hit_rate
+    from tiered_tbe.hit_rate import real_cache
 
-    real = hit_rate.run_slot_cache
+    real = real_cache.run_slot_cache
 
     def off_by_one(*args, **kwargs):
         stats = real(*args, **kwargs)
         stats.lookup_hits += 1
         return stats
 
-    monkeypatch.setattr(hit_rate, "run_slot_cache", off_by_one)
+    monkeypatch.setattr(real_cache, "run_slot_cache", off_by_one)
     code, out, err = run_cli(capsys, *REAL_TINY, "--policies", "lru", "--real-cache")
     assert code == 1
     assert "WARNING: the real cache (SlotCache) and the exact simulator DISAGREE in 1 run(s)" in err
@@ -208,3 +234,42 @@ def test_plot_of_several_reports(capsys, tmp_path):
     png = tmp_path / "both.png"
     assert plot_hit_rates.main([*map(str, reports), "--titles", "a", "b", "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_the_plot_marks_each_target_inside_the_axes_labelled_and_apart():
+    """Stars for the smallest caches reaching the target: inside the axes, none hiding another, each
+    labelled (policies of one size share a label), labels apart; the rows-moved panel says what it counts."""
+    from tiered_tbe.hit_rate.capacity import find_smallest_cache
+    from tiered_tbe.hit_rate.plot import MOVED_NOTE, draw
+    from tiered_tbe.hit_rate.runs import SimOptions, sweep
+
+    trace = zipf_trace(20_000, 1.05, 256, 4, 20, seed=0)
+    options = SimOptions(associativity=32, pipeline_depth=2)
+    results = sweep(trace, list(POLICIES), [("1%", 224), ("5%", 1024), ("20%", 4000)], options, progress=False)
+    targets = [find_smallest_cache(trace, policy, 0.6, options, known=results) for policy in POLICIES]
+    assert all(t.found is not None for t in targets)
+    figure = draw(results, trace, targets, options)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    hit_axes, moved_axes = figure.axes
+    box = hit_axes.get_window_extent(renderer)
+    stars = [line for line in hit_axes.get_lines() if line.get_marker() == "*"]
+    centers = [line.get_transform().transform(line.get_xydata()[0]) for line in stars]
+    assert len(stars) == len({t.found.num_slots for t in targets})  # one star per size
+    for x, y in centers:
+        assert box.x0 < x < box.x1 and box.y0 < y < box.y1
+    radius = stars[0].get_markersize() / 72 * figure.dpi / 2
+    for i, a in enumerate(centers):
+        for b in centers[i + 1:]:
+            assert max(abs(a[0] - b[0]), abs(a[1] - b[1])) >= radius, "two stars overlap"
+    labels = [text for text in hit_axes.texts if "% of rows" in text.get_text()]
+    assert len(labels) == len(stars)
+    assert sorted(name for text in labels for name in text.get_text().split(":")[0].split(", ")) == sorted(POLICIES)
+    from matplotlib.text import Text
+
+    extents = [Text.get_window_extent(text, renderer) for text in labels]  # the text, not its leader line
+    for extent in extents:
+        assert box.x0 <= extent.x0 and extent.x1 <= box.x1 and box.y0 <= extent.y0 and extent.y1 <= box.y1
+    for i, a in enumerate(extents):
+        assert not any(a.overlaps(b) for b in extents[i + 1:]), "two labels overlap"
+    assert MOVED_NOTE.split()[-1] in moved_axes.get_title() and "in place" in moved_axes.get_title()

@@ -7,21 +7,14 @@ import numpy as np
 import pytest
 
 from tiered_tbe.cache.bounds import belady, fully_associative_lru, next_use
+from tiered_tbe.cache.policy import POLICIES as CACHE_POLICIES
+from tiered_tbe.cache.policy import round_to_sets
 from tiered_tbe.cache.simulator import simulate
 from tiered_tbe.cache.stats import CacheStats
-from tiered_tbe.hit_rate import (
-    POLICIES,
-    Measurement,
-    SimOptions,
-    cache_rows,
-    check_cache_size,
-    expand_policies,
-    find_smallest_cache,
-    format_results,
-    measure,
-    round_to_sets,
-    sweep,
-)
+from tiered_tbe.hit_rate.capacity import cache_rows, check_cache_size, find_smallest_cache
+from tiered_tbe.hit_rate.report import format_results
+from tiered_tbe.hit_rate.runs import POLICIES, Measurement, SimOptions, expand_policies, measure, sweep
+from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD
 from tiered_tbe.traces import Trace, criteo_trace, drifting_zipf_trace, zipf_trace
 
 
@@ -193,13 +186,15 @@ def test_derived_columns():
 def test_lookahead_policy_takes_its_window_from_the_flag():
     import io
 
-    from tiered_tbe.hit_rate import build_parser, options_from_args, run
+    from tiered_tbe.hit_rate.command import build_parser, options_from_args, run
 
     trace = zipf_trace(5_000, 1.1, 64, 4, 30, seed=0)
     args = build_parser().parse_args(["--lookahead-window", "3"])
     options = options_from_args(args)
     assert options.lookahead_window == 3
-    assert build_parser().parse_args([]).lookahead_window == 8
+    # By default the window the pipeline gives a lookahead cache: a study models training.
+    assert build_parser().parse_args([]).lookahead_window == DEFAULT_LOOKAHEAD == 64
+    assert SimOptions().lookahead_window == DEFAULT_LOOKAHEAD
     got = POLICIES["lookahead"].run(trace, 512, options)
     assert got == simulate(trace.rows, trace.batch_offsets, 512, 32, "lookahead", lookahead_window=3,
                            pipeline_depth=0, row_bytes=options.row_bytes)
@@ -218,7 +213,7 @@ def test_lookahead_policy_takes_its_window_from_the_flag():
 # Pipeline depth, warm-up, several lookahead windows.
 # --------------------------------------------------------------------------------------------
 
-SIMULATED = ("lru", "lfu", "lookahead")
+SIMULATED = tuple(CACHE_POLICIES)  # every policy of the cache
 
 
 def small_trace():
@@ -277,7 +272,7 @@ def test_warmup_counts_are_the_whole_run_minus_the_warmup(policy, depth):
         assert got == minus(whole, prefix), (slots, depth)
         assert got.batches == trace.num_batches - warmup
         assert got.lookups == trace.batch_offsets[-1] - trace.batch_offsets[warmup]
-        if policy != "lookahead":  # no window: the prefix alone is a trace of its own
+        if not CACHE_POLICIES[policy].reads_window:  # no window: the prefix alone is a trace of its own
             end = trace.batch_offsets[warmup]
             alone = simulate(trace.rows[:end], trace.batch_offsets[: warmup + 1], slots, 8, policy,
                              row_bytes=options.row_bytes, pipeline_depth=depth)
@@ -313,7 +308,7 @@ def test_warmup_of_the_bounds():
 def test_several_lookahead_windows_give_one_policy_each():
     import io
 
-    from tiered_tbe.hit_rate import build_parser, run
+    from tiered_tbe.hit_rate.command import build_parser, run
 
     args = build_parser().parse_args(["--rows", "20000", "--batch-size", "64", "--bag-size", "4", "--batches", "30",
                                       "--cache-sizes", "512", "--associativity", "8", "--policies",
@@ -343,7 +338,7 @@ def test_several_lookahead_windows_give_one_policy_each():
 
 
 def test_full_window_keeps_the_last_batches_as_future_only():
-    from tiered_tbe.hit_rate import build_parser, options_from_args, trace_from_args
+    from tiered_tbe.hit_rate.command import build_parser, options_from_args, trace_from_args
 
     args = build_parser().parse_args(["--rows", "20000", "--batch-size", "64", "--bag-size", "4", "--batches", "30",
                                       "--policies", "lru,lookahead", "--lookahead-window", "3,6", "--full-window",
@@ -404,7 +399,7 @@ def test_bad_options_from_python():
 
 @pytest.mark.parametrize("depth", [0, 2])
 def test_real_cache_with_depth_and_warmup_agrees_with_the_simulator(depth):
-    from tiered_tbe.hit_rate import run_slot_cache
+    from tiered_tbe.hit_rate.real_cache import run_slot_cache
 
     trace = zipf_trace(4_000, 1.05, 32, 4, 14, seed=0)
     options = SimOptions(associativity=8, lookahead_window=3, pipeline_depth=depth, warmup_batches=4,

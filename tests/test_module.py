@@ -175,7 +175,7 @@ def test_bad_dtypes_and_construction_errors(device):
         module(torch.tensor([0.0], device=device), torch.tensor([0, 1], device=device))
     with pytest.raises(ValueError, match="pooling='none' needs one embedding_dim"):
         TieredEmbeddingBags([TableSpec(4, 2), TableSpec(4, 3)], pooling="none", device=device)
-    with pytest.raises(ValueError, match="num_embeddings must be >= 1"):
+    with pytest.raises(ValueError, match="num_embeddings must be a whole number >= 1, got 0"):
         TableSpec(0, 4, name="empty")
     with pytest.raises(ValueError, match="names must be unique"):
         TieredEmbeddingBags([TableSpec(4, 2, name="a"), TableSpec(4, 2, name="a")], device=device)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tiered_tbe import SGD, Adam, CacheConfig, Placement, PrefetchPipeline, RowwiseAdagrad, TableSpec
+from tiered_tbe.cache.policy import POLICIES
 from tiered_tbe.module import TieredEmbeddingBags
 
 OPTIMIZERS = {"sgd": SGD(lr=0.3), "adagrad": RowwiseAdagrad(lr=0.2), "adam": Adam(lr=0.05)}
@@ -70,7 +71,7 @@ def assert_no_locks(model: nn.Module) -> None:
         assert not module._prefetched, f"{name}: prefetched batches left queued"
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
+@pytest.mark.parametrize("policy", list(POLICIES))
 def test_pipelined_training_equals_serial(policy, one_simulated_thread):
     steps = 200
     batches = make_batches(steps)

@@ -1,6 +1,5 @@
 """The CPU policy simulator: against an independent plain-Python model of the spec, by hand, and its API."""
 
-import time
 
 import numpy as np
 import pytest
@@ -228,8 +227,10 @@ def test_empty_batches_are_steps():
 def test_input_checks():
     with pytest.raises(ValueError, match="multiple of associativity"):
         simulate(np.zeros(1), np.array([0, 1]), 10, 4)
-    with pytest.raises(ValueError, match="rise from 0"):
+    with pytest.raises(ValueError, match=r"batch_offsets\[-1\] must equal len\(rows\) = 3, got 2"):
         simulate(np.zeros(3), np.array([0, 2]), 8, 4)
+    with pytest.raises(ValueError, match=r"batch_offsets must be non-decreasing: batch_offsets\[2\] = 1 < "):
+        simulate(np.zeros(3), np.array([0, 2, 1, 3]), 8, 4)
     with pytest.raises(ValueError, match=">= 0"):
         simulate(np.array([1, -1]), np.array([0, 2]), 8, 4)
     with pytest.raises(ValueError, match="lookahead_window"):
@@ -240,17 +241,3 @@ def test_input_checks():
         CacheSimulator(8, 4).run(np.zeros(1), np.array([0, 1]), num_batches=2)
     with pytest.raises(ValueError, match="policy must be one of"):
         simulate(np.zeros(1), np.array([0, 1]), 8, 4, policy="mru")
-
-
-def test_speed_a_million_lookups_in_well_under_a_second():
-    rng = np.random.default_rng(0)
-    rows = (rng.zipf(1.05, 1_000_000) - 1) % 10_000_000
-    offsets = np.append(np.arange(0, rows.size, 20_000), rows.size)
-    simulate(rows[:100], np.array([0, 100]), 1024, 32)  # compile outside the timing
-    start = time.perf_counter()
-    stats = simulate(rows, offsets, 1 << 16, 32)
-    seconds = time.perf_counter() - start
-    assert stats.lookups == rows.size
-    # ~0.1-0.3 s on one core of a loaded machine: 100M lookups well under a minute. The bound
-    # is loose so a busy CI machine passes; a per-batch Python loop would take seconds.
-    assert seconds < 2.0, f"{seconds:.2f} s for 1M lookups"

@@ -7,14 +7,12 @@ import torch
 from tiered_tbe.traces import (
     CRITEO_KAGGLE_TABLE_ROWS,
     Trace,
-    ZipfSampler,
-    _inverse_cdf,
     criteo_trace,
     drifting_zipf_trace,
     load_trace,
-    zipf_sampler,
     zipf_trace,
 )
+from tiered_tbe.zipf import DeviceZipfSampler, ZipfSampler, _inverse_cdf
 
 
 def fitted_exponent(rows: np.ndarray, head: int = 100) -> float:
@@ -66,8 +64,25 @@ def test_generators_are_reproducible_and_seeded():
     criteo = lambda seed: criteo_trace(1.1, batch_size=8, num_batches=3, row_cap=1000, seed=seed)
     np.testing.assert_array_equal(criteo(2).rows, criteo(2).rows)
     assert not np.array_equal(criteo(2).rows, criteo(5).rows)
-    draw_a, draw_b = zipf_sampler(1000, 1.1, seed=7), zipf_sampler(1000, 1.1, seed=7)
-    np.testing.assert_array_equal(np.concatenate([draw_a(10), draw_a(5)]), draw_b(15))
+    sampler = ZipfSampler(1000, 1.1, np.random.default_rng(7))
+    rng_a, rng_b = np.random.default_rng(8), np.random.default_rng(8)
+    np.testing.assert_array_equal(np.concatenate([sampler.sample(rng_a, 10), sampler.sample(rng_a, 5)]),
+                                  sampler.sample(rng_b, 15))
+
+
+def test_the_device_sampler_draws_the_ranks_of_the_host_sampler():
+    """One distribution, two ways to draw: the same uniform gives the same row on the host and the device."""
+    samplers = [ZipfSampler(n, alpha, np.random.default_rng(n)) for n, alpha in ((1, 1.05), (700, 1.2), (50, 0.0))]
+    device = DeviceZipfSampler(samplers, "cpu", torch.Generator().manual_seed(0))
+    uniforms = np.random.default_rng(2).random(20_000)
+    for t, sampler in enumerate(samplers):
+        position = device.ranks_of(torch.from_numpy(uniforms), torch.full((uniforms.size,), t))
+        host_rows = sampler.id_of_rank[sampler.ranks_of(uniforms)]
+        np.testing.assert_array_equal(device.local_row[position].numpy(), host_rows)
+    rows = device.sample(5000).view(3, 5000)
+    assert int(rows[0].max()) == 0 and int(rows[1].max()) < 700
+    counts = torch.bincount(rows[2], minlength=50)  # alpha 0: uniform
+    assert int(counts.min()) > 50 and int(counts.max()) < 150
 
 
 def test_zipf_trace_layout():

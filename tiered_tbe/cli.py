@@ -1,9 +1,9 @@
 """The ``tiered-tbe`` command (also ``python -m tiered_tbe``).
 
 Commands are argparse subcommands. Each lives in its own module, which provides
-``build_parser(parser)`` (adds its flags to the subparser it is given) and ``run(args)``
+``build_parser(parser)`` (adds its flags to the subparser it is given) and a run function
 (returns an exit code; anything else, such as a result dict, counts as 0); this file only
-wires them together::
+wires them together, by module name::
 
     tiered-tbe train ...              the main job: a DLRM-style model on a synthetic click trace
     tiered-tbe bench hit-rate ...     cache hit rate by policy and size (tiered_tbe.hit_rate)
@@ -12,63 +12,84 @@ wires them together::
     tiered-tbe bench pipeline ...     the prefetch pipeline vs serial, all-HBM, managed (benchmarks/bench_pipeline.py)
     tiered-tbe bench fbgemm ...       ours beside FBGEMM_GPU's TBE on the same batches (benchmarks/bench_fbgemm.py)
 
-A new command is one ``_add_command`` line. A ``run`` raises ``ValueError`` for arguments that
-do not fit together; the command prints it as a usage error (exit code 2), like argparse's own
-errors. ``args.command_line`` holds the command as typed, for the records that ``--record`` writes.
+A command's module is imported only when that command runs (or its ``--help`` is asked for), so
+the library never imports the benchmarks, and ``tiered-tbe train`` loads none of them. A new
+command is one line of :data:`COMMANDS`. A run raises ``ValueError`` for arguments that do not
+fit together; the command prints it as a usage error (exit code 2), like argparse's own errors.
+``args.command_line`` holds the command as typed, for the records that ``--record`` writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata
 import shlex
 import sys
-from collections.abc import Callable, Sequence
-
-from tiered_tbe import hit_rate, train
-from tiered_tbe.benchmarks import bench_cache, bench_fbgemm, bench_kernels, bench_pipeline
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 
-def _add_command(
-    commands: argparse._SubParsersAction,
-    name: str,
-    summary: str,
-    build_parser: Callable[[argparse.ArgumentParser], argparse.ArgumentParser],
-    run: Callable[[argparse.Namespace], object],
-) -> argparse.ArgumentParser:
-    parser = commands.add_parser(name, help=summary, description=summary)
-    build_parser(parser)
-    parser.set_defaults(run=run, command_parser=parser)
-    return parser
+@dataclass(frozen=True)
+class Command:
+    words: tuple[str, ...]  # ("train",) or ("bench", "hit-rate")
+    summary: str
+    module: str  # provides build_parser(parser) and the function named by `run`
+    run: str = "run"
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS = (
+    Command(("train",), "train a small DLRM-style model with tiered embedding tables (the main job)",
+            "tiered_tbe.train"),
+    Command(("bench", "hit-rate"), "cache hit rate of each policy and bound against cache size",
+            "tiered_tbe.hit_rate.command"),
+    Command(("bench", "kernels"), "time the Triton TBE kernels against torch's embedding bags (GPU)",
+            "tiered_tbe.benchmarks.bench_kernels", "run_command"),
+    Command(("bench", "cache"), "time prefetch, forward and backward through the slot cache against all-HBM (GPU)",
+            "tiered_tbe.benchmarks.bench_cache", "run_command"),
+    Command(("bench", "pipeline"), "time training steps with the prefetch pipeline against serial prefetch, "
+            "all-HBM and managed memory (GPU)", "tiered_tbe.benchmarks.bench_pipeline", "run_command"),
+    Command(("bench", "fbgemm"), "time training steps against FBGEMM_GPU's TBE side by side, in HBM and cached "
+            "(GPU; needs fbgemm-gpu)", "tiered_tbe.benchmarks.bench_fbgemm", "run_command"),
+)
+GROUPS = {"bench": "benchmarks of tiered-tbe"}
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("tiered-tbe")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the commands ``argv`` names get their flags (their modules are imported).
+    ``argv=None``: every command's."""
     parser = argparse.ArgumentParser(
         prog="tiered-tbe",
-        description="Table-batched embedding bags for tables larger than GPU memory: benchmarks and tools.",
+        description="Table-batched embedding bags for tables larger than GPU memory: training, benchmarks and tools.",
     )
+    parser.add_argument("--version", action="version", version=f"tiered-tbe {version()}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-
-    bench = commands.add_parser("bench", help="benchmarks", description="Benchmarks of tiered-tbe.")
-    benchmarks = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
-    _add_command(commands, "train", "train a small DLRM-style model with tiered embedding tables (the main job)",
-                 train.build_parser, train.run)
-    _add_command(benchmarks, "hit-rate", "cache hit rate of each policy and bound against cache size",
-                 hit_rate.build_parser, hit_rate.run)
-    _add_command(benchmarks, "kernels", "time the Triton TBE kernels against torch's embedding bags (GPU)",
-                 bench_kernels.build_parser, bench_kernels.run_command)
-    _add_command(benchmarks, "cache", "time prefetch, forward and backward through the slot cache against "
-                 "all-HBM (GPU)", bench_cache.build_parser, bench_cache.run_command)
-    _add_command(benchmarks, "pipeline", "time training steps with the prefetch pipeline against serial "
-                 "prefetch, all-HBM and managed memory (GPU)", bench_pipeline.build_parser, bench_pipeline.run_command)
-    _add_command(benchmarks, "fbgemm", "time training steps against FBGEMM_GPU's TBE side by side, in HBM and "
-                 "cached (GPU; needs fbgemm-gpu)", bench_fbgemm.build_parser, bench_fbgemm.run_command)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for command in COMMANDS:
+        *group, name = command.words
+        if group and group[0] not in groups:
+            group_parser = commands.add_parser(group[0], help=GROUPS[group[0]], description=GROUPS[group[0]])
+            groups[group[0]] = group_parser.add_subparsers(title=group[0], metavar="BENCHMARK", required=True)
+        parent = groups[group[0]] if group else commands
+        subparser = parent.add_parser(name, help=command.summary, description=command.summary)
+        if argv is None or list(argv[: len(command.words)]) == list(command.words):
+            module = importlib.import_module(command.module)
+            module.build_parser(subparser)
+            subparser.set_defaults(run=getattr(module, command.run), command_parser=subparser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     args.command_line = shlex.join(["tiered-tbe", *argv])
     try:
         code = args.run(args)

@@ -10,6 +10,8 @@ import weakref
 
 import torch
 
+from tiered_tbe import validation
+
 
 class TieredEmbeddingBagsFunction(torch.autograd.Function):
     """``apply(module, batch, grad_anchor, per_sample_weights) -> output``.
@@ -31,6 +33,16 @@ class TieredEmbeddingBagsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         module, batch = ctx.module, ctx.batch
+        if module.nan_check == "raise" and module.optimizer is not None:
+            # Before anything is written: a refused update leaves every row and every lock as it was
+            # before the batch (its own locks go with it).
+            lookups = batch.lookups
+            try:
+                validation.check_finite_update(module.tables, module.pooling, grad_output, lookups.offsets,
+                                               lookups.batch_size, lookups.per_sample_weights)
+            except ValueError:
+                batch.release()
+                raise
         grad_psw = None
         # The batch's rows are where its prefetch put them: its slots stay locked, and the rows
         # it left in their backing stores stay out of the cache until it is released.

@@ -97,6 +97,11 @@ class TieredEmbeddingBags(nn.Module):
         seed: seeds the weight initialisation and stochastic rounding.
         backend: ``"triton"`` (the kernels) or ``"torch"`` (their plain-torch reference; see
             :mod:`tiered_tbe.backends`).
+        nan_check: ``"off"`` (default) or ``"raise"``: before each fused update, check that the
+            gradient of the output and the per-sample weights are finite; NaN or inf refuses the
+            update (every row stays as it was, the batch's locks are released) with a ValueError
+            naming the tensor, the position and the table. Costs a pass over the gradient and one
+            host sync per backward. Off, a NaN reaches the rows it touches.
 
     Forward: ``indices`` (int32/int64 [N]) and ``offsets`` (int32/int64 [T*B+1]) in FBGEMM's
     table-major TBE layout, optional ``per_sample_weights`` (float [N]). Returns fp32
@@ -115,6 +120,7 @@ class TieredEmbeddingBags(nn.Module):
         stochastic_rounding: bool = False,
         seed: int = 0,
         backend: str = "triton",
+        nan_check: str = "off",
     ):
         super().__init__()
         if not tables:
@@ -128,6 +134,8 @@ class TieredEmbeddingBags(nn.Module):
             raise ValueError(f"weights_dtype must be one of {_WEIGHTS_DTYPES}, got {weights_dtype}")
         if bounds_check not in ("raise", "off"):
             raise ValueError(f"bounds_check must be 'raise' or 'off', got {bounds_check!r}")
+        if nan_check not in validation.NAN_CHECKS:
+            raise ValueError(f"nan_check must be one of {validation.NAN_CHECKS}, got {nan_check!r}")
         names = [s.name or f"table_{t}" for t, s in enumerate(tables)]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
@@ -142,6 +150,7 @@ class TieredEmbeddingBags(nn.Module):
         self.weights_dtype = weights_dtype
         self.device = torch.device(device) if device is not None else default_device()
         self.bounds_check = bounds_check
+        self.nan_check = nan_check
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
         self.optimizer_step = 0
@@ -203,15 +212,19 @@ class TieredEmbeddingBags(nn.Module):
         indices = indices.long()
         offsets = offsets.long()
         bag_of_index = self._bag_of_index(indices, offsets)
+        table_of_index = self._table_of_index(bag_of_index, batch_size)
         value_check = None
         if self.bounds_check == "raise":
             value_check = validation.start_value_check(
-                self.tables, indices, offsets, bag_of_index, self._num_rows_of_table, batch_size
+                self.tables, indices, offsets, table_of_index, self._num_rows_of_table, batch_size
             )
             if not ahead:
-                value_check.raise_if_bad()
+                value_check.raise_if_bad()  # before any lock: bad input changes nothing
                 value_check = None
-        table_of_index = bag_of_index // max(batch_size, 1)
+        # A batch prefetched ahead may be malformed (its verdict is read at its forward): each lookup's
+        # table is clamped into range above, so nothing here indexes out of bounds; an index outside its
+        # table names another table's row or none (the cache leaves rows outside its tables alone), and
+        # the prefetch only moves rows into the cache. The forward raises before any value changes.
         global_rows = self._row_offset[table_of_index] + indices
         lookups = Lookups(indices, offsets, batch_size, global_rows=global_rows, bag_of_index=bag_of_index)
         slot_of_index = self.cache.prefetch(global_rows) if self.cache is not None else None
@@ -231,6 +244,11 @@ class TieredEmbeddingBags(nn.Module):
         """int64 [N]: the bag (t*B + b) of each lookup; empty bags are skipped by searchsorted."""
         positions = torch.arange(indices.numel(), device=self.device)
         return torch.searchsorted(offsets, positions, right=True, out_int32=True) - 1
+
+    def _table_of_index(self, bag_of_index: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """[N], the dtype of ``bag_of_index``: the table of each lookup, clamped into ``[0, T)``: with malformed
+        offsets (``offsets[0] > 0``, ``offsets[-1] < N``, decreasing) a lookup's bag can fall outside the batch."""
+        return (bag_of_index // max(batch_size, 1)).clamp_(0, len(self.tables) - 1)
 
     def rows_for_hint(self, indices: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The distinct global rows of a batch not yet validated, for :meth:`hint_upcoming`.
@@ -336,20 +354,29 @@ class TieredEmbeddingBags(nn.Module):
         return batch
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None) -> torch.Tensor:
+        if per_sample_weights is not None:
+            # Checked before the batch is prefetched or taken from the queue: a bad call locks
+            # nothing, and a batch prefetched for these tensors stays queued as it was.
+            validation.check_static(self.tables, indices, offsets, self.device)
+            validation.check_per_sample_weights(per_sample_weights, indices.numel(), self.device)
         batch = self._take_prefetched(indices, offsets) or self._prepare(indices, offsets)
         if per_sample_weights is not None:
-            validation.check_per_sample_weights(per_sample_weights, batch.lookups.num_lookups, self.device)
             batch.lookups = batch.lookups._replace(per_sample_weights=per_sample_weights.detach().float())
         grad_enabled = torch.is_grad_enabled()
         psw_needs_grad = grad_enabled and per_sample_weights is not None and per_sample_weights.requires_grad
         if not grad_enabled or (self.optimizer is None and not psw_needs_grad):
             # No backward will come (evaluation, frozen tables): release the locks now.
-            out = self.backend.forward(self.row_stores, batch.lookups, batch.slot_of_index, self.pooling)
-            batch.release()
-            return out
-        return TieredEmbeddingBagsFunction.apply(
-            self, batch, self._grad_anchor, per_sample_weights if psw_needs_grad else None
-        )
+            try:
+                return self.backend.forward(self.row_stores, batch.lookups, batch.slot_of_index, self.pooling)
+            finally:
+                batch.release()
+        try:
+            return TieredEmbeddingBagsFunction.apply(
+                self, batch, self._grad_anchor, per_sample_weights if psw_needs_grad else None
+            )
+        except BaseException:
+            batch.release()  # no backward will come for a forward that failed
+            raise
 
     # ---------------------------------------------------------------- backward
     def _apply_update(self, grad_output: torch.Tensor, batch: PreparedBatch) -> None:

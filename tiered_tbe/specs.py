@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass
 
+import torch
+
 from tiered_tbe.base.codes import Placement  # noqa: F401  (re-exported: part of the public API)
+from tiered_tbe.cache.policy import DEFAULT_POLICY, POLICIES, round_to_sets
+
+# Weights dtypes by the names the command line and the benchmarks use (``--dtype``).
+WEIGHTS_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _is_whole_number(value) -> bool:
+    """An int (or numpy integer), not a bool and not a float that happens to be whole."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -18,10 +30,11 @@ class TableSpec:
     placement: Placement = Placement.DEVICE
 
     def __post_init__(self):
-        if self.num_embeddings < 1:
-            raise ValueError(f"table {self.name!r}: num_embeddings must be >= 1, got {self.num_embeddings}")
-        if self.embedding_dim < 1:
-            raise ValueError(f"table {self.name!r}: embedding_dim must be >= 1, got {self.embedding_dim}")
+        for field_name in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, field_name)
+            if not _is_whole_number(value) or value < 1:
+                raise ValueError(f"table {self.name!r}: {field_name} must be a whole number >= 1, got {value!r}")
+            object.__setattr__(self, field_name, int(value))  # a numpy integer becomes a plain int
         if not isinstance(self.placement, Placement):
             object.__setattr__(self, "placement", Placement(self.placement))
 
@@ -33,9 +46,9 @@ _UNITS = {None: 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def parse_bytes(size: int | str) -> int:
     """``"8GiB"`` -> 8589934592; an int passes through."""
-    if isinstance(size, int):
-        return size
-    match = _SIZE.match(size)
+    if _is_whole_number(size):
+        return int(size)
+    match = _SIZE.match(size) if isinstance(size, str) else None
     if not match:
         raise ValueError(f"cannot read {size!r} as a size in bytes (e.g. '8GiB', '500MB', 1024)")
     unit = match.group(2).lower() if match.group(2) else None
@@ -46,19 +59,21 @@ def parse_bytes(size: int | str) -> int:
 class CacheConfig:
     """The GPU slot cache shared by every ``*_CACHED`` table of a module.
 
-    Give exactly one size: ``slots`` (rows), ``memory`` (bytes of cached rows and their
-    optimizer state, e.g. ``"8GiB"``) or ``fraction`` (of all cached rows). ``policy`` is
-    ``"lru"``, ``"lfu"`` or ``"lookahead"``; ``associativity`` ways per set. A lookahead cache
-    told of upcoming batches (a :class:`~tiered_tbe.PrefetchPipeline`) also holds 8 bytes of
-    device memory per row of the cached tables for the hints, beyond ``memory``.
-    ``lfu_decay_interval``: every this many prefetches, LFU halves every use count, so a
-    once-hot row does not stay forever.
+    Give exactly one size: ``slots`` (rows, >= 1), ``memory`` (bytes of cached rows and their
+    optimizer state, e.g. ``"8GiB"``; at least one slot's worth) or ``fraction`` (of all cached
+    rows, in ``(0, 1]``; default 0.05). The size is rounded up to whole sets
+    (:func:`tiered_tbe.cache.policy.round_to_sets`). ``policy``: a name of the registry
+    :data:`tiered_tbe.cache.policy.POLICIES` (``"lru"``, ``"lfu"``, ``"lookahead"``);
+    ``associativity`` ways per set. A lookahead cache told of upcoming batches (a
+    :class:`~tiered_tbe.PrefetchPipeline`) also holds 8 bytes of device memory per row of the
+    cached tables for the hints, beyond ``memory``. ``lfu_decay_interval``: every this many
+    prefetches, LFU halves every use count, so a once-hot row does not stay forever.
     """
 
     slots: int | None = None
     memory: int | str | None = None
     fraction: float | None = None
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     associativity: int = 32
     lfu_decay_interval: int = 64
 
@@ -66,22 +81,38 @@ class CacheConfig:
         given = [k for k in ("slots", "memory", "fraction") if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"CacheConfig: give one of slots, memory, fraction; got {given}")
-        if self.policy not in ("lru", "lfu", "lookahead"):
-            raise ValueError(f"CacheConfig: policy must be 'lru', 'lfu' or 'lookahead', got {self.policy!r}")
-        if self.associativity < 1:
-            raise ValueError(f"CacheConfig: associativity must be >= 1, got {self.associativity}")
-        if self.fraction is not None and not 0 < self.fraction <= 1:
-            raise ValueError(f"CacheConfig: fraction must be in (0, 1], got {self.fraction}")
-        if self.lfu_decay_interval < 1:
-            raise ValueError(f"CacheConfig: lfu_decay_interval must be >= 1, got {self.lfu_decay_interval}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"CacheConfig: policy must be one of {', '.join(map(repr, POLICIES))}, "
+                             f"got {self.policy!r}")
+        for name in ("associativity", "lfu_decay_interval"):
+            value = getattr(self, name)
+            if not _is_whole_number(value) or value < 1:
+                raise ValueError(f"CacheConfig: {name} must be a whole number >= 1, got {value!r}")
+        if self.slots is not None and (not _is_whole_number(self.slots) or self.slots < 1):
+            raise ValueError(f"CacheConfig: slots must be a whole number >= 1, got {self.slots!r}")
+        if self.memory is not None:
+            try:
+                memory = parse_bytes(self.memory)
+            except ValueError as error:
+                raise ValueError(f"CacheConfig: memory: {error}") from None
+            if memory < 1:
+                raise ValueError(f"CacheConfig: memory must be at least one slot's worth of bytes, got {self.memory!r}")
+        if self.fraction is not None and not (isinstance(self.fraction, numbers.Real) and 0 < self.fraction <= 1):
+            raise ValueError(f"CacheConfig: fraction must be in (0, 1], got {self.fraction!r}")
 
     def num_slots(self, cached_rows: int, bytes_per_slot: int) -> int:
-        """Slots to allocate, rounded up to whole sets, at least one set."""
+        """Slots to allocate for ``cached_rows`` rows of ``bytes_per_slot`` bytes: whole sets, at least one.
+
+        Raises:
+            ValueError: ``memory`` smaller than one slot.
+        """
         if self.slots is not None:
             slots = self.slots
         elif self.memory is not None:
             slots = parse_bytes(self.memory) // bytes_per_slot
+            if slots < 1:
+                raise ValueError(f"CacheConfig: memory={self.memory!r} holds no slot: a slot takes "
+                                 f"{bytes_per_slot} bytes (its row, its optimizer state and 33 bytes of cache state)")
         else:
-            slots = int(round((self.fraction if self.fraction is not None else 0.05) * cached_rows))
-        sets = max(1, -(-slots // self.associativity))
-        return sets * self.associativity
+            slots = max(1, int(round((self.fraction if self.fraction is not None else 0.05) * cached_rows)))
+        return round_to_sets(slots, self.associativity)

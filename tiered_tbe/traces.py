@@ -7,7 +7,8 @@ batch, plus enough of the bag structure to give each batch back in FBGEMM's TBE 
 Generators:
 
 - :func:`zipf_trace`: one table, row of popularity rank ``k`` drawn with probability
-  proportional to ``k ** -alpha`` over a finite support (``alpha = 1.0`` is Zipf, not uniform).
+  proportional to ``k ** -alpha`` over a finite support (``alpha = 1.0`` is Zipf, not uniform),
+  by the project's one sampler, :class:`tiered_tbe.zipf.ZipfSampler`.
 - :func:`drifting_zipf_trace`: the same, with popularity moving over time: hot rows fade and
   others rise, as items do in click logs.
 - :func:`criteo_trace`: 26 tables with the cardinalities of the Criteo Kaggle data set, one
@@ -27,13 +28,14 @@ Example::
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numba
 import numpy as np
+
+from tiered_tbe.base.offsets import OffsetsProblem, offsets_problem
+from tiered_tbe.zipf import ZipfSampler
 
 # Unique-value counts of the 26 categorical features (C1..C26) of the Criteo Kaggle Display
 # Advertising Challenge training set (45,840,617 samples), as produced by the preprocessing of
@@ -43,9 +45,6 @@ CRITEO_KAGGLE_TABLE_ROWS: tuple[int, ...] = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
     27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 )
-
-# Uniforms drawn per call of the sampler: bounds the float64 scratch memory of long traces.
-_SAMPLE_CHUNK = 1 << 22
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, so a trace can key a weak cache
@@ -84,7 +83,7 @@ class Trace:
     def __post_init__(self):
         if self.rows.dtype != np.int64 or self.rows.ndim != 1:
             raise ValueError(f"rows must be 1-D int64, got {self.rows.dtype} of shape {self.rows.shape}")
-        _check_offsets("batch_offsets", self.batch_offsets, self.rows.shape[0])
+        _check_offsets(self.batch_offsets, self.rows.shape[0], "batch_offsets", "len(rows)")
         if (self.bag_size is None) == (self.stored_bag_offsets is None):
             raise ValueError("give exactly one of bag_size and stored_bag_offsets")
         if self.bag_size is not None:  # then batch_bag_offsets are checked through batch_offsets
@@ -92,8 +91,9 @@ class Trace:
             if self.bag_size < 1 or not np.array_equal(fixed_offsets, self.batch_offsets):
                 raise ValueError("bag_size must be >= 1 and batch_offsets = batch_bag_offsets * bag_size")
         else:
-            _check_offsets("stored_bag_offsets", self.stored_bag_offsets, self.rows.shape[0])
-            _check_offsets("batch_bag_offsets", self.batch_bag_offsets, self.stored_bag_offsets.shape[0] - 1)
+            _check_offsets(self.stored_bag_offsets, self.rows.shape[0], "stored_bag_offsets", "len(rows)")
+            _check_offsets(self.batch_bag_offsets, self.stored_bag_offsets.shape[0] - 1, "batch_bag_offsets",
+                           "the number of bags")
             if not np.array_equal(self.stored_bag_offsets[self.batch_bag_offsets], self.batch_offsets):
                 raise ValueError("batch_offsets must fall on bag boundaries (bag_offsets[batch_bag_offsets])")
         if np.any(np.diff(self.batch_bag_offsets) % self.num_tables):
@@ -155,92 +155,14 @@ class Trace:
         return self.batch(b) - self.table_row_offsets[lookup_table], offsets
 
 
-def _check_offsets(name: str, offsets: np.ndarray, end: int) -> None:
-    if offsets.dtype != np.int64 or offsets.ndim != 1 or offsets.shape[0] < 1:
-        raise ValueError(f"{name} must be 1-D int64 with at least one entry, "
-                         f"got {offsets.dtype} {offsets.shape}")
-    if offsets[0] != 0 or offsets[-1] != end:
-        raise ValueError(f"{name} must start at 0 and end at {end}, got {offsets[0]} ... {offsets[-1]}")
-    if np.any(np.diff(offsets) < 0):
-        raise ValueError(f"{name} must be non-decreasing")
-
-
-# --------------------------------------------------------------------------------------------
-# Zipf sampling: exact inverse CDF over a finite support, O(1) per sample with a guide table.
-# --------------------------------------------------------------------------------------------
-
-
-@numba.njit(cache=True, nogil=True)
-def _inverse_cdf(cdf, guide, uniforms, out):
-    """``out[i]`` = smallest rank ``k`` with ``cdf[k] > uniforms[i]`` (0-based ranks).
-
-    cdf: float64 ``[num_rows]``, increasing, ``cdf[-1] == 1``. guide: int64 ``[m + 1]``,
-    ``guide[j]`` = the answer for ``u = j / m``; the answer for any ``u`` in ``[j/m, (j+1)/m)``
-    is at or after ``guide[j]``, so a short forward scan replaces the binary search
-    (``np.searchsorted`` costs ~10x more on large supports: 23 dependent cache misses per draw).
-    """
-    buckets = guide.shape[0] - 1
-    last = cdf.shape[0] - 1
-    for i in range(uniforms.shape[0]):
-        u = uniforms[i]
-        rank = guide[min(int(u * buckets), buckets)]
-        while rank > 0 and cdf[rank - 1] > u:  # u * buckets may round up into the next bucket
-            rank -= 1
-        while rank < last and cdf[rank] <= u:
-            rank += 1
-        out[i] = rank
-
-
-class ZipfSampler:
-    """Draws row ids with ``P(rank k) ∝ k ** -alpha``, ``k = 1 .. num_rows``, exactly.
-
-    Ranks are mapped to ids through a random permutation (drawn from ``rng``), so the hot rows are
-    spread over the id space, and hence over the sets of a set-associative cache, as hashed or
-    vocabulary-ordered ids of real data are.
-
-    Args:
-        num_rows: size of the support (rows of the table).
-        alpha: exponent, any value > 0 (1.0 is the classic Zipf law).
-        rng: generator used for the permutation.
-    """
-
-    def __init__(self, num_rows: int, alpha: float, rng: np.random.Generator):
-        if num_rows < 1:
-            raise ValueError(f"num_rows must be >= 1, got {num_rows}")
-        if not alpha > 0 or not math.isfinite(alpha):
-            raise ValueError(f"alpha must be a finite number > 0, got {alpha}")
-        self.num_rows = num_rows
-        self.alpha = alpha
-        weights = np.arange(1, num_rows + 1, dtype=np.float64) ** -alpha
-        cdf = np.cumsum(weights)
-        self.cdf = cdf / cdf[-1]  # cdf[-1] becomes exactly 1.0, so the scan always stops
-        buckets = num_rows  # one bucket per row: the expected scan is about one step
-        bucket_starts = np.arange(buckets + 1) / buckets
-        self.guide = np.searchsorted(self.cdf, bucket_starts, side="right").astype(np.int64)
-        self.id_of_rank = rng.permutation(num_rows).astype(np.int64)
-
-    def sample_ranks(self, rng: np.random.Generator, count: int) -> np.ndarray:
-        """int64 ``[count]`` popularity ranks, 0 = hottest."""
-        out = np.empty(count, dtype=np.int64)
-        for start in range(0, count, _SAMPLE_CHUNK):
-            stop = min(start + _SAMPLE_CHUNK, count)
-            _inverse_cdf(self.cdf, self.guide, rng.random(stop - start), out[start:stop])
-        return out
-
-    def sample(self, rng: np.random.Generator, count: int) -> np.ndarray:
-        """int64 ``[count]`` row ids in ``[0, num_rows)``."""
-        return self.id_of_rank[self.sample_ranks(rng, count)]
-
-
-def zipf_sampler(num_rows: int, alpha: float, seed: int = 0) -> Callable[[int], np.ndarray]:
-    """A seeded stream of Zipf(``alpha``) row ids of one table, for generating batches on the fly.
-
-    Returns ``draw(count) -> int64 [count]`` ids in ``[0, num_rows)``; successive calls continue
-    the same stream, so the same seed and the same sequence of counts give the same ids.
-    """
-    rng = np.random.default_rng(seed)
-    sampler = ZipfSampler(num_rows, alpha, rng)
-    return lambda count: sampler.sample(rng, count)
+def _check_offsets(offsets: np.ndarray, end: int, name: str = "offsets", end_name: str = "len(indices)",
+                   where: str = "") -> None:
+    """:func:`tiered_tbe.base.offsets.offsets_problem` as a ValueError, prefixed by ``where`` (a file)."""
+    problem = offsets_problem(offsets, end, name, end_name)
+    if problem is None and offsets.dtype != np.int64:
+        problem = OffsetsProblem(f"{name} must be int64, got {offsets.dtype}")
+    if problem is not None:
+        raise ValueError(f"{where}: {problem.message}" if where else problem.message)
 
 
 # --------------------------------------------------------------------------------------------
@@ -545,19 +467,10 @@ def _globalize(indices, offsets, table_rows, batch_bags, source, where=""):
     return indices + row_offsets[lookup_table]
 
 
-def _check_tbe_offsets(offsets: np.ndarray, num_indices: int, source: str, where: str = "") -> None:
-    if offsets.size < 1 or offsets[0] != 0 or offsets[-1] != num_indices or np.any(np.diff(offsets) < 0):
-        raise ValueError(
-            f"{source}{where}: offsets must be non-decreasing from 0 to len(indices)={num_indices}, got "
-            f"{offsets.size} entries from {offsets[0] if offsets.size else '-'} to "
-            f"{offsets[-1] if offsets.size else '-'}"
-        )
-
-
 def _from_concatenated(indices, offsets, source, batch_size, table_rows) -> Trace:
     indices = _as_int64(indices, f"{source}: indices")
     offsets = _as_int64(offsets, f"{source}: offsets")
-    _check_tbe_offsets(offsets, indices.size, source)
+    _check_offsets(offsets, indices.size, where=source)
     num_tables = len(table_rows) if table_rows is not None else 1
     if batch_size is None:
         raise ValueError(
@@ -596,7 +509,7 @@ def _from_batch_list(batches, source, table_rows) -> Trace:
                              f"got {type(batch).__name__}\n{FILE_FORMATS}")
         indices = _as_int64(indices, f"{source}{where}: indices")
         offsets = _as_int64(offsets, f"{source}{where}: offsets")
-        _check_tbe_offsets(offsets, indices.size, source, where)
+        _check_offsets(offsets, indices.size, where=source + where)
         num_bags = offsets.size - 1
         if num_bags == 0 or num_bags % num_tables:
             raise ValueError(f"{source}{where}: {num_bags} bags is not T * B with T={num_tables} tables")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiered_tbe.base.offsets import offsets_are_bad, offsets_problem
 from tiered_tbe.specs import TableSpec
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -83,20 +84,12 @@ class ValueCheck:
         """
         if not bool(self.bad):  # the one sync
             return
-        num_lookups = self.indices.numel()
-        offsets = self.offsets.cpu()
-        if offsets[0] != 0:
-            raise ValueError(f"offsets[0] must be 0, got {int(offsets[0])}")
-        if offsets[-1] != num_lookups:
-            raise ValueError(f"offsets[-1] must equal len(indices) = {num_lookups}, got {int(offsets[-1])}")
-        decreasing = torch.nonzero(offsets[1:] < offsets[:-1])
-        if decreasing.numel():
-            bag = int(decreasing[0])  # offsets[bag + 1] < offsets[bag]: bag `bag` ends before it starts
-            t, b = divmod(bag, max(self.batch_size, 1))
-            raise ValueError(
-                f"offsets must be non-decreasing: offsets[{bag + 1}] = {int(offsets[bag + 1])} < "
-                f"offsets[{bag}] = {int(offsets[bag])} ({_name(self.tables, t)}, bag {b})"
-            )
+        problem = offsets_problem(self.offsets, self.indices.numel())
+        if problem is not None:
+            if problem.decreasing_at is None:
+                raise ValueError(problem.message)
+            t, b = divmod(problem.decreasing_at, max(self.batch_size, 1))  # the bag that ends before it starts
+            raise ValueError(f"{problem.message} ({_name(self.tables, t)}, bag {b})")
         position = int(torch.nonzero(self.index_bad.cpu())[0])
         t = int(self.table_of_index[position])
         raise ValueError(
@@ -109,19 +102,63 @@ def start_value_check(
     tables: list[TableSpec],
     indices: torch.Tensor,
     offsets: torch.Tensor,
-    bag_of_index: torch.Tensor,
+    table_of_index: torch.Tensor,
     num_rows_of_table: torch.Tensor,
     batch_size: int,
 ) -> ValueCheck:
     """Queue the checks that offsets are well formed and every index is in range of its table.
 
     Args:
-        indices: int64 [N]; offsets: int64 [T*B+1]; bag_of_index: int64 [N] (t*B + b);
-        num_rows_of_table: int64 [T] on the same device.
+        indices: int64 [N]; offsets: int64 [T*B+1]; table_of_index: int64 [N], the table of each
+        lookup, clamped into ``[0, T)`` (with malformed offsets a lookup's bag can fall outside the
+        batch); num_rows_of_table: int64 [T] on the same device.
     """
-    # Clamped: with malformed offsets a lookup's bag can fall outside the batch.
-    table_of_index = (bag_of_index // max(batch_size, 1)).clamp_(0, len(tables) - 1)
     index_bad = (indices < 0) | (indices >= num_rows_of_table[table_of_index])
-    offsets_bad = (offsets[1:] < offsets[:-1]).any() | (offsets[0] != 0) | (offsets[-1] != indices.numel())
+    offsets_bad = offsets_are_bad(offsets, indices.numel())
     return ValueCheck(tables, indices, offsets, table_of_index, index_bad, index_bad.any() | offsets_bad, batch_size)
 
+
+NAN_CHECKS = ("off", "raise")
+
+
+def check_finite_update(tables: list[TableSpec], pooling: str, grad_output: torch.Tensor, offsets: torch.Tensor,
+                        batch_size: int, per_sample_weights: torch.Tensor | None) -> None:
+    """``nan_check="raise"``: refuse an update whose inputs are not all finite.
+
+    Args:
+        grad_output: fp32 ``[B, sum of dims]`` (``pooling="none"``: ``[N, dim]``), the gradient
+            arriving at the module's output.
+        offsets: int32/int64 ``[T*B+1]``, the batch's (a valid batch: it went through forward);
+            batch_size: ``B``.
+        per_sample_weights: fp32 [N] of the batch, or None.
+
+    Cost: one elementwise pass over each tensor and one host sync. Only when something is not
+    finite are the culprit's position, table and value found.
+
+    Raises:
+        ValueError: naming the tensor, the first bad position, its table and its value.
+    """
+    bad_weights = None if per_sample_weights is None else ~torch.isfinite(per_sample_weights)
+    bad_grad = ~torch.isfinite(grad_output)
+    any_bad = bad_grad.any() if bad_weights is None else bad_grad.any() | bad_weights.any()
+    if not bool(any_bad):  # the one sync
+        return
+
+    def table_of_lookup(position: int) -> int:
+        bag = int(torch.searchsorted(offsets.cpu(), torch.tensor(position), right=True)) - 1
+        return min(max(bag, 0) // max(batch_size, 1), len(tables) - 1)
+
+    refused = "nan_check='raise' refused the update of this batch (every row is as it was)"
+    if bad_weights is not None and bool(bad_weights.any()):
+        position = int(torch.nonzero(bad_weights)[0])
+        raise ValueError(f"{refused}: per_sample_weights has {int(bad_weights.sum())} NaN/inf values, the first "
+                         f"at position {position} ({_name(tables, table_of_lookup(position))}) = "
+                         f"{float(per_sample_weights[position])}")
+    row, column = (int(i) for i in torch.nonzero(bad_grad)[0])
+    if pooling == "none":  # one output row per lookup
+        t, where = table_of_lookup(row), f"lookup {row}"
+    else:  # columns: the tables' dims side by side
+        ends = torch.tensor([s.embedding_dim for s in tables]).cumsum(0)
+        t, where = int(torch.searchsorted(ends, column, right=True)), f"sample {row}"
+    raise ValueError(f"{refused}: the gradient of the output has {int(bad_grad.sum())} NaN/inf values, the first "
+                     f"at [{row}, {column}] ({_name(tables, t)}, {where}) = {float(grad_output[row, column])}")

@@ -1,0 +1,210 @@
+"""Every failure path leaves the cache clean (issue 12, reliability).
+
+Bad per-sample weights, malformed batches prefetched ahead and non-finite gradients each raise a
+ValueError that names what was wrong, and leave no lock held, no row changed and no queued batch
+lost; earlier good batches still train. The cache math is not under test here, so the modules run
+the plain-torch backend on a tiny cache (one simulated thread per cache kernel).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tiered_tbe import CacheConfig, Placement, PrefetchPipeline, RowwiseAdagrad, TableSpec, default_device
+from tiered_tbe.module import TieredEmbeddingBags
+
+BATCH_SIZE = 2
+DEVICE = default_device()  # the module's: cuda on a GPU, cpu in simulation
+
+
+def make_module(**kwargs) -> TieredEmbeddingBags:
+    tables = [TableSpec(40, 4, name="big", placement=Placement.HOST_CACHED), TableSpec(6, 3, name="small")]
+    return TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(lr=0.2), backend="torch", seed=3,
+                               cache=CacheConfig(slots=8, associativity=4), **kwargs)
+
+
+def batch(seed: int, lookups_per_bag: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """A good batch: every bag holds ``lookups_per_bag`` rows, repeats allowed."""
+    generator = torch.Generator().manual_seed(seed)
+    big = torch.randint(0, 40, (BATCH_SIZE * lookups_per_bag,), generator=generator)
+    small = torch.randint(0, 6, (BATCH_SIZE * lookups_per_bag,), generator=generator)
+    offsets = torch.arange(0, 2 * BATCH_SIZE * lookups_per_bag + 1, lookups_per_bag)
+    return torch.cat([big, small]).to(DEVICE), offsets.to(DEVICE)
+
+
+def grad_of(seed: int) -> torch.Tensor:
+    return torch.randn(BATCH_SIZE, 7, generator=torch.Generator().manual_seed(100 + seed)).to(DEVICE)
+
+
+def state(module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def assert_clean(module) -> None:
+    """No slot locked, no row barred from the cache, no batch queued."""
+    assert module.cache.num_locked() == 0, f"{module.cache.num_locked()} slots still locked"
+    assert int(module.cache.bypass_count.sum()) == 0, "rows still barred from the cache"
+    assert not module._prefetched
+
+
+BAD_WEIGHTS = {
+    "too short": (lambda n: torch.ones(n - 1, device=DEVICE), r"per_sample_weights has shape \(7,\), expected \(8,\)"),
+    "integers": (lambda n: torch.ones(n, dtype=torch.int64, device=DEVICE), "must be a floating-point tensor"),
+    "2-D": (lambda n: torch.ones(n, 1, device=DEVICE), r"per_sample_weights has shape \(8, 1\)"),
+    "other device": (lambda n: torch.ones(n, device="meta"), "per_sample_weights is on meta"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_WEIGHTS)
+def test_bad_per_sample_weights_lock_nothing(kind, one_simulated_thread):
+    make_weights, message = BAD_WEIGHTS[kind]
+    module = make_module()
+    indices, offsets = batch(0)
+    before = state(module)
+    for _ in range(2):  # two bad calls used to lock every slot of the cache
+        with pytest.raises(ValueError, match=message):
+            module(indices, offsets, make_weights(indices.numel()))
+        assert_clean(module)
+    after = state(module)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    module.load_state_dict(after)  # refused while batches were in flight
+    for step in range(3):  # later batches get hits again
+        module(indices, offsets, torch.rand(indices.numel(), device=DEVICE)).backward(grad_of(step))
+    assert module.cache_stats().unique_hits > 0
+    assert_clean(module)
+
+
+def test_bad_per_sample_weights_leave_a_prefetched_batch_queued(one_simulated_thread):
+    module = make_module()
+    indices, offsets = batch(1)
+    module.prefetch(indices, offsets)
+    locked = module.cache.num_locked()
+    assert locked > 0
+    with pytest.raises(ValueError, match="per_sample_weights has shape"):
+        module(indices, offsets, torch.ones(3, device=DEVICE))
+    assert len(module._prefetched) == 1 and module.cache.num_locked() == locked  # as it was
+    module(indices, offsets, torch.rand(indices.numel(), device=DEVICE)).backward(grad_of(1))
+    assert_clean(module)
+
+
+def test_bad_per_sample_weights_inside_a_pipeline_leave_no_lock(one_simulated_thread):
+    module = make_module()
+    batches = [batch(seed) for seed in range(5)]
+    with pytest.raises(ValueError, match="per_sample_weights has shape"):
+        for step, (indices, offsets) in enumerate(PrefetchPipeline(module, batches, depth=2)):
+            weights = torch.rand(indices.numel() - (step == 2), device=DEVICE)  # step 2's: one short
+            module(indices, offsets, weights).backward(grad_of(step))
+    assert_clean(module)
+    module.load_state_dict(state(module))
+
+
+MALFORMED = {  # (offsets of a batch of 8 lookups, 2 tables x 2 bags, message at its forward)
+    "ends short": ([0, 2, 4, 5, 6], r"offsets\[-1\] must equal len\(indices\) = 8, got 6"),
+    "ends past": ([0, 2, 4, 6, 9], r"offsets\[-1\] must equal len\(indices\) = 8, got 9"),
+    "starts late": ([3, 4, 5, 6, 8], r"offsets\[0\] must be 0, got 3"),
+    "decreasing": ([0, 5, 2, 6, 8], r"offsets\[2\] = 2 < offsets\[1\] = 5 \(table 0 \('big'\), bag 1\)"),
+}
+
+
+@pytest.mark.parametrize("kind", MALFORMED)
+def test_a_malformed_prefetched_batch_raises_at_its_forward(kind, one_simulated_thread):
+    offsets, message = MALFORMED[kind]
+    module = make_module()
+    indices = batch(2)[0]
+    before = state(module)
+    module.prefetch(indices, torch.tensor(offsets, device=DEVICE))  # used to raise IndexError here
+    with pytest.raises(ValueError, match=message):
+        module(indices, module._prefetched[0][1])
+    assert_clean(module)
+    after = state(module)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_malformed_batch_in_a_pipeline_raises_after_the_good_ones_trained(one_simulated_thread):
+    good = [batch(seed) for seed in range(3)]
+    bad = (batch(9)[0], torch.tensor(MALFORMED["ends short"][0], device=DEVICE))
+    serial = make_module()
+    for step, (indices, offsets) in enumerate(good):
+        serial(indices, offsets).backward(grad_of(step))
+
+    pipelined = make_module()
+    trained = 0
+    with pytest.raises(ValueError, match=MALFORMED["ends short"][1]):
+        for step, (indices, offsets) in enumerate(PrefetchPipeline(pipelined, [*good, bad, batch(4)], depth=2)):
+            pipelined(indices, offsets).backward(grad_of(step))
+            trained += 1
+    assert trained == len(good)
+    assert_clean(pipelined)
+    expected, got = state(serial), state(pipelined)
+    assert all(torch.equal(got[k], expected[k]) for k in expected), "the good batches trained as in serial"
+
+
+@pytest.mark.parametrize("where", ["gradient", "per_sample_weights"])
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
+def test_nan_check_refuses_the_update_and_names_the_culprit(where, bad_value, one_simulated_thread):
+    module = make_module(nan_check="raise")
+    indices, offsets = batch(5)
+    module(indices, offsets).backward(grad_of(0))  # a good step first: rows cached and dirty
+    before = state(module)
+    weights, grad = torch.rand(indices.numel(), device=DEVICE), grad_of(1)
+    if where == "gradient":
+        grad[1, 5] = bad_value  # column 5: table 'small' (columns 4..6)
+        message = (r"gradient of the output has 1 NaN/inf values, "
+                   r"the first at \[1, 5\] \(table 1 \('small'\), sample 1\)")
+    else:
+        weights[2] = bad_value  # lookup 2: table 'big'
+        message = r"per_sample_weights has 1 NaN/inf values, the first at position 2 \(table 0 \('big'\)\)"
+    out = module(indices, offsets, weights)
+    with pytest.raises(ValueError, match=message):
+        out.backward(grad)
+    assert_clean(module)
+    after = state(module)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused update changes no row"
+    module(indices, offsets).backward(grad_of(2))  # training goes on
+    assert all(torch.isfinite(v).all() for v in state(module).values())
+    assert_clean(module)
+
+
+def test_without_nan_check_a_nan_reaches_the_rows_it_touches(one_simulated_thread):
+    module = make_module()
+    indices, offsets = batch(6)
+    grad = grad_of(0)
+    grad[0, 0] = float("nan")
+    module(indices, offsets).backward(grad)
+    assert not torch.isfinite(module.table(0)).all()  # the documented cost of nan_check="off"
+    with pytest.raises(ValueError, match="nan_check must be one of"):
+        make_module(nan_check="warn")
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(slots=0), "slots must be a whole number >= 1, got 0"),
+    (dict(slots=-5), "slots must be a whole number >= 1, got -5"),
+    (dict(slots=2.5), "slots must be a whole number >= 1, got 2.5"),
+    (dict(memory="0B"), "memory must be at least one slot's worth of bytes, got '0B'"),
+    (dict(memory=-1), "memory must be at least one slot's worth"),
+    (dict(memory="lots"), "cannot read 'lots' as a size in bytes"),
+    (dict(fraction=0), r"fraction must be in \(0, 1\], got 0"),
+    (dict(policy="mru"), "policy must be one of 'lru', 'lfu', 'lookahead', got 'mru'"),
+    (dict(associativity=0), "associativity must be a whole number >= 1, got 0"),
+])
+def test_cache_configs_that_hold_nothing_are_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        CacheConfig(**config)
+
+
+def test_a_memory_smaller_than_one_slot_is_refused_at_construction():
+    tables = [TableSpec(40, 4, placement=Placement.HOST_CACHED)]
+    with pytest.raises(ValueError, match=r"memory='20B' holds no slot: a slot takes 53 bytes"):
+        TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(), cache=CacheConfig(memory="20B"))
+    # One slot's worth is a cache: rounded up to one whole set.
+    module = TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(), cache=CacheConfig(memory=53, associativity=4))
+    assert module.cache.num_slots == 4
+
+
+@pytest.mark.parametrize("rows, dim", [(2.5, 4), (4, 2.0), (True, 4), ("8", 4), (0, 4), (4, -1)])
+def test_table_sizes_must_be_whole_numbers(rows, dim):
+    with pytest.raises(ValueError, match="must be a whole number >= 1"):
+        TableSpec(rows, dim, name="t")
+    assert TableSpec(np.int64(5), 3).num_embeddings == 5  # numpy integers are whole numbers
