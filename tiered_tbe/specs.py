@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tiered_tbe.base.codes import Placement  # noqa: F401  (re-exported: part of the public API)
+from tiered_tbe.base.codes import MOVERS, Placement  # noqa: F401  (Placement re-exported: public API)
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,13 @@ class CacheConfig:
     device memory per row of the cached tables for the hints, beyond ``memory``.
     ``lfu_decay_interval``: every this many prefetches, LFU halves every use count, so a
     once-hot row does not stay forever.
+
+    ``mover``: how rows cross the bus (``tiered_tbe.cache.mover``): ``"zero_copy"`` (copy
+    kernels read the backing store in place) or ``"staged"`` (host threads gather into pinned
+    buffers, the copy engines carry them); None takes ``tiered_tbe.cache.DEFAULT_MOVER`` for the
+    tables' placement. ``mover_threads``: torch intra-op threads of each of the staged mover's
+    host threads (None: torch's default); ``staging_rows``: rows per staging buffer (None: the
+    mover's default).
     """
 
     slots: int | None = None
@@ -61,6 +68,9 @@ class CacheConfig:
     policy: str = "lru"
     associativity: int = 32
     lfu_decay_interval: int = 64
+    mover: str | None = None
+    mover_threads: int | None = None
+    staging_rows: int | None = None
 
     def __post_init__(self):
         given = [k for k in ("slots", "memory", "fraction") if getattr(self, k) is not None]
@@ -74,6 +84,12 @@ class CacheConfig:
             raise ValueError(f"CacheConfig: fraction must be in (0, 1], got {self.fraction}")
         if self.lfu_decay_interval < 1:
             raise ValueError(f"CacheConfig: lfu_decay_interval must be >= 1, got {self.lfu_decay_interval}")
+        if self.mover is not None and self.mover not in MOVERS:
+            raise ValueError(f"CacheConfig: mover must be one of {list(MOVERS)} or None, got {self.mover!r}")
+        for name in ("mover_threads", "staging_rows"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"CacheConfig: {name} must be an int >= 1 or None, got {value!r}")
 
     def num_slots(self, cached_rows: int, bytes_per_slot: int) -> int:
         """Slots to allocate, rounded up to whole sets, at least one set."""
