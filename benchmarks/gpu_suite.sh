@@ -112,11 +112,11 @@ RECORD=(--record --results-file "$OUT/RESULTS-gpu.md")
 run_step bench_kernels 100 "$OUT/bench_kernels.log" 40 \
     python3 benchmarks/bench_kernels.py --rep-ms 100 "${RECORD[@]}" ${KERNELS_ARGS:-}
 # shellcheck disable=SC2086
-run_step bench_cache 130 "$OUT/bench_cache.log" 40 \
+run_step bench_cache 200 "$OUT/bench_cache.log" 40 \
     python3 benchmarks/bench_cache.py --warmup 15 --batches 15 "${RECORD[@]}" --json "$WORK/bench_cache.json" \
     ${CACHE_ARGS:-}
 # shellcheck disable=SC2086
-run_step bench_pipeline 170 "$OUT/bench_pipeline.log" 60 \
+run_step bench_pipeline 240 "$OUT/bench_pipeline.log" 60 \
     python3 benchmarks/bench_pipeline.py --warmup 60 --batches 15 "${RECORD[@]}" \
     --json "$WORK/bench_pipeline.json" ${PIPELINE_ARGS:-}
 
@@ -180,26 +180,28 @@ if rows:
 cache = merged["bench_cache"]
 if cache:
     memcpy = next((r for r in cache["results"] if r["kind"] == "memcpy"), {})
-    print(f"bench_cache (pinned memcpy h2d {f(memcpy.get('h2d_gbs'), '.1f')} GB/s; targets fill/memcpy >= 0.8, "
-          f"step/HBM <= 2):")
-    print(f"  {'model':<12} {'zipf':>5} {'prefetch':>9} {'fwd':>7} {'bwd':>7} {'step ms':>8} {'hit':>6} "
-          f"{'rows in':>8} {'step/HBM':>8}")
+    print(f"bench_cache (pinned memcpy h2d {f(memcpy.get('h2d_gbs'), '.1f')} GB/s, d2h {f(memcpy.get('d2h_gbs'), '.1f')}; "
+          f"targets fill/memcpy >= 0.8, write-back/memcpy >= 0.6, step/HBM <= 2, pipelined/HBM <= 1.2):")
+    print(f"  {'model':<12} {'mover':<9} {'zipf':>5} {'prefetch':>9} {'fwd':>7} {'bwd':>7} {'step ms':>8} {'hit':>6} "
+          f"{'rows in':>8} {'step/HBM':>8} {'pipe ms':>8} {'pipe/HBM':>8}")
     for r in (r for r in cache["results"] if r["kind"] == "model"):
         hit = r["stats"]["hit_rate_by_lookup"] if r["model"] != "all HBM" else None
-        print(f"  {r['model']:<12} {r['alpha']:>5g} {f(r['prefetch'], '.3f'):>9} {f(r['forward'], '.3f'):>7} "
-              f"{f(r['backward'], '.3f'):>7} {f(r['step'], '.3f'):>8} {f(hit, '.3f'):>6} "
-              f"{f(r.get('rows_in_per_batch'), ',.0f'):>8} {f(r['step_vs_hbm']):>8}")
+        print(f"  {r['model']:<12} {r.get('mover', '-'):<9} {r['alpha']:>5g} {f(r['prefetch'], '.3f'):>9} "
+              f"{f(r['forward'], '.3f'):>7} {f(r['backward'], '.3f'):>7} {f(r['step'], '.3f'):>8} {f(hit, '.3f'):>6} "
+              f"{f(r.get('rows_in_per_batch'), ',.0f'):>8} {f(r['step_vs_hbm']):>8} "
+              f"{f(r.get('pipelined_step'), '.3f'):>8} {f(r.get('pipelined_vs_hbm')):>8}")
     for r in (r for r in cache["results"] if r["kind"] == "copy"):
-        print(f"  {r['direction']:<10} kernel: {r['rows']:>9,} rows x {r['row_bytes']} B, <= {r.get('blocks')} blocks: "
-              f"{f(r['ms'], '.3f')} ms "
-              f"{f(r['gbs'], '.1f')} GB/s = {f(r['vs_memcpy'])} of memcpy")
+        print(f"  {r.get('mover', 'zero_copy'):<9} {r['direction']:<10}: {r['rows']:>9,} rows x {r['row_bytes']} B"
+              + (f", <= {r['blocks']} blocks" if r.get("blocks") else "") + f": {f(r['ms'], '.3f')} ms "
+              f"{f(r['gbs'], '.1f')} GB/s = {f(r['vs_memcpy'])} of memcpy"
+              + (f"; write-back hidden {f(r['write_back_hidden'])}" if r.get("write_back_hidden") is not None else ""))
 
 pipe = merged["bench_pipeline"]
 if pipe:
     print("bench_pipeline (targets: pipelined throughput/HBM >= 0.8; lookahead rows/LRU <= 0.7 at zipf 1.05):")
     print(f"  {'model':<44} {'zipf':>5} {'step ms':>8} {'thru/HBM':>8} {'rows/batch':>11} {'rows/LRU':>8} {'hit':>6}")
     for r in pipe["results"]:
-        name = r["model"] + (f" {r['run']}" if r["policy"] else "")
+        name = r["model"] + (f" {r.get('mover')} {r['run']}" if r["policy"] else "")
         if not r["available"]:
             print(f"  {name:<44} {r['alpha']:>5g}  n/a ({r.get('reason', '')[:60]})")
             continue

@@ -178,6 +178,18 @@ class StagedMover(RowMover):
         back_queue.put(job)
         fill_queue.put(job)
 
+    def move_rows(self, fill_rows, fill_slots, back_rows, back_slots) -> None:
+        """Move rows as one prefetch would, and wait until they have landed (for benchmarks):
+        backing rows ``fill_rows`` into slots ``fill_slots``, slots ``back_slots`` out to backing
+        rows ``back_rows`` (int64 device tensors; rows ascending and distinct, slots distinct;
+        a slot in both lists is read out before it is filled)."""
+        counts = torch.tensor([fill_rows.numel(), back_rows.numel()], dtype=torch.int64)
+        job = _Job(fill_rows, fill_slots.long(), back_rows, back_slots.long(), counts)
+        if self.is_cuda:
+            job.counts_ready = torch.cuda.current_stream(self.device).record_event()
+        self._submit(job)
+        self.drain()
+
     def wait_filled(self, job: _Job | None) -> None:
         """The current stream waits for ``job``'s fills; the host waits while the fill thread is
         behind. (Every earlier write-back is then in the backing store: see the module docstring.)"""
