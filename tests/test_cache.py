@@ -666,3 +666,34 @@ def test_locked_slots_release_a_batch_without_a_sort_and_write_back_names_a_row_
     torch.testing.assert_close(table.weights[7].cpu(), initial_rows(7, 1, 3)[0] + 1.0)
     cache.unlock(batch)
     assert cache.num_locked() == 0
+
+
+def test_staged_mover_threads_stop_with_their_cache_and_errors_reach_the_caller():
+    import gc
+    import threading
+
+    def mover_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("tiered_tbe")]
+
+    before = len(mover_threads())
+    cache = SlotCache(make_tables(), num_slots=8, associativity=4, mover="staged")
+    cache.unlock(prefetch(cache, rows_tensor([1, 2])))
+    assert len(mover_threads()) == before + 2
+    del cache
+    gc.collect()
+    for thread in mover_threads()[before:]:
+        thread.join(timeout=10)
+    assert len(mover_threads()) == before, "a dropped cache's mover threads must exit"
+
+    cache = SlotCache(make_tables(), num_slots=8, associativity=4, mover="staged")
+
+    def broken(where):
+        raise OSError("disk gone")
+
+    cache.mover.delay = broken
+    batch = cache.prefetch(rows_tensor([1, 2]))
+    with pytest.raises(RuntimeError, match="staged row mover failed") as failure:
+        cache.wait_filled(batch)
+    assert isinstance(failure.value.__cause__, OSError)
+    with pytest.raises(RuntimeError, match="staged row mover failed"):
+        cache.prefetch(rows_tensor([3]))

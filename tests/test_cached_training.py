@@ -93,3 +93,27 @@ def test_bad_batch_prefetched_ahead_raises_at_its_forward_and_leaves_nothing_beh
     assert module.cache.num_locked() == 0
     after = module.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_mover_comes_from_the_config_or_the_placement_table(device, monkeypatch):
+    from tiered_tbe.cache import mover
+
+    with pytest.raises(ValueError, match="mover must be one of"):
+        CacheConfig(mover="dma")
+    with pytest.raises(ValueError, match="staging_rows must be an int >= 1"):
+        CacheConfig(staging_rows=0)
+    with pytest.raises(ValueError, match="mover_threads must be an int >= 1"):
+        CacheConfig(mover_threads=True)
+
+    def module(**config):
+        return TieredEmbeddingBags(tables(True), optimizer=SGD(lr=0.1), device=device, backend="torch",
+                                   cache=CacheConfig(slots=8, associativity=4, **config))
+
+    assert module().cache.mover.name == "zero_copy"  # the table's default for HOST_CACHED and MANAGED_CACHED
+    staged = module(mover="staged", staging_rows=3, mover_threads=1)
+    assert (staged.cache.mover.name, staged.cache.mover.staging_rows, staged.cache.mover.threads) == ("staged", 3, 1)
+    monkeypatch.setitem(mover.DEFAULT_MOVER, Placement.HOST_CACHED, "staged")
+    assert module().cache.mover.name == "zero_copy"  # MANAGED_CACHED's default still says zero_copy
+    monkeypatch.setitem(mover.DEFAULT_MOVER, Placement.MANAGED_CACHED, "staged")
+    assert module().cache.mover.name == "staged"
+    assert module(mover="zero_copy").cache.mover.name == "zero_copy"
