@@ -150,6 +150,7 @@ class StagedMover(RowMover):
         self._last_job: _Job | None = None
         self._queues: tuple[queue.SimpleQueue, queue.SimpleQueue] | None = None
         self._buffers: dict[str, torch.Tensor] = {}
+        self._fill_copied: list = [None, None]  # the fill thread's: event after each pinned fill buffer's DMA
 
     # ------------------------------------------------------------------ the prefetch's side
 
@@ -268,7 +269,7 @@ class StagedMover(RowMover):
                     stream.wait_event(job.counts_ready)  # the lists were made on the prefetch's stream
                 rows = self._rows_to_host(job.fill_rows, num_fills, stream, "fill_rows")
                 chunk = self.staging_rows
-                copied = [None, None]  # per pinned buffer: event after its last DMA
+                copied = self._fill_copied  # per pinned buffer: event after its last DMA (any job)
                 for index, begin in enumerate(range(0, num_fills, chunk)):
                     end, buffer = min(begin + chunk, num_fills), index % 2
                     pinned_weights, pinned_state = self._buffer_pair(f"fill_pinned{buffer}", chunk, None, pinned=True)
