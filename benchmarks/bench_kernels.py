@@ -36,8 +36,8 @@ from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # fi
 from tiered_tbe.benchmarks import common
 from tiered_tbe.kernels.backward import backward_update
 from tiered_tbe.kernels.forward import pooled_forward
-from tiered_tbe.kernels.rows import TIER_DEVICE, Lookups, RowStores
-from tiered_tbe.optimizers import OptimizerKind
+from tiered_tbe.kernels.rows import Lookups, RowStores, no_cache
+from tiered_tbe.optimizers import SGD, RowwiseAdagrad
 
 SCRIPT = "bench_kernels.py"
 # Sizes used when none is given: the target workload on a GPU, a toy one in simulation.
@@ -88,24 +88,12 @@ def sample_rows(num_rows: int, num_lookups: int, alpha: float, device: torch.dev
 
 
 def device_stores(weights: torch.Tensor, state: torch.Tensor, num_tables: int) -> RowStores:
-    """RowStores of ``num_tables`` DEVICE tables stacked in ``weights`` [tables * rows, dim] (each
-    ``rows`` rows), ``state`` [tables * rows] their row-wise Adagrad sums (flat views, no copies)."""
-    device = weights.device
-    total_rows, dim = weights.shape
-    rows = total_rows // num_tables
-    empty = torch.empty(0, dtype=weights.dtype, device=device)
-    empty_state = torch.empty(0, device=device)
-    table = torch.arange(num_tables, dtype=torch.int64, device=device)
-    return RowStores(
-        weights.view(-1), empty, empty, state, empty_state, empty_state,
-        table_tier=torch.full((num_tables,), TIER_DEVICE, dtype=torch.int32, device=device),
-        table_weight_offset=table * rows * dim,
-        table_state_offset=table * rows,
-        table_dim=torch.full((num_tables,), dim, dtype=torch.int32, device=device),
-        table_output_offset=(table * dim).to(torch.int32),
-        cache_weights=torch.empty(0, 1, dtype=weights.dtype, device=device),
-        cache_state=torch.empty(0, 1, device=device),
-        max_dim=dim, total_dim=num_tables * dim, num_rows=weights.shape[0])
+    """RowStores of ``num_tables`` tables stacked in ``weights`` [tables * rows, dim] (each ``rows``
+    rows), ``state`` [tables * rows] their row-wise Adagrad sums (views, no copies)."""
+    rows = weights.shape[0] // num_tables
+    tables = tuple(weights[t * rows : (t + 1) * rows] for t in range(num_tables))
+    states = tuple(state[t * rows : (t + 1) * rows, None] for t in range(num_tables))
+    return RowStores(tables, states, *no_cache(weights.dtype, weights.device))
 
 
 def measure_copy_bandwidth(gib: float, rep_ms: float, device: torch.device) -> tuple[float, float]:
@@ -140,9 +128,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     # TBE layout: bag t*B + b holds lookups offsets[t*B+b]..; torch gets the same T*B bags, in order.
     offsets = torch.arange(0, num_lookups + 1, bag_size, device=device)
-    bag_of_index = torch.arange(num_tables * batch_size, device=device).repeat_interleave(bag_size)
     table_start = (torch.arange(num_tables, device=device) * args.rows).repeat_interleave(lookups_per_table)
-    slot_of_index = torch.full((num_lookups,), -1, dtype=torch.int32, device=device)
     grad_output = torch.randn(batch_size, num_tables * args.dim, device=device)  # ours: [B, T * dim] fp32
 
     def as_torch_layout(pooled: torch.Tensor) -> torch.Tensor:
@@ -154,19 +140,19 @@ def run(args: argparse.Namespace) -> list[dict]:
     for alpha in args.alpha:
         indices = torch.cat([sample_rows(args.rows, lookups_per_table, alpha, device) for _ in range(num_tables)])
         global_rows = indices + table_start
-        lookups = Lookups(indices, offsets, bag_of_index, global_rows, None, batch_size)
+        lookups = Lookups(indices, offsets, batch_size)
         unique_rows = torch.unique(global_rows).numel()
         label = "uniform" if alpha == 0 else f"zipf {alpha:g}"
 
         def ours_forward(lookups=lookups):
-            return pooled_forward(stores, lookups, slot_of_index, "sum")
+            return pooled_forward(stores, lookups, None, "sum")
 
         def torch_forward(global_rows=global_rows):
             return F.embedding_bag(global_rows, weights, offsets[:-1], mode="sum")
 
-        def ours_step(kind, lookups=lookups):
-            pooled_forward(stores, lookups, slot_of_index, "sum")
-            backward_update(grad_output, stores, lookups, slot_of_index, "sum", kind, lr=lr, eps=1e-8)
+        def ours_step(optimizer, lookups=lookups):
+            pooled_forward(stores, lookups, None, "sum")
+            backward_update(grad_output, stores, lookups, None, "sum", optimizer)
 
         def torch_step(optimizer, global_rows=global_rows):
             embedding(global_rows, offsets[:-1]).backward(torch_grad)
@@ -179,14 +165,14 @@ def run(args: argparse.Namespace) -> list[dict]:
 
         lines = [
             ("forward", ours_forward, torch_forward),
-            ("fwd+bwd+sgd", lambda: ours_step(OptimizerKind.SGD), lambda: torch_step(torch_sgd)),
+            ("fwd+bwd+sgd", lambda: ours_step(SGD(lr=lr)), lambda: torch_step(torch_sgd)),
         ]
         for op, ours, theirs in lines:
             ours_ms, torch_ms = common.time_ms(ours, args.rep_ms), common.time_ms(theirs, args.rep_ms)
             results.append(dict(op=op, alpha=label, ours_ms=ours_ms, torch_ms=torch_ms, unique=unique_rows))
         # torch's Adagrad keeps a dense sum per element (as large as the tables): make it last.
         torch_adagrad = torch.optim.Adagrad(embedding.parameters(), lr=lr, eps=1e-8)
-        ours_ms = common.time_ms(lambda: ours_step(OptimizerKind.ROWWISE_ADAGRAD), args.rep_ms)
+        ours_ms = common.time_ms(lambda: ours_step(RowwiseAdagrad(lr=lr, eps=1e-8)), args.rep_ms)
         torch_ms = common.time_ms(lambda optimizer=torch_adagrad: torch_step(optimizer), args.rep_ms)
         results.append(dict(op="fwd+bwd+adagrad", alpha=label, ours_ms=ours_ms, torch_ms=torch_ms,
                             unique=unique_rows))

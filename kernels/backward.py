@@ -1,32 +1,29 @@
 """Backward of the pooled embedding bags with the optimizer fused in: each unique row updated once.
 
 The gradient of a row is the sum, over every lookup of that row in the batch (in one bag or
-across bags, in any table order), of the output gradient of the lookup's bag (the table's
-columns) times the lookup's per-sample weight, divided by the bag length for mean pooling.
-The optimizer (``tiered_tbe/optimizers.py``) then updates the row and its state once, in its
-slot when ``slot_of_index >= 0``, else in its backing store.
+across bags), of the output gradient of the lookup's bag (the table's columns) times the
+lookup's per-sample weight, divided by the bag length for mean pooling. The optimizer
+(``kernels/optimizers/``) then updates the row and its state once, in its slot when the
+lookup's slot is ``>= 0``, else in its table's backing store.
 
-How, without atomics and without a host synchronization:
+How, without atomics and without a host synchronization (``sort_lookups``, then three kernels):
 
-1. ``torch.sort(global_rows, stable=True)`` groups the lookups of a row into one run of sorted
-   positions (a *segment*); ``segment_start`` (``searchsorted`` of each row in the sorted rows)
-   gives every sorted position the first position of its segment.
-2. Long segments (hot rows) would serialize in one program, so they are cut into chunks of
-   ``chunk_size`` consecutive positions counted from the segment start. ``_chunk_gradient_kernel``
-   runs one program per window of ``chunk_size`` sorted positions; a full chunk ends in at most one
-   position of a window, and that program writes the chunk's gradient sum to ``partial_gradients``
-   at the window's index. A segment's full chunks thus sit in consecutive windows.
-3. ``_row_update_kernel`` runs one program per sorted position; only the last position of each
-   segment works: it sums the lookups after the segment's last full chunk, adds the chunks' partial
-   sums, and applies the optimizer. Each row is owned by one program, so no two programs write the
-   same weights, and the summation order depends only on the inputs: two identical steps give
-   bit-identical results.
+1. Sort the lookups by global row (``kernels/linearize.py`` then a radix sort on 32-bit keys
+   when the rows fit) and run-length encode the sorted rows on the device: ``run_count[i]`` (runs
+   begun up to sorted position ``i``, a cumulative sum) and ``run_end[u]`` (one past the last
+   position of run ``u``); the number of runs stays on the device.
+2. Hot rows. The sorted positions fall into windows of ``CHUNK``; a window inside one run is
+   *pure*. A run holding a pure window is *hot*: ``_hot_window_sums_kernel`` sums each pure
+   window (one program per window) into ``window_sums``, and ``_hot_row_update_kernel`` (one
+   program per window; the first pure window of a run works) adds its run's window sums, the
+   lookups before its first and after its last pure window, and applies the optimizer.
+3. Other rows (fewer than ``2 * CHUNK - 1`` lookups): ``_row_update_kernel``, a persistent grid
+   walking tiles of ``ROWS`` consecutive runs, sums each run's lookups ``BLOCK_L`` at a time
+   and applies the optimizer to the tile's rows at once (a warp-sized slice of a program per
+   row, as FBGEMM's warp-per-row kernels, with every load of the tile issued together).
 
-Measured on an H200 (20M x 128 fp32 rows, 2M lookups, uniform and Zipf 1.05): about 2.5 ms per
-backward, sort included. Two variants with one program per window of R sorted positions were
-slower: summing segments with a small matrix product (R = 16) 1.4-2.8x; with a segmented
-scan over [R, dim] tiles, R = 8: 6% faster for SGD on uniform lookups, 1.1x slower for SGD on
-Zipf and 1.8-1.9x slower for row-wise Adagrad (benchmarks/RESULTS.md, session 2).
+Each row is owned by one program, so no two programs write the same row, and every sum runs in
+an order fixed by the inputs: two identical steps give bit-identical results.
 
 Per-sample-weight gradients (``per_sample_weights_grad``) need the rows before the update: the
 caller computes them first.
@@ -34,115 +31,166 @@ caller computes them first.
 
 from __future__ import annotations
 
+import math
+import os
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from tiered_tbe.base.sorting import INT64_MAX, sort_ids
+from tiered_tbe.base.codes import INT32_MAX
+from tiered_tbe.base.sorting import sort_ids
 
-from .forward import (
-    _POOLING_MEAN,
-    _POOLING_NONE,
+from .addressing import (
     INTERPRETING,
+    POOLING_MEAN_CONSTEXPR,
     POOLING_NONE,
-    _row_pointers,
-    _weights_of_tier,
-    check_lookups,
-    launch_stores,
+    POOLING_NONE_CONSTEXPR,
+    bag_tile_bounds,
     pooling_code,
-    tile_rows_for,
+    row_pointers,
+    sum_lanes,
+    table_row_zero,
 )
-from .rows import Lookups, RowStores
-
-# tiered_tbe.optimizers.OptimizerKind codes, as constexprs the kernels may read.
-OPTIMIZER_NONE, OPTIMIZER_SGD, OPTIMIZER_ROWWISE_ADAGRAD, OPTIMIZER_ADAM = 0, 1, 2, 3
-_OPTIMIZER_SGD = tl.constexpr(OPTIMIZER_SGD)
-_OPTIMIZER_ROWWISE_ADAGRAD = tl.constexpr(OPTIMIZER_ROWWISE_ADAGRAD)
-_OPTIMIZER_ADAM = tl.constexpr(OPTIMIZER_ADAM)
-
-DEFAULT_CHUNK_SIZE = 256
+from .linearize import linearize
+from .optimizers import FusedOptimizer
+from .rows import Lookups, RowStores, check_lookups
 
 
-@triton.jit
-def _gradient_tile(
-    sorted_positions,  # int64 [BLOCK_L]: positions in the sorted order of lookups
-    in_tile,  # bool [BLOCK_L]: which positions are real lookups of the segment
-    sort_order_ptr,  # int64 [N]: lookup at each sorted position
-    bag_of_index_ptr,  # int64 [N]: bag t*B+b of each lookup
-    offsets_ptr,  # int64 [T*B+1]: bag boundaries (for mean pooling's bag lengths)
-    per_sample_weights_ptr,  # fp32 [N] (read only if HAS_PER_SAMPLE_WEIGHTS)
-    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
-    grad_output_stride,  # elements between consecutive rows of grad_output
-    output_column,  # first column of the table in a grad_output row (0 for pooling none)
-    columns,  # int32 [BLOCK_D]: 0 .. BLOCK_D-1
-    in_row,  # bool [BLOCK_D]: columns < dim
-    batch_size,  # B
-    POOLING: tl.constexpr,  # pooling code (see forward.py)
-    HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
-):
-    """fp32 [BLOCK_L, BLOCK_D]: d loss / d row of each lookup of the tile (zeros outside it)."""
-    lookups = tl.load(sort_order_ptr + sorted_positions, mask=in_tile, other=0)
-    if POOLING == _POOLING_NONE:
-        grad_rows = lookups
-    else:
-        bags = tl.load(bag_of_index_ptr + lookups, mask=in_tile, other=0)
-        grad_rows = bags % batch_size
-    row_ptrs = grad_output_ptr + grad_rows * grad_output_stride + output_column
-    tile = tl.load(row_ptrs[:, None] + columns[None, :], mask=in_tile[:, None] & in_row[None, :], other=0.0)
-    if HAS_PER_SAMPLE_WEIGHTS:
-        tile = tile * tl.load(per_sample_weights_ptr + lookups, mask=in_tile, other=0.0)[:, None]
-    if POOLING == _POOLING_MEAN:
-        lengths = (tl.load(offsets_ptr + bags + 1, mask=in_tile, other=1)
-                   - tl.load(offsets_ptr + bags, mask=in_tile, other=0))
-        tile = tile / tl.maximum(lengths, 1).to(tl.float32)[:, None]
-    return tile
+class BackwardConfig(NamedTuple):
+    """Tile shapes of the backward kernels (``TIERED_TBE_BACKWARD=rows,lanes,warps,chunk,programs``
+    overrides the defaults, for tuning runs)."""
+
+    rows: int  # runs per tile of _row_update_kernel
+    lanes: int  # lookups of each run per step
+    num_warps: int
+    chunk: int  # CHUNK: window of sorted positions; runs holding a whole window are hot
+    programs_per_sm: int  # persistent programs of _row_update_kernel per multiprocessor
 
 
-@triton.jit
-def _chunk_gradient_kernel(
-    partial_gradients_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D]: out, gradient sum of each full chunk
-    sort_order_ptr,  # int64 [N]: lookup at each sorted position
-    segment_start_ptr,  # int64 [N]: first sorted position of the segment holding each position
+def default_config(block_d: int) -> BackwardConfig:
+    """Measured on an H200 at dim 128 (benchmarks/RESULTS.md); the interpreter takes small tiles so
+    the tests walk several steps, tiles and programs."""
+    override = os.environ.get("TIERED_TBE_BACKWARD")
+    if override:
+        return BackwardConfig(*(int(value) for value in override.split(",")))
+    if INTERPRETING:
+        return BackwardConfig(rows=2, lanes=2, num_warps=4, chunk=4, programs_per_sm=2)
+    rows = max(1, min(16, 1024 // block_d))
+    return BackwardConfig(rows=rows, lanes=2, num_warps=4 if block_d <= 256 else 8, chunk=32, programs_per_sm=8)
+
+
+class SortedLookups(NamedTuple):
+    """A batch's lookups grouped by global row (all on the device, nothing read back)."""
+
+    sorted_rows: torch.Tensor  # int32/int64 [N]: global rows, ascending
+    order: torch.Tensor  # int64 [N]: lookup at each sorted position
+    bag_of_index: torch.Tensor  # int32 [N]: bag t*B+b of each lookup (by lookup, not sorted)
+    run_count: torch.Tensor  # int32 [N]: runs (distinct rows) begun up to and including each position
+    run_end: torch.Tensor  # int32 [N]: one past the last sorted position of run u (u < number of runs)
+    num_runs: torch.Tensor  # int32 [1]: distinct rows of the batch
+
+
+@triton.jit(do_not_specialize=["num_lookups"])
+def _run_starts_kernel(
+    run_starts_ptr,  # int32 [N] out: 1 where a sorted position begins a run (its row differs from the previous)
+    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
     num_lookups,  # N
-    bag_of_index_ptr,  # int64 [N]: bag t*B+b of each lookup
-    offsets_ptr,  # int64 [T*B+1]: bag boundaries
+    BLOCK: tl.constexpr,  # positions per program
+):
+    positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = positions < num_lookups
+    rows = tl.load(sorted_rows_ptr + positions, mask=inside)
+    previous = tl.load(sorted_rows_ptr + positions - 1, mask=inside & (positions > 0))
+    tl.store(run_starts_ptr + positions, ((positions == 0) | (rows != previous)).to(tl.int32), mask=inside)
+
+
+@triton.jit(do_not_specialize=["num_lookups"])
+def _run_ends_kernel(
+    run_end_ptr,  # int32 [N] out: one past the last position of each run
+    num_runs_ptr,  # int32 [1] out: the number of runs
+    run_count_ptr,  # int32 [N]: runs begun up to and including each position
+    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
+    num_lookups,  # N
+    BLOCK: tl.constexpr,  # positions per program
+):
+    positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = positions < num_lookups
+    last = positions == num_lookups - 1
+    rows = tl.load(sorted_rows_ptr + positions, mask=inside)
+    following = tl.load(sorted_rows_ptr + positions + 1, mask=inside & ~last)
+    ends_run = inside & (last | (rows != following))
+    runs = tl.load(run_count_ptr + positions, mask=inside, other=1) - 1
+    tl.store(run_end_ptr + runs, (positions + 1).to(tl.int32), mask=ends_run)
+    tl.store(num_runs_ptr + tl.zeros_like(runs), runs + 1, mask=inside & last)
+
+
+def sort_lookups(stores: RowStores, lookups: Lookups) -> SortedLookups:
+    """Group a batch's lookups by global row (step 1 of the module docstring). No host sync."""
+    num_lookups = lookups.num_lookups
+    if num_lookups >= INT32_MAX:
+        raise ValueError(f"a batch holds at most 2^31 - 1 lookups, got {num_lookups}")
+    device = lookups.indices.device
+    small = stores.num_rows <= INT32_MAX
+    lookups = linearize(stores, lookups, key_dtype=torch.int32 if small else torch.int64)
+    if lookups.global_rows.dtype == torch.int32 or not small:
+        sorted_rows, order = torch.sort(lookups.global_rows, stable=True)
+    else:  # int64 rows computed by the caller (the cache's prefetch): sort them on int32 keys
+        sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows, stable=True)
+    run_starts = torch.empty(num_lookups, dtype=torch.int32, device=device)
+    run_end = torch.empty(num_lookups, dtype=torch.int32, device=device)
+    num_runs = torch.zeros(1, dtype=torch.int32, device=device)
+    if num_lookups == 0:
+        return SortedLookups(sorted_rows, order, lookups.bag_of_index, run_starts, run_end, num_runs)
+    block = 256 if INTERPRETING else 1024
+    grid = (triton.cdiv(num_lookups, block),)
+    _run_starts_kernel[grid](run_starts, sorted_rows, num_lookups, BLOCK=block)
+    run_count = torch.cumsum(run_starts, 0, dtype=torch.int32)
+    _run_ends_kernel[grid](run_end, num_runs, run_count, sorted_rows, num_lookups, BLOCK=block)
+    return SortedLookups(sorted_rows, order, lookups.bag_of_index, run_count, run_end, num_runs)
+
+
+@triton.jit
+def _lookup_gradients(
+    positions,  # int64 [F]: sorted positions
+    valid,  # bool [F]: which positions count
+    order_ptr,  # int64 [N]: lookup at each sorted position
+    bag_of_index_ptr,  # int32 [N]: bag t*B+b of each lookup
+    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries (mean pooling's bag lengths)
     per_sample_weights_ptr,  # fp32 [N] (read only if HAS_PER_SAMPLE_WEIGHTS)
     grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
     grad_output_stride,  # elements between consecutive rows of grad_output
     table_dim_ptr,  # int32 [T]: embedding_dim of each table
     table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
     batch_size,  # B
-    POOLING: tl.constexpr,  # pooling code (see forward.py)
+    columns,  # int32 [BLOCK_D]
+    POOLING: tl.constexpr,  # pooling code (kernels/addressing.py)
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
-    CHUNK: tl.constexpr,  # lookups per chunk (a power of two); also the window of positions per program
-    BLOCK_L: tl.constexpr,  # lookups loaded per tile
-    BLOCK_D: tl.constexpr,  # columns per tile: next power of two of the largest embedding_dim
+    ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
+    GRAD_ALIGN_BYTES: tl.constexpr,  # every grad_output row slice starts at a multiple of this
 ):
-    window = tl.program_id(0).to(tl.int64)
-    window_positions = window * CHUNK + tl.arange(0, CHUNK)
-    in_range = window_positions < num_lookups
-    starts = tl.load(segment_start_ptr + window_positions, mask=in_range, other=0)
-    # A full chunk ends where the count of positions since the segment start reaches a multiple of
-    # CHUNK. Two such ends are at least CHUNK apart, so a window holds at most one.
-    is_chunk_end = in_range & ((window_positions - starts + 1) % CHUNK == 0)
-    chunk_end = tl.max(tl.where(is_chunk_end, window_positions, -1), axis=0)
-    if chunk_end >= 0:
-        table = tl.load(bag_of_index_ptr + tl.load(sort_order_ptr + chunk_end)) // batch_size
-        dim = tl.load(table_dim_ptr + table)
-        output_column = 0
-        if POOLING != _POOLING_NONE:
-            output_column = tl.load(table_output_offset_ptr + table)
-        columns = tl.arange(0, BLOCK_D)
-        in_row = columns < dim
-        accumulator = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-        for tile_offset in range(0, CHUNK, BLOCK_L):
-            sorted_positions = chunk_end - CHUNK + 1 + tile_offset + tl.arange(0, BLOCK_L)
-            in_tile = sorted_positions <= chunk_end
-            accumulator += _gradient_tile(
-                sorted_positions, in_tile, sort_order_ptr, bag_of_index_ptr, offsets_ptr, per_sample_weights_ptr,
-                grad_output_ptr, grad_output_stride, output_column, columns, in_row, batch_size,
-                POOLING, HAS_PER_SAMPLE_WEIGHTS)
-        tl.store(partial_gradients_ptr + window * BLOCK_D + columns, tl.sum(accumulator, axis=0))
+    """fp32 [F, BLOCK_D]: d loss / d row of the lookup at each position (zeros where not valid or
+    past its table's dim)."""
+    lookups = tl.load(order_ptr + positions, mask=valid, other=0)
+    bags = tl.load(bag_of_index_ptr + lookups, mask=valid, other=0)
+    tables = bags // batch_size
+    dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=valid, other=0), ALIGN)
+    if POOLING == POOLING_NONE_CONSTEXPR:
+        pointers = grad_output_ptr + lookups * grad_output_stride
+    else:
+        first_columns = tl.multiple_of(tl.load(table_output_offset_ptr + tables, mask=valid, other=0), ALIGN)
+        pointers = grad_output_ptr + (bags % batch_size).to(tl.int64) * grad_output_stride + first_columns
+    pointers = tl.multiple_of(pointers, GRAD_ALIGN_BYTES)
+    tile = tl.load(pointers[:, None] + columns[None, :], mask=valid[:, None] & (columns[None, :] < dims[:, None]),
+                   other=0.0)
+    if HAS_PER_SAMPLE_WEIGHTS:
+        tile = tile * tl.load(per_sample_weights_ptr + lookups, mask=valid, other=0.0)[:, None]
+    if POOLING == POOLING_MEAN_CONSTEXPR:
+        lengths = (tl.load(offsets_ptr + bags + 1, mask=valid, other=1)
+                   - tl.load(offsets_ptr + bags, mask=valid, other=0))
+        tile = tile / tl.maximum(lengths, 1).to(tl.float32)[:, None]
+    return tile
 
 
 @triton.jit
@@ -172,189 +220,291 @@ def _stochastic_round(
 
 
 @triton.jit
-def _row_update_kernel(
-    sorted_rows_ptr,  # int64 [N]: global row ids, sorted
-    sort_order_ptr,  # int64 [N]: lookup at each sorted position
-    segment_start_ptr,  # int64 [N]: first sorted position of the segment holding each position
-    partial_gradients_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D]: gradient sums of full chunks
-    num_lookups,  # N
-    indices_ptr,  # int64 [N]: row within its table of each lookup
-    bag_of_index_ptr,  # int64 [N]: bag t*B+b of each lookup
-    offsets_ptr,  # int64 [T*B+1]: bag boundaries
+def _update_rows(
+    global_rows,  # int64 [R]: the rows to update
+    tables,  # int32 [R]: their tables
+    first_lookups,  # int64 [R]: a lookup of each row (its slot is the row's)
+    grad,  # fp32 [R, BLOCK_D]: each row's summed gradient (zeros outside mask)
+    row_mask,  # bool [R]: which rows to update
+    dims,  # int32 [R]: embedding_dim of each row's table
+    columns,  # int32 [BLOCK_D]
+    mask,  # bool [R, BLOCK_D]: row_mask and the table's columns
+    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
+    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table's weights
+    table_state_address_ptr,  # int64 [T]: address of row 0 of each table's fp32 state (0: none)
+    table_state_stride_ptr,  # int64 [T]: elements between rows of each table's state
+    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
+    cache_weights_ptr,  # [num_slots, row_width] slot rows; its element type is every row's
+    cache_weights_stride,  # elements between consecutive slots of cache_weights
+    cache_state_ptr,  # fp32 [num_slots, state_width]: optimizer state of cached rows
+    cache_state_stride,  # elements between consecutive slots of cache_state
+    slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1 (read only if USE_CACHE)
+    hyper,  # tuple of fp32: the optimizer's hyper-parameters (FusedOptimizer.kernel_hyper)
+    seed,  # stochastic rounding: philox key
+    step,  # optimizer step: part of the philox counter, so a fixed seed still varies per step
+    OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
+    OPTIMIZER_UPDATE: tl.constexpr,
+    OPTIMIZER_STORE_STATE: tl.constexpr,
+    USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
+    STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically (else to nearest)
+    ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
+    STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
+):
+    """Apply the optimizer to ``R`` rows in their slot or backing store, and store them."""
+    element = cache_weights_ptr.dtype.element_ty
+    table_rows = global_rows - tl.load(table_row_offset_ptr + tables, mask=row_mask, other=0)
+    slots = tl.zeros_like(tables)
+    if USE_CACHE:
+        slots = tl.load(slot_of_index_ptr + first_lookups, mask=row_mask, other=-1)
+    weight_rows = row_pointers(table_row_zero(table_weights_address_ptr, tables, element), table_rows,
+                               tl.load(table_weights_stride_ptr + tables, mask=row_mask, other=0), slots,
+                               cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
+    state_rows = row_pointers(table_row_zero(table_state_address_ptr, tables, tl.float32), table_rows,
+                              tl.load(table_state_stride_ptr + tables, mask=row_mask, other=0), slots,
+                              cache_state_ptr, cache_state_stride, USE_CACHE, STATE_ALIGN_BYTES)
+
+    # Every load of the rows and their state comes before the barrier below, every store after it.
+    # Threads of a program may hold copies of the same values (a row-wise accumulator in every
+    # thread of its row): a thread that stored before another one loaded would make that one
+    # apply the update twice.
+    weights = tl.load(weight_rows[:, None] + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+    state = OPTIMIZER_LOAD_STATE(state_rows, columns, row_mask, mask, dims)
+    weights, state = OPTIMIZER_UPDATE(weights, grad, state, mask, dims, hyper)
+    if STOCHASTIC_ROUNDING:
+        # Philox counter (column, row low word, row high word, step): a distinct draw per element and step.
+        zeros = tl.zeros_like(mask.to(tl.int32))
+        random_bits, _, _, _ = tl.philox(seed, columns[None, :] + zeros,
+                                         (global_rows & 0xFFFFFFFF).to(tl.int32)[:, None] + zeros,
+                                         (global_rows >> 32).to(tl.int32)[:, None] + zeros, zeros + step)
+        weights = _stochastic_round(weights, random_bits, element)
+    tl.debug_barrier()
+    OPTIMIZER_STORE_STATE(state_rows, state, columns, row_mask, mask, dims)
+    tl.store(weight_rows[:, None] + columns[None, :], weights.to(element), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_lookups", "batch_size"])
+def _hot_window_sums_kernel(
+    window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D] out: gradient sum of each pure window
+    order_ptr,  # int64 [N]: lookup at each sorted position
+    run_count_ptr,  # int32 [N]: runs begun up to each sorted position
+    bag_of_index_ptr,  # int32 [N]: bag of each lookup
+    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
     per_sample_weights_ptr,  # fp32 [N] (read only if HAS_PER_SAMPLE_WEIGHTS)
-    slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1
     grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
     grad_output_stride,  # elements between consecutive rows of grad_output
-    device_weights_ptr,  # flat weights of DEVICE tables
-    host_weights_ptr,  # flat weights of HOST tables
-    managed_weights_ptr,  # flat weights of MANAGED tables
-    device_state_ptr,  # flat fp32 optimizer state of DEVICE tables
-    host_state_ptr,  # flat fp32 optimizer state of HOST tables
-    managed_state_ptr,  # flat fp32 optimizer state of MANAGED tables
-    cache_weights_ptr,  # [num_slots, cache_row_width] slot-cache rows
-    cache_weights_stride,  # elements between consecutive slots of cache_weights
-    cache_state_ptr,  # fp32 [num_slots, cache_state_width] optimizer state of cached rows
-    cache_state_stride,  # elements between consecutive slots of cache_state
-    table_tier_ptr,  # int32 [T]: tier code of each table
-    table_weight_offset_ptr,  # int64 [T]: element offset of row 0 of each table in its tier's weights
-    table_state_offset_ptr,  # int64 [T]: element offset of row 0 of each table in its tier's state
     table_dim_ptr,  # int32 [T]: embedding_dim of each table
     table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    num_lookups,  # N
     batch_size,  # B
-    lr,  # learning rate
-    eps,  # Adagrad / Adam denominator epsilon
-    beta1,  # Adam first-moment decay
-    beta2,  # Adam second-moment decay
-    weight_decay,  # Adam weight decay (added to the update, times lr)
-    bias_correction1,  # Adam: 1 - beta1^step
-    bias_correction2,  # Adam: 1 - beta2^step
-    seed,  # stochastic rounding: philox key
-    step,  # optimizer step count: part of the philox counter, so a fixed seed still varies per step
-    POOLING: tl.constexpr,  # pooling code (see forward.py)
+    POOLING: tl.constexpr,  # pooling code
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
-    USE_CACHE: tl.constexpr,  # whether any slot exists (else every row is in a backing store)
-    OPTIMIZER: tl.constexpr,  # OPTIMIZER_SGD, OPTIMIZER_ROWWISE_ADAGRAD or OPTIMIZER_ADAM
-    STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically (else to nearest)
-    CHUNK: tl.constexpr,  # lookups per chunk of a long segment (see _chunk_gradient_kernel)
-    BLOCK_L: tl.constexpr,  # lookups (or partial sums) loaded per tile
-    BLOCK_D: tl.constexpr,  # columns per tile: next power of two of the largest embedding_dim
+    ALIGN: tl.constexpr,  # every dim (and output column offset) is a multiple of this many elements
+    GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
+    CHUNK: tl.constexpr,  # sorted positions per window
+    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
 ):
-    position = tl.program_id(0).to(tl.int64)
-    row = tl.load(sorted_rows_ptr + position)
-    next_row = tl.load(sorted_rows_ptr + position + 1, mask=position + 1 < num_lookups, other=-1)
-    if row != next_row:  # the last position of a segment owns the row
-        start = tl.load(segment_start_ptr + position)
-        full_chunks = (position - start + 1) // CHUNK
-        lookup = tl.load(sort_order_ptr + position)  # any lookup of the row gives table, row and slot
-        table = tl.load(bag_of_index_ptr + lookup) // batch_size
-        table_row = tl.load(indices_ptr + lookup)
-        tier = tl.load(table_tier_ptr + table)
-        dim = tl.load(table_dim_ptr + table)
-        output_column = 0
-        if POOLING != _POOLING_NONE:
-            output_column = tl.load(table_output_offset_ptr + table)
-        columns = tl.arange(0, BLOCK_D)
-        in_row = columns < dim
+    window = tl.program_id(0).to(tl.int64)
+    first = window * CHUNK
+    if first + CHUNK <= num_lookups:
+        if tl.load(run_count_ptr + first) == tl.load(run_count_ptr + first + CHUNK - 1):  # a pure window
+            columns = tl.arange(0, BLOCK_D)
+            positions = first + tl.arange(0, CHUNK)
+            tile = _lookup_gradients(positions, positions >= 0, order_ptr, bag_of_index_ptr, offsets_ptr,
+                                     per_sample_weights_ptr, grad_output_ptr, grad_output_stride, table_dim_ptr,
+                                     table_output_offset_ptr, batch_size, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS,
+                                     ALIGN, GRAD_ALIGN_BYTES)
+            tl.store(window_sums_ptr + window * BLOCK_D + columns, tl.sum(tile, axis=0))
 
-        # Sum the lookups after the last full chunk, then the full chunks' partial sums.
-        accumulator = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-        for tile_start in range(start + full_chunks * CHUNK, position + 1, BLOCK_L):
-            sorted_positions = tile_start + tl.arange(0, BLOCK_L)
-            accumulator += _gradient_tile(
-                sorted_positions, sorted_positions <= position, sort_order_ptr, bag_of_index_ptr, offsets_ptr,
-                per_sample_weights_ptr, grad_output_ptr, grad_output_stride, output_column, columns, in_row,
-                batch_size, POOLING, HAS_PER_SAMPLE_WEIGHTS)
-        # Chunk j of the segment ends at start + (j+1)*CHUNK - 1, in window (start + CHUNK - 1) // CHUNK + j.
-        first_window = (start + CHUNK - 1) // CHUNK
-        for chunk_offset in range(0, full_chunks, BLOCK_L):
-            chunk_ids = chunk_offset + tl.arange(0, BLOCK_L)
-            partial_ptrs = partial_gradients_ptr + (first_window + chunk_ids)[:, None] * BLOCK_D + columns[None, :]
-            accumulator += tl.load(partial_ptrs, mask=(chunk_ids < full_chunks)[:, None], other=0.0)
-        grad = tl.sum(accumulator, axis=0)
 
-        # The newest copy of the row and its state: its slot, else its backing store.
-        weights_ptr = _weights_of_tier(tier, device_weights_ptr, host_weights_ptr, managed_weights_ptr)
-        weights_ptr += tl.load(table_weight_offset_ptr + table) + table_row * dim
-        state_ptr = _weights_of_tier(tier, device_state_ptr, host_state_ptr, managed_state_ptr)
-        state_ptr += tl.load(table_state_offset_ptr + table)
-        if OPTIMIZER == _OPTIMIZER_ADAM:
-            state_ptr += table_row * (2 * dim)  # m then v, dim values each
-        else:
-            state_ptr += table_row  # one accumulator per row (SGD has no state and never reads it)
-        if USE_CACHE:
-            slot = tl.load(slot_of_index_ptr + lookup)
-            if slot >= 0:
-                weights_ptr = cache_weights_ptr + slot.to(tl.int64) * cache_weights_stride
-                state_ptr = cache_state_ptr + slot.to(tl.int64) * cache_state_stride
+@triton.jit(do_not_specialize=["num_lookups", "batch_size", "seed", "step"])
+def _hot_row_update_kernel(
+    window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D]: gradient sum of each pure window
+    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
+    order_ptr,  # int64 [N]: lookup at each sorted position
+    run_count_ptr,  # int32 [N]: runs begun up to each sorted position
+    run_end_ptr,  # int32 [N]: one past the last position of each run
+    bag_of_index_ptr,  # int32 [N]: bag of each lookup
+    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
+    per_sample_weights_ptr,  # fp32 [N] (read only if HAS_PER_SAMPLE_WEIGHTS)
+    slot_of_index_ptr,  # int32 [N]: slot of each lookup's row, or -1 (read only if USE_CACHE)
+    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
+    grad_output_stride,  # elements between consecutive rows of grad_output
+    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
+    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table's weights
+    table_state_address_ptr,  # int64 [T]: address of row 0 of each table's state
+    table_state_stride_ptr,  # int64 [T]: elements between rows of each table's state
+    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
+    table_dim_ptr,  # int32 [T]: embedding_dim of each table
+    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    cache_weights_ptr,  # [num_slots, row_width] slot rows
+    cache_weights_stride,  # elements between consecutive slots
+    cache_state_ptr,  # fp32 [num_slots, state_width] slot state
+    cache_state_stride,  # elements between consecutive slots of cache_state
+    hyper,  # tuple of fp32: the optimizer's hyper-parameters
+    seed,  # stochastic rounding: philox key
+    step,  # optimizer step
+    num_lookups,  # N
+    batch_size,  # B
+    POOLING: tl.constexpr,  # pooling code
+    HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
+    USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
+    OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions
+    OPTIMIZER_UPDATE: tl.constexpr,
+    OPTIMIZER_STORE_STATE: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically
+    ALIGN: tl.constexpr,  # every row start and dim is a multiple of this many elements
+    ALIGN_BYTES: tl.constexpr,  # ALIGN in bytes of a weight
+    STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
+    GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
+    CHUNK: tl.constexpr,  # sorted positions per window
+    BLOCK_P: tl.constexpr,  # window sums added per step
+    BLOCK_L: tl.constexpr,  # lookups before the first / after the last pure window summed per step
+    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
+):
+    window = tl.program_id(0).to(tl.int64)
+    first = window * CHUNK
+    if first + CHUNK <= num_lookups:
+        run_count = tl.load(run_count_ptr + first)
+        if run_count == tl.load(run_count_ptr + first + CHUNK - 1):  # a pure window
+            run = run_count - 1
+            start = tl.load(run_end_ptr + run - 1, mask=run > 0, other=0).to(tl.int64)
+            end = tl.load(run_end_ptr + run).to(tl.int64)
+            first_window = (start + CHUNK - 1) // CHUNK
+            if window == first_window:  # the run's first pure window owns the run
+                last_window = end // CHUNK - 1
+                lookup = tl.load(order_ptr + start)
+                table = tl.load(bag_of_index_ptr + lookup) // batch_size
+                columns = tl.arange(0, BLOCK_D)
+                one = tl.zeros([1], dtype=tl.int32)
+                dims = one + tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
+                in_row = columns[None, :] < dims[:, None]
 
-        # Every load of the row and its state comes before the barrier below, every store after it.
-        # Threads of a program hold copies of the same values (the Adagrad accumulator in every
-        # thread; each element in several threads when the row is narrower than the program): a
-        # thread that stored before another one loaded would make that one apply the update twice.
-        weights = tl.load(weights_ptr + columns, mask=in_row, other=0.0).to(tl.float32)
-        if OPTIMIZER == _OPTIMIZER_SGD:
-            weights = weights - lr * grad
-        elif OPTIMIZER == _OPTIMIZER_ROWWISE_ADAGRAD:
-            accumulated = tl.load(state_ptr) + tl.sum(grad * grad, axis=0) / dim.to(tl.float32)
-            weights = weights - lr * grad / (tl.sqrt_rn(accumulated) + eps)
-        else:
-            m = beta1 * tl.load(state_ptr + columns, mask=in_row, other=0.0) + (1 - beta1) * grad
-            v = beta2 * tl.load(state_ptr + dim + columns, mask=in_row, other=0.0) + (1 - beta2) * grad * grad
-            update = (m / bias_correction1) / (tl.sqrt_rn(v / bias_correction2) + eps) + weight_decay * weights
-            weights = weights - lr * update
+                # The run's pure windows, then its lookups before the first and after the last of them.
+                sums = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
+                for window_start in range(first_window, last_window + 1, BLOCK_P):
+                    windows = window_start + tl.arange(0, BLOCK_P)
+                    sums += tl.load(window_sums_ptr + windows[:, None] * BLOCK_D + columns[None, :],
+                                    mask=(windows <= last_window)[:, None] & in_row, other=0.0)
+                grad = tl.sum(sums, axis=0)
+                lanes = tl.arange(0, BLOCK_L)
+                head_end = first_window * CHUNK
+                tail_start = (last_window + 1) * CHUNK
+                for offset in range(0, CHUNK, BLOCK_L):  # each part is shorter than CHUNK
+                    head = start + offset + lanes
+                    tail = tail_start + offset + lanes
+                    grad += tl.sum(_lookup_gradients(head, head < head_end, order_ptr, bag_of_index_ptr, offsets_ptr,
+                                                     per_sample_weights_ptr, grad_output_ptr, grad_output_stride,
+                                                     table_dim_ptr, table_output_offset_ptr, batch_size, columns,
+                                                     POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES),
+                                   axis=0)
+                    grad += tl.sum(_lookup_gradients(tail, tail < end, order_ptr, bag_of_index_ptr, offsets_ptr,
+                                                     per_sample_weights_ptr, grad_output_ptr, grad_output_stride,
+                                                     table_dim_ptr, table_output_offset_ptr, batch_size, columns,
+                                                     POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES),
+                                   axis=0)
+                global_rows = one.to(tl.int64) + tl.load(sorted_rows_ptr + start).to(tl.int64)
+                _update_rows(global_rows, one + table, one.to(tl.int64) + lookup, grad[None, :], one == 0, dims,
+                             columns,
+                             in_row, table_weights_address_ptr, table_weights_stride_ptr, table_state_address_ptr,
+                             table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr, cache_weights_stride,
+                             cache_state_ptr, cache_state_stride, slot_of_index_ptr, hyper, seed, step,
+                             OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE,
+                             STOCHASTIC_ROUNDING, ALIGN_BYTES, STATE_ALIGN_BYTES)
 
-        if STOCHASTIC_ROUNDING:
-            # Philox counter (column, row low word, row high word, step): a distinct draw per element
-            # and step.
-            zeros = tl.zeros_like(columns)
-            random_bits, _, _, _ = tl.philox(seed, columns, zeros + (row & 0xFFFFFFFF).to(tl.int32),
-                                             zeros + (row >> 32).to(tl.int32), zeros + step)
-            weights = _stochastic_round(weights, random_bits, weights_ptr.dtype.element_ty)
-        tl.debug_barrier()
-        if OPTIMIZER == _OPTIMIZER_ROWWISE_ADAGRAD:
-            tl.store(state_ptr, accumulated)
-        if OPTIMIZER == _OPTIMIZER_ADAM:
-            tl.store(state_ptr + columns, m, mask=in_row)
-            tl.store(state_ptr + dim + columns, v, mask=in_row)
-        tl.store(weights_ptr + columns, weights.to(weights_ptr.dtype.element_ty), mask=in_row)
+
+@triton.jit(do_not_specialize=["batch_size", "seed", "step"])
+def _row_update_kernel(
+    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
+    order_ptr,  # int64 [N]: lookup at each sorted position
+    run_end_ptr,  # int32 [N]: one past the last position of each run
+    num_runs_ptr,  # int32 [1]: number of runs (read on the device: the grid is persistent)
+    bag_of_index_ptr,  # int32 [N]: bag of each lookup
+    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
+    per_sample_weights_ptr,  # fp32 [N] (read only if HAS_PER_SAMPLE_WEIGHTS)
+    slot_of_index_ptr,  # int32 [N]: slot of each lookup's row, or -1 (read only if USE_CACHE)
+    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
+    grad_output_stride,  # elements between consecutive rows of grad_output
+    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
+    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table's weights
+    table_state_address_ptr,  # int64 [T]: address of row 0 of each table's state
+    table_state_stride_ptr,  # int64 [T]: elements between rows of each table's state
+    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
+    table_dim_ptr,  # int32 [T]: embedding_dim of each table
+    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    cache_weights_ptr,  # [num_slots, row_width] slot rows
+    cache_weights_stride,  # elements between consecutive slots
+    cache_state_ptr,  # fp32 [num_slots, state_width] slot state
+    cache_state_stride,  # elements between consecutive slots of cache_state
+    hyper,  # tuple of fp32: the optimizer's hyper-parameters
+    seed,  # stochastic rounding: philox key
+    step,  # optimizer step
+    batch_size,  # B
+    POOLING: tl.constexpr,  # pooling code
+    HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
+    USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
+    OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions
+    OPTIMIZER_UPDATE: tl.constexpr,
+    OPTIMIZER_STORE_STATE: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically
+    ALIGN: tl.constexpr,  # every row start and dim is a multiple of this many elements
+    ALIGN_BYTES: tl.constexpr,  # ALIGN in bytes of a weight
+    STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
+    GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
+    CHUNK: tl.constexpr,  # sorted positions per window: runs holding a pure window are the hot kernel's
+    ROWS: tl.constexpr,  # runs per tile
+    BLOCK_L: tl.constexpr,  # lookups of each run per step
+    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
+):
+    num_runs = tl.load(num_runs_ptr)
+    columns = tl.arange(0, BLOCK_D)
+    # Gradient tiles have ROWS * BLOCK_L rows, (run, lane) pairs: BLOCK_L lookups of each run per step.
+    run_of_lane = tl.arange(0, ROWS * BLOCK_L) // BLOCK_L
+    lanes = tl.arange(0, ROWS * BLOCK_L) % BLOCK_L
+    for tile in range(tl.program_id(0), tl.cdiv(num_runs, ROWS), tl.num_programs(0)):
+        runs = tile * ROWS + tl.arange(0, ROWS)
+        starts, ends, row_mask = _runs_of_tile(runs, num_runs, run_end_ptr, CHUNK)
+        lane_runs = tile * ROWS + run_of_lane
+        lane_starts, lane_ends, lane_mask = _runs_of_tile(lane_runs, num_runs, run_end_ptr, CHUNK)
+
+        grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        for step_start in range(0, tl.max(tl.where(row_mask, ends - starts, 0), axis=0), BLOCK_L):
+            positions = lane_starts + step_start + lanes
+            valid = (positions < lane_ends) & lane_mask
+            tile_grads = _lookup_gradients(positions, valid, order_ptr, bag_of_index_ptr, offsets_ptr,
+                                           per_sample_weights_ptr, grad_output_ptr, grad_output_stride, table_dim_ptr,
+                                           table_output_offset_ptr, batch_size, columns, POOLING,
+                                           HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
+            grad += sum_lanes(tile_grads, ROWS, BLOCK_L, BLOCK_D)
+        first_lookups = tl.load(order_ptr + starts, mask=row_mask, other=0)
+        tables = tl.load(bag_of_index_ptr + first_lookups, mask=row_mask, other=0) // batch_size
+        dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=row_mask, other=0), ALIGN)
+        mask = row_mask[:, None] & (columns[None, :] < dims[:, None])
+        global_rows = tl.load(sorted_rows_ptr + starts, mask=row_mask, other=0).to(tl.int64)
+        _update_rows(global_rows, tables, first_lookups, grad, row_mask, dims, columns, mask,
+                     table_weights_address_ptr, table_weights_stride_ptr, table_state_address_ptr,
+                     table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr, cache_weights_stride,
+                     cache_state_ptr, cache_state_stride, slot_of_index_ptr, hyper, seed, step,
+                     OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE,
+                     STOCHASTIC_ROUNDING, ALIGN_BYTES, STATE_ALIGN_BYTES)
 
 
 @triton.jit
-def _per_sample_weights_grad_kernel(
-    per_sample_weights_grad_ptr,  # fp32 [N]: out, d loss / d per_sample_weights[i]
-    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
-    grad_output_stride,  # elements between consecutive rows of grad_output
-    device_weights_ptr,  # flat weights of DEVICE tables
-    host_weights_ptr,  # flat weights of HOST tables
-    managed_weights_ptr,  # flat weights of MANAGED tables
-    cache_weights_ptr,  # [num_slots, cache_row_width] slot-cache rows
-    cache_weights_stride,  # elements between consecutive slots
-    table_tier_ptr,  # int32 [T]: tier code of each table
-    table_weight_offset_ptr,  # int64 [T]: element offset of row 0 of each table in its tier's store
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
-    indices_ptr,  # int64 [N]: row within its table of each lookup
-    offsets_ptr,  # int64 [T*B+1]: bag boundaries
-    slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1
-    batch_size,  # B
-    POOLING: tl.constexpr,  # pooling code (see forward.py)
-    USE_CACHE: tl.constexpr,  # whether any slot exists
-    BLOCK_L: tl.constexpr,  # lookups per tile
-    BLOCK_D: tl.constexpr,  # columns per tile: next power of two of the largest embedding_dim
+def _runs_of_tile(
+    runs,  # int32 tensor: run numbers
+    num_runs,  # int32 scalar: runs of the batch
+    run_end_ptr,  # int32 [N]: one past the last position of each run
+    CHUNK: tl.constexpr,  # window of sorted positions: a run holding a whole one is the hot kernel's
 ):
-    bag = tl.program_id(0)
-    table = bag // batch_size
-    sample = bag - table * batch_size
-    tier = tl.load(table_tier_ptr + table)
-    dim = tl.load(table_dim_ptr + table)
-    table_store_ptr = _weights_of_tier(tier, device_weights_ptr, host_weights_ptr, managed_weights_ptr)
-    table_store_ptr += tl.load(table_weight_offset_ptr + table)
-    start = tl.load(offsets_ptr + bag)
-    end = tl.load(offsets_ptr + bag + 1)
-    columns = tl.arange(0, BLOCK_D)
-    in_row = columns < dim
-    if POOLING != _POOLING_NONE:
-        # Every lookup of the bag shares its output row's gradient: load it once.
-        bag_grad = tl.load(grad_output_ptr + sample.to(tl.int64) * grad_output_stride
-                           + tl.load(table_output_offset_ptr + table) + columns, mask=in_row, other=0.0)
-        if POOLING == _POOLING_MEAN:
-            bag_grad = bag_grad / tl.maximum(end - start, 1).to(tl.float32)
-    for tile_start in range(start, end, BLOCK_L):
-        positions = tile_start + tl.arange(0, BLOCK_L)
-        in_tile = positions < end
-        row_ptrs = _row_pointers(positions, in_tile, indices_ptr, slot_of_index_ptr, table_store_ptr, dim,
-                                 cache_weights_ptr, cache_weights_stride, USE_CACHE)
-        tile_mask = in_tile[:, None] & in_row[None, :]
-        rows = tl.load(row_ptrs[:, None] + columns[None, :], mask=tile_mask, other=0.0).to(tl.float32)
-        if POOLING == _POOLING_NONE:
-            grads = tl.load(grad_output_ptr + positions[:, None] * grad_output_stride + columns[None, :],
-                            mask=tile_mask, other=0.0)
-        else:
-            grads = bag_grad[None, :]
-        tl.store(per_sample_weights_grad_ptr + positions, tl.sum(rows * grads, axis=1), mask=in_tile)
+    """``(starts, ends, mask)`` of ``runs``: int64 first and one-past-last sorted positions, and
+    which runs exist and are not hot (the row-update kernel's)."""
+    in_range = runs < num_runs
+    starts = tl.load(run_end_ptr + runs - 1, mask=in_range & (runs > 0), other=0).to(tl.int64)
+    ends = tl.load(run_end_ptr + runs, mask=in_range, other=0).to(tl.int64)
+    hot = ((starts + CHUNK - 1) // CHUNK + 1) * CHUNK <= ends  # holds a pure window
+    return starts, ends, in_range & ~hot
 
 
-def _check_grad_output(grad_output: torch.Tensor, stores: RowStores, lookups: Lookups, mode: int) -> torch.Tensor:
+def check_grad_output(grad_output: torch.Tensor, stores: RowStores, lookups: Lookups, mode: int) -> torch.Tensor:
     """grad_output as the kernels read it: fp32, 2-D, contiguous rows (copied only if it is not)."""
     if mode == POOLING_NONE:
         expected = (lookups.num_lookups, stores.max_dim)
@@ -369,38 +519,30 @@ def _check_grad_output(grad_output: torch.Tensor, stores: RowStores, lookups: Lo
     return grad_output
 
 
-def _warps_for(block_d: int) -> int:
-    """Warps of the gather kernels: about one 4-element vector per thread across a row."""
-    return 2 if block_d <= 64 else 4 if block_d <= 256 else 8
+def grad_alignment_bytes(grad_output: torch.Tensor, stores: RowStores) -> int:
+    """Bytes that every grad_output row slice of a table starts at a multiple of (at most 16)."""
+    elements = grad_output.data_ptr() // 4 if grad_output.data_ptr() % 4 == 0 else 1
+    return 4 * math.gcd(elements, grad_output.stride(0) if grad_output.dim() == 2 else 1, *stores.dims, 4)
 
 
-def update_config(block_d: int) -> tuple[int, int]:
-    """``(BLOCK_L, num_warps)`` of ``_row_update_kernel``: most rows have one or two lookups (and
-    hot ones are cut into chunks), so its tiles are short: masked-off rows still cost issue slots.
-
-    Measured on an H200 at dim 128 (BLOCK_L, warps): (2, 2) 2.5 ms, (4, 2) 3.0, (8, 2) 3.5, (8, 4) 6.6.
-    """
-    if INTERPRETING:
-        return tile_rows_for(block_d), _warps_for(block_d)
-    return max(1, min(8, 256 // block_d)), 2 if block_d <= 128 else 4 if block_d <= 512 else 8
+def _multiprocessors(device: torch.device) -> int:
+    if INTERPRETING or device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def backward_update(
     grad_output: torch.Tensor,
     stores: RowStores,
     lookups: Lookups,
-    slot_of_index: torch.Tensor,
+    slot_of_index: torch.Tensor | None,
     pooling: str,
-    optimizer_kind: int,
-    lr: float,
-    eps: float = 1e-8,
-    beta1: float = 0.9,
-    beta2: float = 0.999,
-    weight_decay: float = 0.0,
+    optimizer: FusedOptimizer,
     step: int = 1,
     stochastic_rounding: bool = False,
     seed: int = 0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    sorted_lookups: SortedLookups | None = None,
+    config: BackwardConfig | None = None,
 ) -> None:
     """Sum the gradient of each unique row of the batch and apply the optimizer to it, in place.
 
@@ -408,82 +550,134 @@ def backward_update(
         grad_output: fp32 ``[B, total_dim]`` (sum, mean) or ``[N, max_dim]`` (none): gradient of the
             output of ``pooled_forward``.
         stores: rows and optimizer state (updated in place: the slot when a lookup's slot is >= 0,
-            else the backing store; state layout in ``kernels/rows.py``).
+            else the table's backing store; layouts in ``kernels/rows.py``).
         lookups: the batch that produced the output.
-        slot_of_index: int32 [N]: slot of each lookup's row, or -1 (all lookups of a row agree).
+        slot_of_index: int32 [N]: slot of each lookup's row, or -1 (all lookups of a row agree);
+            ``None``: no lookup has a slot.
         pooling: ``"sum"``, ``"mean"`` or ``"none"``, as in the forward.
-        optimizer_kind: ``tiered_tbe.optimizers.OptimizerKind`` (0 NONE returns at once, 1 SGD,
-            2 row-wise Adagrad, 3 Adam); formulas in ``tiered_tbe/optimizers.py``.
-        lr, eps, beta1, beta2, weight_decay: optimizer hyper-parameters (the unused ones are ignored).
-        step: the 1-based optimizer step: Adam's bias correction, and part of stochastic rounding's draw.
+        optimizer: a :class:`~tiered_tbe.kernels.optimizers.FusedOptimizer` (its math in its module).
+        step: the 1-based optimizer step (Adam-type bias corrections; part of stochastic rounding's draw).
         stochastic_rounding: round fp16 / bf16 weights stochastically instead of to nearest.
         seed: stochastic rounding's random key (the draws also depend on ``step``, row and column).
-        chunk_size: lookups of one row summed by one program before the partial sums are combined
-            (a power of two, at most 4096); only hot rows with more lookups than this use more than
-            one program.
+        sorted_lookups: ``sort_lookups(stores, lookups)`` when the caller made it already.
+        config: tile shapes (default :func:`default_config`).
     """
-    kind = int(optimizer_kind)
-    if kind == OPTIMIZER_NONE or lookups.num_lookups == 0:
-        return
-    if kind not in (OPTIMIZER_SGD, OPTIMIZER_ROWWISE_ADAGRAD, OPTIMIZER_ADAM):
-        raise ValueError(f"unknown optimizer kind {optimizer_kind}")
-    if not 1 <= chunk_size <= 4096 or chunk_size & (chunk_size - 1):
-        # A program loads a whole chunk's segment starts as one vector: keep it small.
-        raise ValueError(f"chunk_size must be a power of two in [1, 4096], got {chunk_size}")
+    if not isinstance(optimizer, FusedOptimizer):
+        raise TypeError(f"optimizer must be a FusedOptimizer (tiered_tbe.optimizers), got {type(optimizer).__name__}")
     if step < 1:
         raise ValueError(f"step is 1-based, got {step}")
     mode = pooling_code(pooling)
     check_lookups(stores, lookups, slot_of_index)
-    grad_output = _check_grad_output(grad_output, stores, lookups, mode)
-    tensors = launch_stores(stores)
+    grad_output = check_grad_output(grad_output, stores, lookups, mode)
     num_lookups = lookups.num_lookups
-    device = lookups.indices.device
-
-    # Group the lookups of each row, deterministically (stable sort), without leaving the device.
-    sorted_rows, sort_order = sort_ids(lookups.global_rows, stores.num_rows or INT64_MAX, stable=True)
-    # First position of each position's row; a binary search per position (torch's 1-D cummax on
-    # CUDA runs in one thread block: 8 ms for 2M lookups on an H200).
-    segment_start = torch.searchsorted(sorted_rows, sorted_rows)
-
+    if num_lookups == 0 or lookups.batch_size == 0:
+        return
     block_d = triton.next_power_of_2(stores.max_dim)
-    update_block_l, update_num_warps = update_config(block_d)
+    config = config or default_config(block_d)
+    chunk = config.chunk
+    if not 2 <= chunk <= 1024 or chunk & (chunk - 1):
+        raise ValueError(f"config.chunk must be a power of two in [2, 1024], got {chunk}")
+    sorted_lookups = sorted_lookups or sort_lookups(stores, lookups)
+    device = grad_output.device
+    use_cache = slot_of_index is not None and stores.uses_cache
     per_sample_weights = lookups.per_sample_weights
     has_per_sample_weights = per_sample_weights is not None
-    per_sample_weights = per_sample_weights.contiguous() if has_per_sample_weights else grad_output
-    bag_of_index = lookups.bag_of_index.contiguous()
-    offsets = lookups.offsets.contiguous()
+    element = stores.weights_dtype.itemsize
+    state_alignment = 4 * stores.state_alignment
+    load_state, update, store_state = optimizer.TRITON
+    common = dict(POOLING=mode, HAS_PER_SAMPLE_WEIGHTS=has_per_sample_weights,
+                  GRAD_ALIGN_BYTES=grad_alignment_bytes(grad_output, stores), CHUNK=chunk, BLOCK_D=block_d)
+    updating = dict(USE_CACHE=use_cache, OPTIMIZER_LOAD_STATE=load_state, OPTIMIZER_UPDATE=update,
+                    OPTIMIZER_STORE_STATE=store_state,
+                    STOCHASTIC_ROUNDING=bool(stochastic_rounding) and stores.weights_dtype != torch.float32,
+                    ALIGN=stores.alignment, ALIGN_BYTES=stores.alignment * element, STATE_ALIGN_BYTES=state_alignment)
+    s = sorted_lookups
+    psw = per_sample_weights if has_per_sample_weights else grad_output
+    slots = slot_of_index if use_cache else s.run_end
+    hyper = tuple(float(value) for value in optimizer.kernel_hyper(step))
+    store_args = (stores.table_weights_address, stores.table_weights_stride, stores.table_state_address,
+                  stores.table_state_stride, stores.table_row_offset, stores.table_dim, stores.table_output_offset,
+                  stores.cache_weights, stores.cache_weights.stride(0), stores.cache_state,
+                  stores.cache_state.stride(0))
+    seed, step_word = int(seed) & 0x7FFFFFFF, int(step) & 0x7FFFFFFF
 
-    num_windows = triton.cdiv(num_lookups, chunk_size)
-    partial_gradients = torch.empty(num_windows, block_d, dtype=torch.float32, device=device)
-    _chunk_gradient_kernel[(num_windows,)](
-        partial_gradients, sort_order, segment_start, num_lookups,
-        bag_of_index, offsets, per_sample_weights, grad_output, grad_output.stride(0),
-        stores.table_dim, stores.table_output_offset, lookups.batch_size,
-        POOLING=mode, HAS_PER_SAMPLE_WEIGHTS=has_per_sample_weights,
-        CHUNK=chunk_size, BLOCK_L=min(tile_rows_for(block_d), chunk_size), BLOCK_D=block_d,
-        num_warps=_warps_for(block_d),
-    )
-    _row_update_kernel[(num_lookups,)](
-        sorted_rows, sort_order, segment_start, partial_gradients, num_lookups,
-        lookups.indices.contiguous(), bag_of_index, offsets, per_sample_weights, slot_of_index.contiguous(),
-        grad_output, grad_output.stride(0),
-        tensors["device_weights"], tensors["host_weights"], tensors["managed_weights"],
-        tensors["device_state"], tensors["host_state"], tensors["managed_state"],
-        tensors["cache_weights"], tensors["cache_weights"].stride(0),
-        tensors["cache_state"], tensors["cache_state"].stride(0),
-        stores.table_tier, stores.table_weight_offset, stores.table_state_offset, stores.table_dim,
-        stores.table_output_offset, lookups.batch_size,
-        float(lr), float(eps), float(beta1), float(beta2), float(weight_decay),
-        1.0 - float(beta1) ** step, 1.0 - float(beta2) ** step, int(seed), int(step) & 0x7FFFFFFF,
-        POOLING=mode, HAS_PER_SAMPLE_WEIGHTS=has_per_sample_weights,
-        USE_CACHE=tensors["cache_weights"].shape[0] > 0, OPTIMIZER=kind,
-        STOCHASTIC_ROUNDING=bool(stochastic_rounding) and tensors["device_weights"].dtype != torch.float32,
-        CHUNK=chunk_size, BLOCK_L=update_block_l, BLOCK_D=block_d, num_warps=update_num_warps,
-    )
+    num_windows = triton.cdiv(num_lookups, chunk)
+    window_sums = torch.empty(num_windows, block_d, dtype=torch.float32, device=device)
+    _hot_window_sums_kernel[(num_windows,)](
+        window_sums, s.order, s.run_count, s.bag_of_index, lookups.offsets, psw, grad_output, grad_output.stride(0),
+        stores.table_dim, stores.table_output_offset, num_lookups, lookups.batch_size,
+        **common, ALIGN=stores.alignment, num_warps=4)
+    _hot_row_update_kernel[(num_windows,)](
+        window_sums, s.sorted_rows, s.order, s.run_count, s.run_end, s.bag_of_index, lookups.offsets, psw, slots,
+        grad_output, grad_output.stride(0), *store_args, hyper, seed, step_word, num_lookups, lookups.batch_size,
+        # One row a program: one warp holds a 128-wide row in 4-element vectors.
+        **common, **updating, BLOCK_P=8, BLOCK_L=4, num_warps=max(1, min(8, block_d // 128)))
+    programs = min(triton.cdiv(num_lookups, config.rows), _multiprocessors(device) * config.programs_per_sm)
+    _row_update_kernel[(programs,)](
+        s.sorted_rows, s.order, s.run_end, s.num_runs, s.bag_of_index, lookups.offsets, psw, slots,
+        grad_output, grad_output.stride(0), *store_args, hyper, seed, step_word, lookups.batch_size,
+        **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
+
+
+@triton.jit(do_not_specialize=["batch_size"])
+def _per_sample_weights_grad_kernel(
+    per_sample_weights_grad_ptr,  # fp32 [N] out: d loss / d per_sample_weights[i]
+    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
+    grad_output_stride,  # elements between consecutive rows of grad_output
+    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
+    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table
+    table_dim_ptr,  # int32 [T]: embedding_dim of each table
+    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    cache_weights_ptr,  # [num_slots, row_width] slot rows
+    cache_weights_stride,  # elements between consecutive slots
+    indices_ptr,  # int32/int64 [N]: row within its table of each lookup
+    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
+    slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1 (read only if USE_CACHE)
+    batch_size,  # B
+    POOLING: tl.constexpr,  # pooling code
+    USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
+    ALIGN: tl.constexpr,  # every row start and dim is a multiple of this many elements
+    ALIGN_BYTES: tl.constexpr,  # ALIGN in bytes of a weight
+    BLOCK_B: tl.constexpr,  # bags per program
+    BLOCK_L: tl.constexpr,  # lookups of each bag per step
+    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
+):
+    table = tl.program_id(1)
+    element = cache_weights_ptr.dtype.element_ty
+    bags, in_batch, starts, ends = bag_tile_bounds(offsets_ptr, table, batch_size, BLOCK_B, BLOCK_L)
+    lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
+    table_rows = table_row_zero(table_weights_address_ptr, table, element)
+    row_stride = tl.load(table_weights_stride_ptr + table)
+    columns = tl.arange(0, BLOCK_D)
+    in_row = columns < tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
+    if POOLING != POOLING_NONE_CONSTEXPR:
+        # Every lookup of a bag shares its output row's gradient (one load per tile row, from L1).
+        bag_grads = tl.load(grad_output_ptr + bags[:, None].to(tl.int64) * grad_output_stride
+                            + tl.multiple_of(tl.load(table_output_offset_ptr + table), ALIGN) + columns[None, :],
+                            mask=in_batch[:, None] & in_row[None, :], other=0.0)
+        if POOLING == POOLING_MEAN_CONSTEXPR:
+            bag_grads = bag_grads / tl.maximum(ends - starts, 1).to(tl.float32)[:, None]
+    for step_start in range(0, tl.max(ends - starts, axis=0), BLOCK_L):
+        positions = starts + step_start + lanes
+        in_bag = positions < ends
+        rows = tl.load(indices_ptr + positions, mask=in_bag, other=0)
+        slots = tl.zeros_like(rows)
+        if USE_CACHE:
+            slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
+        pointers = row_pointers(table_rows, rows, row_stride, slots, cache_weights_ptr, cache_weights_stride,
+                                USE_CACHE, ALIGN_BYTES)
+        tile_mask = in_bag[:, None] & in_row[None, :]
+        tile = tl.load(pointers[:, None] + columns[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+        if POOLING == POOLING_NONE_CONSTEXPR:
+            grads = tl.load(grad_output_ptr + positions[:, None] * grad_output_stride + columns[None, :],
+                            mask=tile_mask, other=0.0)
+        else:
+            grads = bag_grads
+        tl.store(per_sample_weights_grad_ptr + positions, tl.sum(tile * grads, axis=1), mask=in_bag)
 
 
 def per_sample_weights_grad(
-    grad_output: torch.Tensor, stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor, pooling: str
+    grad_output: torch.Tensor, stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None, pooling: str
 ) -> torch.Tensor:
     """fp32 [N]: d loss / d per_sample_weights[i] = dot(grad of lookup i's output, row i), / bag length for mean.
 
@@ -491,20 +685,20 @@ def per_sample_weights_grad(
     """
     mode = pooling_code(pooling)
     check_lookups(stores, lookups, slot_of_index)
-    grad_output = _check_grad_output(grad_output, stores, lookups, mode)
-    tensors = launch_stores(stores)
+    grad_output = check_grad_output(grad_output, stores, lookups, mode)
     result = torch.empty(lookups.num_lookups, dtype=torch.float32, device=lookups.indices.device)
-    num_bags = stores.num_tables * lookups.batch_size
-    if num_bags == 0 or lookups.num_lookups == 0:
+    if lookups.batch_size == 0 or lookups.num_lookups == 0:
         return result
-    block_d = triton.next_power_of_2(stores.max_dim)
-    _per_sample_weights_grad_kernel[(num_bags,)](
+    use_cache = slot_of_index is not None and stores.uses_cache
+    block_b, block_l = (2, 2) if INTERPRETING else (8, 4)
+    grid = (triton.cdiv(lookups.batch_size, block_b), stores.num_tables)
+    _per_sample_weights_grad_kernel[grid](
         result, grad_output, grad_output.stride(0),
-        tensors["device_weights"], tensors["host_weights"], tensors["managed_weights"],
-        tensors["cache_weights"], tensors["cache_weights"].stride(0),
-        stores.table_tier, stores.table_weight_offset, stores.table_dim, stores.table_output_offset,
-        lookups.indices.contiguous(), lookups.offsets.contiguous(), slot_of_index.contiguous(), lookups.batch_size,
-        POOLING=mode, USE_CACHE=tensors["cache_weights"].shape[0] > 0,
-        BLOCK_L=tile_rows_for(block_d), BLOCK_D=block_d, num_warps=_warps_for(block_d),
+        stores.table_weights_address, stores.table_weights_stride, stores.table_dim, stores.table_output_offset,
+        stores.cache_weights, stores.cache_weights.stride(0),
+        lookups.indices, lookups.offsets, slot_of_index if use_cache else lookups.indices, lookups.batch_size,
+        POOLING=mode, USE_CACHE=use_cache, ALIGN=stores.alignment,
+        ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
+        BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(stores.max_dim), num_warps=4,
     )
     return result

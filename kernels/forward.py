@@ -1,304 +1,199 @@
 """Pooled forward of table-batched embedding bags, reading each row from its slot or its backing store.
 
-One launch covers every table: program ``t * B + b`` pools bag ``b`` of table ``t``. A program
-walks its bag's lookups in tiles of ``BLOCK_L`` lookups by ``BLOCK_D`` columns (``BLOCK_D`` is
-the next power of two of the largest ``embedding_dim``), loading a whole tile with one
-vectorized load: the rows of a tile may come from the slot cache or from the table's backing
-store, so the tile's row addresses are picked per lookup before the load. A table lives in one
-tier, so which backing store to read is a scalar choice per program.
+One launch covers every table: program ``(i, t)`` pools bags ``i * BLOCK_B .. + BLOCK_B - 1``
+of table ``t``, ``BLOCK_L`` lookups of each bag per step, so a tile holds ``BLOCK_B x BLOCK_L``
+rows of ``BLOCK_D`` columns loaded at once (``kernels/addressing.py``). One lookup per bag (the
+common DLRM shape) runs 32-64 bags a program; long bags few bags and long steps. The autotuner
+picks the tile per bag-length class, so one compiled kernel serves a model shape.
 
-Example (CPU simulation, one DEVICE table of 10 rows of 4 columns, one bag of rows 1 and 2)::
+Example (CPU simulation, one table of 10 rows of 4 columns, one bag of rows 1 and 2)::
 
     import tiered_tbe  # picks GPU or simulation mode before triton loads
     import torch
-    from tiered_tbe.kernels.rows import Lookups, RowStores, TIER_DEVICE
+    from tiered_tbe.kernels.rows import Lookups, RowStores, no_cache
     from tiered_tbe.kernels.forward import pooled_forward
 
-    weights = torch.randn(10 * 4)
-    empty = torch.empty(0)
-    stores = RowStores(weights, empty, empty, empty, empty, empty,
-                       table_tier=torch.tensor([TIER_DEVICE], dtype=torch.int32),
-                       table_weight_offset=torch.zeros(1, dtype=torch.int64),
-                       table_state_offset=torch.zeros(1, dtype=torch.int64),
-                       table_dim=torch.tensor([4], dtype=torch.int32),
-                       table_output_offset=torch.zeros(1, dtype=torch.int32),
-                       cache_weights=torch.empty(0, 1), cache_state=torch.empty(0, 1),
-                       max_dim=4, total_dim=4)
-    indices = torch.tensor([1, 2])
-    lookups = Lookups(indices, offsets=torch.tensor([0, 2]), bag_of_index=torch.zeros(2, dtype=torch.int64),
-                      global_rows=indices, per_sample_weights=None, batch_size=1)
-    out = pooled_forward(stores, lookups, torch.full((2,), -1, dtype=torch.int32), "sum")
-    # out == weights.view(10, 4)[1] + weights.view(10, 4)[2], shape [1, 4]
+    table = torch.randn(10, 4)
+    stores = RowStores((table,), (None,), *no_cache(torch.float32, "cpu"))
+    lookups = Lookups(torch.tensor([1, 2]), torch.tensor([0, 2]), batch_size=1)
+    out = pooled_forward(stores, lookups, None, "sum")   # == table[1] + table[2], shape [1, 4]
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .rows import TIER_HOST, TIER_MANAGED, Lookups, RowStores
+from .addressing import (
+    INTERPRETING,
+    POOLING_MEAN_CONSTEXPR,
+    POOLING_NONE,
+    POOLING_NONE_CONSTEXPR,
+    bag_length_class,
+    bag_tile_bounds,
+    pooling_code,
+    row_pointers,
+    sum_lanes,
+    table_row_zero,
+)
+from .rows import Lookups, RowStores, check_lookups
 
-# Codes of the POOLING constexpr.
-POOLING_SUM = 0
-POOLING_MEAN = 1
-POOLING_NONE = 2
-POOLING_CODES = {"sum": POOLING_SUM, "mean": POOLING_MEAN, "none": POOLING_NONE}
-
-# Triton kernels may read module globals only when they are constexpr.
-_POOLING_MEAN = tl.constexpr(POOLING_MEAN)
-_POOLING_NONE = tl.constexpr(POOLING_NONE)
-_TIER_HOST = tl.constexpr(TIER_HOST)
-_TIER_MANAGED = tl.constexpr(TIER_MANAGED)
-
-# Triton reads TRITON_INTERPRET when a kernel is decorated; `tiered_tbe` sets it before we get here.
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-# Tiles larger than this many elements spill registers (a [BLOCK_L, BLOCK_D] fp32 tile plus the
-# accumulator of the same shape): the autotuner never tries them.
+# Tiles of more than this many elements spill registers: the autotuner never tries them.
 MAX_TILE_ELEMENTS = 8192
 
-
-def pooling_code(pooling: str) -> int:
-    """``"sum"`` -> 0, ``"mean"`` -> 1, ``"none"`` -> 2 (the kernels' ``POOLING`` constexpr)."""
-    try:
-        return POOLING_CODES[pooling]
-    except KeyError:
-        raise ValueError(f"pooling must be one of {sorted(POOLING_CODES)}, got {pooling!r}") from None
-
-
-def tile_rows_for(block_d: int, *, interpreting: bool = INTERPRETING) -> int:
-    """Lookups per tile for kernels that are not autotuned: a 4096-element tile, at least one row.
-
-    In the interpreter a small tile makes the tests walk several tiles of one bag.
-    """
-    if interpreting:
-        return 4
-    return max(1, min(32, 4096 // block_d))
+# (BLOCK_B, BLOCK_L, num_warps) the autotuner tries, by bag-length class (log2 of the mean bag
+# length): many bags of one lookup, or few bags walked many lookups at a time.
+_SHAPES_BY_CLASS = {
+    0: [(16, 1, 4), (32, 1, 4), (64, 1, 8), (32, 1, 8), (8, 1, 2)],
+    1: [(16, 2, 4), (32, 2, 8), (8, 2, 4), (16, 1, 4)],
+    2: [(8, 4, 4), (16, 4, 8), (4, 4, 4), (8, 2, 4)],
+}
+_LONG_BAG_SHAPES = [(1, 32, 4), (2, 16, 4), (4, 8, 4), (2, 32, 8), (1, 64, 8), (4, 16, 8)]
 
 
 def _forward_configs() -> list[triton.Config]:
-    """Candidate tile heights and warp counts; a single one when interpreting (no timer there)."""
+    """Candidate tiles; a single one when interpreting (no timer there, and small tiles make the
+    tests walk several steps of a bag and several programs of a table)."""
     if INTERPRETING:
-        return [triton.Config({"BLOCK_L": 4}, num_warps=4)]
-    # Short tiles win on the H200 for dim 128 (2 rows, 2 warps: many programs in flight beat wide
-    # loads per program); the taller ones serve small dims.
-    shapes = [(1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (8, 4), (16, 4), (32, 8)]
-    return [triton.Config({"BLOCK_L": block_l}, num_warps=num_warps) for block_l, num_warps in shapes]
+        return [triton.Config({"BLOCK_B": 2, "BLOCK_L": 2}, num_warps=4)]
+    shapes = {shape for shapes in _SHAPES_BY_CLASS.values() for shape in shapes} | set(_LONG_BAG_SHAPES)
+    return [triton.Config({"BLOCK_B": b, "BLOCK_L": lanes}, num_warps=w) for b, lanes, w in sorted(shapes)]
 
 
-def _prune_large_tiles(configs, named_args, **kwargs):
-    """Drop tiles of more than MAX_TILE_ELEMENTS elements; keep the shortest ones if none fit."""
+def _prune_configs(configs, named_args, **kwargs):
+    """The shapes of the batch's bag-length class that fit MAX_TILE_ELEMENTS (the smallest if none)."""
+    if len(configs) == 1:
+        return configs
     block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    fitting = [c for c in configs if c.kwargs["BLOCK_L"] * block_d <= MAX_TILE_ELEMENTS]
-    if fitting:
-        return fitting
-    shortest = min(c.kwargs["BLOCK_L"] for c in configs)
-    return [c for c in configs if c.kwargs["BLOCK_L"] == shortest]
-
-
-@triton.jit
-def _weights_of_tier(
-    tier,  # int32 scalar: TIER_DEVICE, TIER_HOST or TIER_MANAGED
-    device_ptr,  # flat store of DEVICE tables
-    host_ptr,  # flat store of HOST tables (pinned host memory, read over the bus)
-    managed_ptr,  # flat store of MANAGED tables
-):
-    """The backing store of a tier (one scalar choice per program: a table lives in one tier)."""
-    store_ptr = device_ptr
-    if tier == _TIER_HOST:
-        store_ptr = host_ptr
-    if tier == _TIER_MANAGED:
-        store_ptr = managed_ptr
-    return store_ptr
-
-
-@triton.jit
-def _row_pointers(
-    positions,  # int64 [BLOCK_L]: lookup positions of the tile
-    in_tile,  # bool [BLOCK_L]: which positions are real lookups
-    indices_ptr,  # int64 [N]: row within its table of each lookup
-    slot_of_index_ptr,  # int32 [N]: slot holding the row, or -1
-    table_store_ptr,  # pointer to row 0 of the table in its backing store
-    dim,  # int32 scalar: embedding_dim of the table
-    cache_weights_ptr,  # [num_slots, cache_row_width] slot-cache rows
-    cache_weights_stride,  # elements between consecutive slots
-    USE_CACHE: tl.constexpr,  # False when there is no slot cache: skip the slot loads
-):
-    """Pointer to column 0 of the newest copy of each lookup's row: its slot, else its backing row."""
-    rows = tl.load(indices_ptr + positions, mask=in_tile, other=0)
-    # int64: row * dim passes 2^31 elements in large tables.
-    row_ptrs = table_store_ptr + rows.to(tl.int64) * dim
-    if USE_CACHE:
-        slots = tl.load(slot_of_index_ptr + positions, mask=in_tile, other=-1)
-        slot_ptrs = cache_weights_ptr + slots.to(tl.int64) * cache_weights_stride
-        row_ptrs = tl.where(slots >= 0, slot_ptrs, row_ptrs)
-    return row_ptrs
+    wanted = set(_SHAPES_BY_CLASS.get(named_args["bag_length_class"], _LONG_BAG_SHAPES))
+    chosen = [c for c in configs if (c.kwargs["BLOCK_B"], c.kwargs["BLOCK_L"], c.num_warps) in wanted]
+    fitting = [c for c in chosen if c.kwargs["BLOCK_B"] * c.kwargs["BLOCK_L"] * block_d <= MAX_TILE_ELEMENTS]
+    return fitting or [min(chosen, key=lambda c: c.kwargs["BLOCK_B"] * c.kwargs["BLOCK_L"])]
 
 
 @triton.autotune(
     configs=_forward_configs(),
-    key=["BLOCK_D", "POOLING", "HAS_PER_SAMPLE_WEIGHTS", "USE_CACHE"],
-    prune_configs_by={"early_config_prune": _prune_large_tiles},
+    key=["bag_length_class", "BLOCK_D", "POOLING", "HAS_PER_SAMPLE_WEIGHTS", "USE_CACHE", "ALIGN_BYTES"],
+    prune_configs_by={"early_config_prune": _prune_configs},
 )
-@triton.jit
+@triton.jit(do_not_specialize=["batch_size"])
 def _pooled_forward_kernel(
-    output_ptr,  # fp32 [B, total_dim] (sum, mean) or [N, output_width] (none)
+    output_ptr,  # fp32 [B, total_dim] (sum, mean) or [N, output_width] (none): out
     output_stride,  # elements between consecutive output rows
-    output_width,  # columns of an output row written for pooling none (zeros past the table's dim)
-    device_weights_ptr,  # flat weights of DEVICE tables
-    host_weights_ptr,  # flat weights of HOST tables
-    managed_weights_ptr,  # flat weights of MANAGED tables
-    cache_weights_ptr,  # [num_slots, cache_row_width] slot-cache rows, same dtype as the stores
-    cache_weights_stride,  # elements between consecutive slots
-    table_tier_ptr,  # int32 [T]: tier code of each table
-    table_weight_offset_ptr,  # int64 [T]: element offset of row 0 of each table in its tier's store
+    output_width,  # pooling none: columns of an output row (zeros past the table's dim)
+    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
+    table_weights_stride_ptr,  # int64 [T]: elements between consecutive rows of each table
     table_dim_ptr,  # int32 [T]: embedding_dim of each table
     table_output_offset_ptr,  # int32 [T]: first output column of each table
-    indices_ptr,  # int64 [N]: row within its table of each lookup
-    offsets_ptr,  # int64 [T*B+1]: bag t*B+b is lookups offsets[t*B+b] : offsets[t*B+b+1]
-    slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1
+    cache_weights_ptr,  # [num_slots, row_width] slot rows; its element type is every row's
+    cache_weights_stride,  # elements between consecutive slots
+    indices_ptr,  # int32/int64 [N]: row within its table of each lookup
+    offsets_ptr,  # int32/int64 [T*B+1]: bag t*B+b is lookups offsets[t*B+b] : offsets[t*B+b+1]
+    slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1 (read only if USE_CACHE)
     per_sample_weights_ptr,  # fp32 [N]: multiplies each row (read only if HAS_PER_SAMPLE_WEIGHTS)
-    batch_size,  # B: bags per table
+    batch_size,  # B: bags per table (not specialized: a last, smaller batch compiles nothing new)
+    bag_length_class,  # log2 of the mean bag length, 0..7: the autotuner's key, unused in the body
     POOLING: tl.constexpr,  # POOLING_SUM, POOLING_MEAN or POOLING_NONE; constexpr so the branches fold
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether rows are scaled by per-sample weights
     USE_CACHE: tl.constexpr,  # whether any slot exists (else every row comes from a backing store)
-    BLOCK_L: tl.constexpr,  # lookups loaded per tile
+    ALIGN: tl.constexpr,  # every row start, row stride and dim is a multiple of this many elements
+    ALIGN_BYTES: tl.constexpr,  # ALIGN in bytes
+    BLOCK_B: tl.constexpr,  # bags per program
+    BLOCK_L: tl.constexpr,  # lookups of each bag per step
     BLOCK_D: tl.constexpr,  # columns per tile: next power of two of the largest embedding_dim
 ):
-    bag = tl.program_id(0)
-    table = bag // batch_size
-    sample = bag - table * batch_size
-    tier = tl.load(table_tier_ptr + table)
-    dim = tl.load(table_dim_ptr + table)
-    table_store_ptr = _weights_of_tier(tier, device_weights_ptr, host_weights_ptr, managed_weights_ptr)
-    table_store_ptr += tl.load(table_weight_offset_ptr + table)
-    start = tl.load(offsets_ptr + bag)
-    end = tl.load(offsets_ptr + bag + 1)
-
+    table = tl.program_id(1)
+    element = cache_weights_ptr.dtype.element_ty
+    # The tile's rows are (bag, lane) pairs: BLOCK_L lookups of each of BLOCK_B bags per step.
+    _, _, starts, ends = bag_tile_bounds(offsets_ptr, table, batch_size, BLOCK_B, BLOCK_L)
+    lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
+    table_rows = table_row_zero(table_weights_address_ptr, table, element)
+    row_stride = tl.load(table_weights_stride_ptr + table)
+    # A multiple of the alignment (in elements), so masks stay constant across a vector.
+    dim = tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
     columns = tl.arange(0, BLOCK_D)
     in_row = columns < dim
-    # A 2-D accumulator: adding whole tiles keeps the cross-lookup reduction out of the loop.
-    accumulator = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_L):
-        positions = tile_start + tl.arange(0, BLOCK_L)
-        in_tile = positions < end
-        row_ptrs = _row_pointers(positions, in_tile, indices_ptr, slot_of_index_ptr, table_store_ptr, dim,
-                                 cache_weights_ptr, cache_weights_stride, USE_CACHE)
-        tile = tl.load(row_ptrs[:, None] + columns[None, :], mask=in_tile[:, None] & in_row[None, :],
+
+    accumulator = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    for step_start in range(0, tl.max(ends - starts, axis=0), BLOCK_L):
+        positions = starts + step_start + lanes  # int64 [BLOCK_B * BLOCK_L]
+        in_bag = positions < ends
+        rows = tl.load(indices_ptr + positions, mask=in_bag, other=0)
+        slots = tl.zeros_like(rows)
+        if USE_CACHE:
+            slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
+        pointers = row_pointers(table_rows, rows, row_stride, slots, cache_weights_ptr, cache_weights_stride,
+                                USE_CACHE, ALIGN_BYTES)
+        tile = tl.load(pointers[:, None] + columns[None, :], mask=in_bag[:, None] & in_row[None, :],
                        other=0.0).to(tl.float32)
         if HAS_PER_SAMPLE_WEIGHTS:
-            weights = tl.load(per_sample_weights_ptr + positions, mask=in_tile, other=0.0)
-            tile = tile * weights[:, None]
-        if POOLING == _POOLING_NONE:  # every lookup is its own output row
+            tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, None]
+        if POOLING == POOLING_NONE_CONSTEXPR:  # every lookup is its own output row
             # Columns past the table's dim are written as zeros, so no output element is left unset.
             out_ptrs = output_ptr + positions[:, None] * output_stride + columns[None, :]
-            tl.store(out_ptrs, tile, mask=in_tile[:, None] & (columns[None, :] < output_width))
+            tl.store(out_ptrs, tile, mask=in_bag[:, None] & (columns < output_width)[None, :])
         else:
-            accumulator += tile
+            accumulator += sum_lanes(tile, BLOCK_B, BLOCK_L, BLOCK_D)
 
-    if POOLING != _POOLING_NONE:
-        pooled = tl.sum(accumulator, axis=0)
-        if POOLING == _POOLING_MEAN:  # an empty bag stays all zeros
-            pooled = pooled / tl.maximum(end - start, 1).to(tl.float32)
-        out_ptrs = (output_ptr + sample.to(tl.int64) * output_stride
-                    + tl.load(table_output_offset_ptr + table) + columns)
-        tl.store(out_ptrs, pooled, mask=in_row)
-
-
-def launch_stores(stores: RowStores) -> dict[str, torch.Tensor]:
-    """Weights and state tensors of ``stores``, ready to pass to a kernel.
-
-    Triton types a pointer by its tensor's dtype, and the kernels pick one of the three backing
-    stores with a scalar ``if``: all four weight tensors must share one dtype. Empty stores (a tier
-    no table uses) may be built with any dtype; they are replaced by empty tensors of the weights'
-    dtype. Returns ``device_weights, host_weights, managed_weights, cache_weights`` (weights dtype)
-    and ``device_state, host_state, managed_state, cache_state`` (fp32).
-    """
-    weight_names = ("device_weights", "host_weights", "managed_weights", "cache_weights")
-    state_names = ("device_state", "host_state", "managed_state", "cache_state")
-    dtypes = {getattr(stores, name).dtype for name in weight_names if getattr(stores, name).numel() > 0}
-    if len(dtypes) > 1:
-        raise TypeError(f"all weight stores must share one dtype, got {sorted(map(str, dtypes))}")
-    weights_dtype = dtypes.pop() if dtypes else stores.device_weights.dtype
-    if weights_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"weights must be float32, float16 or bfloat16, got {weights_dtype}")
-    tensors = {}
-    for name in weight_names + state_names:
-        tensor = getattr(stores, name)
-        dtype = weights_dtype if name in weight_names else torch.float32
-        if tensor.numel() == 0:
-            tensor = torch.empty((0,) * tensor.dim(), dtype=dtype, device=tensor.device)
-        elif tensor.dtype != dtype:
-            raise TypeError(f"RowStores.{name} must be {dtype}, got {tensor.dtype}")
-        tensors[name] = tensor
-    for name in ("cache_weights", "cache_state"):
-        if tensors[name].dim() != 2 or (tensors[name].numel() > 0 and tensors[name].stride(1) != 1):
-            raise ValueError(f"RowStores.{name} must be 2-D with contiguous rows")
-    return tensors
+    if POOLING != POOLING_NONE_CONSTEXPR:
+        bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        if POOLING == POOLING_MEAN_CONSTEXPR:  # an empty bag stays all zeros
+            bag_ids = table.to(tl.int64) * batch_size + bags
+            lengths = (tl.load(offsets_ptr + bag_ids + 1, mask=bags < batch_size, other=1)
+                       - tl.load(offsets_ptr + bag_ids, mask=bags < batch_size, other=0))
+            accumulator = accumulator / tl.maximum(lengths, 1).to(tl.float32)[:, None]
+        out_ptrs = (output_ptr + bags[:, None].to(tl.int64) * output_stride
+                    + tl.multiple_of(tl.load(table_output_offset_ptr + table), ALIGN) + columns[None, :])
+        tl.store(out_ptrs, accumulator, mask=(bags < batch_size)[:, None] & in_row[None, :])
 
 
-def check_lookups(stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor) -> None:
-    """Shape and dtype checks that need no device synchronization (values are the caller's job)."""
-    num_lookups = lookups.num_lookups
-    num_bags = stores.num_tables * lookups.batch_size
-    if lookups.offsets.numel() != num_bags + 1:
-        raise ValueError(f"offsets must have T*B+1 = {num_bags + 1} entries, got {lookups.offsets.numel()}")
-    for name in ("indices", "offsets", "bag_of_index", "global_rows"):
-        tensor = getattr(lookups, name)
-        if tensor.dtype != torch.int64 or tensor.dim() != 1:
-            raise TypeError(f"Lookups.{name} must be a 1-D int64 tensor, got {tensor.dtype} {tuple(tensor.shape)}")
-    if lookups.per_sample_weights is not None and (
-        lookups.per_sample_weights.dtype != torch.float32 or lookups.per_sample_weights.shape != (num_lookups,)
-    ):
-        raise TypeError(f"per_sample_weights must be fp32 [{num_lookups}]")
-    if slot_of_index.dtype != torch.int32 or slot_of_index.shape != (num_lookups,):
-        raise TypeError(f"slot_of_index must be int32 [{num_lookups}], got {slot_of_index.dtype} "
-                        f"{tuple(slot_of_index.shape)}")
-
-
-def pooled_forward(stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor, pooling: str) -> torch.Tensor:
+def pooled_forward(
+    stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None, pooling: str
+) -> torch.Tensor:
     """Pool the rows of every bag of every table in one launch.
 
     Args:
-        stores: the rows (backing stores and slot cache), see ``kernels/rows.py``.
-        lookups: ``N`` lookups in ``T * B`` bags (table-major offsets).
-        slot_of_index: int32 [N]: slot of ``stores.cache_weights`` holding each lookup's row, or -1 to
-            read the row from its table's backing store.
+        stores: the rows (every table's backing rows and the slot cache), see ``kernels/rows.py``.
+        lookups: ``N`` lookups in ``T * B`` bags (table-major offsets), int32 or int64.
+        slot_of_index: int32 [N]: slot of ``stores.cache_weights`` holding each lookup's row, or -1
+            to read the row from its table's backing store; ``None``: no lookup has a slot.
         pooling: ``"sum"``, ``"mean"`` (an empty bag gives zeros) or ``"none"``.
 
     Returns:
         fp32 ``[B, stores.total_dim]`` for sum and mean: table ``t``'s bag ``b`` at columns
-        ``table_output_offset[t] : + table_dim[t]``. For ``"none"``: fp32 ``[N, stores.max_dim]``,
-        row ``i`` the (per-sample weighted) row of lookup ``i``; the caller makes every dim equal
-        (columns past a smaller table's dim would be zeros).
+        ``table_output_offset[t] : + dim_t``. For ``"none"``: fp32 ``[N, stores.max_dim]``, row
+        ``i`` the (per-sample weighted) row of lookup ``i`` (zeros past a smaller table's dim).
     """
     mode = pooling_code(pooling)
     check_lookups(stores, lookups, slot_of_index)
-    tensors = launch_stores(stores)
     device = lookups.indices.device
-    batch_size = lookups.batch_size
-    num_bags = stores.num_tables * batch_size
+    batch_size, num_tables = lookups.batch_size, stores.num_tables
     if mode == POOLING_NONE:
         output = torch.empty(lookups.num_lookups, stores.max_dim, dtype=torch.float32, device=device)
     else:
         output = torch.empty(batch_size, stores.total_dim, dtype=torch.float32, device=device)
-    if num_bags == 0 or output.numel() == 0:
+    if batch_size == 0 or output.numel() == 0:
         return output
+    use_cache = slot_of_index is not None and stores.uses_cache
     per_sample_weights = lookups.per_sample_weights
-    _pooled_forward_kernel[(num_bags,)](
+    element_bytes = stores.weights_dtype.itemsize
+
+    def grid(meta):
+        return triton.cdiv(batch_size, meta["BLOCK_B"]), num_tables
+
+    _pooled_forward_kernel[grid](
         output, output.stride(0), output.shape[1],
-        tensors["device_weights"], tensors["host_weights"], tensors["managed_weights"],
-        tensors["cache_weights"], tensors["cache_weights"].stride(0),
-        stores.table_tier, stores.table_weight_offset, stores.table_dim, stores.table_output_offset,
-        lookups.indices.contiguous(), lookups.offsets.contiguous(), slot_of_index.contiguous(),
-        per_sample_weights.contiguous() if per_sample_weights is not None else output,
-        batch_size,
+        stores.table_weights_address, stores.table_weights_stride, stores.table_dim, stores.table_output_offset,
+        stores.cache_weights, stores.cache_weights.stride(0),
+        lookups.indices, lookups.offsets, slot_of_index if use_cache else lookups.indices,
+        per_sample_weights if per_sample_weights is not None else output,
+        batch_size, bag_length_class(lookups.num_lookups, num_tables * batch_size),
         POOLING=mode,
         HAS_PER_SAMPLE_WEIGHTS=per_sample_weights is not None,
-        USE_CACHE=tensors["cache_weights"].shape[0] > 0,
+        USE_CACHE=use_cache,
+        ALIGN=stores.alignment,
+        ALIGN_BYTES=stores.alignment * element_bytes,
         BLOCK_D=triton.next_power_of_2(stores.max_dim),
     )
     return output

@@ -1,74 +1,204 @@
-"""The tensors the TBE kernels read rows from and update rows in.
+"""The tensors the TBE kernels read rows from and update rows in: one table of row stores.
 
-The kernels know nothing of caching policy: they receive the backing stores of every tier,
-the slot-cache rows, and a slot per lookup (``slot_of_index``; -1 means "read and update the
-backing store directly"). Without a cache every slot is -1.
+The kernels know nothing of tiers or caching policy. They receive, per table, the address of
+row 0 of its weights and of its optimizer state, wherever those live (HBM, pinned host memory,
+managed memory: any memory the GPU addresses), the slot-cache rows, and a slot per lookup
+(``slot_of_index``; -1 means "read and update the table's backing store directly"). A new
+GPU-addressable tier is therefore only a new way to allocate a table's rows: the kernels, the
+references and :class:`RowStores` stay as they are.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
 
-# Codes of ``RowStores.table_tier``.
-TIER_DEVICE = 0
-TIER_HOST = 1
-TIER_MANAGED = 2
+# Weights dtypes the kernels take; the plain-torch references also take float64.
+WEIGHTS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_REFERENCE_DTYPES = (*WEIGHTS_DTYPES, torch.float64)
 
 
-class RowStores(NamedTuple):
+@dataclass(frozen=True, eq=False)
+class RowStores:
     """Every row of every table of one module, and the optimizer state beside it.
 
-    Row ``r`` of table ``t`` is, in its backing store,
-    ``weights[tier][table_weight_offset[t] + r * table_dim[t] + c]`` for column ``c``; its
-    optimizer state (``state_width`` fp32 values, see ``state_width_of``) is
-    ``state[tier][table_state_offset[t] + r * state_width + j]``. While the row sits in slot
-    ``s`` of the cache, the newest copy is ``cache_weights[s, c]`` and ``cache_state[s, j]``.
-    All offsets are element offsets (int64: addresses of large tables pass 2^31).
+    Row ``r`` of table ``t`` is ``table_weights[t][r]`` (``[num_rows_t, dim_t]``, rows of
+    contiguous elements) and its optimizer state ``table_state[t][r]`` (fp32
+    ``[num_rows_t, width]``, or ``None`` when the optimizer keeps none). While the row sits in
+    slot ``s`` of the cache, its newest copy is ``cache_weights[s, :dim_t]`` and
+    ``cache_state[s, :width]``. All weights share one dtype (fp32, fp16 or bf16).
+
+    The kernels read the derived per-table tensors (built here once, on the cache's device):
+    ``table_weights_address`` / ``table_state_address`` (int64 [T], byte addresses of row 0),
+    ``table_weights_stride`` / ``table_state_stride`` (int64 [T], elements between rows),
+    ``table_dim`` (int32 [T]), ``table_output_offset`` (int32 [T]: first column of table ``t``
+    in a pooled output row) and ``table_row_offset`` (int64 [T]: global row id of row 0; all
+    tables share one global row id space).
     """
 
-    device_weights: torch.Tensor  # flat, weights dtype: rows of DEVICE tables (numel 0 if none)
-    host_weights: torch.Tensor  # flat, weights dtype: pinned host rows (HOST, HOST_CACHED)
-    managed_weights: torch.Tensor  # flat, weights dtype: managed rows (MANAGED, MANAGED_CACHED)
-    device_state: torch.Tensor  # flat fp32 optimizer state of DEVICE tables
-    host_state: torch.Tensor  # flat fp32 optimizer state of host tables
-    managed_state: torch.Tensor  # flat fp32 optimizer state of managed tables
-    table_tier: torch.Tensor  # int32 [T]: TIER_DEVICE, TIER_HOST or TIER_MANAGED
-    table_weight_offset: torch.Tensor  # int64 [T]: element offset of row 0 in its tier's weights
-    table_state_offset: torch.Tensor  # int64 [T]: element offset of row 0 in its tier's state
-    table_dim: torch.Tensor  # int32 [T]: embedding_dim
-    table_output_offset: torch.Tensor  # int32 [T]: first column of table t in a pooled output row
-    cache_weights: torch.Tensor  # [num_slots, cache_row_width] weights dtype ([0, 1] without cache)
-    cache_state: torch.Tensor  # [num_slots, cache_state_width] fp32 ([0, 1] without state)
-    max_dim: int  # largest embedding_dim
-    total_dim: int  # sum of embedding_dim: width of a pooled output row
-    num_rows: int | None = None  # global rows of all tables (lets sorts use int32 keys); None: unknown
+    table_weights: tuple[torch.Tensor, ...]
+    table_state: tuple[torch.Tensor | None, ...]
+    cache_weights: torch.Tensor  # [num_slots, row_width] weights dtype ([0, 1] without a cache)
+    cache_state: torch.Tensor  # fp32 [num_slots, state_width] ([0, 1] without state)
+    table_weights_address: torch.Tensor = field(init=False)
+    table_state_address: torch.Tensor = field(init=False)
+    table_weights_stride: torch.Tensor = field(init=False)
+    table_state_stride: torch.Tensor = field(init=False)
+    table_dim: torch.Tensor = field(init=False)
+    table_output_offset: torch.Tensor = field(init=False)
+    table_row_offset: torch.Tensor = field(init=False)
+    dims: tuple[int, ...] = field(init=False)  # embedding_dim of each table, on the host
+    row_offsets: tuple[int, ...] = field(init=False)  # global row id of row 0 of each table
+    num_rows: int = field(init=False)  # global rows of all tables (sorts use int32 keys below 2^31)
+    alignment: int = field(init=False)  # elements that every weights row start and dim is a multiple of
+    state_alignment: int = field(init=False)  # fp32 values that every state row start is a multiple of
+
+    def __post_init__(self):
+        if not self.table_weights or len(self.table_weights) != len(self.table_state):
+            raise ValueError("RowStores needs one weights tensor and one state entry (or None) per table")
+        dtype = self.table_weights[0].dtype
+        if dtype not in _REFERENCE_DTYPES:
+            raise TypeError(f"weights must be float32, float16 or bfloat16, got {dtype}")
+        device = self.cache_weights.device
+        for t, (weights, state) in enumerate(zip(self.table_weights, self.table_state)):
+            if weights.dtype != dtype:
+                raise TypeError(f"table {t}: all weight stores must share one dtype, got {weights.dtype} and {dtype}")
+            if weights.dim() != 2 or weights.shape[0] < 1 or (weights.shape[1] > 1 and weights.stride(1) != 1):
+                raise ValueError(f"table {t}: weights must be [num_rows >= 1, dim] with contiguous rows")
+            if state is not None and (state.dtype != torch.float32 or state.dim() != 2
+                                      or state.shape[0] != weights.shape[0]
+                                      or (state.shape[1] > 1 and state.stride(1) != 1)):
+                raise ValueError(f"table {t}: state must be fp32 [{weights.shape[0]}, width] with contiguous rows")
+        if self.cache_weights.dtype != dtype or self.cache_weights.dim() != 2:
+            raise TypeError(f"cache_weights must be 2-D {dtype}, got {self.cache_weights.dtype} "
+                            f"{tuple(self.cache_weights.shape)}")
+        if self.cache_state.dtype != torch.float32 or self.cache_state.dim() != 2:
+            raise TypeError("cache_state must be 2-D fp32")
+        for name in ("cache_weights", "cache_state"):
+            tensor = getattr(self, name)
+            if tensor.numel() > 0 and tensor.shape[1] > 1 and tensor.stride(1) != 1:
+                raise ValueError(f"RowStores.{name} must have contiguous rows")
+
+        dims = tuple(int(w.shape[1]) for w in self.table_weights)
+        row_offsets, total = [], 0
+        for weights in self.table_weights:
+            row_offsets.append(total)
+            total += int(weights.shape[0])
+        element = self.table_weights[0].element_size()
+
+        def address(tensor):
+            return 0 if tensor is None else tensor.data_ptr()
+
+        def stride(tensor):
+            return 0 if tensor is None else int(tensor.stride(0))
+
+        # Vector loads need every row start 16-byte aligned: the largest power of two of elements
+        # (at most 16 bytes) dividing every address, row stride and dim the kernels use.
+        def alignment_of(tensors, cache, element_size):
+            present = [t for t in tensors if t is not None]
+            if any(t.data_ptr() % element_size for t in present):
+                return 1
+            quantities = [t.data_ptr() // element_size for t in present] + [stride(t) for t in present]
+            if cache.shape[0] > 0:
+                quantities += [cache.data_ptr() // element_size, cache.stride(0)]
+            return math.gcd(*quantities, 16 // element_size)
+
+        alignment = math.gcd(alignment_of(self.table_weights, self.cache_weights, element), *dims)
+        state_alignment = alignment_of(self.table_state, self.cache_state, 4)
+        on = dict(device=device)
+        values = {
+            "table_weights_address": torch.tensor([address(w) for w in self.table_weights], dtype=torch.int64, **on),
+            "table_state_address": torch.tensor([address(s) for s in self.table_state], dtype=torch.int64, **on),
+            "table_weights_stride": torch.tensor([stride(w) for w in self.table_weights], dtype=torch.int64, **on),
+            "table_state_stride": torch.tensor([stride(s) for s in self.table_state], dtype=torch.int64, **on),
+            "table_dim": torch.tensor(dims, dtype=torch.int32, **on),
+            "table_output_offset": torch.tensor([sum(dims[:t]) for t in range(len(dims))], dtype=torch.int32, **on),
+            "table_row_offset": torch.tensor(row_offsets, dtype=torch.int64, **on),
+            "dims": dims, "row_offsets": tuple(row_offsets), "num_rows": total, "alignment": alignment,
+            "state_alignment": state_alignment,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     @property
     def num_tables(self) -> int:
-        return self.table_dim.numel()
+        return len(self.table_weights)
+
+    @property
+    def max_dim(self) -> int:
+        return max(self.dims)
+
+    @property
+    def total_dim(self) -> int:
+        """Width of a pooled output row: the sum of the dims."""
+        return sum(self.dims)
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        return self.table_weights[0].dtype
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.cache_weights.shape[0] > 0
+
+    def replace(self, **changes) -> RowStores:
+        """A copy with some of ``table_weights, table_state, cache_weights, cache_state`` replaced."""
+        return replace(self, **changes)
+
+    def clone(self) -> RowStores:
+        """Deep copy of every row and state value (tests, benchmarks)."""
+        return RowStores(tuple(w.clone() for w in self.table_weights),
+                         tuple(None if s is None else s.clone() for s in self.table_state),
+                         self.cache_weights.clone(), self.cache_state.clone())
+
+
+def no_cache(dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cache_weights, cache_state)`` of a module without a slot cache: empty ``[0, 1]`` tensors."""
+    return (torch.empty(0, 1, dtype=dtype, device=device), torch.empty(0, 1, dtype=torch.float32, device=device))
 
 
 class Lookups(NamedTuple):
-    """One batch in FBGEMM's TBE layout, with the per-lookup facts the kernels need.
+    """One batch in FBGEMM's TBE layout.
 
     ``N`` lookups into ``T`` tables of ``B`` bags each; bag ``t * B + b`` is
-    ``indices[offsets[t*B+b] : offsets[t*B+b+1]]`` (table-major).
+    ``indices[offsets[t*B+b] : offsets[t*B+b+1]]`` (table-major). ``indices`` and ``offsets``
+    may be int32 or int64 (the kernels read either). ``global_rows`` (int64 [N]) and
+    ``bag_of_index`` (int32 [N]) may come along when the caller computed them already (the
+    cache's prefetch needs them); else the backward computes them (``kernels/linearize.py``).
     """
 
-    indices: torch.Tensor  # int64 [N]: row within its table
-    offsets: torch.Tensor  # int64 [T*B+1]: non-decreasing, offsets[0] == 0, offsets[-1] == N
-    bag_of_index: torch.Tensor  # int64 [N]: t*B + b of the bag holding each lookup
-    global_rows: torch.Tensor  # int64 [N]: row_offset[t] + indices, one id space for all tables
-    per_sample_weights: torch.Tensor | None  # fp32 [N] or None
+    indices: torch.Tensor  # int32 / int64 [N]: row within its table
+    offsets: torch.Tensor  # int32 / int64 [T*B+1]: non-decreasing, offsets[0] == 0, offsets[-1] == N
     batch_size: int  # B
+    per_sample_weights: torch.Tensor | None = None  # fp32 [N] or None
+    global_rows: torch.Tensor | None = None  # int64 [N]: table_row_offset[t] + indices
+    bag_of_index: torch.Tensor | None = None  # int32 [N]: t*B + b of the bag holding each lookup
 
     @property
     def num_lookups(self) -> int:
         return self.indices.numel()
 
 
-def state_width_of(optimizer_kind: int, dim: int) -> int:
-    """fp32 optimizer-state values per row: SGD 0, row-wise Adagrad 1, Adam 2 * dim (m, v)."""
-    return (0, 0, 1, 2 * dim)[int(optimizer_kind)]
+def check_lookups(stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None) -> None:
+    """Shape and dtype checks that need no device synchronization (values are the caller's job)."""
+    if stores.weights_dtype not in WEIGHTS_DTYPES:
+        raise TypeError(f"the kernels take float32, float16 or bfloat16 weights, got {stores.weights_dtype}")
+    num_lookups = lookups.num_lookups
+    num_bags = stores.num_tables * lookups.batch_size
+    if lookups.offsets.numel() != num_bags + 1:
+        raise ValueError(f"offsets must have T*B+1 = {num_bags + 1} entries, got {lookups.offsets.numel()}")
+    for name in ("indices", "offsets"):
+        tensor = getattr(lookups, name)
+        if tensor.dtype not in (torch.int32, torch.int64) or tensor.dim() != 1:
+            raise TypeError(f"Lookups.{name} must be a 1-D int32 or int64 tensor, got {tensor.dtype} "
+                            f"{tuple(tensor.shape)}")
+    if lookups.per_sample_weights is not None and (
+        lookups.per_sample_weights.dtype != torch.float32 or lookups.per_sample_weights.shape != (num_lookups,)
+    ):
+        raise TypeError(f"per_sample_weights must be fp32 [{num_lookups}]")
+    if slot_of_index is not None and (slot_of_index.dtype != torch.int32 or slot_of_index.shape != (num_lookups,)):
+        raise TypeError(f"slot_of_index must be int32 [{num_lookups}], got {slot_of_index.dtype} "
+                        f"{tuple(slot_of_index.shape)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tiered_tbe import SGD, Adam, RowwiseAdagrad
+from tiered_tbe.optimizers import LAMB, SGD, Adagrad, Adam, PartialRowwiseAdam, RowwiseAdagrad
 
 
 class ReferenceBags:
@@ -17,8 +17,12 @@ class ReferenceBags:
         if isinstance(optimizer, RowwiseAdagrad):
             self.state = [torch.full((w.shape[0],), optimizer.initial_accumulator_value, dtype=torch.float64)
                           for w in self.weights]
-        elif isinstance(optimizer, Adam):
+        elif isinstance(optimizer, Adagrad):
+            self.state = [torch.full_like(w, optimizer.initial_accumulator_value) for w in self.weights]
+        elif isinstance(optimizer, (Adam, LAMB)):
             self.state = [(torch.zeros_like(w), torch.zeros_like(w)) for w in self.weights]
+        elif isinstance(optimizer, PartialRowwiseAdam):
+            self.state = [(torch.zeros_like(w), torch.zeros(w.shape[0], dtype=torch.float64)) for w in self.weights]
 
     def _bags(self, indices, offsets):
         num_tables = len(self.weights)
@@ -90,3 +94,27 @@ class ReferenceBags:
                 m_hat = m[rows] / (1 - b1**self.step)
                 v_hat = v[rows] / (1 - b2**self.step)
                 w[rows] -= opt.lr * (m_hat / (v_hat.sqrt() + opt.eps) + opt.weight_decay * w[rows])
+            elif isinstance(opt, Adagrad):
+                s = self.state[t]
+                s[rows] += g * g
+                w[rows] -= opt.lr * g / (s[rows].sqrt() + opt.eps)
+            elif isinstance(opt, PartialRowwiseAdam):
+                m, v = self.state[t]
+                b1, b2 = opt.betas
+                m[rows] = b1 * m[rows] + (1 - b1) * g
+                v[rows] = b2 * v[rows] + (1 - b2) * (g * g).mean(1)
+                m_hat = m[rows] / (1 - b1**self.step)
+                v_hat = v[rows] / (1 - b2**self.step)
+                w[rows] -= opt.lr * (m_hat / (v_hat.sqrt() + opt.eps)[:, None] + opt.weight_decay * w[rows])
+            elif isinstance(opt, LAMB):
+                m, v = self.state[t]
+                b1, b2 = opt.betas
+                m[rows] = b1 * m[rows] + (1 - b1) * g
+                v[rows] = b2 * v[rows] + (1 - b2) * g * g
+                r = (m[rows] / (1 - b1**self.step)) / ((v[rows] / (1 - b2**self.step)).sqrt() + opt.eps)
+                r = r + opt.weight_decay * w[rows]
+                r_norm = r.norm(dim=1, keepdim=True)
+                ratio = torch.where(r_norm > 0, w[rows].norm(dim=1, keepdim=True) / r_norm, torch.zeros_like(r_norm))
+                w[rows] -= opt.lr * ratio * r
+            else:
+                raise TypeError(f"the reference model has no {type(opt).__name__}")

@@ -1,10 +1,10 @@
 """Triton kernels (kernels/forward.py, kernels/backward.py) against the float64 references.
 
-Every check draws fresh random inputs: several tables with different dims (1, 3, 17, 33) and
-tiers, tables of one row, empty bags, rows repeated in a bag and across bags, per-sample weights,
-rows in a small slot cache beside rows read from backing stores. Outputs the kernels allocate
-start as NaN (``poison_empty``), so an element no program writes shows up. In CPU simulation
-the Triton interpreter runs everything: sizes stay small.
+Every check draws fresh random inputs: several tables with different dims (1, 3, 17, 33), tables
+of one row, empty bags, rows repeated in a bag and across bags, per-sample weights, rows in a
+small slot cache beside rows read from backing stores. Outputs the kernels allocate start as
+NaN (``poison_empty``), so an element no program writes shows up. In CPU simulation the Triton
+interpreter runs everything: sizes stay small.
 """
 
 from __future__ import annotations
@@ -16,21 +16,31 @@ import torch
 
 from tiered_tbe.kernels import backward as backward_module
 from tiered_tbe.kernels import forward as forward_module
-from tiered_tbe.kernels.backward import backward_update, per_sample_weights_grad
+from tiered_tbe.kernels.backward import BackwardConfig, backward_update, per_sample_weights_grad, sort_lookups
 from tiered_tbe.kernels.forward import pooled_forward
+from tiered_tbe.kernels.optimizers import LAMB, OPTIMIZERS, SGD, Adagrad, Adam, PartialRowwiseAdam, RowwiseAdagrad
 from tiered_tbe.kernels.reference import (
     reference_backward_update,
     reference_forward,
     reference_per_sample_weights_grad,
 )
-from tiered_tbe.kernels.rows import TIER_DEVICE, TIER_HOST, TIER_MANAGED, Lookups, RowStores, state_width_of
-from tiered_tbe.optimizers import OptimizerKind
+from tiered_tbe.kernels.rows import Lookups, RowStores, no_cache
 
-SGD, ADAGRAD, ADAM = OptimizerKind.SGD, OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ADAM
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # One unit in the last place at 1.0 of each weights dtype: the tolerance of a row rounded once.
 ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 UNPOISONED_EMPTY = torch.empty  # for buffers the test itself must leave untouched
+# Every registered optimizer with hyper-parameters that make each term matter.
+ALL_OPTIMIZERS = {
+    "sgd": SGD(lr=0.05),
+    "rowwise_adagrad": RowwiseAdagrad(lr=0.05, eps=1e-3),
+    "adagrad": Adagrad(lr=0.05, eps=1e-3),
+    "adam": Adam(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.01),
+    "partial_rowwise_adam": PartialRowwiseAdam(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.01),
+    "lamb": LAMB(lr=0.05, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.01),
+}
+assert set(ALL_OPTIMIZERS) == set(OPTIMIZERS), "a registered optimizer has no kernel test"
+STEP = 3
 
 
 @pytest.fixture(autouse=True)
@@ -53,57 +63,28 @@ def poison_empty(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-def make_stores(dims, num_rows, tiers, dtype, optimizer_kind, num_slots, device) -> RowStores:
-    """Random rows (and positive optimizer state) for tables of ``dims`` x ``num_rows`` in ``tiers``."""
-    weight_sizes = {TIER_DEVICE: 0, TIER_HOST: 0, TIER_MANAGED: 0}
-    state_sizes = dict(weight_sizes)
-    weight_offsets, state_offsets, output_offsets = [], [], []
-    for dim, rows, tier in zip(dims, num_rows, tiers):
-        weight_offsets.append(weight_sizes[tier])
-        state_offsets.append(state_sizes[tier])
-        output_offsets.append(sum(output_offsets[-1:]) + (dims[len(output_offsets) - 1] if output_offsets else 0))
-        weight_sizes[tier] += rows * dim
-        state_sizes[tier] += rows * state_width_of(optimizer_kind, dim)
+def make_stores(dims, num_rows, dtype, optimizer, num_slots, device) -> RowStores:
+    """Random rows (and positive optimizer state) for tables of ``dims`` x ``num_rows``.
 
-    def weights(size):
-        return torch.randn(size, device=device).to(dtype)
-
-    def state(size):  # Adagrad sums and Adam's v must be >= 0; m may be anything, positive is fine
-        return torch.rand(size, device=device) * 0.1
-
-    max_dim = max(dims)
-    cache_state_width = max(1, state_width_of(optimizer_kind, max_dim))
-    return RowStores(
-        device_weights=weights(weight_sizes[TIER_DEVICE]),
-        host_weights=weights(weight_sizes[TIER_HOST]),
-        managed_weights=weights(weight_sizes[TIER_MANAGED]),
-        device_state=state(state_sizes[TIER_DEVICE]),
-        host_state=state(state_sizes[TIER_HOST]),
-        managed_state=state(state_sizes[TIER_MANAGED]),
-        table_tier=torch.tensor(tiers, dtype=torch.int32, device=device),
-        table_weight_offset=torch.tensor(weight_offsets, dtype=torch.int64, device=device),
-        table_state_offset=torch.tensor(state_offsets, dtype=torch.int64, device=device),
-        table_dim=torch.tensor(dims, dtype=torch.int32, device=device),
-        table_output_offset=torch.tensor(output_offsets, dtype=torch.int32, device=device),
-        cache_weights=torch.randn(num_slots, max_dim, device=device).to(dtype),
-        cache_state=torch.rand(num_slots, cache_state_width, device=device) * 0.1,
-        max_dim=max_dim,
-        total_dim=sum(dims),
-    )
+    The tables live in one flat buffer each for weights and state, as the module lays them
+    out, so the kernels' per-table addresses point into shared allocations."""
+    weights_flat = torch.randn(sum(r * d for r, d in zip(num_rows, dims)), device=device).to(dtype)
+    widths = [optimizer.state_width(d) if optimizer is not None else 0 for d in dims]
+    # Adagrad sums and second moments must be >= 0; first moments may be anything, positive is fine.
+    state_flat = torch.rand(sum(r * w for r, w in zip(num_rows, widths)), device=device) * 0.1
+    weights, states, w_at, s_at = [], [], 0, 0
+    for rows, dim, width in zip(num_rows, dims, widths):
+        weights.append(weights_flat[w_at : w_at + rows * dim].view(rows, dim))
+        states.append(state_flat[s_at : s_at + rows * width].view(rows, width) if width else None)
+        w_at, s_at = w_at + rows * dim, s_at + rows * width
+    cache_width = max(1, max(widths))
+    cache_weights = torch.randn(num_slots, max(dims), device=device).to(dtype)
+    cache_state = torch.rand(num_slots, cache_width, device=device) * 0.1
+    return RowStores(tuple(weights), tuple(states), cache_weights, cache_state)
 
 
-def make_batch(
-    dims=(3, 17, 33, 1),
-    num_rows=(7, 1, 40, 5),
-    tiers=(TIER_DEVICE, TIER_HOST, TIER_MANAGED, TIER_DEVICE),
-    batch_size=5,
-    max_bag=6,
-    dtype=torch.float32,
-    optimizer_kind=SGD,
-    weighted=False,
-    num_slots=8,
-    device="cpu",
-):
+def make_batch(dims=(3, 17, 33, 1), num_rows=(7, 1, 40, 5), batch_size=5, max_bag=6, dtype=torch.float32,
+               optimizer=None, weighted=False, num_slots=8, index_dtype=torch.int64, device="cpu"):
     """``(stores, lookups, slot_of_index)``: a random batch over random tables.
 
     Every fourth bag is empty; half the lookups hit one of a table's first three rows, so rows
@@ -111,7 +92,7 @@ def make_batch(
     where their (newer) copy differs from the backing store's.
     """
     num_tables = len(dims)
-    stores = make_stores(dims, num_rows, tiers, dtype, optimizer_kind, num_slots, device)
+    stores = make_stores(dims, num_rows, dtype, optimizer, num_slots, device)
     lengths = torch.randint(0, max_bag + 1, (num_tables * batch_size,), device=device)
     lengths[::4] = 0
     offsets = torch.zeros(num_tables * batch_size + 1, dtype=torch.int64, device=device)
@@ -123,11 +104,9 @@ def make_batch(
     uniform = (torch.rand(num_lookups, device=device) * rows_of_table).long()
     hot = (torch.rand(num_lookups, device=device) * rows_of_table.clamp(max=3)).long()
     indices = torch.where(torch.rand(num_lookups, device=device) < 0.5, hot, uniform)
-    row_offset = torch.zeros(num_tables, dtype=torch.int64, device=device)
-    row_offset[1:] = torch.cumsum(torch.tensor(num_rows, device=device), 0)[:-1]
-    global_rows = row_offset[table_of_index] + indices
+    global_rows = stores.table_row_offset[table_of_index] + indices
     per_sample_weights = torch.rand(num_lookups, device=device) + 0.5 if weighted else None
-    lookups = Lookups(indices, offsets, bag_of_index, global_rows, per_sample_weights, batch_size)
+    lookups = Lookups(indices.to(index_dtype), offsets.to(index_dtype), batch_size, per_sample_weights)
 
     used_rows = torch.unique(global_rows)
     cached_rows = used_rows[torch.randperm(used_rows.numel(), device=device)[: min(num_slots, used_rows.numel() // 2)]]
@@ -137,19 +116,18 @@ def make_batch(
     return stores, lookups, slot_of_index
 
 
-def clone_stores(stores: RowStores) -> RowStores:
-    return RowStores(*(value.clone() if isinstance(value, torch.Tensor) else value for value in stores))
-
-
 def assert_stores_close(actual: RowStores, expected: RowStores, dtype: torch.dtype) -> None:
     """Every weight (rounded once in ``dtype``) and state value of the two stores agree."""
-    for name in ("device_weights", "host_weights", "managed_weights", "cache_weights"):
-        rtol = 2 * ULP[dtype] if dtype != torch.float32 else 1e-5
-        torch.testing.assert_close(getattr(actual, name).float().cpu(), getattr(expected, name).float().cpu(),
-                                   rtol=rtol, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-    for name in ("device_state", "host_state", "managed_state", "cache_state"):
-        torch.testing.assert_close(getattr(actual, name).cpu(), getattr(expected, name).cpu(),
-                                   rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    rtol = 2 * ULP[dtype] if dtype != torch.float32 else 1e-5
+    pairs = [(f"table {t} weights", a, e) for t, (a, e) in enumerate(zip(actual.table_weights, expected.table_weights))]
+    pairs.append(("cache_weights", actual.cache_weights, expected.cache_weights))
+    for name, a, e in pairs:
+        torch.testing.assert_close(a.float().cpu(), e.float().cpu(), rtol=rtol, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    states = [(f"table {t} state", a, e) for t, (a, e) in enumerate(zip(actual.table_state, expected.table_state))
+              if a is not None]
+    for name, a, e in states + [("cache_state", actual.cache_state, expected.cache_state)]:
+        torch.testing.assert_close(a.cpu(), e.cpu(), rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,10 +149,28 @@ def test_pooled_forward_matches_reference(pooling, weighted, dtype, device):
     torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bag_size", [1, 3, 8])
+def test_pooled_forward_fixed_bag_sizes_and_int32_inputs(bag_size, device):
+    """Bags of one lookup (many bags a tile), and longer fixed bags; int32 indices and offsets
+    are read as they are."""
+    dims, num_rows, batch_size = (8, 5), (30, 2), 7
+    stores = make_stores(dims, num_rows, torch.float32, None, 0, device)
+    stores = stores.replace(**dict(zip(("cache_weights", "cache_state"), no_cache(torch.float32, device))))
+    num_lookups = len(dims) * batch_size * bag_size
+    tables = torch.arange(len(dims), device=device).repeat_interleave(batch_size * bag_size)
+    indices = (torch.rand(num_lookups, device=device) * torch.tensor(num_rows, device=device)[tables]).int()
+    offsets = torch.arange(0, num_lookups + 1, bag_size, device=device, dtype=torch.int32)
+    lookups = Lookups(indices, offsets, batch_size)
+
+    for pooling in ("sum", "mean"):
+        output = pooled_forward(stores, lookups, None, pooling)
+        torch.testing.assert_close(output.double(), reference_forward(stores, lookups, None, pooling),
+                                   rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 def test_pooled_forward_none_gives_each_lookups_row(weighted, device):
-    stores, lookups, slot_of_index = make_batch(
-        dims=(17, 17), num_rows=(1, 30), tiers=(TIER_HOST, TIER_DEVICE), weighted=weighted, device=device)
+    stores, lookups, slot_of_index = make_batch(dims=(17, 17), num_rows=(1, 30), weighted=weighted, device=device)
 
     output = pooled_forward(stores, lookups, slot_of_index, "none")
 
@@ -194,7 +190,7 @@ def test_pooled_forward_empty_bags_give_zeros(device):
         for bag in empty_bags.tolist():
             table, sample = divmod(bag, lookups.batch_size)
             start = int(stores.table_output_offset[table])
-            assert torch.all(output[sample, start : start + int(stores.table_dim[table])] == 0)
+            assert torch.all(output[sample, start : start + stores.dims[table]] == 0)
 
 
 def test_pooled_forward_without_lookups(device):
@@ -208,41 +204,24 @@ def test_pooled_forward_without_lookups(device):
 
 def test_pooled_forward_without_cache(device):
     stores, lookups, _ = make_batch(num_slots=0, device=device)
-    stores = stores._replace(cache_weights=torch.empty(0, 1, device=device),
-                             cache_state=torch.empty(0, 1, device=device))
-    slot_of_index = torch.full((lookups.num_lookups,), -1, dtype=torch.int32, device=device)
+    stores = stores.replace(**dict(zip(("cache_weights", "cache_state"), no_cache(torch.float32, device))))
 
-    output = pooled_forward(stores, lookups, slot_of_index, "sum")
+    output = pooled_forward(stores, lookups, None, "sum")
 
-    torch.testing.assert_close(output.double(), reference_forward(stores, lookups, slot_of_index, "sum"),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(output.double(), reference_forward(stores, lookups, None, "sum"), rtol=1e-5, atol=1e-5)
 
 
-def test_rejects_mixed_weight_dtypes(device):
+def test_row_stores_reject_mixed_dtypes_and_bad_pooling(device):
     stores, lookups, slot_of_index = make_batch(device=device)
-    stores = stores._replace(host_weights=stores.host_weights.half())
     with pytest.raises(TypeError, match="share one dtype"):
-        pooled_forward(stores, lookups, slot_of_index, "sum")
+        stores.replace(table_weights=(stores.table_weights[0].half(), *stores.table_weights[1:]))
     with pytest.raises(ValueError, match="pooling"):
-        pooled_forward(stores._replace(host_weights=stores.device_weights), lookups, slot_of_index, "max")
+        pooled_forward(stores, lookups, slot_of_index, "max")
 
 
-def _one_table_stores(weights: torch.Tensor, dim: int) -> RowStores:
-    """RowStores of one DEVICE table (SGD: no state, no cache) whose rows are ``weights``."""
-    device = weights.device
-
-    def empty(dtype=weights.dtype):
-        return torch.empty(0, dtype=dtype, device=device)
-
-    return RowStores(
-        weights, empty(), empty(), empty(torch.float32), empty(torch.float32), empty(torch.float32),
-        table_tier=torch.tensor([TIER_DEVICE], dtype=torch.int32, device=device),
-        table_weight_offset=torch.zeros(1, dtype=torch.int64, device=device),
-        table_state_offset=torch.zeros(1, dtype=torch.int64, device=device),
-        table_dim=torch.tensor([dim], dtype=torch.int32, device=device),
-        table_output_offset=torch.zeros(1, dtype=torch.int32, device=device),
-        cache_weights=torch.empty(0, 1, dtype=weights.dtype, device=device),
-        cache_state=empty(torch.float32).view(0, 1), max_dim=dim, total_dim=dim)
+def _one_table_stores(weights: torch.Tensor) -> RowStores:
+    """RowStores of one table (SGD: no state, no cache) whose rows are ``weights`` [rows, dim]."""
+    return RowStores((weights,), (None,), *no_cache(weights.dtype, weights.device))
 
 
 def test_rows_past_2_to_the_32_elements(device):
@@ -265,22 +244,18 @@ def test_rows_past_2_to_the_32_elements(device):
     store[: 64 * dim] = 7.0  # rows wrapped addresses land on; row 5 is overwritten next
     for number, row in enumerate(used_rows):
         store[row * dim : (row + 1) * dim] = compact[number * dim : (number + 1) * dim]
-    far_stores, compact_stores = _one_table_stores(store, dim), _one_table_stores(compact, dim)
-    rows = torch.tensor([far_row, far_row + 7, 5, far_row], device=device)
-    compact_rows = torch.tensor([0, 1, 2, 0], device=device)
-    bags = torch.tensor([0, 0, 1, 1], device=device)
+    far_stores = _one_table_stores(store.view(-1, dim))
+    compact_stores = _one_table_stores(compact.view(-1, dim))
     offsets = torch.tensor([0, 2, 4], device=device)
-    far_lookups = Lookups(rows, offsets, bags, rows, None, 2)
-    compact_lookups = Lookups(compact_rows, offsets, bags, compact_rows, None, 2)
-    slot_of_index = torch.full((4,), -1, dtype=torch.int32, device=device)
+    far_lookups = Lookups(torch.tensor([far_row, far_row + 7, 5, far_row], device=device), offsets, 2)
+    compact_lookups = Lookups(torch.tensor([0, 1, 2, 0], device=device), offsets, 2)
 
-    output = pooled_forward(far_stores, far_lookups, slot_of_index, "sum")
-    torch.testing.assert_close(output.double(), reference_forward(compact_stores, compact_lookups, slot_of_index,
-                                                                  "sum"))
+    output = pooled_forward(far_stores, far_lookups, None, "sum")
+    torch.testing.assert_close(output.double(), reference_forward(compact_stores, compact_lookups, None, "sum"))
 
     grad_output = torch.randn(2, dim, device=device)
-    reference_backward_update(grad_output, compact_stores, compact_lookups, slot_of_index, "sum", SGD, lr=0.5)
-    backward_update(grad_output, far_stores, far_lookups, slot_of_index, "sum", SGD, lr=0.5)
+    reference_backward_update(grad_output, compact_stores, compact_lookups, None, "sum", SGD(lr=0.5))
+    backward_update(grad_output, far_stores, far_lookups, None, "sum", SGD(lr=0.5))
     for number, row in enumerate(used_rows):
         torch.testing.assert_close(store[row * dim : (row + 1) * dim].float(),
                                    compact[number * dim : (number + 1) * dim].float(),
@@ -302,9 +277,7 @@ def test_per_sample_weights_grad_matches_reference(pooling, dtype, device):
 
 
 def test_per_sample_weights_grad_pooling_none(device):
-    stores, lookups, slot_of_index = make_batch(
-        dims=(9, 9, 9), num_rows=(4, 1, 12), tiers=(TIER_MANAGED, TIER_HOST, TIER_DEVICE), weighted=True,
-        device=device)
+    stores, lookups, slot_of_index = make_batch(dims=(9, 9, 9), num_rows=(4, 1, 12), weighted=True, device=device)
     grad_output = torch.randn(lookups.num_lookups, 9, device=device)
 
     result = per_sample_weights_grad(grad_output, stores, lookups, slot_of_index, "none")
@@ -330,21 +303,31 @@ def test_per_sample_weights_grad_is_the_autograd_gradient(device):
 # Backward with fused optimizers
 # ---------------------------------------------------------------------------------------------
 
-HYPER_PARAMETERS = dict(lr=0.05, eps=1e-3, beta1=0.8, beta2=0.95, weight_decay=0.01, step=3)
 
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("optimizer_kind", [SGD, ADAGRAD, ADAM], ids=lambda kind: kind.name)
+@pytest.mark.parametrize("name", sorted(ALL_OPTIMIZERS))
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
-def test_backward_update_matches_reference(pooling, optimizer_kind, dtype, device):
-    stores, lookups, slot_of_index = make_batch(
-        dtype=dtype, optimizer_kind=optimizer_kind, weighted=pooling == "sum", device=device)
+def test_backward_update_matches_reference(pooling, name, device):
+    optimizer = ALL_OPTIMIZERS[name]
+    stores, lookups, slot_of_index = make_batch(optimizer=optimizer, weighted=pooling == "sum", device=device)
     grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
-    expected = clone_stores(stores)
+    expected = stores.clone()
 
-    reference_backward_update(grad_output, expected, lookups, slot_of_index, pooling, optimizer_kind,
-                              **HYPER_PARAMETERS)
-    backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer_kind, **HYPER_PARAMETERS)
+    reference_backward_update(grad_output, expected, lookups, slot_of_index, pooling, optimizer, STEP)
+    backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, STEP)
+
+    assert_stores_close(stores, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "adam"])
+def test_backward_update_low_precision_weights(name, dtype, device):
+    optimizer = ALL_OPTIMIZERS[name]
+    stores, lookups, slot_of_index = make_batch(dtype=dtype, optimizer=optimizer, weighted=True, device=device)
+    grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
+    expected = stores.clone()
+
+    reference_backward_update(grad_output, expected, lookups, slot_of_index, "sum", optimizer, STEP)
+    backward_update(grad_output, stores, lookups, slot_of_index, "sum", optimizer, STEP)
 
     assert_stores_close(stores, expected, dtype)
 
@@ -353,96 +336,155 @@ def test_backward_update_matches_reference(pooling, optimizer_kind, dtype, devic
 def test_reference_sgd_step_is_the_autograd_gradient(pooling, device):
     """The reference itself, checked once: its SGD step is -lr times autograd's gradient of every row."""
     stores, lookups, slot_of_index = make_batch(dtype=torch.float64, weighted=True, device=device)
-    names = ("device_weights", "host_weights", "managed_weights", "cache_weights")
-    leaves = {name: getattr(stores, name).clone().requires_grad_() for name in names}
-    output = reference_forward(stores._replace(**leaves), lookups, slot_of_index, pooling)
+    leaves = [w.clone().requires_grad_() for w in stores.table_weights]
+    cache_leaf = stores.cache_weights.clone().requires_grad_()
+    output = reference_forward(stores.replace(table_weights=tuple(leaves), cache_weights=cache_leaf), lookups,
+                               slot_of_index, pooling)
     grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device, dtype=torch.float64)
     (output * grad_output).sum().backward()
 
-    reference_backward_update(grad_output, stores, lookups, slot_of_index, pooling, SGD, lr=0.25)
+    reference_backward_update(grad_output, stores, lookups, slot_of_index, pooling, SGD(lr=0.25))
 
-    for name in names:
-        expected = leaves[name].detach() - 0.25 * leaves[name].grad
-        torch.testing.assert_close(getattr(stores, name), expected, msg=lambda m, name=name: f"{name}: {m}")
+    for actual, leaf in zip((*stores.table_weights, stores.cache_weights), (*leaves, cache_leaf)):
+        torch.testing.assert_close(actual, leaf.detach() - 0.25 * leaf.grad)
 
 
-@pytest.mark.parametrize("optimizer_kind", [SGD, ADAM], ids=lambda kind: kind.name)
-def test_backward_update_pooling_none(optimizer_kind, device):
-    stores, lookups, slot_of_index = make_batch(
-        dims=(33, 33), num_rows=(20, 2), tiers=(TIER_MANAGED, TIER_DEVICE), optimizer_kind=optimizer_kind,
-        weighted=True, device=device)
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_backward_update_pooling_none(name, device):
+    optimizer = ALL_OPTIMIZERS[name]
+    stores, lookups, slot_of_index = make_batch(dims=(33, 33), num_rows=(20, 2), optimizer=optimizer,
+                                                weighted=True, device=device)
     grad_output = torch.randn(lookups.num_lookups, 33, device=device)
-    expected = clone_stores(stores)
+    expected = stores.clone()
 
-    reference_backward_update(grad_output, expected, lookups, slot_of_index, "none", optimizer_kind,
-                              **HYPER_PARAMETERS)
-    backward_update(grad_output, stores, lookups, slot_of_index, "none", optimizer_kind, **HYPER_PARAMETERS)
+    reference_backward_update(grad_output, expected, lookups, slot_of_index, "none", optimizer, STEP)
+    backward_update(grad_output, stores, lookups, slot_of_index, "none", optimizer, STEP)
 
     assert_stores_close(stores, expected, torch.float32)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 2, 4, 8])
-def test_hot_rows_split_into_chunks(chunk_size, device):
-    """Rows looked up many times are summed in chunks of ``chunk_size`` lookups, then combined.
+CHUNK = 8  # the hot-row tests' window (a power of two)
 
-    The batch has a row with more than two full chunks and a row whose count is not a multiple
-    of the chunk (lookups left after its last full chunk).
-    """
-    for _ in range(20):
-        stores, lookups, slot_of_index = make_batch(
-            dims=(5, 9), num_rows=(1, 3), tiers=(TIER_DEVICE, TIER_HOST), batch_size=12, max_bag=12,
-            optimizer_kind=ADAGRAD, weighted=True, num_slots=2, device=device)
-        counts = torch.unique(lookups.global_rows, return_counts=True)[1]
-        if counts.max() > 2 * chunk_size and (chunk_size == 1 or (counts % chunk_size != 0).any()):
-            break
-    else:
-        pytest.fail("no batch with long rows and a partial chunk")
-    grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
-    expected = clone_stores(stores)
 
-    reference_backward_update(grad_output, expected, lookups, slot_of_index, "mean", ADAGRAD, lr=0.1)
-    backward_update(grad_output, stores, lookups, slot_of_index, "mean", ADAGRAD, lr=0.1, chunk_size=chunk_size)
+def _segments_batch(lengths, dim, device, optimizer):
+    """One table with a row per entry of ``lengths``, looked up that many times each (lookups
+    shuffled, in bags of up to 3), some rows cached."""
+    num_rows = len(lengths)
+    stores = make_stores([dim], [num_rows], torch.float32, optimizer, 4, device)
+    indices = torch.repeat_interleave(torch.arange(num_rows, device=device), torch.tensor(lengths, device=device))
+    indices = indices[torch.randperm(indices.numel(), device=device)]
+    bag_lengths = torch.randint(0, 4, (indices.numel(),), device=device)
+    bag_lengths = bag_lengths[: int(torch.searchsorted(bag_lengths.cumsum(0), indices.numel())) + 1]
+    bag_lengths[-1] = indices.numel() - bag_lengths[:-1].sum()
+    offsets = torch.zeros(bag_lengths.numel() + 1, dtype=torch.int64, device=device)
+    offsets[1:] = bag_lengths.cumsum(0)
+    slot_of_row = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+    slot_of_row[torch.randperm(num_rows, device=device)[:3]] = torch.arange(3, dtype=torch.int32, device=device)
+    return stores, Lookups(indices, offsets, bag_lengths.numel()), slot_of_row[indices]
+
+
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
+def test_hot_rows_at_every_segment_length_around_the_split(name, device):
+    """Rows looked up 1, 2, CHUNK - 1 .. CHUNK + 1, 2 CHUNK - 2 .. 2 CHUNK (where runs start holding
+    a whole window of sorted positions and go to the hot kernels) and 5 CHUNK + 3 times."""
+    optimizer = ALL_OPTIMIZERS[name]
+    c = CHUNK
+    lengths = [1, 2, c - 1, c, c + 1, 2 * c - 2, 2 * c - 1, 2 * c, 5 * c + 3, 1, 2 * c - 1]
+    stores, lookups, slot_of_index = _segments_batch(lengths, 12, device, optimizer)
+    config = BackwardConfig(rows=2, lanes=2, num_warps=4, chunk=c, programs_per_sm=2)
+    sorted_lookups = sort_lookups(stores, lookups)
+    ends = sorted_lookups.run_end[: int(sorted_lookups.num_runs)].long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    hot = ((starts + c - 1) // c + 1) * c <= ends
+    assert hot.any() and (~hot).any(), "the batch must use both the hot and the row-update kernels"
+    grad_output = torch.randn(lookups.batch_size, 12, device=device)
+    expected = stores.clone()
+
+    reference_backward_update(grad_output, expected, lookups, slot_of_index, "mean", optimizer, STEP)
+    backward_update(grad_output, stores, lookups, slot_of_index, "mean", optimizer, STEP, config=config,
+                    sorted_lookups=sorted_lookups)
+
+    assert_stores_close(stores, expected, torch.float32)
+
+
+def test_one_row_looked_up_100k_times(device):
+    """A table of one row, 100,000 lookups in 1000 bags of 100: one hot run of many windows."""
+    num_lookups, bags = 100_000, 1000
+    stores = make_stores([16], [1], torch.float32, ALL_OPTIMIZERS["rowwise_adagrad"], 0, device)
+    stores = stores.replace(**dict(zip(("cache_weights", "cache_state"), no_cache(torch.float32, device))))
+    lookups = Lookups(torch.zeros(num_lookups, dtype=torch.int64, device=device),
+                      torch.arange(0, num_lookups + 1, num_lookups // bags, device=device), bags,
+                      global_rows=torch.zeros(num_lookups, dtype=torch.int64, device=device),
+                      bag_of_index=torch.arange(bags, dtype=torch.int32, device=device).repeat_interleave(
+                          num_lookups // bags))
+    grad_output = torch.randn(bags, 16, device=device)
+    expected = stores.clone()
+    optimizer = ALL_OPTIMIZERS["rowwise_adagrad"]
+
+    reference_backward_update(grad_output, expected, lookups, None, "sum", optimizer, STEP)
+    backward_update(grad_output, stores, lookups, None, "sum", optimizer, STEP,
+                    config=BackwardConfig(rows=2, lanes=2, num_warps=4, chunk=1024, programs_per_sm=2))
 
     assert_stores_close(stores, expected, torch.float32)
 
 
 def test_backward_update_leaves_backing_rows_of_cached_lookups(device):
     """A cached row is updated in its slot only; its (older) backing copy stays as it was."""
-    stores, lookups, slot_of_index = make_batch(
-        dims=(8,), num_rows=(6,), tiers=(TIER_DEVICE,), num_slots=3, optimizer_kind=ADAGRAD, device=device)
+    optimizer = ALL_OPTIMIZERS["rowwise_adagrad"]
+    stores, lookups, slot_of_index = make_batch(dims=(8,), num_rows=(6,), num_slots=3, optimizer=optimizer,
+                                                device=device)
     cached_rows = torch.unique(lookups.indices[slot_of_index >= 0])
     assert cached_rows.numel() > 0
-    before = stores.device_weights.view(6, 8)[cached_rows].clone()
-    state_before = stores.device_state[cached_rows].clone()
+    before = stores.table_weights[0][cached_rows].clone()
+    state_before = stores.table_state[0][cached_rows].clone()
     grad_output = torch.randn(lookups.batch_size, 8, device=device)
 
-    backward_update(grad_output, stores, lookups, slot_of_index, "sum", ADAGRAD, lr=0.1)
+    backward_update(grad_output, stores, lookups, slot_of_index, "sum", optimizer)
 
-    assert torch.equal(stores.device_weights.view(6, 8)[cached_rows], before)
-    assert torch.equal(stores.device_state[cached_rows], state_before)
+    assert torch.equal(stores.table_weights[0][cached_rows], before)
+    assert torch.equal(stores.table_state[0][cached_rows], state_before)
 
 
-def test_optimizer_none_and_empty_batch_change_nothing(device):
-    stores, lookups, slot_of_index = make_batch(optimizer_kind=ADAM, device=device)
-    untouched = clone_stores(stores)
-    grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
-    backward_update(grad_output, stores, lookups, slot_of_index, "sum", OptimizerKind.NONE, lr=1.0)
-    empty_stores, empty_lookups, empty_slots = make_batch(max_bag=0, device=device)
-    backward_update(torch.randn(empty_lookups.batch_size, empty_stores.total_dim, device=device), empty_stores,
-                    empty_lookups, empty_slots, "sum", SGD, lr=1.0)
-    for name in ("device_weights", "host_weights", "managed_weights", "cache_weights", "device_state"):
-        assert torch.equal(getattr(stores, name), getattr(untouched, name))
+def test_empty_batch_changes_nothing(device):
+    stores, lookups, slot_of_index = make_batch(max_bag=0, optimizer=ALL_OPTIMIZERS["adam"], device=device)
+    untouched = stores.clone()
+    backward_update(torch.randn(lookups.batch_size, stores.total_dim, device=device), stores, lookups,
+                    slot_of_index, "sum", ALL_OPTIMIZERS["adam"])
+    for actual, before in zip((*stores.table_weights, stores.cache_weights), (*untouched.table_weights,
+                                                                           untouched.cache_weights)):
+        assert torch.equal(actual, before)
 
 
 def test_backward_update_rejects_bad_arguments(device):
     stores, lookups, slot_of_index = make_batch(device=device)
     grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
+    sgd = SGD(lr=1.0)
     with pytest.raises(ValueError, match="shape"):
-        backward_update(grad_output[:, 1:], stores, lookups, slot_of_index, "sum", SGD, lr=1.0)
+        backward_update(grad_output[:, 1:], stores, lookups, slot_of_index, "sum", sgd)
     with pytest.raises(ValueError, match="power of two"):
-        backward_update(grad_output, stores, lookups, slot_of_index, "sum", SGD, lr=1.0, chunk_size=3)
+        backward_update(grad_output, stores, lookups, slot_of_index, "sum", sgd,
+                        config=BackwardConfig(2, 2, 4, 3, 2))
     with pytest.raises(TypeError, match="slot_of_index"):
-        backward_update(grad_output, stores, lookups, slot_of_index.long(), "sum", SGD, lr=1.0)
+        backward_update(grad_output, stores, lookups, slot_of_index.long(), "sum", sgd)
+    with pytest.raises(TypeError, match="FusedOptimizer"):
+        backward_update(grad_output, stores, lookups, slot_of_index, "sum", "sgd")
+    with pytest.raises(ValueError, match="1-based"):
+        backward_update(grad_output, stores, lookups, slot_of_index, "sum", sgd, step=0)
+
+
+@pytest.mark.parametrize("name", ["adagrad", "partial_rowwise_adam", "lamb"])
+def test_new_optimizers_over_many_steps(name, device):
+    """Ten steps of the same batch shape with fresh gradients: the kernels track the reference
+    (state carried from step to step, bias corrections by step)."""
+    optimizer = ALL_OPTIMIZERS[name]
+    stores, lookups, slot_of_index = make_batch(dims=(5, 12), num_rows=(9, 3), optimizer=optimizer,
+                                                weighted=True, device=device)
+    expected = stores.clone()
+    for step in range(1, 11):
+        grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
+        reference_backward_update(grad_output, expected, lookups, slot_of_index, "sum", optimizer, step)
+        backward_update(grad_output, stores, lookups, slot_of_index, "sum", optimizer, step)
+    assert_stores_close(stores, expected, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -459,21 +501,19 @@ def test_stochastic_rounding_is_unbiased(dtype, device):
     starts = [1.0, -1.0, 0.0]
     steps = [0.3 * spacing, -0.7 * spacing, 0.3 * 2.0**-24 if dtype == torch.float16 else 0.3 * spacing]
     num_rows = 3 * rows_per_group
-    stores = make_stores([dim], [num_rows], [TIER_DEVICE], dtype, SGD, 0, device)
-    stores.device_weights.view(3, -1)[:] = torch.tensor(starts, device=device)[:, None].to(dtype)
+    weights = torch.tensor(starts, device=device).repeat_interleave(rows_per_group)[:, None].expand(-1, dim).to(dtype)
     indices = torch.arange(num_rows, device=device)
-    lookups = Lookups(indices, torch.arange(num_rows + 1, device=device), indices, indices, None, num_rows)
-    slot_of_index = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+    lookups = Lookups(indices, torch.arange(num_rows + 1, device=device), num_rows)
     grad_output = -torch.tensor(steps, device=device).repeat_interleave(rows_per_group)[:, None].expand(-1, dim)
     grad_output = grad_output.contiguous()
     exact = (torch.tensor(starts, device=device).float() + torch.tensor(steps, device=device).float()).double()
 
     runs = []
     for seed, step in ((11, 1), (12, 1), (11, 2), (11, 1)):
-        weights = stores._replace(device_weights=stores.device_weights.clone())
-        backward_update(grad_output, weights, lookups, slot_of_index, "sum", SGD, lr=1.0,
-                        stochastic_rounding=True, seed=seed, step=step)
-        runs.append(weights.device_weights.view(3, -1).double().cpu())
+        stores = _one_table_stores(weights.clone())
+        backward_update(grad_output, stores, lookups, None, "sum", SGD(lr=1.0), stochastic_rounding=True, seed=seed,
+                        step=step)
+        runs.append(stores.table_weights[0].reshape(3, -1).double().cpu())
     assert not torch.equal(runs[0], runs[1]), "two seeds gave the same roundings"
     assert not torch.equal(runs[0], runs[2]), "two steps gave the same roundings"
     assert torch.equal(runs[0], runs[3]), "the same seed and step gave different roundings"
@@ -504,72 +544,75 @@ def _neighbours(value: float, dtype: torch.dtype) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _zipf_batch(num_rows, dim, batch_size, bag_size, device, dtype=torch.float32, optimizer_kind=ADAGRAD):
-    """One DEVICE table, fixed-size bags, rows drawn from a Zipf(1.05)-like law: hot rows with
-    thousands of lookups (several chunks) beside rows seen once."""
-    stores = make_stores([dim], [num_rows], [TIER_DEVICE], dtype, optimizer_kind, 0, device)
+def _zipf_batch(num_rows, dim, batch_size, bag_size, device, dtype=torch.float32, optimizer=None):
+    """One table, fixed-size bags, rows drawn from a Zipf(1.05)-like law: hot rows with
+    thousands of lookups (many windows) beside rows seen once."""
+    stores = make_stores([dim], [num_rows], dtype, optimizer, 0, device)
+    stores = stores.replace(**dict(zip(("cache_weights", "cache_state"), no_cache(dtype, device))))
     num_lookups = batch_size * bag_size
     ranks = torch.arange(1, num_rows + 1, device=device, dtype=torch.float64)
     cdf = torch.cumsum(ranks**-1.05, 0)
     indices = torch.searchsorted(cdf / cdf[-1], torch.rand(num_lookups, device=device, dtype=torch.float64))
     indices = torch.randperm(num_rows, device=device)[indices.clamp(max=num_rows - 1)]
     offsets = torch.arange(0, num_lookups + 1, bag_size, device=device)
-    bag_of_index = torch.arange(batch_size, device=device).repeat_interleave(bag_size)
-    lookups = Lookups(indices, offsets, bag_of_index, indices, None, batch_size)
-    return stores, lookups, torch.full((num_lookups,), -1, dtype=torch.int32, device=device)
+    return stores, Lookups(indices, offsets, batch_size)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_two_identical_steps_are_bitwise_equal(dtype, device):
     """At a size where many programs run at once, forward and update are deterministic."""
-    stores, lookups, slot_of_index = _zipf_batch(1_000_000, 128, 16384, 32, device, dtype)
-    counts = torch.unique(lookups.global_rows, return_counts=True)[1]
-    assert counts.max() > 4 * backward_module.DEFAULT_CHUNK_SIZE  # hot rows take the chunked path
+    optimizer = RowwiseAdagrad(lr=0.01)
+    stores, lookups = _zipf_batch(1_000_000, 128, 16384, 32, device, dtype, optimizer)
+    counts = torch.unique(lookups.indices, return_counts=True)[1]
+    assert counts.max() > 4 * backward_module.default_config(128).chunk  # hot rows take the hot kernels
     grad_output = torch.randn(lookups.batch_size, 128, device=device)
 
     outputs, results = [], []
     for _ in range(2):
-        step_stores = clone_stores(stores)
-        outputs.append(pooled_forward(step_stores, lookups, slot_of_index, "sum"))
-        backward_update(grad_output, step_stores, lookups, slot_of_index, "sum", ADAGRAD, lr=0.01,
-                        stochastic_rounding=True, seed=5, step=3)
+        step_stores = stores.clone()
+        outputs.append(pooled_forward(step_stores, lookups, None, "sum"))
+        backward_update(grad_output, step_stores, lookups, None, "sum", optimizer, step=3, stochastic_rounding=True,
+                        seed=5)
         results.append(step_stores)
     assert torch.equal(outputs[0], outputs[1])
-    assert torch.equal(results[0].device_weights, results[1].device_weights)
-    assert torch.equal(results[0].device_state, results[1].device_state)
+    assert torch.equal(results[0].table_weights[0], results[1].table_weights[0])
+    assert torch.equal(results[0].table_state[0], results[1].table_state[0])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("optimizer_kind", [SGD, ADAGRAD, ADAM], ids=lambda kind: kind.name)
-def test_large_batch_matches_reference(optimizer_kind, device):
-    """dim 128 and long bags: the autotuned forward tiles and the default chunk size on hot rows."""
-    stores, lookups, slot_of_index = _zipf_batch(50_000, 128, 2048, 40, device, optimizer_kind=optimizer_kind)
+@pytest.mark.parametrize("name", sorted(ALL_OPTIMIZERS))
+def test_large_batch_matches_reference(name, device):
+    """dim 128 and long bags: the autotuned forward tiles and the default window on hot rows."""
+    optimizer = ALL_OPTIMIZERS[name]
+    stores, lookups = _zipf_batch(50_000, 128, 2048, 40, device, optimizer=optimizer)
     grad_output = torch.randn(lookups.batch_size, 128, device=device)
     for pooling in ("sum", "mean"):
-        torch.testing.assert_close(pooled_forward(stores, lookups, slot_of_index, pooling).double(),
-                                   reference_forward(stores, lookups, slot_of_index, pooling), rtol=1e-5, atol=1e-4)
-    expected = clone_stores(stores)
-    reference_backward_update(grad_output, expected, lookups, slot_of_index, "mean", optimizer_kind,
-                              **HYPER_PARAMETERS)
-    backward_update(grad_output, stores, lookups, slot_of_index, "mean", optimizer_kind, **HYPER_PARAMETERS)
+        torch.testing.assert_close(pooled_forward(stores, lookups, None, pooling).double(),
+                                   reference_forward(stores, lookups, None, pooling), rtol=1e-5, atol=1e-4)
+    expected = stores.clone()
+    reference_backward_update(grad_output, expected, lookups, None, "mean", optimizer, STEP)
+    backward_update(grad_output, stores, lookups, None, "mean", optimizer, STEP)
     assert_stores_close(stores, expected, torch.float32)
 
 
 @pytest.mark.gpu
-def test_host_tier_in_pinned_memory(device):
-    """HOST tables read and updated in place in pinned host memory, beside DEVICE and cached rows."""
-    stores, lookups, slot_of_index = make_batch(optimizer_kind=ADAM, weighted=True, device=device)
-    stores = stores._replace(host_weights=stores.host_weights.cpu().pin_memory(),
-                             host_state=stores.host_state.cpu().pin_memory())
-    assert stores.host_weights.is_pinned() and stores.host_weights.numel() > 0
+def test_tables_in_pinned_host_memory(device):
+    """Tables read and updated in place in pinned host memory, beside device tables and cached rows."""
+    optimizer = ALL_OPTIMIZERS["adam"]
+    stores, lookups, slot_of_index = make_batch(optimizer=optimizer, weighted=True, device=device)
+    pinned = stores.replace(table_weights=tuple(w.cpu().pin_memory() if t % 2 else w
+                                                for t, w in enumerate(stores.table_weights)),
+                            table_state=tuple(s.cpu().pin_memory() if t % 2 and s is not None else s
+                                              for t, s in enumerate(stores.table_state)))
+    assert pinned.table_weights[1].is_pinned()
     grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
 
-    output = pooled_forward(stores, lookups, slot_of_index, "sum")
-    torch.testing.assert_close(output.double(), reference_forward(stores, lookups, slot_of_index, "sum"),
+    output = pooled_forward(pinned, lookups, slot_of_index, "sum")
+    torch.testing.assert_close(output.double(), reference_forward(pinned, lookups, slot_of_index, "sum"),
                                rtol=1e-5, atol=1e-5)
-    expected = clone_stores(stores)
-    reference_backward_update(grad_output, expected, lookups, slot_of_index, "sum", ADAM, **HYPER_PARAMETERS)
-    backward_update(grad_output, stores, lookups, slot_of_index, "sum", ADAM, **HYPER_PARAMETERS)
+    expected = pinned.clone()
+    reference_backward_update(grad_output, expected, lookups, slot_of_index, "sum", optimizer, STEP)
+    backward_update(grad_output, pinned, lookups, slot_of_index, "sum", optimizer, STEP)
     torch.cuda.synchronize()
-    assert_stores_close(stores, expected, torch.float32)
+    assert_stores_close(pinned, expected, torch.float32)

@@ -6,8 +6,9 @@ import pytest
 import torch
 from reference_model import ReferenceBags
 
-from tiered_tbe import SGD, Adam, Placement, RowwiseAdagrad, TableSpec
+from tiered_tbe import Placement, TableSpec
 from tiered_tbe.module import TieredEmbeddingBags
+from tiered_tbe.optimizers import LAMB, SGD, Adagrad, Adam, PartialRowwiseAdam, RowwiseAdagrad
 
 # Edge sizes: a table of one row, dims that are not powers of two.
 EDGE_TABLES = [(1, 3), (50, 17), (7, 8)]
@@ -35,6 +36,9 @@ def make_pair(specs, optimizer, pooling="sum", weights_dtype=torch.float32, devi
 
 OPTIMIZERS = [SGD(lr=0.3), RowwiseAdagrad(lr=0.2, eps=1e-6), Adam(lr=0.05, betas=(0.8, 0.95), eps=1e-6,
                                                                   weight_decay=0.01)]
+# Every optimizer of the registry, for the state round trips.
+ALL_OPTIMIZERS = [*OPTIMIZERS, Adagrad(lr=0.1, eps=1e-6), PartialRowwiseAdam(lr=0.05, betas=(0.8, 0.95), eps=1e-6),
+                  LAMB(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01)]
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: type(o).__name__)
@@ -50,6 +54,25 @@ def test_training_matches_reference(optimizer, pooling, placement, device):
         out = module(indices.to(device), offsets.to(device))
         expected = reference.forward(indices, offsets)
         torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-5, atol=1e-6)
+        grad = torch.randn(out.shape, generator=generator)
+        out.backward(grad.to(device))
+        reference.backward(indices, offsets, grad)
+    for t in range(len(specs)):
+        torch.testing.assert_close(module.table(t).double().cpu(), reference.weights[t], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ALL_OPTIMIZERS[3:], ids=lambda o: type(o).__name__)
+def test_new_optimizers_train_like_the_reference(optimizer, device):
+    """Adagrad, PartialRowwiseAdam and LAMB through the module, five steps, against the model's
+    written-out math (tests/reference_model.py), with hot rows and a cached table."""
+    generator = torch.Generator().manual_seed(3)
+    specs = [TableSpec(n, d, name=f"t{i}", placement=Placement.HOST_CACHED if i == 1 else Placement.DEVICE)
+             for i, (n, d) in enumerate(EDGE_TABLES)]
+    module, reference = make_pair(specs, optimizer, "sum", device=device)
+    for step in range(5):
+        indices, offsets = random_batch(specs, batch_size=3, max_bag=4, generator=generator, hot_rows=step % 2 == 1)
+        out = module(indices.to(device), offsets.to(device))
+        torch.testing.assert_close(out.double().cpu(), reference.forward(indices, offsets), rtol=1e-5, atol=1e-6)
         grad = torch.randn(out.shape, generator=generator)
         out.backward(grad.to(device))
         reference.backward(indices, offsets, grad)
@@ -158,7 +181,7 @@ def test_bad_dtypes_and_construction_errors(device):
         TieredEmbeddingBags([TableSpec(4, 2, name="a"), TableSpec(4, 2, name="a")], device=device)
 
 
-@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize("optimizer", ALL_OPTIMIZERS, ids=lambda o: type(o).__name__)
 def test_state_dict_round_trip(optimizer, device):
     generator = torch.Generator().manual_seed(4)
     specs = [TableSpec(6, 3, name="a"), TableSpec(4, 5)]
@@ -167,10 +190,10 @@ def test_state_dict_round_trip(optimizer, device):
     module(indices.to(device), offsets.to(device)).sum().backward()
     state = module.state_dict()
     expected_keys = {"a.weight", "table_1.weight", "optimizer_step"}
-    if isinstance(optimizer, RowwiseAdagrad):
-        expected_keys |= {"a.momentum1", "table_1.momentum1"}
-    if isinstance(optimizer, Adam):
-        expected_keys |= {"a.exp_avg", "a.exp_avg_sq", "table_1.exp_avg", "table_1.exp_avg_sq"}
+    state_names = {RowwiseAdagrad: ["momentum1"], Adagrad: ["momentum1"], SGD: [],
+                   Adam: ["exp_avg", "exp_avg_sq"], PartialRowwiseAdam: ["exp_avg", "exp_avg_sq"],
+                   LAMB: ["exp_avg", "exp_avg_sq"]}[type(optimizer)]
+    expected_keys |= {f"{table}.{name}" for table in ("a", "table_1") for name in state_names}
     assert set(state) == expected_keys
     assert state["table_1.weight"].shape == (4, 5)
 

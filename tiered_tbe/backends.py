@@ -21,7 +21,7 @@ from tiered_tbe.kernels import backward, forward, reference
 class KernelBackend:
     name: str
     forward: Callable  # (stores, lookups, slot_of_index, pooling) -> fp32 output
-    backward_update: Callable  # (grad_output, stores, lookups, slot_of_index, pooling, **optimizer) -> None
+    backward_update: Callable  # (grad_output, stores, lookups, slot_of_index, pooling, optimizer, step, ...) -> None
     per_sample_weights_grad: Callable  # (grad_output, stores, lookups, slot_of_index, pooling) -> fp32 [N]
 
 
@@ -29,10 +29,11 @@ def _reference_forward(stores, lookups, slot_of_index, pooling):
     return reference.reference_forward(stores, lookups, slot_of_index, pooling).float()
 
 
-def _reference_backward_update(*args, stochastic_rounding: bool = False, seed: int = 0, **kwargs):
+def _reference_backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, step=1,
+                               stochastic_rounding: bool = False, seed: int = 0):
     if stochastic_rounding:
         raise ValueError("backend='torch' rounds to nearest only: use backend='triton' for stochastic rounding")
-    reference.reference_backward_update(*args, **kwargs)
+    reference.reference_backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, step)
 
 
 def _reference_per_sample_weights_grad(*args) -> torch.Tensor:

@@ -10,6 +10,7 @@ wires them together::
     tiered-tbe bench kernels ...      Triton TBE kernels vs torch's embedding bags (benchmarks/bench_kernels.py)
     tiered-tbe bench cache ...        the slot cache vs all-HBM (benchmarks/bench_cache.py)
     tiered-tbe bench pipeline ...     the prefetch pipeline vs serial, all-HBM, managed (benchmarks/bench_pipeline.py)
+    tiered-tbe bench fbgemm ...       ours beside FBGEMM_GPU's TBE on the same batches (benchmarks/bench_fbgemm.py)
 
 A new command is one ``_add_command`` line. A ``run`` raises ``ValueError`` for arguments that
 do not fit together; the command prints it as a usage error (exit code 2), like argparse's own
@@ -24,7 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from tiered_tbe import hit_rate, train
-from tiered_tbe.benchmarks import bench_cache, bench_kernels, bench_pipeline
+from tiered_tbe.benchmarks import bench_cache, bench_fbgemm, bench_kernels, bench_pipeline
 
 
 def _add_command(
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "all-HBM (GPU)", bench_cache.build_parser, bench_cache.run_command)
     _add_command(benchmarks, "pipeline", "time training steps with the prefetch pipeline against serial "
                  "prefetch, all-HBM and managed memory (GPU)", bench_pipeline.build_parser, bench_pipeline.run_command)
+    _add_command(benchmarks, "fbgemm", "time training steps against FBGEMM_GPU's TBE side by side, in HBM and "
+                 "cached (GPU; needs fbgemm-gpu)", bench_fbgemm.build_parser, bench_fbgemm.run_command)
     return parser
 
 

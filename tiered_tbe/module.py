@@ -16,8 +16,8 @@ from tiered_tbe.cache.mover import default_mover
 from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD, CacheBatch, SlotCache
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.function import TieredEmbeddingBagsFunction
-from tiered_tbe.kernels.rows import Lookups
-from tiered_tbe.optimizers import Adam, Optimizer, RowwiseAdagrad
+from tiered_tbe.kernels.rows import Lookups, no_cache
+from tiered_tbe.optimizers import FusedOptimizer
 from tiered_tbe.specs import CacheConfig, TableSpec
 from tiered_tbe.storage import lay_out
 
@@ -55,7 +55,7 @@ class PreparedBatch:
     """
 
     lookups: Lookups
-    remap: torch.Tensor  # int32 [N]: slot of each lookup's row, -1 = backing store (read slot_of_index)
+    remap: torch.Tensor | None  # int32 [N]: slot of each lookup's row, -1 = backing store; None: no cache
     cache: SlotCache | None
     cache_batch: CacheBatch | None = None  # the prefetch's hold on the cache (None without a cache)
     ready: torch.cuda.Event | None = None  # recorded after its prefetch, on the stream that ran it
@@ -65,9 +65,10 @@ class PreparedBatch:
     _rows_arrived: bool = field(default=False, repr=False)
 
     @property
-    def slot_of_index(self) -> torch.Tensor:
-        """int32 [N]: the slot of each lookup's row, -1 = backing store. The first read waits, on
-        the current stream, for the batch's rows to reach their slots (``SlotCache.wait_filled``)."""
+    def slot_of_index(self) -> torch.Tensor | None:
+        """int32 [N]: the slot of each lookup's row, -1 = backing store (None without a cache). The
+        first read waits, on the current stream, for the batch's rows to reach their slots
+        (``SlotCache.wait_filled``)."""
         if not self._rows_arrived and self.cache_batch is not None:
             self.cache.wait_filled(self.cache_batch)
             self._rows_arrived = True
@@ -87,7 +88,7 @@ class PreparedBatch:
             self.unlock()
             return
         done = None
-        if self.remap.is_cuda:
+        if self.remap is not None and self.remap.is_cuda:
             done = torch.cuda.Event()
             done.record()  # on the stream that ran the batch's last kernel
         self.deferred.queue.append((done, self))
@@ -103,8 +104,9 @@ class TieredEmbeddingBags(nn.Module):
     Args:
         tables: one :class:`TableSpec` per table (name, rows, dim, placement).
         pooling: ``"sum"``, ``"mean"`` or ``"none"`` (all tables must share one dim).
-        optimizer: :class:`SGD`, :class:`RowwiseAdagrad`, :class:`Adam` (fused into backward,
-            applied once per unique row per step) or None (tables frozen).
+        optimizer: a fused optimizer of :mod:`tiered_tbe.optimizers` (``SGD``, ``RowwiseAdagrad``,
+            ``Adagrad``, ``Adam``, ``PartialRowwiseAdam``, ``LAMB``; applied once per unique row per
+            step in the backward) or None (tables frozen).
         weights_dtype: float32, float16 or bfloat16 storage; arithmetic is fp32.
         device: where kernels run; defaults to cuda when present, else cpu (simulation).
         cache: :class:`CacheConfig` of the slot cache shared by the ``*_CACHED`` tables.
@@ -123,7 +125,7 @@ class TieredEmbeddingBags(nn.Module):
         self,
         tables: list[TableSpec],
         pooling: str = "sum",
-        optimizer: Optimizer | None = None,
+        optimizer: FusedOptimizer | None = None,
         weights_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         cache: CacheConfig | None = None,
@@ -147,6 +149,9 @@ class TieredEmbeddingBags(nn.Module):
         names = [s.name or f"table_{t}" for t, s in enumerate(tables)]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
+        if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
+            raise TypeError(f"optimizer must be one of tiered_tbe.optimizers (e.g. RowwiseAdagrad(lr=0.01)), got "
+                            f"{type(optimizer).__name__}")
         self.backend = backend_named(backend)
         self.tables = list(tables)
         self.table_names = names
@@ -161,7 +166,7 @@ class TieredEmbeddingBags(nn.Module):
 
         state_width = [optimizer.state_width(s.embedding_dim) if optimizer else 0 for s in tables]
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        initial_state = getattr(optimizer, "initial_accumulator_value", 0.0)
+        initial_state = optimizer.initial_state() if optimizer is not None else 0.0
         self.storage = lay_out(tables, state_width, weights_dtype, self.device, generator, initial_state)
 
         cached = [t for t, s in enumerate(tables) if s.placement.is_cached]
@@ -191,9 +196,8 @@ class TieredEmbeddingBags(nn.Module):
         elif cache is not None:
             raise ValueError("cache= was given but no table has a *_CACHED placement")
         else:
-            cache_weights = torch.empty(0, 1, dtype=weights_dtype, device=self.device)
-            cache_state = torch.empty(0, 1, dtype=torch.float32, device=self.device)
-        self.row_stores = self.storage.row_stores(self.device, cache_weights, cache_state)
+            cache_weights, cache_state = no_cache(weights_dtype, self.device)
+        self.row_stores = self.storage.row_stores(cache_weights, cache_state)
         self._num_rows_of_table = torch.tensor(
             [s.num_embeddings for s in tables], dtype=torch.int64, device=self.device
         )
@@ -213,6 +217,10 @@ class TieredEmbeddingBags(nn.Module):
         """
         self.run_deferred_unlocks()  # batches finished since the last prefetch free their slots first
         batch_size = validation.check_static(self.tables, indices, offsets, self.device)
+        if self.cache is None and self.bounds_check == "off":
+            # Nothing to check or prefetch: the kernels read int32 or int64 indices and offsets as
+            # they come, and the backward linearizes the batch itself. No kernel runs here.
+            return PreparedBatch(Lookups(indices, offsets, batch_size), None, None)
         indices = indices.long()
         offsets = offsets.long()
         bag_of_index = self._bag_of_index(indices, offsets)
@@ -226,10 +234,9 @@ class TieredEmbeddingBags(nn.Module):
                 value_check = None
         table_of_index = bag_of_index // max(batch_size, 1)
         global_rows = self._row_offset[table_of_index] + indices
-        lookups = Lookups(indices, offsets, bag_of_index, global_rows, None, batch_size)
+        lookups = Lookups(indices, offsets, batch_size, global_rows=global_rows, bag_of_index=bag_of_index)
         if self.cache is None:
-            slot_of_index = torch.full((indices.numel(),), -1, dtype=torch.int32, device=self.device)
-            return PreparedBatch(lookups, slot_of_index, None, value_check=value_check)
+            return PreparedBatch(lookups, None, None, value_check=value_check)
         cache_batch = self.cache.prefetch(global_rows)
         return PreparedBatch(lookups, cache_batch.slot_of_index, self.cache, cache_batch, value_check=value_check)
 
@@ -245,7 +252,7 @@ class TieredEmbeddingBags(nn.Module):
     def _bag_of_index(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """int64 [N]: the bag (t*B + b) of each lookup; empty bags are skipped by searchsorted."""
         positions = torch.arange(indices.numel(), device=self.device)
-        return torch.searchsorted(offsets, positions, right=True) - 1
+        return torch.searchsorted(offsets, positions, right=True, out_int32=True) - 1
 
     def rows_for_hint(self, indices: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The distinct global rows of a batch not yet validated, for :meth:`hint_upcoming`.
@@ -378,23 +385,9 @@ class TieredEmbeddingBags(nn.Module):
         slot_of_index = batch.slot_of_index
         if optimizer is not None:
             self.optimizer_step += 1
-            betas = getattr(optimizer, "betas", (0.0, 0.0))
-            self.backend.backward_update(
-                grad_output,
-                self.row_stores,
-                batch.lookups,
-                slot_of_index,
-                self.pooling,
-                optimizer_kind=int(optimizer.kind),
-                lr=optimizer.lr,
-                eps=getattr(optimizer, "eps", 0.0),
-                beta1=betas[0],
-                beta2=betas[1],
-                weight_decay=getattr(optimizer, "weight_decay", 0.0),
-                step=self.optimizer_step,
-                stochastic_rounding=self.stochastic_rounding,
-                seed=self.seed,
-            )
+            self.backend.backward_update(grad_output, self.row_stores, batch.lookups, slot_of_index, self.pooling,
+                                         optimizer, self.optimizer_step, stochastic_rounding=self.stochastic_rounding,
+                                         seed=self.seed)
             if self.cache is not None:
                 self.cache.mark_dirty(slot_of_index)
         batch.release()
@@ -420,16 +413,16 @@ class TieredEmbeddingBags(nn.Module):
             self.cache.reset_stats()
 
     def _state_views(self, t: int) -> dict[str, torch.Tensor]:
-        """The state_dict entries of table t, as views of the backing store."""
+        """The state_dict entries of table t, as views of the backing store: its weights, and
+        its optimizer state under the optimizer's names (a width-1 entry is 1-D)."""
         name = self.table_names[t]
         views = {f"{name}.weight": self.storage.weights(t)}
         state = self.storage.state(t)
-        if isinstance(self.optimizer, RowwiseAdagrad):
-            views[f"{name}.momentum1"] = state[:, 0]
-        elif isinstance(self.optimizer, Adam):
-            dim = self.tables[t].embedding_dim
-            views[f"{name}.exp_avg"] = state[:, :dim]
-            views[f"{name}.exp_avg_sq"] = state[:, dim:]
+        if self.optimizer is not None and state is not None:
+            column = 0
+            for state_name, width in self.optimizer.state_columns(self.tables[t].embedding_dim):
+                views[f"{name}.{state_name}"] = state[:, column] if width == 1 else state[:, column : column + width]
+                column += width
         return views
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

@@ -15,10 +15,8 @@ import torch
 
 from tiered_tbe.cache.slot_cache import CachedTable
 from tiered_tbe.cache.tiers import TierBuffer, allocate
-from tiered_tbe.kernels.rows import TIER_DEVICE, TIER_HOST, TIER_MANAGED, RowStores
+from tiered_tbe.kernels.rows import RowStores
 from tiered_tbe.specs import Placement, TableSpec
-
-TIER_OF_BACKING = {Placement.DEVICE: TIER_DEVICE, Placement.HOST: TIER_HOST, Placement.MANAGED: TIER_MANAGED}
 
 
 @dataclass
@@ -60,37 +58,11 @@ class TableStorage:
             if spec.placement.is_cached
         ]
 
-    def row_stores(
-        self, device: torch.device, cache_weights: torch.Tensor, cache_state: torch.Tensor
-    ) -> RowStores:
-        def flat(buffers, placement, dtype):
-            buffer = buffers.get(placement)
-            return buffer.tensor if buffer is not None else torch.empty(0, dtype=dtype, device=device)
-
-        dtype = next(iter(self.weight_buffers.values())).tensor.dtype
-        dims = [spec.embedding_dim for spec in self.tables]
-        return RowStores(
-            device_weights=flat(self.weight_buffers, Placement.DEVICE, dtype),
-            host_weights=flat(self.weight_buffers, Placement.HOST, dtype),
-            managed_weights=flat(self.weight_buffers, Placement.MANAGED, dtype),
-            device_state=flat(self.state_buffers, Placement.DEVICE, torch.float32),
-            host_state=flat(self.state_buffers, Placement.HOST, torch.float32),
-            managed_state=flat(self.state_buffers, Placement.MANAGED, torch.float32),
-            table_tier=torch.tensor(
-                [TIER_OF_BACKING[s.placement.backing] for s in self.tables], dtype=torch.int32, device=device
-            ),
-            table_weight_offset=torch.tensor(self.weight_offset, dtype=torch.int64, device=device),
-            table_state_offset=torch.tensor(self.state_offset, dtype=torch.int64, device=device),
-            table_dim=torch.tensor(dims, dtype=torch.int32, device=device),
-            table_output_offset=torch.tensor(
-                [sum(dims[:t]) for t in range(len(dims))], dtype=torch.int32, device=device
-            ),
-            cache_weights=cache_weights,
-            cache_state=cache_state,
-            max_dim=max(dims),
-            total_dim=sum(dims),
-            num_rows=sum(spec.num_embeddings for spec in self.tables),
-        )
+    def row_stores(self, cache_weights: torch.Tensor, cache_state: torch.Tensor) -> RowStores:
+        """The kernels' view of every table: its rows and state wherever they live (one table of
+        row stores; the kernels never see tiers)."""
+        return RowStores(tuple(self.weights(t) for t in range(len(self.tables))),
+                         tuple(self.state(t) for t in range(len(self.tables))), cache_weights, cache_state)
 
 
 def lay_out(

@@ -1,0 +1,412 @@
+"""Time tiered-tbe against FBGEMM_GPU's TBE side by side, in one process, on the same batches.
+
+FBGEMM_GPU's ``SplitTableBatchedEmbeddingBagsCodegen`` is what our users run today, so it is
+the baseline that counts. Each configuration builds FBGEMM's module and ours on the same table
+shapes, optimizer and weights dtype, trains both on the same batches (``common.ZipfBatches``),
+and times the forward (``module(indices, offsets)``), the backward (``out.backward(grad)``: the
+fused update) and the whole step with CUDA events, medians of ``--steps`` steps after
+``--warmup``. Cached configurations add the prefetch (FBGEMM ``MANAGED_CACHING`` with
+``cache_load_factor`` equal to our cache fraction, ``prefetch`` before each step, or with
+``prefetch_pipeline=True`` and the next batch prefetched on a side stream as TorchRec does;
+ours ``HOST_CACHED`` / ``MANAGED_CACHED``, ``prefetch`` before each step, or a depth-2
+:class:`~tiered_tbe.PrefetchPipeline`).
+
+Settings: both sides run without bounds checks (FBGEMM ``BoundsCheckMode.NONE``, ours
+``bounds_check="off"``), fp32 outputs, the same learning rate and epsilon; fp16 weights use
+stochastic rounding on both sides (FBGEMM's default). Ours is called as a user calls it (the
+module), and for the forward the bare kernel (``pooled_forward``) is timed too, so the module's
+own cost shows.
+
+FBGEMM is an optional dependency (``pip install fbgemm-gpu`` beside torch); without it the
+command says so and exits 0 (``--ours-only`` times our side alone). Without a GPU it runs our
+side at a tiny size to prove it works; its times mean nothing.
+
+    tiered-tbe bench fbgemm                       # every configuration
+    tiered-tbe bench fbgemm --configs criteo-adagrad big-uniform-sgd --record
+    tiered-tbe bench fbgemm --list                # the configurations
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.benchmarks import common
+from tiered_tbe.kernels.forward import pooled_forward
+from tiered_tbe.module import TieredEmbeddingBags
+from tiered_tbe.optimizers import optimizer_named
+from tiered_tbe.specs import CacheConfig, Placement, TableSpec
+from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
+
+SCRIPT = "bench_fbgemm.py"
+HYPER = {"sgd": dict(lr=0.01), "rowwise_adagrad": dict(lr=0.01, eps=1e-8), "adam": dict(lr=0.001, eps=1e-8)}
+# ours / FBGEMM at most (issue 10, 11): steps and backwards 0.9, forwards 1.0, Adam 0.7, cached steps 0.8.
+TARGETS = {"forward": 1.0, "backward": 0.9, "step": 0.9}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One side-by-side measurement."""
+
+    name: str
+    tables: tuple[int, ...]  # rows of each table
+    dim: int = 128
+    batch_size: int = 65536
+    bag_size: int = 1
+    alpha: float = 1.05  # Zipf exponent, 0 = uniform
+    optimizer: str = "rowwise_adagrad"
+    dtype: str = "fp32"
+    placement: str = "device"  # device, host_cached, managed_cached
+    policy: str = "lru"
+    pipelined: bool = False
+    cache_fraction: float = 0.05
+
+    @property
+    def cached(self) -> bool:
+        return self.placement != "device"
+
+    def target(self, phase: str) -> float:
+        if self.cached:
+            return 0.8 if phase == "step" else float("nan")
+        if self.optimizer == "adam" and phase != "forward":
+            return 0.7
+        return TARGETS[phase]
+
+
+CRITEO = tuple(CRITEO_KAGGLE_TABLE_ROWS)
+BIG = (20_000_000,)
+CONFIGS = [
+    Config("criteo-adagrad", CRITEO),
+    Config("criteo-adagrad-z1.2", CRITEO, alpha=1.2),
+    Config("criteo-adagrad-fp16", CRITEO, dtype="fp16"),
+    Config("criteo-sgd", CRITEO, optimizer="sgd"),
+    Config("criteo-adam", CRITEO, optimizer="adam"),
+    Config("big-uniform-sgd", BIG, bag_size=32, alpha=0.0, optimizer="sgd"),
+    Config("big-uniform-adagrad", BIG, bag_size=32, alpha=0.0),
+    Config("big-zipf-sgd", BIG, bag_size=32, optimizer="sgd"),
+    Config("big-zipf-adagrad", BIG, bag_size=32),
+    Config("big-zipf-adagrad-fp16", BIG, bag_size=32, dtype="fp16"),
+    Config("cached-lru", CRITEO, placement="host_cached"),
+    Config("cached-lfu", CRITEO, placement="host_cached", policy="lfu"),
+    Config("cached-lru-z1.2", CRITEO, placement="host_cached", alpha=1.2),
+    Config("cached-lfu-z1.2", CRITEO, placement="host_cached", policy="lfu", alpha=1.2),
+    Config("cached-managed-lru", CRITEO, placement="managed_cached"),
+    Config("cached-lru-pipelined", CRITEO, placement="host_cached", pipelined=True),
+]
+CONFIG_NAMES = [c.name for c in CONFIGS]
+SIMULATION_SHAPE = dict(tables=(50, 7, 300), dim=8, batch_size=8)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add this benchmark's flags to ``parser`` (a new one if None): ``tiered-tbe bench fbgemm`` and the script."""
+    parser = parser or argparse.ArgumentParser(prog="python benchmarks/bench_fbgemm.py")
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--configs", nargs="+", default=None, metavar="NAME",
+                        help="configurations to run (default: all; --list shows them)")
+    parser.add_argument("--list", action="store_true", help="list the configurations and exit")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per side (default 20; 2 in simulation)")
+    parser.add_argument("--warmup", type=int, default=10, help="steps before timing (default 10; 1 in simulation)")
+    parser.add_argument("--distinct-batches", type=int, default=6,
+                        help="distinct batches cycled through (default 6: more than the L2 holds)")
+    parser.add_argument("--ours-only", action="store_true", help="time our side only (no FBGEMM)")
+    parser.add_argument("--mover", default=None, help="our cache's row mover (CacheConfig.mover), when it has one")
+    parser.add_argument("--backward-configs", nargs="+", default=None, metavar="R,L,W,CHUNK,P",
+                        help="also time our HBM steps with these backward tile shapes (rows, lanes, warps, chunk, "
+                             "programs per SM): a tuning sweep")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the lookups")
+    common.add_output_flags(parser)
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> argparse.Namespace:
+    unknown = sorted(set(args.configs or []) - set(CONFIG_NAMES))
+    if unknown:
+        raise ValueError(f"unknown configurations {unknown}; choose from {CONFIG_NAMES}")
+    if args.steps < 1 or args.warmup < 0 or args.distinct_batches < 1:
+        raise ValueError("--steps and --distinct-batches must be >= 1, --warmup >= 0")
+    if SIMULATION:
+        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
+    if args.results_file is None:
+        args.results_file = common.RESULTS
+    return args
+
+
+def fbgemm_available() -> str | None:
+    """None when fbgemm_gpu imports and a GPU is present, else why not."""
+    if SIMULATION:
+        return "no CUDA device (simulation mode)"
+    try:
+        import fbgemm_gpu  # noqa: F401
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except Exception as error:  # noqa: BLE001 - any import failure means: not available
+        return f"fbgemm_gpu does not import ({type(error).__name__}: {error})"
+    return None
+
+
+def shape_of(config: Config) -> Config:
+    """The configuration at a tiny size in simulation (its timing means nothing there)."""
+    return dataclasses.replace(config, **SIMULATION_SHAPE) if SIMULATION else config
+
+
+# ------------------------------------------------------------------------------------ timing
+
+
+def time_steps(step, batches, grad, warmup: int, steps: int, before=None) -> dict[str, float]:
+    """Median ms of forward, backward and the whole step (CUDA events on the current stream).
+
+    ``step(i, indices, offsets) -> output``; ``before(i)`` runs first each step, outside the
+    forward (a prefetch), and is timed as ``prefetch``."""
+    timer = common.StepTimer()
+    for i in range(warmup + steps):
+        indices, offsets = batches[i % len(batches)]
+        timed = i >= warmup
+        if timed:
+            timer.start()
+        if before is not None:
+            before(i)
+            if timed:
+                timer.mark("prefetch")
+        out = step(i, indices, offsets)
+        if timed:
+            timer.mark("forward")
+        out.backward(grad)
+        if timed:
+            timer.mark("backward")
+        del out
+    return {phase: common.median(times) for phase, times in timer.phases().items()}
+
+
+def ours_module(config: Config, args) -> TieredEmbeddingBags:
+    placement = {"device": Placement.DEVICE, "host_cached": Placement.HOST_CACHED,
+                 "managed_cached": Placement.MANAGED_CACHED}[config.placement]
+    tables = [TableSpec(n, config.dim, name=f"t{t}", placement=placement) for t, n in enumerate(config.tables)]
+    cache = None
+    if config.cached:
+        extra = {"mover": args.mover} if args.mover and "mover" in {f.name for f in dataclasses.fields(CacheConfig)} \
+            else {}
+        cache = CacheConfig(fraction=config.cache_fraction, policy=config.policy, **extra)
+    return TieredEmbeddingBags(tables, optimizer=optimizer_named(config.optimizer, **HYPER[config.optimizer]),
+                               weights_dtype=common.DTYPES[config.dtype], device=default_device(), cache=cache,
+                               bounds_check="off", stochastic_rounding=config.dtype != "fp32", seed=args.seed)
+
+
+def measure_ours(config: Config, batches, grad, args) -> dict:
+    emb = ours_module(config, args)
+    result = {}
+    if config.pipelined:
+        from tiered_tbe.pipeline import PrefetchPipeline
+
+        timer = common.StepTimer()
+        count = args.warmup + args.steps
+        pipeline = PrefetchPipeline(emb, [batches[i % len(batches)] for i in range(count)], depth=2)
+        for i, (indices, offsets) in enumerate(pipeline):
+            if i >= args.warmup:
+                timer.start()
+            out = emb(indices, offsets)
+            if i >= args.warmup:
+                timer.mark("forward")
+            out.backward(grad)
+            if i >= args.warmup:
+                timer.mark("backward")
+            del out
+        pipeline.close()
+        result = {phase: common.median(times) for phase, times in timer.phases().items()}
+    elif config.cached:
+        def prefetch(i):
+            indices, offsets = batches[i % len(batches)]
+            emb.prefetch(indices, offsets)
+        result = time_steps(lambda i, indices, offsets: emb(indices, offsets), batches, grad, args.warmup,
+                            args.steps, before=prefetch)
+    else:
+        result = time_steps(lambda i, indices, offsets: emb(indices, offsets), batches, grad, args.warmup,
+                            args.steps)
+        from tiered_tbe.kernels.rows import Lookups
+
+        lookups = [Lookups(indices, offsets, config.batch_size) for indices, offsets in batches]
+        result["kernel_forward"] = common.time_ms(
+            lambda: pooled_forward(emb.row_stores, lookups[0], None, "sum"), rep_ms=100)
+        from tiered_tbe.kernels import forward
+
+        best = getattr(forward._pooled_forward_kernel, "best_config", None)
+        result["forward_tile"] = (f"B{best.kwargs['BLOCK_B']} L{best.kwargs['BLOCK_L']} w{best.num_warps}"
+                                  if best is not None else "-")
+    if config.cached:
+        stats = emb.cache_stats()
+        result["hit_rate"] = stats.hit_rate_by_lookup if stats.lookups else float("nan")
+    return result  # the module goes with this frame: the caller frees its memory
+
+
+def fbgemm_module(config: Config):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        BoundsCheckMode,
+        CacheAlgorithm,
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    location = EmbeddingLocation.MANAGED_CACHING if config.cached else EmbeddingLocation.DEVICE
+    optimizer = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                 "adam": EmbOptimType.ADAM}[config.optimizer]
+    hyper = HYPER[config.optimizer]
+    emb = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(n, config.dim, location, ComputeDevice.CUDA) for n in config.tables],
+        optimizer=optimizer, learning_rate=hyper["lr"], eps=hyper.get("eps", 1e-8),
+        weights_precision=SparseType.FP16 if config.dtype == "fp16" else SparseType.FP32,
+        output_dtype=SparseType.FP32, pooling_mode=PoolingMode.SUM, bounds_check_mode=BoundsCheckMode.NONE,
+        cache_load_factor=config.cache_fraction,
+        cache_algorithm=CacheAlgorithm.LFU if config.policy == "lfu" else CacheAlgorithm.LRU,
+        prefetch_pipeline=config.pipelined, stochastic_rounding=config.dtype != "fp32", device=torch.device("cuda"))
+    bound = 1.0 / max(config.tables) ** 0.5
+    emb.init_embedding_weights_uniform(-bound, bound)
+    return emb
+
+
+def measure_fbgemm(config: Config, batches, grad, args) -> dict:
+    emb = fbgemm_module(config)
+    if config.pipelined:
+        # As TorchRec's prefetch pipeline: batch i+1 prefetched on a side stream while batch i trains.
+        main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        count = args.warmup + args.steps
+        with torch.cuda.stream(side):
+            emb.prefetch(*batches[0], forward_stream=main)
+        ready = [torch.cuda.Event() for _ in range(count + 1)]
+        ready[0].record(side)
+
+        def step(i, indices, offsets):
+            main.wait_event(ready[i])
+            out = emb(indices, offsets)
+            with torch.cuda.stream(side):
+                side.wait_stream(main)  # after the forward that used the cache state
+                emb.prefetch(*batches[(i + 1) % len(batches)], forward_stream=main)
+                ready[i + 1].record(side)
+            return out
+
+        result = time_steps(step, batches, grad, args.warmup, args.steps)
+    elif config.cached:
+        def prefetch(i):
+            emb.prefetch(*batches[i % len(batches)])
+        result = time_steps(lambda i, indices, offsets: emb(indices, offsets), batches, grad, args.warmup,
+                            args.steps, before=prefetch)
+    else:
+        result = time_steps(lambda i, indices, offsets: emb(indices, offsets), batches, grad, args.warmup,
+                            args.steps)
+    return result  # the module goes with this frame: the caller frees its memory
+
+
+def bench_free() -> None:
+    import gc
+
+    gc.collect()
+    if not SIMULATION:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    missing = None if args.ours_only else fbgemm_available()
+    print(f"bench_fbgemm: {describe_mode()}")
+    if missing and not SIMULATION:
+        print(f"FBGEMM_GPU is not available: {missing}. Install fbgemm-gpu beside torch to compare, "
+              "or pass --ours-only. Nothing measured.")
+        return []
+    if missing:
+        print(f"FBGEMM_GPU: {missing}; timing our side only, at a tiny size (times mean nothing)")
+    print("settings: no bounds checks on either side (FBGEMM BoundsCheckMode.NONE, ours bounds_check='off'); "
+          "fp32 output; stochastic rounding for fp16 weights on both sides; cached: FBGEMM MANAGED_CACHING, "
+          f"ours HOST_CACHED/MANAGED_CACHED{'' if not args.mover else f' mover={args.mover}'}, same cache fraction")
+    configs = [c for c in CONFIGS if args.configs is None or c.name in args.configs]
+    results = []
+    for base in configs:
+        config = shape_of(base)
+        sampler = common.ZipfBatches(config.tables, config.alpha, config.batch_size, config.bag_size,
+                                     default_device(), seed=args.seed)
+        batches = sampler.batches(args.distinct_batches)
+        del sampler
+        grad = torch.randn(config.batch_size, config.dim * len(config.tables), device=default_device())
+        row = {"config": base.name, "ours": measure_ours(config, batches, grad, args)}
+        bench_free()
+        row["fbgemm"] = measure_fbgemm(config, batches, grad, args) if not missing else {}
+        bench_free()
+        for spec in (args.backward_configs or []) if not config.cached else []:
+            import os
+
+            os.environ["TIERED_TBE_BACKWARD"] = spec
+            try:
+                row[f"ours backward {spec}"] = measure_ours(config, batches, grad, args)
+                bench_free()
+            finally:
+                del os.environ["TIERED_TBE_BACKWARD"]
+        results.append(row)
+        print(f"  {base.name}: ours " + ", ".join(f"{k} {common.fmt(v)}" for k, v in row["ours"].items())
+              + ("; FBGEMM " + ", ".join(f"{k} {common.fmt(v)}" for k, v in row["fbgemm"].items())
+                 if row["fbgemm"] else ""), flush=True)
+        del batches, grad
+        bench_free()
+    common.report(args, SCRIPT, sys.argv[1:], results, table_of(results))
+    return results
+
+
+def table_of(results: list[dict]) -> list[str]:
+    by_name = {c.name: c for c in CONFIGS}
+    rows = []
+    for row in results:
+        config = by_name[row["config"]]
+        phases = ("prefetch", "forward", "backward", "step") if config.cached else ("forward", "backward", "step")
+        for phase in phases:
+            ours, theirs = row["ours"].get(phase), row["fbgemm"].get(phase)
+            ratio = ours / theirs if ours is not None and theirs else None
+            target = config.target(phase) if phase != "prefetch" else float("nan")
+            verdict = "-" if ratio is None or target != target else ("met" if ratio <= target else "MISSED")
+            rows.append([config.name, phase, common.fmt(theirs), common.fmt(ours), common.fmt(ratio, ".2f"),
+                         common.fmt(target, ".1f") if target == target else "-", verdict])
+        if "kernel_forward" in row["ours"]:
+            rows.append([config.name, f"forward, bare kernel ({row['ours']['forward_tile']})", "-",
+                         common.fmt(row["ours"]["kernel_forward"]), "-", "-", "-"])
+        for key, value in row.items():
+            if key.startswith("ours backward "):
+                rows.append([config.name, f"step, {key[5:]}", common.fmt(row["fbgemm"].get("step")),
+                             common.fmt(value.get("step")),
+                             common.fmt(value["step"] / row["fbgemm"]["step"] if row["fbgemm"].get("step") else None,
+                                        ".2f"), "-", "-"])
+    header = ["configuration", "phase", "FBGEMM ms", "ours ms", "ours / FBGEMM", "target", ""]
+    return common.markdown_table(header, rows)
+
+
+def run_command(args: argparse.Namespace) -> list[dict]:
+    if args.list:
+        for config in CONFIGS:
+            print(f"{config.name:<26} {len(config.tables)} tables ({sum(config.tables):,} rows) x {config.dim} "
+                  f"{config.dtype}, B={config.batch_size}, L={config.bag_size}, zipf {config.alpha:g}, "
+                  f"{config.optimizer}, {config.placement}" + (f" {config.policy}" if config.cached else "")
+                  + (", pipelined" if config.pipelined else ""))
+        return []
+    return run(check_args(args))
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        run_command(args)
+    except ValueError as error:
+        parser.error(str(error))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Compile the Triton TBE kernels for a GPU on a machine without one, and report what came out.
+
+Triton can compile for a target it is told of (here sm_90, the H200) with no GPU present: this
+script sets ``TRITON_INTERPRET=0``, stands a small driver in for the missing CUDA one (it names
+the target and a stream; nothing is launched), and calls each kernel's ``warmup`` on tensors of
+the right dtypes. For each kernel it prints registers per thread, spills, shared memory, and the
+16-byte vector loads and stores in the PTX: the compiler's view of what simulation mode (the
+interpreter) cannot show. It catches kernels that the interpreter runs but the compiler
+rejects, and lost vector loads, at no GPU time.
+
+    python benchmarks/compile_kernels.py                # dim 128, fp32, every optimizer
+    python benchmarks/compile_kernels.py --dim 64 --dtype bf16 --arch 90
+    python benchmarks/compile_kernels.py --count-compilations   # compiles over batches of varying sizes
+
+``--count-compilations`` runs the real host functions (``pooled_forward``, ``backward_update``)
+over batches whose sizes, steps and seeds vary, every launch compiled and none run, and prints
+how many kernels each Triton function compiled: one per model shape (per tile the autotuner
+tries, for the forward) when no per-batch integer is specialized.
+
+Run it as its own process (it must set TRITON_INTERPRET before triton is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+os.environ["TIERED_TBE_COMPILE_ONLY"] = "1"
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.driver import DriverBase  # noqa: E402
+
+
+class OfflineDriver(DriverBase):
+    """A driver with a target and no device: enough for ``JITFunction.warmup`` to compile."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    @classmethod
+    def is_active(cls):
+        return False
+
+    def map_python_to_cpp_type(self, ty):
+        raise NotImplementedError
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_benchmarker(self):
+        raise NotImplementedError("nothing runs offline")
+
+    def get_device_capability(self, device=None):
+        return divmod(self.target.arch, 10)
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """Registers, stack frame and local (spill) memory of a cubin, per ``cuobjdump -res-usage``
+    (the cuobjdump Triton ships)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel.cubin"
+        path.write_bytes(cubin)
+        log = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True, text=True,
+                             check=True).stdout
+
+    def number(key):
+        found = re.search(key + r":(\d+)", log)
+        return int(found.group(1)) if found else 0
+
+    return {"registers": number("REG"), "stack_bytes": number("STACK"), "local_bytes": number("LOCAL")}
+
+
+def _report(name: str, compiled, arch: int = 90) -> dict:
+    ptx = compiled.asm["ptx"]
+    facts = {
+        "kernel": name,
+        **_resource_usage(compiled.asm["cubin"]),
+        "shared_bytes": compiled.metadata.shared,
+        "v4_loads": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.v4\.", ptx)),
+        "v4_stores": len(re.findall(r"st\.global(?:\.[a-z0-9]+)*\.v4\.", ptx)),
+        "scalar_loads": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.b32 ", ptx)),
+    }
+    print(f"{name:<44} regs {facts['registers']:>3}  stack {facts['stack_bytes']:>4}  local {facts['local_bytes']:>4} "
+          f"shared {facts['shared_bytes']:>6}  v4 ld {facts['v4_loads']:>3}  v4 st {facts['v4_stores']:>3}  "
+          f"32-bit ld {facts['scalar_loads']:>3}")
+    return facts
+
+
+def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 90,
+                optimizers: list[str] | None = None) -> list[dict]:
+    """Compile every kernel for ``arch`` at one model shape; returns one dict of facts per kernel."""
+    triton.runtime.driver.set_active(OfflineDriver(arch))
+    import tiered_tbe.kernels.backward as backward
+    import tiered_tbe.kernels.forward as forward
+    import tiered_tbe.kernels.linearize as linearize
+    from tiered_tbe.kernels.optimizers import OPTIMIZERS
+
+    assert not forward.INTERPRETING, "TRITON_INTERPRET must be 0 before tiered_tbe loads"
+    block_d = triton.next_power_of_2(dim)
+    n = 4096
+    i32, i64, f32 = (torch.zeros(n, dtype=t) for t in (torch.int32, torch.int64, torch.float32))
+    weights = torch.zeros(64, dim, dtype=dtype)
+    addresses = torch.zeros(4, dtype=torch.int64)
+    results = []
+    grid = (1,)
+
+    tuned = forward._pooled_forward_kernel
+    for config in tuned.configs:
+        kernel = tuned.fn.warmup(
+            f32, 3328, dim, addresses, addresses, i32, i32, weights, dim, i64, i64, i32, f32, 65536, 0,
+            POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16,
+            BLOCK_D=block_d, grid=grid, num_warps=config.num_warps, **config.kwargs)
+        results.append(_report(f"forward B{config.kwargs['BLOCK_B']} L{config.kwargs['BLOCK_L']} "
+                               f"w{config.num_warps}", kernel, arch))
+    results.append(_report("linearize", linearize._linearize_kernel.warmup(
+        i32, i32, addresses, i64, i64, n, 65536, BLOCK_B=32, BLOCK_L=4, grid=grid, num_warps=4), arch))
+    config = backward.default_config(block_d)
+    common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, GRAD_ALIGN_BYTES=16, CHUNK=config.chunk, BLOCK_D=block_d)
+    results.append(_report("hot window sums", backward._hot_window_sums_kernel.warmup(
+        f32, i64, i32, i32, i64, f32, f32, 3328, i32, i32, n, 65536, **common, ALIGN=16 // weights.element_size(),
+        grid=grid, num_warps=4), arch))
+    state = torch.zeros(64, 2 * dim, dtype=torch.float32)
+    for name in optimizers or list(OPTIMIZERS):
+        optimizer = OPTIMIZERS[name]()
+        load_state, update, store_state = optimizer.TRITON
+        hyper = tuple(float(v) for v in optimizer.kernel_hyper(1))
+        updating = dict(USE_CACHE=True, OPTIMIZER_LOAD_STATE=load_state, OPTIMIZER_UPDATE=update,
+                        OPTIMIZER_STORE_STATE=store_state, STOCHASTIC_ROUNDING=dtype != torch.float32,
+                        ALIGN=16 // weights.element_size(), ALIGN_BYTES=16,
+                        STATE_ALIGN_BYTES=4 if optimizer.state_width(dim) % 4 else 16)
+        stores = (addresses, addresses, addresses, addresses, addresses, i32, i32, weights, dim, state, 2 * dim)
+        label = f"row update ({name}) R{config.rows} L{config.lanes}"
+        results.append(_report(label, backward._row_update_kernel.warmup(
+            i32, i64, i32, i32, i32, i64, f32, i32, f32, 3328, *stores, hyper, 0, 1, 65536, **common, **updating,
+            ROWS=config.rows, BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
+        results.append(_report(f"hot row update ({name})", backward._hot_row_update_kernel.warmup(
+            f32, i32, i64, i32, i32, i32, i64, f32, i32, f32, 3328, *stores, hyper, 0, 1, n, 65536, **common,
+            **updating, BLOCK_P=8, BLOCK_L=4, grid=grid, num_warps=max(1, block_d // 128)), arch))
+    results.append(_report("per-sample-weight grad", backward._per_sample_weights_grad_kernel.warmup(
+        f32, f32, 3328, addresses, addresses, i32, i32, weights, dim, i64, i64, i32, 65536, POOLING=0,
+        USE_CACHE=True, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16, BLOCK_B=8, BLOCK_L=4, BLOCK_D=block_d,
+        grid=grid, num_warps=4), arch))
+    return results
+
+
+def compile_only(arch: int = 90) -> None:
+    """Compile on every launch, run nothing: an offline driver, and the autotuner "times" each
+    candidate by compiling it (every candidate then counts as compiled once)."""
+    from triton.runtime import autotuner, jit
+
+    triton.runtime.driver.set_active(OfflineDriver(arch))
+    run = jit.JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        return run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    def bench_by_compiling(self, *args, config, **meta):
+        self.fn.run(*args, **meta, **config.all_kwargs())
+        return [0.0, 0.0, 0.0]
+
+    jit.JITFunction.run = compile_instead
+    autotuner.Autotuner._bench = bench_by_compiling
+
+
+def compilations() -> dict[str, int]:
+    """Kernels compiled so far by each Triton function of tiered_tbe.kernels."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    import tiered_tbe.kernels.backward as backward
+    import tiered_tbe.kernels.forward as forward
+    import tiered_tbe.kernels.linearize as linearize
+
+    counts = {}
+    for module in (forward, backward, linearize):
+        for name, value in vars(module).items():
+            function = value.fn if isinstance(value, Autotuner) else value
+            if isinstance(function, JITFunction) and name.endswith("_kernel"):
+                counts[name] = sum(len(caches[0]) for caches in function.device_caches.values())
+    return counts
+
+
+def count_compilations(batches: int = 6) -> dict[str, int]:
+    """Forward and backward (row-wise Adagrad, SGD) over ``batches`` batches of one model shape whose
+    lookup counts, batch sizes, steps and seeds vary; returns ``compilations()``."""
+    compile_only()
+    from tiered_tbe.kernels.backward import backward_update
+    from tiered_tbe.kernels.forward import pooled_forward
+    from tiered_tbe.kernels.optimizers import SGD, RowwiseAdagrad
+    from tiered_tbe.kernels.rows import Lookups, RowStores, no_cache
+
+    generator = torch.Generator().manual_seed(0)
+    tables = [1000, 50, 7]
+    dim = 64
+    state = [torch.zeros(n, 1) for n in tables]
+    stores = RowStores(tuple(torch.randn(n, dim) for n in tables), tuple(state), *no_cache(torch.float32, "cpu"))
+    for batch in range(batches):
+        batch_size = 512 if batch < batches - 1 else 77  # a last, smaller batch
+        lengths = torch.randint(1, 5, (len(tables) * batch_size,), generator=generator)  # mean 2.5: one class
+        # Lookup counts that are multiples of 16 in some batches, odd or even in others.
+        lengths[-1] += (16 - int(lengths.sum()) + (0, 1, 2, 16, 9, 0)[batch % 6]) % 16
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+        offsets[1:] = lengths.cumsum(0)
+        num_lookups = int(offsets[-1])
+        table_of = torch.arange(len(tables)).repeat_interleave(batch_size).repeat_interleave(lengths)
+        indices = (torch.rand(num_lookups, generator=generator) * torch.tensor(tables)[table_of]).long()
+        lookups = Lookups(indices, offsets, batch_size)
+        pooled_forward(stores, lookups, None, "sum")
+        grad = torch.randn(batch_size, dim * len(tables), generator=generator)
+        for optimizer in (RowwiseAdagrad(lr=0.01 * (batch + 1)), SGD(lr=0.1)):
+            backward_update(grad, stores, lookups, None, "sum", optimizer, step=batch + 1, seed=batch)
+    return compilations()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dim", type=int, default=128, help="embedding dim (default 128)")
+    parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="weights dtype")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
+    parser.add_argument("--optimizers", nargs="+", help="optimizer names (default: all)")
+    parser.add_argument("--count-compilations", action="store_true",
+                        help="count the kernels compiled over batches of varying sizes instead")
+    args = parser.parse_args(argv)
+    if args.count_compilations:
+        for name, count in sorted(count_compilations().items()):
+            print(f"{name:<36} {count} compiled")
+        return 0
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    print(f"triton {triton.__version__}: compiling for sm_{args.arch}, dim {args.dim}, {args.dtype} (nothing runs)")
+    compile_all(args.dim, dtype, args.arch, args.optimizers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

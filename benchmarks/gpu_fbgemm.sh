@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Ours beside FBGEMM_GPU on the lent H200, in one device call: unpack the FBGEMM peer (carried
+# as .peer, see ../shared/peer/README.md), run the kernels' gpu-marked tests, then
+# benchmarks/bench_fbgemm.py on the configurations asked for; logs and JSON under $OUT.
+#
+#   TIERED_TBE_COMMIT=<commit> OUT=$OUT bash benchmarks/gpu_fbgemm.sh
+# Environment (all optional):
+#   CONFIGS        bench_fbgemm configurations (default: the HBM ones and two cached ones)
+#   SWEEP_CONFIGS  configurations also timed with each backward tile shape of SWEEP (default: none)
+#   SWEEP          backward tile shapes "rows,lanes,warps,chunk,programs_per_sm ..." (default: a few)
+#   TESTS          pytest targets run first (default: the kernel and compile gpu tests); "" skips
+#   STEPS, WARMUP  timed and warm-up steps per side (default 20, 8)
+#   SKIP_INSTALL=1 the project and wheels are installed already
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+        || { cat "$OUT/install.log"; exit 1; }
+    if [[ -d .peer ]]; then
+        bash .peer/install-on-device.sh .peer >>"$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+        export PYTHONPATH=/tmp/fbsite:${PYTHONPATH:-}
+    fi
+fi
+python3 -c "import tiered_tbe, tiered_tbe.kernels, tiered_tbe.cache, torch, triton; print(tiered_tbe.describe_mode(), \
+torch.__version__, triton.__version__)" || exit 1
+python3 -c "import fbgemm_gpu; print('fbgemm_gpu', fbgemm_gpu.__version__)" 2>&1 | tail -1
+
+TESTS=${TESTS-tests/test_kernels.py tests/test_compile_once.py}
+if [[ -n $TESTS ]]; then
+    # shellcheck disable=SC2086
+    timeout 240 python3 -m pytest -m gpu -q -x -p no:cacheprovider $TESTS >"$OUT/gpu-tests.log" 2>&1
+    echo "gpu tests: rc=$? $(tail -n 1 "$OUT/gpu-tests.log")"
+fi
+CONFIGS=${CONFIGS:-criteo-adagrad criteo-adagrad-z1.2 criteo-adagrad-fp16 criteo-sgd criteo-adam big-uniform-sgd \
+big-uniform-adagrad big-zipf-sgd big-zipf-adagrad cached-lru cached-lfu}
+# shellcheck disable=SC2086
+python3 benchmarks/bench_fbgemm.py --configs $CONFIGS --steps "${STEPS:-20}" --warmup "${WARMUP:-8}" \
+    --json "$OUT/bench_fbgemm.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 | tee "$OUT/bench_fbgemm.log" \
+    | grep -v -i "warn"
+if [[ -n ${SWEEP_CONFIGS:-} ]]; then
+    SWEEP=${SWEEP:-8,2,4,32,8 16,1,4,32,8 8,4,4,32,8 4,2,2,32,16 16,2,8,32,4 8,2,4,64,8 8,2,4,16,8}
+    # shellcheck disable=SC2086
+    python3 benchmarks/bench_fbgemm.py --configs $SWEEP_CONFIGS --steps "${STEPS:-20}" --warmup "${WARMUP:-8}" \
+        --backward-configs $SWEEP --json "$OUT/bench_sweep.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 \
+        | tee "$OUT/bench_sweep.log" | grep -v -i "warn"
+fi

@@ -1,0 +1,120 @@
+"""Triton helpers shared by the TBE kernels: where a lookup's row is, and the tiles of bags.
+
+Every kernel finds a row the same way: table ``t``'s row 0 is at ``table_weights_address[t]``
+(any memory the GPU addresses), row ``r`` ``r * table_weights_stride[t]`` elements further on,
+unless the lookup's slot (``slot_of_index``) is ``>= 0``: then the newest copy is that slot of
+the cache. Addresses are formed in int64 (row * stride passes 2^31 elements in large tables).
+
+The forward-type kernels (pooled forward, linearize, per-sample-weight gradients) share one
+tiling: program ``(i, t)`` takes bags ``i * BLOCK_B ..`` of table ``t`` and walks them
+``BLOCK_L`` lookups at a time, so one tile holds ``BLOCK_B x BLOCK_L`` lookups (many bags of
+one lookup, or few long bags) and every load of the tile is issued at once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+import tiered_tbe.base.mode  # noqa: F401  (first: picks GPU or simulation mode before kernels are defined)
+
+# Triton runs its interpreter in CPU simulation mode (TRITON_INTERPRET=1, set by base.mode). Read
+# from the environment, as Triton does, so the kernels can also be compiled for a GPU on a machine
+# without one (benchmarks/compile_kernels.py).
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Codes of the POOLING constexpr.
+POOLING_SUM = 0
+POOLING_MEAN = 1
+POOLING_NONE = 2
+POOLING_CODES = {"sum": POOLING_SUM, "mean": POOLING_MEAN, "none": POOLING_NONE}
+
+# Triton kernels may read module globals only when they are constexpr.
+POOLING_MEAN_CONSTEXPR = tl.constexpr(POOLING_MEAN)
+POOLING_NONE_CONSTEXPR = tl.constexpr(POOLING_NONE)
+
+
+def pooling_code(pooling: str) -> int:
+    """``"sum"`` -> 0, ``"mean"`` -> 1, ``"none"`` -> 2 (the kernels' ``POOLING`` constexpr)."""
+    try:
+        return POOLING_CODES[pooling]
+    except KeyError:
+        raise ValueError(f"pooling must be one of {sorted(POOLING_CODES)}, got {pooling!r}") from None
+
+
+def bag_length_class(num_lookups: int, num_bags: int) -> int:
+    """``floor(log2(mean bag length))``, 0..7: the autotuners' key for the shape of a batch (a
+    class, so that batches of one model shape share one tuned, compiled kernel)."""
+    mean = num_lookups / max(num_bags, 1)
+    return 0 if mean < 2 else min(7, int(mean).bit_length() - 1)
+
+
+@triton.jit
+def table_row_zero(
+    address_ptr,  # int64 [T]: address of row 0 of each table (weights or state)
+    tables,  # int32 tensor (any shape): the table of each element
+    ELEMENT: tl.constexpr,  # element type of the rows (tl.float32, tl.float16, tl.bfloat16)
+):
+    """Typed pointers to row 0 of the tables ``tables``."""
+    return tl.load(address_ptr + tables).to(tl.pointer_type(ELEMENT))
+
+
+@triton.jit
+def row_pointers(
+    table_rows,  # pointer tensor: row 0 of each lookup's table in its backing store
+    rows,  # int tensor, same shape: row within the table
+    row_stride,  # int64 (scalar or same shape): elements between rows of the table
+    slots,  # int32, same shape: slot holding the row, or -1 (ignored unless USE_CACHE)
+    cache_ptr,  # [num_slots, width] slot rows, same element type as the table rows
+    cache_stride,  # elements between consecutive slots
+    USE_CACHE: tl.constexpr,  # False: every row comes from its backing store
+    ALIGN_BYTES: tl.constexpr,  # every row start is a multiple of this many bytes
+):
+    """Pointer to column 0 of the newest copy of each row (1-D): its slot, else its backing row.
+
+    The alignment hint lets the loads of a row be 16-byte vectors (Triton knows nothing of
+    pointers formed from loaded addresses). It must be given here: Triton 3.6 drops a
+    ``tl.multiple_of`` applied to the value a ``@triton.jit`` function returns.
+    """
+    pointers = table_rows + rows.to(tl.int64) * row_stride
+    if USE_CACHE:
+        pointers = tl.where(slots >= 0, cache_ptr + slots.to(tl.int64) * cache_stride, pointers)
+    return tl.multiple_of(pointers, ALIGN_BYTES)
+
+
+@triton.jit
+def bag_tile_bounds(
+    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
+    table,  # scalar: the program's table
+    batch_size,  # B
+    BLOCK_B: tl.constexpr,  # bags per program
+    BLOCK_L: tl.constexpr,  # lanes per bag: the tile's rows are (bag, lane) pairs, bag-major
+):
+    """``(bags, in_batch, starts, ends)`` of the tile's ``BLOCK_B * BLOCK_L`` rows: int32 bag
+    number within the table of each row, whether that bag exists, int64 first lookup and one
+    past the last lookup of the bag.
+
+    Tiles stay 2-D (rows x columns) and each row's pointer 1-D: Triton (3.6) then keeps the
+    loads of a row 16-byte vectors; a [bags, lanes, columns] tile would lose them.
+    """
+    bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B * BLOCK_L) // BLOCK_L
+    in_batch = bags < batch_size
+    bag_ids = table.to(tl.int64) * batch_size + bags
+    starts = tl.load(offsets_ptr + bag_ids, mask=in_batch, other=0).to(tl.int64)
+    ends = tl.load(offsets_ptr + bag_ids + 1, mask=in_batch, other=0).to(tl.int64)
+    return bags, in_batch, starts, ends
+
+
+@triton.jit
+def sum_lanes(
+    tile,  # fp32 [ROWS * BLOCK_L, BLOCK_D]: rows grouped BLOCK_L by BLOCK_L
+    ROWS: tl.constexpr,  # groups
+    BLOCK_L: tl.constexpr,  # rows per group
+    BLOCK_D: tl.constexpr,  # columns
+):
+    """fp32 [ROWS, BLOCK_D]: the sum of each group of BLOCK_L consecutive rows."""
+    if BLOCK_L == 1:
+        return tile
+    return tl.sum(tl.reshape(tile, (ROWS, BLOCK_L, BLOCK_D)), axis=1)

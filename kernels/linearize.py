@@ -1,0 +1,67 @@
+"""Linearize a batch: the global row id and the bag of every lookup, in one pass over the bags.
+
+All tables of a module share one global row id space (``g = table_row_offset[t] + r``); the
+cache keys its slots by ``g`` and the backward sorts lookups by ``g``. Both also need the bag
+``t * B + b`` of each lookup, which the TBE layout gives only as bag boundaries (``offsets``).
+One launch, tiled like the forward (``kernels/addressing.py``), writes both.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tiered_tbe.base.codes import INT32_MAX
+
+from .addressing import INTERPRETING, bag_tile_bounds
+from .rows import Lookups, RowStores
+
+
+@triton.jit(do_not_specialize=["num_lookups", "batch_size"])
+def _linearize_kernel(
+    global_rows_ptr,  # int32/int64 [N] out: table_row_offset[t] + indices[i]
+    bag_of_index_ptr,  # int32 [N] out: t*B + b of the bag holding lookup i
+    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
+    indices_ptr,  # int32/int64 [N]: row within its table of each lookup
+    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries, table-major
+    num_lookups,  # N: positions past it are never written, whatever the offsets say
+    batch_size,  # B
+    BLOCK_B: tl.constexpr,  # bags per program
+    BLOCK_L: tl.constexpr,  # lookups of each bag per step
+):
+    table = tl.program_id(1)
+    bags, _, starts, ends = bag_tile_bounds(offsets_ptr, table, batch_size, BLOCK_B, BLOCK_L)
+    row_offset = tl.load(table_row_offset_ptr + table)
+    bag_ids = (table * batch_size + bags).to(tl.int32)
+    lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
+    for step_start in range(0, tl.max(ends - starts, axis=0), BLOCK_L):
+        positions = starts + step_start + lanes
+        in_bag = (positions < ends) & (positions < num_lookups)
+        rows = tl.load(indices_ptr + positions, mask=in_bag, other=0).to(tl.int64) + row_offset
+        tl.store(global_rows_ptr + positions, rows.to(global_rows_ptr.dtype.element_ty), mask=in_bag)
+        tl.store(bag_of_index_ptr + positions, bag_ids, mask=in_bag)
+
+
+def linearize(stores: RowStores, lookups: Lookups, key_dtype: torch.dtype = torch.int64) -> Lookups:
+    """``lookups`` with ``global_rows`` (``key_dtype`` [N]) and ``bag_of_index`` (int32 [N]) filled in.
+
+    ``key_dtype=torch.int32`` (sort keys) needs every global row id below 2^31. Lookups that
+    come with both already are returned as they are. Indices are not checked here: an index out
+    of its table's range gives a global row of another table (the module validates first).
+    """
+    if lookups.global_rows is not None and lookups.bag_of_index is not None:
+        return lookups
+    if key_dtype == torch.int32 and stores.num_rows > INT32_MAX:
+        raise ValueError(f"int32 keys need fewer than 2^31 global rows, the tables have {stores.num_rows}")
+    device = lookups.indices.device
+    num_lookups = lookups.num_lookups
+    global_rows = torch.empty(num_lookups, dtype=key_dtype, device=device)
+    bag_of_index = torch.empty(num_lookups, dtype=torch.int32, device=device)
+    if num_lookups > 0 and lookups.batch_size > 0:
+        block_b, block_l = (2, 2) if INTERPRETING else (32, 4)
+        grid = (triton.cdiv(lookups.batch_size, block_b), stores.num_tables)
+        _linearize_kernel[grid](global_rows, bag_of_index, stores.table_row_offset, lookups.indices,
+                                lookups.offsets, num_lookups, lookups.batch_size, BLOCK_B=block_b, BLOCK_L=block_l,
+                                num_warps=4)
+    return lookups._replace(global_rows=global_rows, bag_of_index=bag_of_index)

@@ -1,0 +1,81 @@
+"""The Triton kernels compile for the H200 (sm_90) here, without a GPU, and once per model shape.
+
+Both run ``benchmarks/compile_kernels.py`` in a fresh process with the interpreter off: the
+kernels are compiled by Triton's real compiler for sm_90 and never run. The interpreter that
+runs the rest of the suite accepts code the compiler rejects, and cannot show specialization:
+Triton compiles a kernel again for every new class of an integer argument (equal to 1, a
+multiple of 16, other), so a per-batch count that is not marked ``do_not_specialize`` would
+compile a kernel again for batch after batch (the slow first steps of a new model shape).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_kernels.py"
+
+
+def _run(*flags: str) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="0", TIERED_TBE_COMPILE_ONLY="1", NUMBA_ENABLE_CUDASIM="1",
+               TRITON_DEFAULT_FP_FUSION="1", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_every_kernel_compiles_for_sm90_with_vector_loads():
+    out = _run("--optimizers", "sgd", "rowwise_adagrad", "lamb")
+    lines = [line for line in out.splitlines() if "regs" in line]
+    assert len(lines) >= 10, out
+    for line in lines:
+        if line.startswith(("forward", "row update", "hot row update", "hot window sums", "per-sample")):
+            assert "v4 ld   0" not in line, f"lost 16-byte vector loads: {line}"
+
+
+def test_each_kernel_compiles_once_per_model_shape():
+    out = _run("--count-compilations")
+    counts = {line.split()[0]: int(line.split()[1]) for line in out.splitlines() if line.endswith("compiled")}
+    forward_candidates = 4  # the autotuner's tiles for the batches' bag-length class, each compiled once
+    expected = {"_pooled_forward_kernel": forward_candidates, "_linearize_kernel": 1, "_run_starts_kernel": 1,
+                "_run_ends_kernel": 1, "_hot_window_sums_kernel": 1,
+                # once per optimizer (two are used)
+                "_hot_row_update_kernel": 2, "_row_update_kernel": 2}
+    assert {name: counts.get(name) for name in expected} == expected, out
+
+
+@pytest.mark.gpu
+def test_training_compiles_each_kernel_once_on_the_gpu(device):
+    """The same on the GPU, through the module: batches of varying sizes compile nothing new."""
+    import torch
+    from triton.runtime.autotuner import Autotuner
+
+    import tiered_tbe.kernels.backward as backward
+    import tiered_tbe.kernels.forward as forward
+    from tiered_tbe import RowwiseAdagrad, TableSpec, TieredEmbeddingBags
+
+    module = TieredEmbeddingBags([TableSpec(5000, 64), TableSpec(30, 64)], optimizer=RowwiseAdagrad(), device=device,
+                                 bounds_check="off")
+
+    def counts():
+        functions = {"forward": forward._pooled_forward_kernel, "rows": backward._row_update_kernel,
+                     "hot": backward._hot_row_update_kernel, "windows": backward._hot_window_sums_kernel}
+        return {k: sum(len(c[0]) for c in (f.fn if isinstance(f, Autotuner) else f).device_caches.values())
+                for k, f in functions.items()}
+
+    def step(batch_size, extra):
+        lengths = torch.randint(1, 4, (2 * batch_size,), device=device)
+        lengths[-1] += extra
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        indices = torch.randint(0, 30, (int(offsets[-1]),), device=device)
+        module(indices, offsets).sum().backward()
+
+    step(1024, 0)
+    before = counts()
+    for batch_size, extra in ((1024, 1), (1024, 16), (1000, 3), (17, 0)):
+        step(batch_size, extra)
+    torch.cuda.synchronize()
+    assert counts() == before
