@@ -71,8 +71,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     common.add_cache_flags(parser, POLICIES, several=True)
     run = parser.add_argument_group("run")
     run.add_argument("--depth", type=int, default=2, help="batches the pipeline prefetches ahead, 1..8 (default 2)")
-    run.add_argument("--mover", nargs="+", default=list(MOVERS), choices=MOVERS,
-                     help="row movers of the cached runs, each a model of its own (default: both)")
+    run.add_argument("--mover", nargs="+", default=["zero_copy"], choices=MOVERS,
+                     help="row movers of the cached runs, each a model of its own (default zero_copy; "
+                          "--mover zero_copy staged measures both)")
     run.add_argument("--mover-threads", type=int,
                      help="staged mover: torch intra-op threads per host copy (default: torch's)")
     run.add_argument("--staging-rows", type=int, help="staged mover: rows per staging buffer (default: the mover's)")

@@ -4,7 +4,8 @@
 #   1. install the project offline and check that tiered_tbe.cache / tiered_tbe.kernels import on
 #      a GPU (not in simulation); print versions and the GPU's name;
 #   2. the gpu-marked tests (pytest -m gpu -x);
-#   3. benchmarks/bench_kernels.py, bench_cache.py, bench_pipeline.py, then profile_step.py,
+#   3. benchmarks/bench_kernels.py, bench_cache.py (both row movers), bench_pipeline.py (and again
+#      with the staged mover), then profile_step.py,
 #      trace_pipeline.py (per-stream busy / idle time of pipelined steps) and bench_pipeline.py
 #      with the steps on the current stream (what PrefetchPipeline(high_priority=True) adds);
 #   4. last and optional, bench_cache.py's big-table mode (a 60 GB pinned table, 8 GB cache);
@@ -120,6 +121,10 @@ run_step bench_pipeline 240 "$OUT/bench_pipeline.log" 60 \
     python3 benchmarks/bench_pipeline.py --warmup 60 --batches 15 "${RECORD[@]}" \
     --json "$WORK/bench_pipeline.json" ${PIPELINE_ARGS:-}
 
+# The pipeline with the staged row mover (host threads, pinned staging, the copy engines).
+run_step pipeline_staged 150 "$WORK/pipeline_staged.log" 60 \
+    python3 benchmarks/bench_pipeline.py --mover staged --modes hbm pipelined --warmup 60 --batches 15 "${RECORD[@]}"
+
 # Where the step time goes (host vs device per phase, launch costs, top operators).
 run_step profile 90 "$OUT/profile.log" 40 python3 benchmarks/profile_step.py --warmup 10 --steps 3 --top 30
 # The GPU timeline of pipelined steps: does the training stream wait (idle) while prefetches run?
@@ -220,13 +225,15 @@ else:
     fails = log_tail("bench_big.log", r"(big-table mode|Error|error)")
     if fails:
         print("bench_big: " + fails[-1][:200])
-for name, pattern in (("trace.log", r"^== |stream|host ms|span"), ("priority.log", r"^\| (all HBM|host_cached)")):
+for name, pattern in (("trace.log", r"^== |stream|host ms|span"), ("priority.log", r"^\| (all HBM|host_cached)"),
+                      ("pipeline_staged.log", r"^\| (all HBM|host_cached)|^- zipf")):
     path = work / name
     lines = [line for line in path.read_text(errors="replace").splitlines() if re.search(pattern, line)] \
         if path.exists() else []
     if lines:
         print({"trace.log": "trace_pipeline (zipf 1.05, depth 2; per-stream busy/idle ms per step):",
-               "priority.log": "bench_pipeline with steps on the default-priority stream (zipf 1.05):"}[name])
+               "priority.log": "bench_pipeline with steps on the default-priority stream (zipf 1.05):",
+               "pipeline_staged.log": "bench_pipeline with the staged mover:"}[name])
         for line in lines:
             print("  " + line.strip())
 phases = log_tail("profile.log", r"^== |^   (prefetch|forward|backward) |host time of one")

@@ -85,15 +85,15 @@ def assert_no_locks(model: nn.Module) -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
 def test_pipelined_training_equals_serial(policy, one_simulated_thread):
-    """Both movers, depths 1, 2, 4; the staged mover's threads slowed at random (sleeps, one
+    """Both movers, depths 1 to 4; the staged mover's threads slowed at random (sleeps, one
     thread, many chunks): bitwise the tables of serial training."""
-    steps = 150
+    steps = 100
     batches = make_batches(steps)
     serial = make_model(policy)
     for batch in batches:
         train_step(serial, batch)
     expected = tables_of(serial)
-    for mover, depth in [("zero_copy", 1), ("zero_copy", 2), ("zero_copy", 4), ("staged", 2), ("staged", 4)]:
+    for mover, depth in [("zero_copy", 1), ("zero_copy", 4), ("staged", 2), ("staged", 4)]:
         pipelined = make_model(policy, mover=mover, stressed=mover == "staged")
         seen = 0
         for batch in PrefetchPipeline(pipelined, batches, depth=depth, lookups=lookups):
@@ -150,7 +150,7 @@ def test_evaluating_held_out_batches_inside_a_pipelined_loop_changes_no_training
 
 
 def test_pipelined_triton_kernels_equal_serial():
-    batches = make_batches(12, seed=3)
+    batches = make_batches(8, seed=3)
     serial = make_model("lru", backend="triton")
     for batch in batches:
         train_step(serial, batch)
