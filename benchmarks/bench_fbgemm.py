@@ -36,7 +36,9 @@ import torch
 
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
+from tiered_tbe.kernels.backward import backward_update, sort_lookups
 from tiered_tbe.kernels.forward import pooled_forward
+from tiered_tbe.kernels.linearize import linearize
 from tiered_tbe.module import TieredEmbeddingBags
 from tiered_tbe.optimizers import optimizer_named
 from tiered_tbe.specs import CacheConfig, Placement, TableSpec
@@ -115,9 +117,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="distinct batches cycled through (default 6: more than the L2 holds)")
     parser.add_argument("--ours-only", action="store_true", help="time our side only (no FBGEMM)")
     parser.add_argument("--mover", default=None, help="our cache's row mover (CacheConfig.mover), when it has one")
-    parser.add_argument("--backward-configs", nargs="+", default=None, metavar="R,L,W,CHUNK,P",
-                        help="also time our HBM steps with these backward tile shapes (rows, lanes, warps, chunk, "
-                             "programs per SM): a tuning sweep")
+    parser.add_argument("--backward-configs", nargs="+", default=None, metavar="R,L,W,CHUNK",
+                        help="also time our HBM steps with these backward tile shapes (rows, lanes, warps, chunk): "
+                             "a tuning sweep")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the lookups")
     common.add_output_flags(parser)
     return parser
@@ -232,6 +234,14 @@ def measure_ours(config: Config, batches, grad, args) -> dict:
         lookups = [Lookups(indices, offsets, config.batch_size) for indices, offsets in batches]
         result["kernel_forward"] = common.time_ms(
             lambda: pooled_forward(emb.row_stores, lookups[0], None, "sum"), rep_ms=100)
+        # Where the backward's time goes: grouping the lookups by row, then the three update kernels.
+        result["kernel_sort"] = common.time_ms(lambda: sort_lookups(emb.row_stores, lookups[0]), rep_ms=100)
+        grouped = sort_lookups(emb.row_stores, lookups[0])
+        keys = linearize(emb.row_stores, lookups[0], torch.int32).global_rows
+        result["kernel_torch_sort"] = common.time_ms(lambda: torch.sort(keys, stable=True), rep_ms=100)
+        result["kernel_update"] = common.time_ms(
+            lambda: backward_update(grad, emb.row_stores, lookups[0], None, "sum", emb.optimizer, 1,
+                                    sorted_lookups=grouped), rep_ms=100)
         from tiered_tbe.kernels import forward
 
         best = getattr(forward._pooled_forward_kernel, "best_config", None)
@@ -377,6 +387,12 @@ def table_of(results: list[dict]) -> list[str]:
         if "kernel_forward" in row["ours"]:
             rows.append([config.name, f"forward, bare kernel ({row['ours']['forward_tile']})", "-",
                          common.fmt(row["ours"]["kernel_forward"]), "-", "-", "-"])
+            rows.append([config.name, "backward, bare: sort + run-length encode", "-",
+                         common.fmt(row["ours"]["kernel_sort"]), "-", "-", "-"])
+            rows.append([config.name, "backward, bare: of which torch.sort", "-",
+                         common.fmt(row["ours"]["kernel_torch_sort"]), "-", "-", "-"])
+            rows.append([config.name, "backward, bare: update kernels", "-",
+                         common.fmt(row["ours"]["kernel_update"]), "-", "-", "-"])
         for key, value in row.items():
             if key.startswith("ours backward "):
                 rows.append([config.name, f"step, {key[5:]}", common.fmt(row["fbgemm"].get("step")),

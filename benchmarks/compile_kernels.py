@@ -131,31 +131,35 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
             POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16,
             BLOCK_D=block_d, grid=grid, num_warps=config.num_warps, **config.kwargs)
         results.append(_report(f"forward B{config.kwargs['BLOCK_B']} L{config.kwargs['BLOCK_L']} "
-                               f"w{config.num_warps}", kernel, arch))
+                               f"w{config.num_warps} G{config.kwargs['GROUPS']}", kernel, arch))
     results.append(_report("linearize", linearize._linearize_kernel.warmup(
         i32, i32, addresses, i64, i64, n, 65536, BLOCK_B=32, BLOCK_L=4, grid=grid, num_warps=4), arch))
     config = backward.default_config(block_d)
-    common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, GRAD_ALIGN_BYTES=16, CHUNK=config.chunk, BLOCK_D=block_d)
+    align = 16 // weights.element_size()
+    common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, ALIGN=align, GRAD_ALIGN_BYTES=16, CHUNK=config.chunk,
+                  BLOCK_D=block_d)
+    gradient_args = (i64, i32, f32, i64, f32, 3328, i32, i32)  # order, bags, weights, offsets, grad, stride, tables
     results.append(_report("hot window sums", backward._hot_window_sums_kernel.warmup(
-        f32, i64, i32, i32, i64, f32, f32, 3328, i32, i32, n, 65536, **common, ALIGN=16 // weights.element_size(),
-        grid=grid, num_warps=4), arch))
+        f32, i32, *gradient_args, n, 65536, **common, grid=grid, num_warps=4), arch))
+    results.append(_report("hot group sums", backward._hot_group_sums_kernel.warmup(
+        f32, f32, i32, n, CHUNK=config.chunk, GROUP=32, BLOCK_D=block_d, grid=grid, num_warps=4), arch))
     state = torch.zeros(64, 2 * dim, dtype=torch.float32)
     for name in optimizers or list(OPTIMIZERS):
         optimizer = OPTIMIZERS[name]()
         load_state, update, store_state = optimizer.TRITON
         hyper = tuple(float(v) for v in optimizer.kernel_hyper(1))
         updating = dict(USE_CACHE=True, OPTIMIZER_LOAD_STATE=load_state, OPTIMIZER_UPDATE=update,
-                        OPTIMIZER_STORE_STATE=store_state, STOCHASTIC_ROUNDING=dtype != torch.float32,
-                        ALIGN=16 // weights.element_size(), ALIGN_BYTES=16,
+                        OPTIMIZER_STORE_STATE=store_state, STOCHASTIC_ROUNDING=dtype != torch.float32, ALIGN_BYTES=16,
                         STATE_ALIGN_BYTES=4 if optimizer.state_width(dim) % 4 else 16)
-        stores = (addresses, addresses, addresses, addresses, addresses, i32, i32, weights, dim, state, 2 * dim)
-        label = f"row update ({name}) R{config.rows} L{config.lanes}"
+        update_args = (i32, i32, addresses, addresses, addresses, addresses, addresses, weights, dim, state, 2 * dim,
+                       hyper, 0, 1)
+        label = f"row update ({name}) R{config.rows} L{config.lanes} w{config.num_warps}"
         results.append(_report(label, backward._row_update_kernel.warmup(
-            i32, i64, i32, i32, i32, i64, f32, i32, f32, 3328, *stores, hyper, 0, 1, 65536, **common, **updating,
-            ROWS=config.rows, BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
+            i32, *gradient_args, *update_args, n, 65536, **common, **updating, ROWS=config.rows,
+            BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
         results.append(_report(f"hot row update ({name})", backward._hot_row_update_kernel.warmup(
-            f32, i32, i64, i32, i32, i32, i64, f32, i32, f32, 3328, *stores, hyper, 0, 1, n, 65536, **common,
-            **updating, BLOCK_P=8, BLOCK_L=4, grid=grid, num_warps=max(1, block_d // 128)), arch))
+            f32, f32, i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, GROUP=32, BLOCK_P=32,
+            BLOCK_L=4, grid=grid, num_warps=4), arch))
     results.append(_report("per-sample-weight grad", backward._per_sample_weights_grad_kernel.warmup(
         f32, f32, 3328, addresses, addresses, i32, i32, weights, dim, i64, i64, i32, 65536, POOLING=0,
         USE_CACHE=True, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16, BLOCK_B=8, BLOCK_L=4, BLOCK_D=block_d,

@@ -7,7 +7,7 @@
 # Environment (all optional):
 #   CONFIGS        bench_fbgemm configurations (default: the HBM ones and two cached ones)
 #   SWEEP_CONFIGS  configurations also timed with each backward tile shape of SWEEP (default: none)
-#   SWEEP          backward tile shapes "rows,lanes,warps,chunk,programs_per_sm ..." (default: a few)
+#   SWEEP          backward tile shapes "rows,lanes,warps,chunk ..." (default: a few)
 #   TESTS          pytest targets run first (default: the kernel and compile gpu tests); "" skips
 #   STEPS, WARMUP  timed and warm-up steps per side (default 20, 8)
 #   SKIP_INSTALL=1 the project and wheels are installed already
@@ -41,7 +41,7 @@ python3 benchmarks/bench_fbgemm.py --configs $CONFIGS --steps "${STEPS:-20}" --w
     --json "$OUT/bench_fbgemm.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 | tee "$OUT/bench_fbgemm.log" \
     | grep -v -i "warn"
 if [[ -n ${SWEEP_CONFIGS:-} ]]; then
-    SWEEP=${SWEEP:-8,2,4,32,8 16,1,4,32,8 8,4,4,32,8 4,2,2,32,16 16,2,8,32,4 8,2,4,64,8 8,2,4,16,8}
+    SWEEP=${SWEEP:-16,1,4,32 8,1,4,32 32,1,8,32 8,1,2,32 16,2,4,32 16,1,4,64 16,1,4,16}
     # shellcheck disable=SC2086
     python3 benchmarks/bench_fbgemm.py --configs $SWEEP_CONFIGS --steps "${STEPS:-20}" --warmup "${WARMUP:-8}" \
         --backward-configs $SWEEP --json "$OUT/bench_sweep.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 \

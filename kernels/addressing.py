@@ -88,6 +88,7 @@ def row_pointers(
 def bag_tile_bounds(
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
     table,  # scalar: the program's table
+    first_bag,  # scalar: the tile's first bag within the table
     batch_size,  # B
     BLOCK_B: tl.constexpr,  # bags per program
     BLOCK_L: tl.constexpr,  # lanes per bag: the tile's rows are (bag, lane) pairs, bag-major
@@ -99,7 +100,7 @@ def bag_tile_bounds(
     Tiles stay 2-D (rows x columns) and each row's pointer 1-D: Triton (3.6) then keeps the
     loads of a row 16-byte vectors; a [bags, lanes, columns] tile would lose them.
     """
-    bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B * BLOCK_L) // BLOCK_L
+    bags = first_bag + tl.arange(0, BLOCK_B * BLOCK_L) // BLOCK_L
     in_batch = bags < batch_size
     bag_ids = table.to(tl.int64) * batch_size + bags
     starts = tl.load(offsets_ptr + bag_ids, mask=in_batch, other=0).to(tl.int64)

@@ -59,26 +59,29 @@ from .rows import Lookups, RowStores, check_lookups
 
 
 class BackwardConfig(NamedTuple):
-    """Tile shapes of the backward kernels (``TIERED_TBE_BACKWARD=rows,lanes,warps,chunk,programs``
+    """Tile shapes of the backward kernels (``TIERED_TBE_BACKWARD=rows,lanes,warps,chunk``
     overrides the defaults, for tuning runs)."""
 
-    rows: int  # runs per tile of _row_update_kernel
+    rows: int  # runs per program of _row_update_kernel
     lanes: int  # lookups of each run per step
     num_warps: int
     chunk: int  # CHUNK: window of sorted positions; runs holding a whole window are hot
-    programs_per_sm: int  # persistent programs of _row_update_kernel per multiprocessor
 
 
 def default_config(block_d: int) -> BackwardConfig:
     """Measured on an H200 at dim 128 (benchmarks/RESULTS.md); the interpreter takes small tiles so
-    the tests walk several steps, tiles and programs."""
+    the tests walk several steps and programs."""
     override = os.environ.get("TIERED_TBE_BACKWARD")
     if override:
         return BackwardConfig(*(int(value) for value in override.split(",")))
     if INTERPRETING:
-        return BackwardConfig(rows=2, lanes=2, num_warps=4, chunk=4, programs_per_sm=2)
-    rows = max(1, min(16, 1024 // block_d))
-    return BackwardConfig(rows=rows, lanes=2, num_warps=4 if block_d <= 256 else 8, chunk=32, programs_per_sm=8)
+        return BackwardConfig(rows=2, lanes=2, num_warps=4, chunk=4)
+    return BackwardConfig(rows=max(1, min(16, 2048 // block_d)), lanes=1, num_warps=4 if block_d <= 256 else 8,
+                          chunk=32)
+
+
+# Windows per group of the second level of hot-row sums (a power of two).
+HOT_GROUP = 4 if INTERPRETING else 32
 
 
 class SortedLookups(NamedTuple):
@@ -86,9 +89,9 @@ class SortedLookups(NamedTuple):
 
     sorted_rows: torch.Tensor  # int32/int64 [N]: global rows, ascending
     order: torch.Tensor  # int64 [N]: lookup at each sorted position
-    bag_of_index: torch.Tensor  # int32 [N]: bag t*B+b of each lookup (by lookup, not sorted)
+    sorted_bags: torch.Tensor  # int32 [N]: bag t*B+b of the lookup at each sorted position
     run_count: torch.Tensor  # int32 [N]: runs (distinct rows) begun up to and including each position
-    run_end: torch.Tensor  # int32 [N]: one past the last sorted position of run u (u < number of runs)
+    run_end: torch.Tensor  # int32 [N]: one past the last sorted position of run u; N past the last run
     num_runs: torch.Tensor  # int32 [1]: distinct rows of the batch
 
 
@@ -139,26 +142,29 @@ def sort_lookups(stores: RowStores, lookups: Lookups) -> SortedLookups:
     else:  # int64 rows computed by the caller (the cache's prefetch): sort them on int32 keys
         sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows, stable=True)
     run_starts = torch.empty(num_lookups, dtype=torch.int32, device=device)
-    run_end = torch.empty(num_lookups, dtype=torch.int32, device=device)
+    # Entries past the last run stay N: a run number past the batch's reads as an empty run.
+    run_end = torch.full((num_lookups,), num_lookups, dtype=torch.int32, device=device)
     num_runs = torch.zeros(1, dtype=torch.int32, device=device)
     if num_lookups == 0:
         return SortedLookups(sorted_rows, order, lookups.bag_of_index, run_starts, run_end, num_runs)
+    # What the kernels read per sorted position, gathered once (a dependent load less per lookup).
+    sorted_bags = lookups.bag_of_index[order]
     block = 256 if INTERPRETING else 1024
     grid = (triton.cdiv(num_lookups, block),)
     _run_starts_kernel[grid](run_starts, sorted_rows, num_lookups, BLOCK=block)
     run_count = torch.cumsum(run_starts, 0, dtype=torch.int32)
     _run_ends_kernel[grid](run_end, num_runs, run_count, sorted_rows, num_lookups, BLOCK=block)
-    return SortedLookups(sorted_rows, order, lookups.bag_of_index, run_count, run_end, num_runs)
+    return SortedLookups(sorted_rows, order, sorted_bags, run_count, run_end, num_runs)
 
 
 @triton.jit
 def _lookup_gradients(
     positions,  # int64 [F]: sorted positions
     valid,  # bool [F]: which positions count
-    order_ptr,  # int64 [N]: lookup at each sorted position
-    bag_of_index_ptr,  # int32 [N]: bag t*B+b of each lookup
+    order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
+    sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries (mean pooling's bag lengths)
-    per_sample_weights_ptr,  # fp32 [N] (read only if HAS_PER_SAMPLE_WEIGHTS)
+    sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
     grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
     grad_output_stride,  # elements between consecutive rows of grad_output
     table_dim_ptr,  # int32 [T]: embedding_dim of each table
@@ -170,14 +176,13 @@ def _lookup_gradients(
     ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
     GRAD_ALIGN_BYTES: tl.constexpr,  # every grad_output row slice starts at a multiple of this
 ):
-    """fp32 [F, BLOCK_D]: d loss / d row of the lookup at each position (zeros where not valid or
-    past its table's dim)."""
-    lookups = tl.load(order_ptr + positions, mask=valid, other=0)
-    bags = tl.load(bag_of_index_ptr + lookups, mask=valid, other=0)
+    """fp32 [F, BLOCK_D]: d loss / d row of the lookup at each sorted position (zeros where not
+    valid or past its table's dim)."""
+    bags = tl.load(sorted_bags_ptr + positions, mask=valid, other=0)
     tables = bags // batch_size
     dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=valid, other=0), ALIGN)
     if POOLING == POOLING_NONE_CONSTEXPR:
-        pointers = grad_output_ptr + lookups * grad_output_stride
+        pointers = grad_output_ptr + tl.load(order_ptr + positions, mask=valid, other=0) * grad_output_stride
     else:
         first_columns = tl.multiple_of(tl.load(table_output_offset_ptr + tables, mask=valid, other=0), ALIGN)
         pointers = grad_output_ptr + (bags % batch_size).to(tl.int64) * grad_output_stride + first_columns
@@ -185,7 +190,7 @@ def _lookup_gradients(
     tile = tl.load(pointers[:, None] + columns[None, :], mask=valid[:, None] & (columns[None, :] < dims[:, None]),
                    other=0.0)
     if HAS_PER_SAMPLE_WEIGHTS:
-        tile = tile * tl.load(per_sample_weights_ptr + lookups, mask=valid, other=0.0)[:, None]
+        tile = tile * tl.load(sorted_weights_ptr + positions, mask=valid, other=0.0)[:, None]
     if POOLING == POOLING_MEAN_CONSTEXPR:
         lengths = (tl.load(offsets_ptr + bags + 1, mask=valid, other=1)
                    - tl.load(offsets_ptr + bags, mask=valid, other=0))
@@ -223,7 +228,7 @@ def _stochastic_round(
 def _update_rows(
     global_rows,  # int64 [R]: the rows to update
     tables,  # int32 [R]: their tables
-    first_lookups,  # int64 [R]: a lookup of each row (its slot is the row's)
+    slots,  # int32 [R]: the slot of each row, or -1 (ignored unless USE_CACHE)
     grad,  # fp32 [R, BLOCK_D]: each row's summed gradient (zeros outside mask)
     row_mask,  # bool [R]: which rows to update
     dims,  # int32 [R]: embedding_dim of each row's table
@@ -238,7 +243,6 @@ def _update_rows(
     cache_weights_stride,  # elements between consecutive slots of cache_weights
     cache_state_ptr,  # fp32 [num_slots, state_width]: optimizer state of cached rows
     cache_state_stride,  # elements between consecutive slots of cache_state
-    slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1 (read only if USE_CACHE)
     hyper,  # tuple of fp32: the optimizer's hyper-parameters (FusedOptimizer.kernel_hyper)
     seed,  # stochastic rounding: philox key
     step,  # optimizer step: part of the philox counter, so a fixed seed still varies per step
@@ -253,9 +257,6 @@ def _update_rows(
     """Apply the optimizer to ``R`` rows in their slot or backing store, and store them."""
     element = cache_weights_ptr.dtype.element_ty
     table_rows = global_rows - tl.load(table_row_offset_ptr + tables, mask=row_mask, other=0)
-    slots = tl.zeros_like(tables)
-    if USE_CACHE:
-        slots = tl.load(slot_of_index_ptr + first_lookups, mask=row_mask, other=-1)
     weight_rows = row_pointers(table_row_zero(table_weights_address_ptr, tables, element), table_rows,
                                tl.load(table_weights_stride_ptr + tables, mask=row_mask, other=0), slots,
                                cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
@@ -285,11 +286,11 @@ def _update_rows(
 @triton.jit(do_not_specialize=["num_lookups", "batch_size"])
 def _hot_window_sums_kernel(
     window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D] out: gradient sum of each pure window
-    order_ptr,  # int64 [N]: lookup at each sorted position
     run_count_ptr,  # int32 [N]: runs begun up to each sorted position
-    bag_of_index_ptr,  # int32 [N]: bag of each lookup
+    order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
+    sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
+    sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
-    per_sample_weights_ptr,  # fp32 [N] (read only if HAS_PER_SAMPLE_WEIGHTS)
     grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
     grad_output_stride,  # elements between consecutive rows of grad_output
     table_dim_ptr,  # int32 [T]: embedding_dim of each table
@@ -298,9 +299,9 @@ def _hot_window_sums_kernel(
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
-    ALIGN: tl.constexpr,  # every dim (and output column offset) is a multiple of this many elements
+    ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
     GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
-    CHUNK: tl.constexpr,  # sorted positions per window
+    CHUNK: tl.constexpr,  # sorted positions per window: runs holding a whole one are hot
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
 ):
     window = tl.program_id(0).to(tl.int64)
@@ -309,33 +310,76 @@ def _hot_window_sums_kernel(
         if tl.load(run_count_ptr + first) == tl.load(run_count_ptr + first + CHUNK - 1):  # a pure window
             columns = tl.arange(0, BLOCK_D)
             positions = first + tl.arange(0, CHUNK)
-            tile = _lookup_gradients(positions, positions >= 0, order_ptr, bag_of_index_ptr, offsets_ptr,
-                                     per_sample_weights_ptr, grad_output_ptr, grad_output_stride, table_dim_ptr,
-                                     table_output_offset_ptr, batch_size, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS,
-                                     ALIGN, GRAD_ALIGN_BYTES)
+            tile = _lookup_gradients(
+                positions, positions >= 0, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
+                grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns,
+                POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
             tl.store(window_sums_ptr + window * BLOCK_D + columns, tl.sum(tile, axis=0))
+
+
+@triton.jit(do_not_specialize=["num_lookups"])
+def _hot_group_sums_kernel(
+    group_sums_ptr,  # fp32 [cdiv(cdiv(N, CHUNK), GROUP), BLOCK_D] out: sum of each pure group of windows
+    window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D]: gradient sum of each pure window
+    run_count_ptr,  # int32 [N]: runs begun up to each sorted position
+    num_lookups,  # N
+    CHUNK: tl.constexpr,  # sorted positions per window
+    GROUP: tl.constexpr,  # windows per group
+    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
+):
+    """Second level for the hottest rows: a group of GROUP windows inside one run is summed once,
+    so the run's owner adds at most ~2 GROUP window sums beside its groups' sums."""
+    group = tl.program_id(0).to(tl.int64)
+    first = group * GROUP * CHUNK
+    last = first + GROUP * CHUNK - 1
+    if last < num_lookups:
+        if tl.load(run_count_ptr + first) == tl.load(run_count_ptr + last):  # every window pure, one run
+            columns = tl.arange(0, BLOCK_D)
+            windows = group * GROUP + tl.arange(0, GROUP)
+            sums = tl.load(window_sums_ptr + windows[:, None] * BLOCK_D + columns[None, :])
+            tl.store(group_sums_ptr + group * BLOCK_D + columns, tl.sum(sums, axis=0))
+
+
+@triton.jit
+def _sum_rows(
+    rows_ptr,  # fp32 [M, BLOCK_D]: rows to add
+    first,  # int64: first row
+    last,  # int64: last row (inclusive; none when last < first)
+    in_row,  # bool [1, BLOCK_D]: the columns that count
+    BLOCK_P: tl.constexpr,  # rows added per step
+    BLOCK_D: tl.constexpr,  # columns
+):
+    """fp32 [BLOCK_D]: the sum of rows first..last of a [M, BLOCK_D] buffer."""
+    columns = tl.arange(0, BLOCK_D)
+    sums = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
+    for row_start in range(first, last + 1, BLOCK_P):
+        rows = row_start + tl.arange(0, BLOCK_P)
+        sums += tl.load(rows_ptr + rows[:, None] * BLOCK_D + columns[None, :], mask=(rows <= last)[:, None] & in_row,
+                        other=0.0)
+    return tl.sum(sums, axis=0)
 
 
 @triton.jit(do_not_specialize=["num_lookups", "batch_size", "seed", "step"])
 def _hot_row_update_kernel(
     window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D]: gradient sum of each pure window
-    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
-    order_ptr,  # int64 [N]: lookup at each sorted position
+    group_sums_ptr,  # fp32 [cdiv(cdiv(N, CHUNK), GROUP), BLOCK_D]: sum of each pure group of windows
     run_count_ptr,  # int32 [N]: runs begun up to each sorted position
     run_end_ptr,  # int32 [N]: one past the last position of each run
-    bag_of_index_ptr,  # int32 [N]: bag of each lookup
+    order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
+    sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
+    sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
-    per_sample_weights_ptr,  # fp32 [N] (read only if HAS_PER_SAMPLE_WEIGHTS)
-    slot_of_index_ptr,  # int32 [N]: slot of each lookup's row, or -1 (read only if USE_CACHE)
     grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
     grad_output_stride,  # elements between consecutive rows of grad_output
+    table_dim_ptr,  # int32 [T]: embedding_dim of each table
+    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
+    sorted_slots_ptr,  # int32 [N]: slot of the row at each sorted position, or -1 (read only if USE_CACHE)
     table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
     table_weights_stride_ptr,  # int64 [T]: elements between rows of each table's weights
     table_state_address_ptr,  # int64 [T]: address of row 0 of each table's state
     table_state_stride_ptr,  # int64 [T]: elements between rows of each table's state
     table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
     cache_weights_ptr,  # [num_slots, row_width] slot rows
     cache_weights_stride,  # elements between consecutive slots
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
@@ -347,16 +391,17 @@ def _hot_row_update_kernel(
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
+    ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
+    GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
+    CHUNK: tl.constexpr,  # sorted positions per window: runs holding a whole one are hot
     USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
-    OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions
+    OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
     OPTIMIZER_UPDATE: tl.constexpr,
     OPTIMIZER_STORE_STATE: tl.constexpr,
     STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically
-    ALIGN: tl.constexpr,  # every row start and dim is a multiple of this many elements
-    ALIGN_BYTES: tl.constexpr,  # ALIGN in bytes of a weight
+    ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
     STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
-    GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
-    CHUNK: tl.constexpr,  # sorted positions per window
+    GROUP: tl.constexpr,  # windows per group
     BLOCK_P: tl.constexpr,  # window sums added per step
     BLOCK_L: tl.constexpr,  # lookups before the first / after the last pure window summed per step
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
@@ -372,65 +417,68 @@ def _hot_row_update_kernel(
             first_window = (start + CHUNK - 1) // CHUNK
             if window == first_window:  # the run's first pure window owns the run
                 last_window = end // CHUNK - 1
-                lookup = tl.load(order_ptr + start)
-                table = tl.load(bag_of_index_ptr + lookup) // batch_size
+                table = tl.load(sorted_bags_ptr + start) // batch_size
                 columns = tl.arange(0, BLOCK_D)
                 one = tl.zeros([1], dtype=tl.int32)
                 dims = one + tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
                 in_row = columns[None, :] < dims[:, None]
 
-                # The run's pure windows, then its lookups before the first and after the last of them.
-                sums = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
-                for window_start in range(first_window, last_window + 1, BLOCK_P):
-                    windows = window_start + tl.arange(0, BLOCK_P)
-                    sums += tl.load(window_sums_ptr + windows[:, None] * BLOCK_D + columns[None, :],
-                                    mask=(windows <= last_window)[:, None] & in_row, other=0.0)
-                grad = tl.sum(sums, axis=0)
+                # The run's pure groups of windows, its windows outside them, then its lookups before
+                # the first and after the last pure window.
+                first_group = (first_window + GROUP - 1) // GROUP
+                last_group = (last_window + 1) // GROUP - 1
+                if first_group <= last_group:
+                    grad = _sum_rows(group_sums_ptr, first_group, last_group, in_row, BLOCK_P, BLOCK_D)
+                    grad += _sum_rows(window_sums_ptr, first_window, first_group * GROUP - 1, in_row, BLOCK_P,
+                                      BLOCK_D)
+                    grad += _sum_rows(window_sums_ptr, (last_group + 1) * GROUP, last_window, in_row, BLOCK_P,
+                                      BLOCK_D)
+                else:
+                    grad = _sum_rows(window_sums_ptr, first_window, last_window, in_row, BLOCK_P, BLOCK_D)
                 lanes = tl.arange(0, BLOCK_L)
                 head_end = first_window * CHUNK
                 tail_start = (last_window + 1) * CHUNK
                 for offset in range(0, CHUNK, BLOCK_L):  # each part is shorter than CHUNK
                     head = start + offset + lanes
                     tail = tail_start + offset + lanes
-                    grad += tl.sum(_lookup_gradients(head, head < head_end, order_ptr, bag_of_index_ptr, offsets_ptr,
-                                                     per_sample_weights_ptr, grad_output_ptr, grad_output_stride,
-                                                     table_dim_ptr, table_output_offset_ptr, batch_size, columns,
-                                                     POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES),
-                                   axis=0)
-                    grad += tl.sum(_lookup_gradients(tail, tail < end, order_ptr, bag_of_index_ptr, offsets_ptr,
-                                                     per_sample_weights_ptr, grad_output_ptr, grad_output_stride,
-                                                     table_dim_ptr, table_output_offset_ptr, batch_size, columns,
-                                                     POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES),
-                                   axis=0)
+                    grad += tl.sum(_lookup_gradients(
+                        head, head < head_end, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
+                        grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size,
+                        columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES), axis=0)
+                    grad += tl.sum(_lookup_gradients(
+                        tail, tail < end, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
+                        grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size,
+                        columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES), axis=0)
+                slots = one
+                if USE_CACHE:
+                    slots = one + tl.load(sorted_slots_ptr + start)
                 global_rows = one.to(tl.int64) + tl.load(sorted_rows_ptr + start).to(tl.int64)
-                _update_rows(global_rows, one + table, one.to(tl.int64) + lookup, grad[None, :], one == 0, dims,
-                             columns,
-                             in_row, table_weights_address_ptr, table_weights_stride_ptr, table_state_address_ptr,
-                             table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr, cache_weights_stride,
-                             cache_state_ptr, cache_state_stride, slot_of_index_ptr, hyper, seed, step,
-                             OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE,
-                             STOCHASTIC_ROUNDING, ALIGN_BYTES, STATE_ALIGN_BYTES)
+                _update_rows(global_rows, one + table, slots, grad[None, :], one == 0, dims, columns, in_row,
+                             table_weights_address_ptr, table_weights_stride_ptr,
+                     table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
+                     cache_weights_stride, cache_state_ptr, cache_state_stride, hyper, seed, step,
+                     OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
+                     ALIGN_BYTES, STATE_ALIGN_BYTES)
 
 
-@triton.jit(do_not_specialize=["batch_size", "seed", "step"])
+@triton.jit(do_not_specialize=["num_lookups", "batch_size", "seed", "step"])
 def _row_update_kernel(
-    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
-    order_ptr,  # int64 [N]: lookup at each sorted position
-    run_end_ptr,  # int32 [N]: one past the last position of each run
-    num_runs_ptr,  # int32 [1]: number of runs (read on the device: the grid is persistent)
-    bag_of_index_ptr,  # int32 [N]: bag of each lookup
+    run_end_ptr,  # int32 [N]: one past the last position of each run; N past the last run
+    order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
+    sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
+    sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
-    per_sample_weights_ptr,  # fp32 [N] (read only if HAS_PER_SAMPLE_WEIGHTS)
-    slot_of_index_ptr,  # int32 [N]: slot of each lookup's row, or -1 (read only if USE_CACHE)
     grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
     grad_output_stride,  # elements between consecutive rows of grad_output
+    table_dim_ptr,  # int32 [T]: embedding_dim of each table
+    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
+    sorted_slots_ptr,  # int32 [N]: slot of the row at each sorted position, or -1 (read only if USE_CACHE)
     table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
     table_weights_stride_ptr,  # int64 [T]: elements between rows of each table's weights
     table_state_address_ptr,  # int64 [T]: address of row 0 of each table's state
     table_state_stride_ptr,  # int64 [T]: elements between rows of each table's state
     table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
     cache_weights_ptr,  # [num_slots, row_width] slot rows
     cache_weights_stride,  # elements between consecutive slots
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
@@ -438,70 +486,77 @@ def _row_update_kernel(
     hyper,  # tuple of fp32: the optimizer's hyper-parameters
     seed,  # stochastic rounding: philox key
     step,  # optimizer step
+    num_lookups,  # N
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
+    ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
+    GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
+    CHUNK: tl.constexpr,  # sorted positions per window: runs holding a whole one are hot
     USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
-    OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions
+    OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
     OPTIMIZER_UPDATE: tl.constexpr,
     OPTIMIZER_STORE_STATE: tl.constexpr,
     STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically
-    ALIGN: tl.constexpr,  # every row start and dim is a multiple of this many elements
-    ALIGN_BYTES: tl.constexpr,  # ALIGN in bytes of a weight
+    ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
     STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
-    GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
-    CHUNK: tl.constexpr,  # sorted positions per window: runs holding a pure window are the hot kernel's
-    ROWS: tl.constexpr,  # runs per tile
+    ROWS: tl.constexpr,  # runs per program
     BLOCK_L: tl.constexpr,  # lookups of each run per step
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
 ):
-    num_runs = tl.load(num_runs_ptr)
-    columns = tl.arange(0, BLOCK_D)
-    # Gradient tiles have ROWS * BLOCK_L rows, (run, lane) pairs: BLOCK_L lookups of each run per step.
-    run_of_lane = tl.arange(0, ROWS * BLOCK_L) // BLOCK_L
-    lanes = tl.arange(0, ROWS * BLOCK_L) % BLOCK_L
-    for tile in range(tl.program_id(0), tl.cdiv(num_runs, ROWS), tl.num_programs(0)):
-        runs = tile * ROWS + tl.arange(0, ROWS)
-        starts, ends, row_mask = _runs_of_tile(runs, num_runs, run_end_ptr, CHUNK)
-        lane_runs = tile * ROWS + run_of_lane
-        lane_starts, lane_ends, lane_mask = _runs_of_tile(lane_runs, num_runs, run_end_ptr, CHUNK)
+    tile = tl.program_id(0)
+    runs = tile * ROWS + tl.arange(0, ROWS)
+    starts, ends, row_mask = _runs_of_tile(runs, run_end_ptr, num_lookups, CHUNK)
+    # Programs past the batch's runs exit here (their runs read as empty): one load, no count read first.
+    if tl.min(starts, axis=0) < num_lookups:
+        columns = tl.arange(0, BLOCK_D)
+        # Gradient tiles have ROWS * BLOCK_L rows, (run, lane) pairs: BLOCK_L lookups of each run per step.
+        lanes = tl.arange(0, ROWS * BLOCK_L) % BLOCK_L
+        if BLOCK_L == 1:
+            lane_starts, lane_ends, lane_mask = starts, ends, row_mask
+        else:
+            lane_runs = tile * ROWS + tl.arange(0, ROWS * BLOCK_L) // BLOCK_L
+            lane_starts, lane_ends, lane_mask = _runs_of_tile(lane_runs, run_end_ptr, num_lookups, CHUNK)
 
         grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         for step_start in range(0, tl.max(tl.where(row_mask, ends - starts, 0), axis=0), BLOCK_L):
             positions = lane_starts + step_start + lanes
             valid = (positions < lane_ends) & lane_mask
-            tile_grads = _lookup_gradients(positions, valid, order_ptr, bag_of_index_ptr, offsets_ptr,
-                                           per_sample_weights_ptr, grad_output_ptr, grad_output_stride, table_dim_ptr,
-                                           table_output_offset_ptr, batch_size, columns, POOLING,
-                                           HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
+            tile_grads = _lookup_gradients(
+                positions, valid, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
+                grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns, POOLING,
+                HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
             grad += sum_lanes(tile_grads, ROWS, BLOCK_L, BLOCK_D)
-        first_lookups = tl.load(order_ptr + starts, mask=row_mask, other=0)
-        tables = tl.load(bag_of_index_ptr + first_lookups, mask=row_mask, other=0) // batch_size
+        tables = tl.load(sorted_bags_ptr + starts, mask=row_mask, other=0) // batch_size
         dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=row_mask, other=0), ALIGN)
         mask = row_mask[:, None] & (columns[None, :] < dims[:, None])
         global_rows = tl.load(sorted_rows_ptr + starts, mask=row_mask, other=0).to(tl.int64)
-        _update_rows(global_rows, tables, first_lookups, grad, row_mask, dims, columns, mask,
-                     table_weights_address_ptr, table_weights_stride_ptr, table_state_address_ptr,
-                     table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr, cache_weights_stride,
-                     cache_state_ptr, cache_state_stride, slot_of_index_ptr, hyper, seed, step,
-                     OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE,
-                     STOCHASTIC_ROUNDING, ALIGN_BYTES, STATE_ALIGN_BYTES)
+        slots = tl.zeros_like(tables)
+        if USE_CACHE:
+            slots = tl.load(sorted_slots_ptr + starts, mask=row_mask, other=-1)
+        _update_rows(global_rows, tables, slots, grad, row_mask, dims, columns, mask,
+                     table_weights_address_ptr, table_weights_stride_ptr,
+                     table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
+                     cache_weights_stride, cache_state_ptr, cache_state_stride, hyper, seed, step,
+                     OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
+                     ALIGN_BYTES, STATE_ALIGN_BYTES)
 
 
 @triton.jit
 def _runs_of_tile(
     runs,  # int32 tensor: run numbers
-    num_runs,  # int32 scalar: runs of the batch
-    run_end_ptr,  # int32 [N]: one past the last position of each run
+    run_end_ptr,  # int32 [N]: one past the last position of each run; N past the last run
+    num_lookups,  # N (run numbers from N on read as empty runs)
     CHUNK: tl.constexpr,  # window of sorted positions: a run holding a whole one is the hot kernel's
 ):
     """``(starts, ends, mask)`` of ``runs``: int64 first and one-past-last sorted positions, and
-    which runs exist and are not hot (the row-update kernel's)."""
-    in_range = runs < num_runs
-    starts = tl.load(run_end_ptr + runs - 1, mask=in_range & (runs > 0), other=0).to(tl.int64)
-    ends = tl.load(run_end_ptr + runs, mask=in_range, other=0).to(tl.int64)
+    which runs exist (are not empty) and are not hot (the row-update kernel's)."""
+    inside = runs < num_lookups
+    starts = tl.load(run_end_ptr + runs - 1, mask=(runs > 0) & inside, other=num_lookups).to(tl.int64)
+    starts = tl.where(runs == 0, 0, starts)
+    ends = tl.load(run_end_ptr + runs, mask=inside, other=num_lookups).to(tl.int64)
     hot = ((starts + CHUNK - 1) // CHUNK + 1) * CHUNK <= ends  # holds a pure window
-    return starts, ends, in_range & ~hot
+    return starts, ends, (ends > starts) & ~hot
 
 
 def check_grad_output(grad_output: torch.Tensor, stores: RowStores, lookups: Lookups, mode: int) -> torch.Tensor:
@@ -523,12 +578,6 @@ def grad_alignment_bytes(grad_output: torch.Tensor, stores: RowStores) -> int:
     """Bytes that every grad_output row slice of a table starts at a multiple of (at most 16)."""
     elements = grad_output.data_ptr() // 4 if grad_output.data_ptr() % 4 == 0 else 1
     return 4 * math.gcd(elements, grad_output.stride(0) if grad_output.dim() == 2 else 1, *stores.dims, 4)
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if INTERPRETING or device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def backward_update(
@@ -585,37 +634,40 @@ def backward_update(
     element = stores.weights_dtype.itemsize
     state_alignment = 4 * stores.state_alignment
     load_state, update, store_state = optimizer.TRITON
-    common = dict(POOLING=mode, HAS_PER_SAMPLE_WEIGHTS=has_per_sample_weights,
+    common = dict(POOLING=mode, HAS_PER_SAMPLE_WEIGHTS=has_per_sample_weights, ALIGN=stores.alignment,
                   GRAD_ALIGN_BYTES=grad_alignment_bytes(grad_output, stores), CHUNK=chunk, BLOCK_D=block_d)
     updating = dict(USE_CACHE=use_cache, OPTIMIZER_LOAD_STATE=load_state, OPTIMIZER_UPDATE=update,
                     OPTIMIZER_STORE_STATE=store_state,
                     STOCHASTIC_ROUNDING=bool(stochastic_rounding) and stores.weights_dtype != torch.float32,
-                    ALIGN=stores.alignment, ALIGN_BYTES=stores.alignment * element, STATE_ALIGN_BYTES=state_alignment)
+                    ALIGN_BYTES=stores.alignment * element, STATE_ALIGN_BYTES=state_alignment)
     s = sorted_lookups
-    psw = per_sample_weights if has_per_sample_weights else grad_output
-    slots = slot_of_index if use_cache else s.run_end
+    order = s.order
+    # Per-sample weights and slots by sorted position, gathered once (no dependent load in the kernels).
+    sorted_weights = per_sample_weights[order] if has_per_sample_weights else grad_output
+    sorted_slots = slot_of_index[order] if use_cache else s.run_end
     hyper = tuple(float(value) for value in optimizer.kernel_hyper(step))
-    store_args = (stores.table_weights_address, stores.table_weights_stride, stores.table_state_address,
-                  stores.table_state_stride, stores.table_row_offset, stores.table_dim, stores.table_output_offset,
-                  stores.cache_weights, stores.cache_weights.stride(0), stores.cache_state,
-                  stores.cache_state.stride(0))
-    seed, step_word = int(seed) & 0x7FFFFFFF, int(step) & 0x7FFFFFFF
+    gradient_args = (order, s.sorted_bags, sorted_weights, lookups.offsets, grad_output, grad_output.stride(0),
+                     stores.table_dim, stores.table_output_offset)
+    update_args = (s.sorted_rows, sorted_slots, stores.table_weights_address, stores.table_weights_stride,
+                   stores.table_state_address, stores.table_state_stride, stores.table_row_offset,
+                   stores.cache_weights, stores.cache_weights.stride(0), stores.cache_state,
+                   stores.cache_state.stride(0), hyper, int(seed) & 0x7FFFFFFF, int(step) & 0x7FFFFFFF)
 
     num_windows = triton.cdiv(num_lookups, chunk)
     window_sums = torch.empty(num_windows, block_d, dtype=torch.float32, device=device)
     _hot_window_sums_kernel[(num_windows,)](
-        window_sums, s.order, s.run_count, s.bag_of_index, lookups.offsets, psw, grad_output, grad_output.stride(0),
-        stores.table_dim, stores.table_output_offset, num_lookups, lookups.batch_size,
-        **common, ALIGN=stores.alignment, num_warps=4)
+        window_sums, s.run_count, *gradient_args, num_lookups, lookups.batch_size, **common, num_warps=4)
+    group = HOT_GROUP
+    num_groups = triton.cdiv(num_windows, group)
+    group_sums = torch.empty(num_groups, block_d, dtype=torch.float32, device=device)
+    _hot_group_sums_kernel[(num_groups,)](group_sums, window_sums, s.run_count, num_lookups, CHUNK=chunk, GROUP=group,
+                                          BLOCK_D=block_d, num_warps=4)
     _hot_row_update_kernel[(num_windows,)](
-        window_sums, s.sorted_rows, s.order, s.run_count, s.run_end, s.bag_of_index, lookups.offsets, psw, slots,
-        grad_output, grad_output.stride(0), *store_args, hyper, seed, step_word, num_lookups, lookups.batch_size,
-        # One row a program: one warp holds a 128-wide row in 4-element vectors.
-        **common, **updating, BLOCK_P=8, BLOCK_L=4, num_warps=max(1, min(8, block_d // 128)))
-    programs = min(triton.cdiv(num_lookups, config.rows), _multiprocessors(device) * config.programs_per_sm)
-    _row_update_kernel[(programs,)](
-        s.sorted_rows, s.order, s.run_end, s.num_runs, s.bag_of_index, lookups.offsets, psw, slots,
-        grad_output, grad_output.stride(0), *store_args, hyper, seed, step_word, lookups.batch_size,
+        window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups,
+        lookups.batch_size, **common, **updating, GROUP=group, BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=4,
+        num_warps=4)
+    _row_update_kernel[(triton.cdiv(num_lookups, config.rows),)](
+        s.run_end, *gradient_args, *update_args, num_lookups, lookups.batch_size,
         **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
 
 
@@ -644,7 +696,8 @@ def _per_sample_weights_grad_kernel(
 ):
     table = tl.program_id(1)
     element = cache_weights_ptr.dtype.element_ty
-    bags, in_batch, starts, ends = bag_tile_bounds(offsets_ptr, table, batch_size, BLOCK_B, BLOCK_L)
+    bags, in_batch, starts, ends = bag_tile_bounds(offsets_ptr, table, tl.program_id(0) * BLOCK_B, batch_size, BLOCK_B,
+                                                  BLOCK_L)
     lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
     table_rows = table_row_zero(table_weights_address_ptr, table, element)
     row_stride = tl.load(table_weights_stride_ptr + table)

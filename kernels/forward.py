@@ -42,23 +42,29 @@ from .rows import Lookups, RowStores, check_lookups
 # Tiles of more than this many elements spill registers: the autotuner never tries them.
 MAX_TILE_ELEMENTS = 8192
 
-# (BLOCK_B, BLOCK_L, num_warps) the autotuner tries, by bag-length class (log2 of the mean bag
-# length): many bags of one lookup, or few bags walked many lookups at a time.
+# (BLOCK_B, BLOCK_L, num_warps, GROUPS) the autotuner tries, by bag-length class (log2 of the mean
+# bag length): many bags of one lookup, or few bags walked many lookups at a time; GROUPS tiles of
+# bags one after another in a program.
 _SHAPES_BY_CLASS = {
-    0: [(16, 1, 4), (32, 1, 4), (64, 1, 8), (32, 1, 8), (8, 1, 2)],
-    1: [(16, 2, 4), (32, 2, 8), (8, 2, 4), (16, 1, 4)],
-    2: [(8, 4, 4), (16, 4, 8), (4, 4, 4), (8, 2, 4)],
+    0: [(16, 1, 4, 1), (32, 1, 4, 1), (32, 1, 8, 1), (8, 1, 2, 1), (16, 1, 4, 4), (32, 1, 4, 2), (8, 1, 2, 4)],
+    1: [(16, 1, 4, 1), (8, 1, 2, 1), (32, 1, 8, 1), (8, 2, 4, 1), (16, 1, 4, 4), (8, 1, 2, 4)],
+    2: [(4, 4, 4, 1), (4, 4, 2, 1), (8, 4, 4, 1), (16, 1, 4, 1), (8, 1, 2, 1), (4, 4, 2, 4), (16, 1, 4, 4)],
 }
-_LONG_BAG_SHAPES = [(1, 32, 4), (2, 16, 4), (4, 8, 4), (2, 32, 8), (1, 64, 8), (4, 16, 8)]
+# Long bags: a whole bag per step (a reduction across the tile's rows), or one lookup of many bags
+# per step (no reduction, a longer loop).
+_LONG_BAG_SHAPES = [(1, 32, 4, 1), (2, 16, 4, 1), (4, 8, 4, 1), (2, 32, 8, 1), (1, 64, 8, 1), (1, 32, 2, 1),
+                    (16, 1, 4, 1), (32, 1, 8, 1), (8, 1, 2, 1), (8, 2, 4, 1), (4, 4, 2, 1), (1, 32, 2, 4),
+                    (1, 32, 4, 4), (2, 16, 4, 4), (1, 32, 2, 8), (16, 1, 4, 4)]
 
 
 def _forward_configs() -> list[triton.Config]:
     """Candidate tiles; a single one when interpreting (no timer there, and small tiles make the
-    tests walk several steps of a bag and several programs of a table)."""
+    tests walk several steps of a bag, several tiles of a program and several programs of a table)."""
     if INTERPRETING:
-        return [triton.Config({"BLOCK_B": 2, "BLOCK_L": 2}, num_warps=4)]
+        return [triton.Config({"BLOCK_B": 2, "BLOCK_L": 2, "GROUPS": 2}, num_warps=4)]
     shapes = {shape for shapes in _SHAPES_BY_CLASS.values() for shape in shapes} | set(_LONG_BAG_SHAPES)
-    return [triton.Config({"BLOCK_B": b, "BLOCK_L": lanes}, num_warps=w) for b, lanes, w in sorted(shapes)]
+    return [triton.Config({"BLOCK_B": b, "BLOCK_L": lanes, "GROUPS": g}, num_warps=w)
+            for b, lanes, w, g in sorted(shapes)]
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -67,7 +73,8 @@ def _prune_configs(configs, named_args, **kwargs):
         return configs
     block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
     wanted = set(_SHAPES_BY_CLASS.get(named_args["bag_length_class"], _LONG_BAG_SHAPES))
-    chosen = [c for c in configs if (c.kwargs["BLOCK_B"], c.kwargs["BLOCK_L"], c.num_warps) in wanted]
+    chosen = [c for c in configs
+              if (c.kwargs["BLOCK_B"], c.kwargs["BLOCK_L"], c.num_warps, c.kwargs["GROUPS"]) in wanted]
     fitting = [c for c in chosen if c.kwargs["BLOCK_B"] * c.kwargs["BLOCK_L"] * block_d <= MAX_TILE_ELEMENTS]
     return fitting or [min(chosen, key=lambda c: c.kwargs["BLOCK_B"] * c.kwargs["BLOCK_L"])]
 
@@ -101,51 +108,55 @@ def _pooled_forward_kernel(
     ALIGN_BYTES: tl.constexpr,  # ALIGN in bytes
     BLOCK_B: tl.constexpr,  # bags per program
     BLOCK_L: tl.constexpr,  # lookups of each bag per step
+    GROUPS: tl.constexpr,  # tiles of BLOCK_B bags per program
     BLOCK_D: tl.constexpr,  # columns per tile: next power of two of the largest embedding_dim
 ):
     table = tl.program_id(1)
     element = cache_weights_ptr.dtype.element_ty
-    # The tile's rows are (bag, lane) pairs: BLOCK_L lookups of each of BLOCK_B bags per step.
-    _, _, starts, ends = bag_tile_bounds(offsets_ptr, table, batch_size, BLOCK_B, BLOCK_L)
-    lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
     table_rows = table_row_zero(table_weights_address_ptr, table, element)
     row_stride = tl.load(table_weights_stride_ptr + table)
     # A multiple of the alignment (in elements), so masks stay constant across a vector.
     dim = tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
+    output_column = tl.multiple_of(tl.load(table_output_offset_ptr + table), ALIGN)
     columns = tl.arange(0, BLOCK_D)
     in_row = columns < dim
+    lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
+    # GROUPS tiles a program, one after the other: fewer, longer programs (the H200 launches
+    # short programs more slowly than it runs them).
+    for group in range(GROUPS):
+        first_bag = (tl.program_id(0) * GROUPS + group) * BLOCK_B
+        # The tile's rows are (bag, lane) pairs: BLOCK_L lookups of each of BLOCK_B bags per step.
+        _, _, starts, ends = bag_tile_bounds(offsets_ptr, table, first_bag, batch_size, BLOCK_B, BLOCK_L)
+        accumulator = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+        for step_start in range(0, tl.max(ends - starts, axis=0), BLOCK_L):
+            positions = starts + step_start + lanes  # int64 [BLOCK_B * BLOCK_L]
+            in_bag = positions < ends
+            rows = tl.load(indices_ptr + positions, mask=in_bag, other=0)
+            slots = tl.zeros_like(rows)
+            if USE_CACHE:
+                slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
+            pointers = row_pointers(table_rows, rows, row_stride, slots, cache_weights_ptr, cache_weights_stride,
+                                    USE_CACHE, ALIGN_BYTES)
+            tile = tl.load(pointers[:, None] + columns[None, :], mask=in_bag[:, None] & in_row[None, :],
+                           other=0.0).to(tl.float32)
+            if HAS_PER_SAMPLE_WEIGHTS:
+                tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, None]
+            if POOLING == POOLING_NONE_CONSTEXPR:  # every lookup is its own output row
+                # Columns past the table's dim are written as zeros, so no output element is left unset.
+                out_ptrs = output_ptr + positions[:, None] * output_stride + columns[None, :]
+                tl.store(out_ptrs, tile, mask=in_bag[:, None] & (columns < output_width)[None, :])
+            else:
+                accumulator += sum_lanes(tile, BLOCK_B, BLOCK_L, BLOCK_D)
 
-    accumulator = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-    for step_start in range(0, tl.max(ends - starts, axis=0), BLOCK_L):
-        positions = starts + step_start + lanes  # int64 [BLOCK_B * BLOCK_L]
-        in_bag = positions < ends
-        rows = tl.load(indices_ptr + positions, mask=in_bag, other=0)
-        slots = tl.zeros_like(rows)
-        if USE_CACHE:
-            slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
-        pointers = row_pointers(table_rows, rows, row_stride, slots, cache_weights_ptr, cache_weights_stride,
-                                USE_CACHE, ALIGN_BYTES)
-        tile = tl.load(pointers[:, None] + columns[None, :], mask=in_bag[:, None] & in_row[None, :],
-                       other=0.0).to(tl.float32)
-        if HAS_PER_SAMPLE_WEIGHTS:
-            tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, None]
-        if POOLING == POOLING_NONE_CONSTEXPR:  # every lookup is its own output row
-            # Columns past the table's dim are written as zeros, so no output element is left unset.
-            out_ptrs = output_ptr + positions[:, None] * output_stride + columns[None, :]
-            tl.store(out_ptrs, tile, mask=in_bag[:, None] & (columns < output_width)[None, :])
-        else:
-            accumulator += sum_lanes(tile, BLOCK_B, BLOCK_L, BLOCK_D)
-
-    if POOLING != POOLING_NONE_CONSTEXPR:
-        bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-        if POOLING == POOLING_MEAN_CONSTEXPR:  # an empty bag stays all zeros
-            bag_ids = table.to(tl.int64) * batch_size + bags
-            lengths = (tl.load(offsets_ptr + bag_ids + 1, mask=bags < batch_size, other=1)
-                       - tl.load(offsets_ptr + bag_ids, mask=bags < batch_size, other=0))
-            accumulator = accumulator / tl.maximum(lengths, 1).to(tl.float32)[:, None]
-        out_ptrs = (output_ptr + bags[:, None].to(tl.int64) * output_stride
-                    + tl.multiple_of(tl.load(table_output_offset_ptr + table), ALIGN) + columns[None, :])
-        tl.store(out_ptrs, accumulator, mask=(bags < batch_size)[:, None] & in_row[None, :])
+        if POOLING != POOLING_NONE_CONSTEXPR:
+            bags = first_bag + tl.arange(0, BLOCK_B)
+            if POOLING == POOLING_MEAN_CONSTEXPR:  # an empty bag stays all zeros
+                bag_ids = table.to(tl.int64) * batch_size + bags
+                lengths = (tl.load(offsets_ptr + bag_ids + 1, mask=bags < batch_size, other=1)
+                           - tl.load(offsets_ptr + bag_ids, mask=bags < batch_size, other=0))
+                accumulator = accumulator / tl.maximum(lengths, 1).to(tl.float32)[:, None]
+            out_ptrs = output_ptr + bags[:, None].to(tl.int64) * output_stride + output_column + columns[None, :]
+            tl.store(out_ptrs, accumulator, mask=(bags < batch_size)[:, None] & in_row[None, :])
 
 
 def pooled_forward(
@@ -180,7 +191,7 @@ def pooled_forward(
     element_bytes = stores.weights_dtype.itemsize
 
     def grid(meta):
-        return triton.cdiv(batch_size, meta["BLOCK_B"]), num_tables
+        return triton.cdiv(batch_size, meta["BLOCK_B"] * meta["GROUPS"]), num_tables
 
     _pooled_forward_kernel[grid](
         output, output.stride(0), output.shape[1],

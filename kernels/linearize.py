@@ -31,7 +31,8 @@ def _linearize_kernel(
     BLOCK_L: tl.constexpr,  # lookups of each bag per step
 ):
     table = tl.program_id(1)
-    bags, _, starts, ends = bag_tile_bounds(offsets_ptr, table, batch_size, BLOCK_B, BLOCK_L)
+    bags, _, starts, ends = bag_tile_bounds(offsets_ptr, table, tl.program_id(0) * BLOCK_B, batch_size, BLOCK_B,
+                                                  BLOCK_L)
     row_offset = tl.load(table_row_offset_ptr + table)
     bag_ids = (table * batch_size + bags).to(tl.int32)
     lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L

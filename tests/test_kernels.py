@@ -386,12 +386,14 @@ def _segments_batch(lengths, dim, device, optimizer):
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
 def test_hot_rows_at_every_segment_length_around_the_split(name, device):
     """Rows looked up 1, 2, CHUNK - 1 .. CHUNK + 1, 2 CHUNK - 2 .. 2 CHUNK (where runs start holding
-    a whole window of sorted positions and go to the hot kernels) and 5 CHUNK + 3 times."""
+    a whole window of sorted positions and go to the hot kernels), 5 CHUNK + 3 times, and over
+    3 HOT_GROUP windows (where whole groups of windows are summed first)."""
     optimizer = ALL_OPTIMIZERS[name]
     c = CHUNK
-    lengths = [1, 2, c - 1, c, c + 1, 2 * c - 2, 2 * c - 1, 2 * c, 5 * c + 3, 1, 2 * c - 1]
+    lengths = [1, 2, c - 1, c, c + 1, 2 * c - 2, 2 * c - 1, 2 * c, 5 * c + 3, 1, 2 * c - 1,
+               3 * backward_module.HOT_GROUP * c + 5]
     stores, lookups, slot_of_index = _segments_batch(lengths, 12, device, optimizer)
-    config = BackwardConfig(rows=2, lanes=2, num_warps=4, chunk=c, programs_per_sm=2)
+    config = BackwardConfig(rows=2, lanes=2, num_warps=4, chunk=c)
     sorted_lookups = sort_lookups(stores, lookups)
     ends = sorted_lookups.run_end[: int(sorted_lookups.num_runs)].long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
@@ -423,7 +425,7 @@ def test_one_row_looked_up_100k_times(device):
 
     reference_backward_update(grad_output, expected, lookups, None, "sum", optimizer, STEP)
     backward_update(grad_output, stores, lookups, None, "sum", optimizer, STEP,
-                    config=BackwardConfig(rows=2, lanes=2, num_warps=4, chunk=1024, programs_per_sm=2))
+                    config=BackwardConfig(rows=2, lanes=2, num_warps=4, chunk=1024))
 
     assert_stores_close(stores, expected, torch.float32)
 
@@ -463,7 +465,7 @@ def test_backward_update_rejects_bad_arguments(device):
         backward_update(grad_output[:, 1:], stores, lookups, slot_of_index, "sum", sgd)
     with pytest.raises(ValueError, match="power of two"):
         backward_update(grad_output, stores, lookups, slot_of_index, "sum", sgd,
-                        config=BackwardConfig(2, 2, 4, 3, 2))
+                        config=BackwardConfig(2, 2, 4, 3))
     with pytest.raises(TypeError, match="slot_of_index"):
         backward_update(grad_output, stores, lookups, slot_of_index.long(), "sum", sgd)
     with pytest.raises(TypeError, match="FusedOptimizer"):
