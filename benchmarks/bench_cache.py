@@ -438,8 +438,10 @@ def run_big_table(args: argparse.Namespace) -> dict:
           f"{args.big_steps} steps, zipf {args.alpha[0]:g}", flush=True)
     start = time.perf_counter()
     try:
+        # One module (the table takes minutes to allocate): the mover named alone by --mover, else the default.
         emb = build_module([num_rows], args.dim, Placement.HOST_CACHED,
-                           CacheConfig(memory=cache_bytes, policy=args.policy, associativity=args.associativity), args)
+                           CacheConfig(memory=cache_bytes, policy=args.policy, associativity=args.associativity), args,
+                           mover=args.mover[0] if len(args.mover) == 1 else None)
     except (RuntimeError, MemoryError) as error:
         raise SystemExit(f"big-table mode: allocating {host_bytes / 2**30:.1f} GiB of pinned host memory "
                          f"(or the cache) failed: {error}") from error
@@ -453,7 +455,8 @@ def run_big_table(args: argparse.Namespace) -> dict:
     batches = (source.next() for _ in range(args.big_steps))
     measured = train_steps(emb, batches, grad, first_timed)
     stats = measured["stats"]
-    result = dict(kind="big_table", table_gb=num_rows * row_bytes / 1e9, cache_gb=cache_bytes / 1e9, rows=num_rows,
+    result = dict(kind="big_table", mover=emb.cache.mover.name, table_gb=num_rows * row_bytes / 1e9,
+                  cache_gb=cache_bytes / 1e9, rows=num_rows,
                   slots=emb.cache.num_slots, setup_s=setup_s, alpha=args.alpha[0],
                   steps=args.big_steps, timed_steps=args.big_steps - first_timed, **measured)
     result["prefetch_gbs"] = stats["bytes_in"] / measured["prefetch_total_ms"] / 1e6 if stats["bytes_in"] else None
@@ -463,10 +466,11 @@ def run_big_table(args: argparse.Namespace) -> dict:
 
 
 def format_big_table(r: dict) -> list[str]:
-    header = ["table GB", "cache GB", "lookups", "steps (timed)", "prefetch ms", "forward ms", "backward ms",
+    header = ["mover", "table GB", "cache GB", "lookups", "steps (timed)", "prefetch ms", "forward ms", "backward ms",
               "step ms", "hit rate (lookups)", "hit rate (unique rows)", "prefetch GB/s (bytes in / prefetch ms)"]
     stats = r["stats"]
-    row = [f"{r['table_gb']:.1f}", f"{r['cache_gb']:g}", f"zipf {r['alpha']:g}", f"{r['steps']} ({r['timed_steps']})",
+    row = [r["mover"], f"{r['table_gb']:.1f}", f"{r['cache_gb']:g}", f"zipf {r['alpha']:g}",
+           f"{r['steps']} ({r['timed_steps']})",
            common.fmt(r["prefetch"]), common.fmt(r["forward"]), common.fmt(r["backward"]), common.fmt(r["step"]),
            f"{stats['hit_rate_by_lookup']:.4f}", f"{stats['hit_rate_by_unique']:.4f}",
            common.fmt(r["prefetch_gbs"], ".1f")]

@@ -218,7 +218,7 @@ if pipe:
 big = merged["bench_big"]
 if big:
     r = big["results"][0]
-    print(f"bench_big: {r['table_gb']:.1f} GB table, {r['cache_gb']:g} GB cache, zipf {r['alpha']:g}: step "
+    print(f"bench_big ({r.get('mover', 'zero_copy')} mover): {r['table_gb']:.1f} GB table, {r['cache_gb']:g} GB cache, zipf {r['alpha']:g}: step "
           f"{f(r['step'], '.2f')} ms (median of last {r['timed_steps']} of {r['steps']}), hit rate "
           f"{r['stats']['hit_rate_by_lookup']:.3f}, setup {r['setup_s']:.0f} s")
 else:

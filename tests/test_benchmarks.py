@@ -69,13 +69,14 @@ def test_bench_cache_big_table_mode(scripts, capsys, tmp_path):
     # 50 kB table of 16-float rows = 781 rows; a 10 kB cache (a few sets).
     json_file = tmp_path / "big.json"
     scripts["bench_cache"].main(["--big-table-gb", "0.00005", "--cache-gb", "0.00001", "--dim", "16",
-                                 "--batch-size", "8", "--big-bag-size", "2", "--big-steps", "2",
+                                 "--batch-size", "8", "--big-bag-size", "2", "--big-steps", "2", "--mover", "staged",
                                  "--json", str(json_file)])
     out = capsys.readouterr().out
     assert "big table: 781 rows x 16 fp32" in out
-    assert "| table GB | cache GB | lookups | steps (timed) |" in out
+    assert "| mover | table GB | cache GB | lookups | steps (timed) |" in out
     result = json.loads(json_file.read_text())["results"][0]
     assert result["steps"] == 2 and result["timed_steps"] == 1 and result["stats"]["lookups"] == 8 * 2
+    assert result["mover"] == "staged"
 
 
 def test_bench_cache_big_table_fails_clearly_without_memory(scripts, monkeypatch):
