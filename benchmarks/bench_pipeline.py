@@ -17,6 +17,10 @@ same batches, for each Zipf exponent:
   batches on a side stream while this one trains; once per cache policy (every policy of
   ``tiered_tbe.cache.policy.POLICIES`` by default: lru, lfu, lookahead).
 
+The cached runs repeat for each row mover of ``--mover`` (``zero_copy``: copy kernels read the
+pinned tables in place; ``staged``: host threads gather into pinned buffers and the copy
+engines carry them; see ``tiered_tbe.cache.mover``).
+
 Reported: step time (wall clock over ``--batches`` steps after ``--warmup``, synchronized at both
 ends), throughput against all-HBM (target for the pipeline: >= 0.8), and the rows moved into the
 cache per batch (``cache_stats().rows_copied_in / batches``) of each policy against LRU's
@@ -29,6 +33,7 @@ Without a GPU (CPU simulation) it runs at a tiny size to prove it works; its tim
     tiered-tbe bench pipeline                                  # 26 tables, Zipf 1.05 and 1.2
     tiered-tbe bench pipeline --row-cap 1000000 --batches 10 --record
     tiered-tbe bench pipeline --policy lru lookahead --depth 4 --cache-fraction 0.1
+    tiered-tbe bench pipeline --mover staged --policies lru --modes hbm pipelined
     python benchmarks/bench_pipeline.py ...                    # the same, from a checkout
 """
 
@@ -42,6 +47,7 @@ import torch
 from torch import nn
 
 from tiered_tbe import records
+from tiered_tbe.base.codes import MOVERS
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.bench_cache import build_module, free, judge
@@ -68,6 +74,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     common.add_cache_flags(parser, list(POLICIES), several=True)
     run = parser.add_argument_group("run")
     run.add_argument("--depth", type=int, default=2, help="batches the pipeline prefetches ahead, 1..8 (default 2)")
+    run.add_argument("--mover", nargs="+", default=["zero_copy"], choices=MOVERS,
+                     help="row movers of the cached runs, each a model of its own (default zero_copy; "
+                          "--mover zero_copy staged measures both)")
+    run.add_argument("--mover-threads", type=int,
+                     help="staged mover: torch intra-op threads per host copy (default: torch's)")
+    run.add_argument("--staging-rows", type=int, help="staged mover: rows per staging buffer (default: the mover's)")
     run.add_argument("--lookahead", type=int, default=DEFAULT_LOOKAHEAD,
                      help=f"batches a lookahead cache learns from (default {DEFAULT_LOOKAHEAD})")
     run.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
@@ -97,6 +109,9 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--depth must be between 1 and 8")
     if args.warmup < 0 or args.batches < 1 or args.lookahead < 0:
         raise ValueError("--warmup and --lookahead must be >= 0, --batches >= 1")
+    for name in ("mover_threads", "staging_rows"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     try:
         if isinstance(args.bottom_mlp, str):
             args.bottom_mlp = [int(w) for w in args.bottom_mlp.split(",") if w]
@@ -219,55 +234,60 @@ def run(args: argparse.Namespace) -> list[dict]:
     table_rows = common.table_rows_of(args)
     batches = {alpha: make_batches(table_rows, alpha, args, device) for alpha in args.alpha}
 
-    # (label, placement, policy, runs): the runs of one module, in order, each over every alpha.
+    # (label, placement, policy, mover, runs): the runs of one module, in order, each over every alpha.
     models = []
     if "hbm" in args.modes:
-        models.append(("all HBM", Placement.DEVICE, None, ["serial"]))
+        models.append(("all HBM", Placement.DEVICE, None, None, ["serial"]))
     if "managed" in args.modes:
-        models.append(("managed, no cache", Placement.MANAGED, None, ["serial"]))
-    for policy in args.policies:
-        # Pipelined first: every policy's pipelined runs then start from the same (empty) cache.
-        runs = (["pipelined"] if "pipelined" in args.modes else []) + \
-               (["serial"] if policy == BASELINE_POLICY and "serial" in args.modes else [])
-        if runs:
-            models.append((f"host_cached {policy}", Placement.HOST_CACHED, policy, runs))
+        models.append(("managed, no cache", Placement.MANAGED, None, None, ["serial"]))
+    for mover in args.mover:
+        for policy in args.policies:
+            # Pipelined first: every policy's pipelined runs then start from the same (empty) cache.
+            runs = (["pipelined"] if "pipelined" in args.modes else []) + \
+                   (["serial"] if policy == BASELINE_POLICY and "serial" in args.modes else [])
+            if runs:
+                models.append((f"host_cached {policy}", Placement.HOST_CACHED, policy, mover, runs))
 
     results = []
-    for label, placement, policy, runs in models:
+    for label, placement, policy, mover, runs in models:
         start = time.perf_counter()
         cache = CacheConfig(fraction=args.cache_fraction, policy=policy,
                             associativity=args.associativity) if policy else None
-        emb = build_module(table_rows, args.dim, placement, cache, args)
+        emb = build_module(table_rows, args.dim, placement, cache, args, mover=mover)
         model = SmallDLRM(emb, len(table_rows), args.dim, args.bottom_mlp, args.top_mlp).to(device)
-        print(f"{label}: built in {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"{label}" + (f" ({mover} mover)" if mover else "") + f": built in {time.perf_counter() - start:.1f} s",
+              flush=True)
         for run_mode in runs:
             for alpha in args.alpha:
                 measured = train(model, batches[alpha], args, pipelined=run_mode == "pipelined")
-                results.append(dict(model=label, policy=policy, run=run_mode, alpha=alpha, **measured))
+                results.append(dict(model=label, policy=policy, mover=mover, run=run_mode, alpha=alpha, **measured))
                 print(f"  {run_mode} zipf {alpha:g}: step {measured['step_ms']:.3f} ms", flush=True)
+        if emb.cache is not None:
+            emb.cache.close()
         del model, emb
         free()
 
     for r in results:
         hbm = find(results, "all HBM", "serial", r["alpha"])
-        lru = find(results, f"host_cached {BASELINE_POLICY}", r["run"], r["alpha"])
+        lru = find(results, f"host_cached {BASELINE_POLICY}", r["run"], r["alpha"], r["mover"])
         r["throughput_vs_hbm"] = r["samples_per_s"] / hbm["samples_per_s"] if hbm else None
         r["rows_vs_lru"] = (r["rows_in_per_batch"] / lru["rows_in_per_batch"]
                             if lru and r["rows_in_per_batch"] is not None and lru["rows_in_per_batch"] else None)
     return results
 
 
-def find(results, model, run_mode, alpha) -> dict | None:
+def find(results, model, run_mode, alpha, mover=None) -> dict | None:
     for r in results:
-        if r["model"] == model and r["run"] == run_mode and r["alpha"] == alpha:
+        if r["model"] == model and r["run"] == run_mode and r["alpha"] == alpha and r.get("mover") == mover:
             return r
     return None
 
 
 def describe(r: dict, depth: int) -> str:
+    mover = f", {r['mover']} mover" if r.get("mover") else ""
     if r["run"] == "pipelined":
-        return f"{r['model']}, pipelined depth {depth}"
-    return r["model"] if r["policy"] is None else f"{r['model']}, serial (prefetch in forward)"
+        return f"{r['model']}{mover}, pipelined depth {depth}"
+    return r["model"] if r["policy"] is None else f"{r['model']}{mover}, serial (prefetch in forward)"
 
 
 def format_table(results: list[dict], args) -> list[str]:
@@ -291,16 +311,18 @@ def format_table(results: list[dict], args) -> list[str]:
     for alpha in args.alpha:
         for r in (r for r in results if r["alpha"] == alpha and r["run"] == "pipelined"):
             if r["throughput_vs_hbm"] is not None:
-                lines.append(f"- zipf {alpha:g}, {r['model']} pipelined: throughput / all-HBM "
+                lines.append(f"- zipf {alpha:g}, {r['model']} ({r['mover']} mover) pipelined: throughput / all-HBM "
                              f"{r['throughput_vs_hbm']:.2f} (target >= {THROUGHPUT_TARGET}: "
                              f"{judge(r['throughput_vs_hbm'] >= THROUGHPUT_TARGET)})")
-        lookahead = find(results, "host_cached lookahead", "pipelined", alpha)
-        if lookahead and lookahead["rows_vs_lru"] is not None:
-            verdict = judge(lookahead["rows_vs_lru"] <= LOOKAHEAD_TARGET) if alpha == 1.05 else "target is at zipf 1.05"
-            if lookahead["lookahead_hints"] is False:
-                verdict = "no next-use hints were written: it ran as LRU, so the target is not tested"
-            lines.append(f"- zipf {alpha:g}: lookahead rows moved / LRU {lookahead['rows_vs_lru']:.2f} "
-                         f"(target <= {LOOKAHEAD_TARGET}: {verdict})")
+        for mover in args.mover:
+            lookahead = find(results, "host_cached lookahead", "pipelined", alpha, mover)
+            if lookahead and lookahead["rows_vs_lru"] is not None:
+                verdict = (judge(lookahead["rows_vs_lru"] <= LOOKAHEAD_TARGET) if alpha == 1.05
+                           else "target is at zipf 1.05")
+                if lookahead["lookahead_hints"] is False:
+                    verdict = "no next-use hints were written: it ran as LRU, so the target is not tested"
+                lines.append(f"- zipf {alpha:g}, {mover} mover: lookahead rows moved / LRU "
+                             f"{lookahead['rows_vs_lru']:.2f} (target <= {LOOKAHEAD_TARGET}: {verdict})")
     return lines
 
 

@@ -70,6 +70,20 @@ def time_ms(fn: Callable[[], object], rep_ms: float = 200.0) -> float:
     return triton.testing.do_bench(fn, warmup=max(25.0, rep_ms / 4), rep=rep_ms, quantiles=[0.5, 0.2, 0.8])[0]
 
 
+def wall_ms(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Median wall-clock milliseconds of ``fn()`` with the device synchronized before and after
+    each call (for work that mixes host threads and the GPU), after one warm-up call."""
+    fn()
+    synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 class StepTimer:
     """Times named phases of repeated steps with CUDA events on the current stream.
 

@@ -4,7 +4,8 @@
 #   1. install the project offline and check that tiered_tbe.cache / tiered_tbe.kernels import on
 #      a GPU (not in simulation); print versions and the GPU's name;
 #   2. the gpu-marked tests (pytest -m gpu -x);
-#   3. benchmarks/bench_kernels.py, bench_cache.py, bench_pipeline.py, then profile_step.py,
+#   3. benchmarks/bench_kernels.py, bench_cache.py (both row movers), bench_pipeline.py (and again
+#      with the staged mover), then profile_step.py,
 #      trace_pipeline.py (per-stream busy / idle time of pipelined steps) and bench_pipeline.py
 #      with the steps on the current stream (what PrefetchPipeline(high_priority=True) adds);
 #   4. last and optional, bench_cache.py's big-table mode (a 60 GB pinned table, 8 GB cache);
@@ -112,13 +113,17 @@ RECORD=(--record --results-file "$OUT/RESULTS-gpu.md")
 run_step bench_kernels 100 "$OUT/bench_kernels.log" 40 \
     python3 benchmarks/bench_kernels.py --rep-ms 100 "${RECORD[@]}" ${KERNELS_ARGS:-}
 # shellcheck disable=SC2086
-run_step bench_cache 130 "$OUT/bench_cache.log" 40 \
+run_step bench_cache 200 "$OUT/bench_cache.log" 40 \
     python3 benchmarks/bench_cache.py --warmup 15 --batches 15 "${RECORD[@]}" --json "$WORK/bench_cache.json" \
     ${CACHE_ARGS:-}
 # shellcheck disable=SC2086
-run_step bench_pipeline 170 "$OUT/bench_pipeline.log" 60 \
+run_step bench_pipeline 240 "$OUT/bench_pipeline.log" 60 \
     python3 benchmarks/bench_pipeline.py --warmup 60 --batches 15 "${RECORD[@]}" \
     --json "$WORK/bench_pipeline.json" ${PIPELINE_ARGS:-}
+
+# The pipeline with the staged row mover (host threads, pinned staging, the copy engines).
+run_step pipeline_staged 150 "$WORK/pipeline_staged.log" 60 \
+    python3 benchmarks/bench_pipeline.py --mover staged --modes hbm pipelined --warmup 60 --batches 15 "${RECORD[@]}"
 
 # Where the step time goes (host vs device per phase, launch costs, top operators).
 run_step profile 90 "$OUT/profile.log" 40 python3 benchmarks/profile_step.py --warmup 10 --steps 3 --top 30
@@ -180,26 +185,28 @@ if rows:
 cache = merged["bench_cache"]
 if cache:
     memcpy = next((r for r in cache["results"] if r["kind"] == "memcpy"), {})
-    print(f"bench_cache (pinned memcpy h2d {f(memcpy.get('h2d_gbs'), '.1f')} GB/s; targets fill/memcpy >= 0.8, "
-          f"step/HBM <= 2):")
-    print(f"  {'model':<12} {'zipf':>5} {'prefetch':>9} {'fwd':>7} {'bwd':>7} {'step ms':>8} {'hit':>6} "
-          f"{'rows in':>8} {'step/HBM':>8}")
+    print(f"bench_cache (pinned memcpy h2d {f(memcpy.get('h2d_gbs'), '.1f')} GB/s, d2h {f(memcpy.get('d2h_gbs'), '.1f')}; "
+          f"targets fill/memcpy >= 0.8, write-back/memcpy >= 0.6, step/HBM <= 2, pipelined/HBM <= 1.2):")
+    print(f"  {'model':<12} {'mover':<9} {'zipf':>5} {'prefetch':>9} {'fwd':>7} {'bwd':>7} {'step ms':>8} {'hit':>6} "
+          f"{'rows in':>8} {'step/HBM':>8} {'pipe ms':>8} {'pipe/HBM':>8}")
     for r in (r for r in cache["results"] if r["kind"] == "model"):
         hit = r["stats"]["hit_rate_by_lookup"] if r["model"] != "all HBM" else None
-        print(f"  {r['model']:<12} {r['alpha']:>5g} {f(r['prefetch'], '.3f'):>9} {f(r['forward'], '.3f'):>7} "
-              f"{f(r['backward'], '.3f'):>7} {f(r['step'], '.3f'):>8} {f(hit, '.3f'):>6} "
-              f"{f(r.get('rows_in_per_batch'), ',.0f'):>8} {f(r['step_vs_hbm']):>8}")
+        print(f"  {r['model']:<12} {r.get('mover', '-'):<9} {r['alpha']:>5g} {f(r['prefetch'], '.3f'):>9} "
+              f"{f(r['forward'], '.3f'):>7} {f(r['backward'], '.3f'):>7} {f(r['step'], '.3f'):>8} {f(hit, '.3f'):>6} "
+              f"{f(r.get('rows_in_per_batch'), ',.0f'):>8} {f(r['step_vs_hbm']):>8} "
+              f"{f(r.get('pipelined_step'), '.3f'):>8} {f(r.get('pipelined_vs_hbm')):>8}")
     for r in (r for r in cache["results"] if r["kind"] == "copy"):
-        print(f"  {r['direction']:<10} kernel: {r['rows']:>9,} rows x {r['row_bytes']} B, <= {r.get('blocks')} blocks: "
-              f"{f(r['ms'], '.3f')} ms "
-              f"{f(r['gbs'], '.1f')} GB/s = {f(r['vs_memcpy'])} of memcpy")
+        print(f"  {r.get('mover', 'zero_copy'):<9} {r['direction']:<10}: {r['rows']:>9,} rows x {r['row_bytes']} B"
+              + (f", <= {r['blocks']} blocks" if r.get("blocks") else "") + f": {f(r['ms'], '.3f')} ms "
+              f"{f(r['gbs'], '.1f')} GB/s = {f(r['vs_memcpy'])} of memcpy"
+              + (f"; write-back hidden {f(r['write_back_hidden'])}" if r.get("write_back_hidden") is not None else ""))
 
 pipe = merged["bench_pipeline"]
 if pipe:
     print("bench_pipeline (targets: pipelined throughput/HBM >= 0.8; lookahead rows/LRU <= 0.7 at zipf 1.05):")
     print(f"  {'model':<44} {'zipf':>5} {'step ms':>8} {'thru/HBM':>8} {'rows/batch':>11} {'rows/LRU':>8} {'hit':>6}")
     for r in pipe["results"]:
-        name = r["model"] + (f" {r['run']}" if r["policy"] else "")
+        name = r["model"] + (f" {r.get('mover')} {r['run']}" if r["policy"] else "")
         if not r["available"]:
             print(f"  {name:<44} {r['alpha']:>5g}  n/a ({r.get('reason', '')[:60]})")
             continue
@@ -211,20 +218,22 @@ if pipe:
 big = merged["bench_big"]
 if big:
     r = big["results"][0]
-    print(f"bench_big: {r['table_gb']:.1f} GB table, {r['cache_gb']:g} GB cache, zipf {r['alpha']:g}: step "
+    print(f"bench_big ({r.get('mover', 'zero_copy')} mover): {r['table_gb']:.1f} GB table, {r['cache_gb']:g} GB cache, zipf {r['alpha']:g}: step "
           f"{f(r['step'], '.2f')} ms (median of last {r['timed_steps']} of {r['steps']}), hit rate "
           f"{r['stats']['hit_rate_by_lookup']:.3f}, setup {r['setup_s']:.0f} s")
 else:
     fails = log_tail("bench_big.log", r"(big-table mode|Error|error)")
     if fails:
         print("bench_big: " + fails[-1][:200])
-for name, pattern in (("trace.log", r"^== |stream|host ms|span"), ("priority.log", r"^\| (all HBM|host_cached)")):
+for name, pattern in (("trace.log", r"^== |stream|host ms|span"), ("priority.log", r"^\| (all HBM|host_cached)"),
+                      ("pipeline_staged.log", r"^\| (all HBM|host_cached)|^- zipf")):
     path = work / name
     lines = [line for line in path.read_text(errors="replace").splitlines() if re.search(pattern, line)] \
         if path.exists() else []
     if lines:
         print({"trace.log": "trace_pipeline (zipf 1.05, depth 2; per-stream busy/idle ms per step):",
-               "priority.log": "bench_pipeline with steps on the default-priority stream (zipf 1.05):"}[name])
+               "priority.log": "bench_pipeline with steps on the default-priority stream (zipf 1.05):",
+               "pipeline_staged.log": "bench_pipeline with the staged mover:"}[name])
         for line in lines:
             print("  " + line.strip())
 phases = log_tail("profile.log", r"^== |^   (prefetch|forward|backward) |host time of one")

@@ -49,14 +49,14 @@ def host_and_device_ms(emb, batches, grad) -> dict[str, tuple[float, float]]:
 def launch_overhead(cache, device, repeats: int = 200) -> None:
     """Host microseconds of the pieces under every cache call: a small torch op, a Numba launch
     (through the cache's launcher, and bare), converting a tensor for Numba (fresh and cached)."""
-    from tiered_tbe.cache import _kernels, slot_cache
+    from tiered_tbe.cache import _kernels, launch
 
     rows = torch.arange(8, device=device)
     no_slots = torch.full((8,), -1, dtype=torch.int32, device=device)
     pieces = [("torch op (rows + 1)", lambda: rows + 1),
               ("SlotCache.lookup of 8 rows", lambda: cache.lookup(rows)),
-              ("cache._launch of a 2-argument kernel", lambda: cache._launch(_kernels.mark_dirty_kernel, 8, no_slots,
-                                                                            cache._k_dirty))]
+              ("a launch of a 2-argument kernel", lambda: cache._launcher.launch(_kernels.mark_dirty_kernel, 8,
+                                                                                  no_slots, cache._k_dirty))]
     if not SIMULATION:
         from numba import cuda
 
@@ -65,7 +65,7 @@ def launch_overhead(cache, device, repeats: int = 200) -> None:
         pieces += [("bare numba launch, 2 arguments", lambda: _kernels.mark_dirty_kernel[1, 32, stream](
                         k_no_slots, cache._k_dirty)),
                    ("numba.cuda.as_cuda_array", lambda: cuda.as_cuda_array(rows)),
-                   ("cached device array", lambda: slot_cache._device_array(rows))]
+                   ("cached device array", lambda: launch.device_array(rows))]
     for name, fn in pieces:
         fn()
         common.synchronize()

@@ -20,6 +20,8 @@ builds the host location wrongly on CUDA 13, so managed memory needs the binding
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from tiered_tbe.base.codes import Placement
@@ -129,6 +131,42 @@ class _CudaMemory:
                 free(self.pointer)
             except Exception:  # noqa: BLE001 - interpreter shutdown may have unloaded CUDA
                 pass
+
+
+def host_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor over the same memory as ``tensor`` (same shape, strides and dtype), for the
+    host to read and write a backing store that the GPU also sees: ``tensor`` itself when it is
+    a CPU tensor; for a CUDA tensor over pinned host memory (``HOST``) or managed memory
+    (``MANAGED``), a view through the memory's host address. ``ValueError`` for GPU memory.
+
+    The view does not keep the memory alive: the caller holds ``tensor`` (or its buffer).
+    """
+    if tensor.device.type == "cpu":
+        return tensor
+    storage = tensor.untyped_storage()
+    base = _host_address(storage.data_ptr())
+    flat = torch.frombuffer((ctypes.c_uint8 * storage.nbytes()).from_address(base), dtype=torch.uint8)
+    return flat.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+
+
+def _host_address(device_pointer: int) -> int:
+    """The host address of CUDA-addressable memory at ``device_pointer`` (pinned host or managed)."""
+    runtime = _runtime()
+    if runtime is not None:
+        attributes = _check(runtime, runtime.cudaPointerGetAttributes(device_pointer), "cudaPointerGetAttributes")
+        kinds = runtime.cudaMemoryType
+        kind, host = attributes.type, int(attributes.hostPointer or 0)
+        if kind not in (kinds.cudaMemoryTypeHost, kinds.cudaMemoryTypeManaged) or not host:
+            raise ValueError(f"memory at {device_pointer:#x} is {kind.name}: the host cannot read it (the staged "
+                             "mover needs a backing store in pinned host or managed memory)")
+        return host
+    cupy = _cupy()
+    if cupy is not None:
+        attributes = cupy.cuda.runtime.pointerGetAttributes(device_pointer)
+        if attributes.type not in (1, 3) or not attributes.hostPointer:  # cudaMemoryTypeHost, cudaMemoryTypeManaged
+            raise ValueError(f"memory at {device_pointer:#x} (type {attributes.type}) is not readable by the host")
+        return int(attributes.hostPointer)
+    raise RuntimeError("the staged mover needs cuda-bindings or CuPy to find the host address of a backing store")
 
 
 def _runtime():

@@ -37,6 +37,12 @@ def one_simulated_thread(monkeypatch):
     and each simulated thread is a Python thread: a 200-step test takes seconds instead of
     minutes. tests/test_cache*.py keep several threads per launch so that threads interleave.
     """
-    from tiered_tbe.cache import slot_cache
+    from tiered_tbe.cache import launch
 
-    monkeypatch.setattr(slot_cache, "SIMULATED_THREADS", 1)
+    monkeypatch.setattr(launch, "SIMULATED_THREADS", 1)
+
+
+@pytest.fixture(params=["zero_copy", "staged"])
+def mover(request) -> str:
+    """Each row mover of the slot cache (tiered_tbe.cache.mover): cache tests run with both."""
+    return request.param

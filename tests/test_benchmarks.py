@@ -43,15 +43,24 @@ def test_bench_cache_prints_its_table(scripts, capsys, tmp_path):
     scripts["bench_cache"].main([*TINY_MODEL, "--memcpy-gib", "0.0001", "--record", "--results-file",
                                  str(results_file), "--json", str(json_file)])
     out = capsys.readouterr().out
-    assert "| model | lookups | prefetch ms | forward ms | backward ms | step ms |" in out
-    assert "| host_cached | zipf 1.05 |" in out and "| all HBM | zipf 1.05 |" in out
-    assert "fill / memcpy" in out and "serial step / all-HBM" in out and "| fill | " in out
+    assert "| model | mover | lookups | prefetch ms | forward ms | backward ms | step ms |" in out
+    assert "| host_cached | zero_copy | zipf 1.05 |" in out and "| host_cached | staged | zipf 1.05 |" in out
+    assert "| all HBM | - | zipf 1.05 |" in out
+    assert "fill / memcpy" in out and "write-back / memcpy" in out and "serial step / all-HBM" in out
+    assert "pipelined step / all-HBM" in out and "write-back hidden behind the fill" in out
+    for mover in ("zero_copy", "staged"):
+        for direction in ("fill", "write-back", "both"):
+            assert f"| {mover} | {direction} | " in out, (mover, direction)
     if tiered_tbe.SIMULATION:
         assert "timings are meaningless" in out and "not judged in simulation" in out
     document = json.loads(json_file.read_text())
-    cached = next(r for r in document["results"] if r.get("model") == "host_cached")
-    assert cached["stats"]["batches"] == 2 and cached["stats"]["lookups"] == 2 * 3 * 8
-    assert cached["rows_in_per_batch"] >= 0 and cached["step_vs_hbm"] > 0
+    cached = {r["mover"]: r for r in document["results"] if r.get("model") == "host_cached"}
+    assert set(cached) == {"zero_copy", "staged"}
+    for r in cached.values():
+        assert r["stats"]["batches"] == 2 and r["stats"]["lookups"] == 2 * 3 * 8
+        assert r["rows_in_per_batch"] >= 0 and r["step_vs_hbm"] > 0 and r["pipelined_vs_hbm"] > 0
+    # The same decisions, whichever mover carries the rows.
+    assert cached["staged"]["stats"] == cached["zero_copy"]["stats"]
     recorded = results_file.read_text()
     assert recorded.startswith("# Benchmark results") and "\n## bench_cache\n" in recorded
     assert "`python benchmarks/bench_cache.py --num-tables 3" in recorded
@@ -61,13 +70,14 @@ def test_bench_cache_big_table_mode(scripts, capsys, tmp_path):
     # 50 kB table of 16-float rows = 781 rows; a 10 kB cache (a few sets).
     json_file = tmp_path / "big.json"
     scripts["bench_cache"].main(["--big-table-gb", "0.00005", "--cache-gb", "0.00001", "--dim", "16",
-                                 "--batch-size", "8", "--big-bag-size", "2", "--big-steps", "2",
+                                 "--batch-size", "8", "--big-bag-size", "2", "--big-steps", "2", "--mover", "staged",
                                  "--json", str(json_file)])
     out = capsys.readouterr().out
     assert "big table: 781 rows x 16 fp32" in out
-    assert "| table GB | cache GB | lookups | steps (timed) |" in out
+    assert "| mover | table GB | cache GB | lookups | steps (timed) |" in out
     result = json.loads(json_file.read_text())["results"][0]
     assert result["steps"] == 2 and result["timed_steps"] == 1 and result["stats"]["lookups"] == 8 * 2
+    assert result["mover"] == "staged"
 
 
 def test_bench_cache_big_table_fails_clearly_without_memory(scripts, monkeypatch):
@@ -82,11 +92,13 @@ def test_bench_pipeline_prints_its_table(scripts, capsys, tmp_path):
                                     "--json", str(json_file)])
     out = capsys.readouterr().out
     assert "| model | lookups | step ms | samples/s | throughput / all-HBM | rows moved / batch |" in out
-    for name in ("all HBM", "managed, no cache", "host_cached lru, serial (prefetch in forward)",
-                 "host_cached lru, pipelined depth 2", "host_cached lfu, pipelined depth 2",
-                 "host_cached lookahead, pipelined depth 2"):
+    names = ["all HBM", "managed, no cache"]
+    for mover in ("zero_copy",):
+        names += [f"host_cached lru, {mover} mover, serial (prefetch in forward)"]
+        names += [f"host_cached {policy}, {mover} mover, pipelined depth 2" for policy in ("lru", "lfu", "lookahead")]
+    for name in names:
         assert f"| {name}" in out, name
-    assert "throughput / all-HBM" in out and "lookahead rows moved / LRU" in out
+    assert "throughput / all-HBM" in out and "zero_copy mover: lookahead rows moved / LRU" in out
     results = json.loads(json_file.read_text())["results"]
     pipelined = {r["policy"]: r for r in results if r["run"] == "pipelined"}
     assert set(pipelined) == set(POLICIES)
@@ -141,27 +153,35 @@ def test_cli_bench_cache_records_only_when_asked(capsys, tmp_path):
     results_file = tmp_path / "RESULTS.md"
     args = ["bench", "cache", "--tables", "2", "--rows", "500", "--dim", "16", "--batch-size", "8", "--bag-size", "2",
             "--alpha", "1.2", "--cache-fraction", "0.1", "--policy", "lfu", "--warmup", "1", "--batches", "2",
-            "--memcpy-gib", "0.0001", "--results-file", str(results_file)]
+            "--memcpy-gib", "0.0001", "--mover", "staged", "--depth", "0", "--results-file", str(results_file)]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "2 tables of 500 rows x 16 fp32" in out and "cache 0.1 of rows, lfu" in out
-    assert "| host_cached | zipf 1.2 |" in out and "| all HBM | zipf 1.2 |" in out  # the baseline, same run
+    assert "| host_cached | staged | zipf 1.2 |" in out and "| all HBM | - | zipf 1.2 |" in out  # the baseline
+    assert "| zero_copy |" not in out and "pipelined step / all-HBM" not in out
     assert "serial step / all-HBM" in out
     assert not results_file.exists()  # no --record: nothing written
     assert cli_main([*args, "--record"]) == 0
     recorded = results_file.read_text()
     assert recorded.startswith("# Benchmark results") and "\n## bench_cache\n" in recorded
-    assert "`tiered-tbe bench cache --tables 2 --rows 500" in recorded and "| host_cached | zipf 1.2 |" in recorded
+    assert "`tiered-tbe bench cache --tables 2 --rows 500" in recorded
+    assert "| host_cached | staged | zipf 1.2 |" in recorded
 
 
-def test_cli_bench_pipeline(capsys):
+def test_cli_bench_pipeline(capsys, tmp_path):
     code = cli_main(["bench", "pipeline", "--num-tables", "2", "--row-cap", "500", "--dim", "16", "--batch-size", "8",
                      "--alpha", "1.05", "--warmup", "1", "--batches", "2", "--modes", "hbm", "pipelined",
-                     "--policies", "lru", "--bottom-mlp", "8", "--top-mlp", "8"])
+                     "--policies", "lru", "--bottom-mlp", "8", "--top-mlp", "8", "--mover", "zero_copy", "staged",
+                     "--staging-rows", "3", "--mover-threads", "1", "--json", str(tmp_path / "pipeline.json")])
     assert code == 0
     out = capsys.readouterr().out
     assert "2 Criteo Kaggle tables (1,000 rows, capped at 500) x 16 fp32" in out  # 1460 and 583 rows, capped
-    assert "| all HBM | zipf 1.05 |" in out and "| host_cached lru, pipelined depth 2 | zipf 1.05 |" in out
+    assert "| all HBM | zipf 1.05 |" in out
+    for mover in ("zero_copy", "staged"):
+        assert f"| host_cached lru, {mover} mover, pipelined depth 2 | zipf 1.05 |" in out, mover
+    results = json.loads((tmp_path / "pipeline.json").read_text())["results"]
+    cached = {r["mover"]: r for r in results if r["policy"] == "lru"}
+    assert cached["staged"]["stats"] == cached["zero_copy"]["stats"]  # the same decisions, whichever mover
     assert "throughput / all-HBM" in out
 
 
@@ -169,6 +189,9 @@ def test_cli_bench_pipeline(capsys):
     (["cache", "--rows", "100", "--row-cap", "10"], "--row-cap caps the Criteo Kaggle tables"),
     (["cache", "--tables", "27"], "--tables must be between 1 and 26"),
     (["pipeline", "--depth", "9"], "--depth must be between 1 and 8"),
+    (["cache", "--depth", "9"], "--depth must be between 0 and 8"),
+    (["cache", "--mover", "dma"], "invalid choice: 'dma'"),
+    (["pipeline", "--staging-rows", "0"], "--staging-rows must be >= 1"),
     (["kernels", "--rows", "0"], "--rows must be >= 1"),
     (["cache", "--cache-fraction", "2"], "--cache-fraction must be in (0, 1]"),
     (["cache", "--dtype", "fp8"], "invalid choice: 'fp8'"),

@@ -5,6 +5,9 @@ here are tiny (a few sets of a few ways) and the batches short. On a GPU the sam
 on CUDA tensors; the ``gpu`` tests at the end add the memory tiers and larger sizes.
 """
 
+import copy
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -71,6 +74,13 @@ def make_trace(num_batches=30, num_sets=4, seed=0):
     return batches
 
 
+def prefetch(cache: SlotCache, rows: torch.Tensor):
+    """``cache.prefetch``, then wait for the batch's rows (the staged mover moves them behind the call)."""
+    batch = cache.prefetch(rows)
+    cache.wait_filled(batch)
+    return batch
+
+
 def is_cached_row(rows):
     return (rows < UNCACHED[0]) | ((rows >= TABLE_B[0]) & (rows < TABLE_B[0] + TABLE_B[1]))
 
@@ -99,9 +109,16 @@ class TrainingCheck:
         return next(t for t in self.cache.tables if t.global_row_start <= row < t.global_row_start + t.num_rows)
 
     def step(self, batch: np.ndarray) -> torch.Tensor:
+        return self.train(self.prefetch(batch), batch)
+
+    def prefetch(self, batch: np.ndarray):
+        return self.cache.prefetch(torch.from_numpy(batch).to(self.cache.device))
+
+    def train(self, prefetched, batch: np.ndarray) -> torch.Tensor:
+        """Check and update the rows of a prefetched batch (batches train in prefetch order)."""
         cache = self.cache
-        global_rows = torch.from_numpy(batch).to(cache.device)
-        slot_of_index = cache.prefetch(global_rows)
+        cache.wait_filled(prefetched)
+        slot_of_index = prefetched.slot_of_index
         slots = slot_of_index.long().cpu()
         cached = torch.from_numpy(is_cached_row(batch))
         # The remap: uncached tables -1; otherwise the slot holds the row, or -1.
@@ -127,8 +144,8 @@ class TrainingCheck:
                 if table.state is not None:
                     table.state[local] += 1
             self.updates[row] += 1
-        cache.mark_dirty(slot_of_index)
-        cache.unlock(slot_of_index)
+        cache.mark_dirty(prefetched)
+        cache.unlock(prefetched)
         return slot_of_index
 
     def _copy(self, table, row, slot):
@@ -156,9 +173,10 @@ def assert_same_state(cache: SlotCache, simulator: CacheSimulator):
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_agrees_with_simulator_hit_for_hit(policy):
+def test_agrees_with_simulator_hit_for_hit(policy, mover):
     """Same trace, same policy: equal counters after every batch, equal slots, exact rows."""
-    cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy=policy, lfu_decay_interval=4)
+    cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy=policy, lfu_decay_interval=4, mover=mover,
+                      staging_rows=3)
     simulator = CacheSimulator(16, 4, policy, lfu_decay_interval=4, row_bytes=ROW_BYTES)
     check = TrainingCheck(cache)
     for batch in make_trace():
@@ -175,16 +193,16 @@ def test_agrees_with_simulator_hit_for_hit(policy):
     check.check_backing_after_flush()
 
 
-def test_agrees_with_simulator_mixing_training_and_inference():
+def test_agrees_with_simulator_mixing_training_and_inference(mover):
     """Batches of evaluation (no mark_dirty) between training ones: a clean row that replaces a
     dirty one is clean, and dropping it writes nothing."""
-    cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy="lru")
+    cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy="lru", mover=mover)
     simulator = CacheSimulator(16, 4, "lru", training=True, row_bytes=ROW_BYTES)
     for b, batch in enumerate(make_trace(num_batches=16, seed=5)):
-        slot_of_index = cache.prefetch(torch.from_numpy(batch).to(DEVICE))
+        prefetched = prefetch(cache, torch.from_numpy(batch).to(DEVICE))
         if b % 3 == 0:
-            cache.mark_dirty(slot_of_index)
-        cache.unlock(slot_of_index)
+            cache.mark_dirty(prefetched)
+        cache.unlock(prefetched)
         cached = batch[is_cached_row(batch)]
         # The simulator replays one mode per run; switch it by hand between batches.
         simulator.training = b % 3 == 0
@@ -206,31 +224,81 @@ def test_policies_differ_on_the_trace():
     assert run("lru") != run("lfu")
 
 
-def test_dirty_victims_written_back_clean_ones_not():
+def test_dirty_victims_written_back_clean_ones_not(mover):
     table = CachedTable(0, 64, 3, initial_rows(0, 64, 3).to(DEVICE), None)
-    cache = SlotCache([table], num_slots=2, associativity=2)  # one set: every row conflicts
-    slots = cache.prefetch(rows_tensor([5, 9]))
+    cache = SlotCache([table], num_slots=2, associativity=2, mover=mover)  # one set: every row conflicts
+    first = prefetch(cache, rows_tensor([5, 9]))
+    slots = first.slot_of_index
     # Row 5 is updated and marked dirty; row 9 is scribbled on but not marked (a clean slot is
     # a copy of its backing row, so the cache may drop it without writing).
     cache.weights[slots[0]] += 100
     cache.weights[slots[1]] += 100
     cache.mark_dirty(slots[:1])
-    cache.unlock(slots)
-    assert cache.prefetch(rows_tensor([20, 30])).tolist() == slots.tolist()  # both evicted
+    cache.unlock(first)
+    second = prefetch(cache, rows_tensor([20, 30]))
+    assert second.slot_of_index.tolist() == slots.tolist()  # both evicted
+    cache.drain()  # the staged mover writes back behind the prefetch
     torch.testing.assert_close(table.weights[5].cpu(), initial_rows(5, 1, 3)[0] + 100)
     torch.testing.assert_close(table.weights[9].cpu(), initial_rows(9, 1, 3)[0])
     stats = cache.stats()
     assert (stats.evictions, stats.write_backs, stats.bytes_out, stats.bytes_in) == (2, 1, 12, 4 * 12)
-    cache.unlock(rows_tensor(slots.tolist(), torch.int32))
+    cache.unlock(second)
     # Re-fetched, the written-back row carries its update.
-    again = cache.prefetch(rows_tensor([5]))
-    torch.testing.assert_close(cache.weights[again[0]].cpu(), initial_rows(5, 1, 3)[0] + 100)
+    again = prefetch(cache, rows_tensor([5]))
+    torch.testing.assert_close(cache.weights[again.slot_of_index[0]].cpu(), initial_rows(5, 1, 3)[0] + 100)
 
 
-def test_flush_writes_dirty_rows_and_state_once():
+def slow_write_backs(cache: SlotCache, seconds: float = 0.02) -> None:
+    """Make the staged mover's write-backs land late (a race that skipped a wait would show)."""
+    if cache.mover.name == "staged":
+        cache.mover.delay = lambda where: time.sleep(seconds) if where == "write_back" else None
+
+
+def test_a_row_evicted_dirty_and_missed_again_next_batch_carries_its_update(mover):
+    """The write-back of an evicted row and its fill one prefetch later: the fill reads the
+    backing store after the write-back reached it (one set, so every batch evicts the last)."""
+    table = CachedTable(0, 64, 3, initial_rows(0, 64, 3).to(DEVICE), initial_rows(0, 64, 1).to(DEVICE))
+    cache = SlotCache([table], num_slots=2, associativity=2, mover=mover, staging_rows=1)
+    slow_write_backs(cache)
+    expected = initial_rows(0, 64, 3).clone()
+    for step, rows in enumerate([[1, 2], [3, 4], [1, 2], [3, 4], [1, 5], [2, 3]]):
+        batch = cache.prefetch(rows_tensor(rows))
+        cache.wait_filled(batch)
+        slots = batch.slot_of_index.long()
+        torch.testing.assert_close(cache.weights[slots].cpu(), expected[rows], rtol=0, atol=0, msg=f"step {step}")
+        cache.weights[slots] += 1.0
+        cache.state[slots] += 1.0
+        expected[rows] += 1.0
+        cache.mark_dirty(batch)
+        cache.unlock(batch)
+    cache.flush()
+    torch.testing.assert_close(table.weights.cpu(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(table.state.cpu(), initial_rows(0, 64, 1) + (expected - initial_rows(0, 64, 3))[:, :1])
+
+
+def test_a_row_read_in_place_sees_the_write_back_of_its_eviction(mover):
+    """Row 1 is evicted dirty by B, then C misses it while B's locked rows fill its set: C reads
+    row 1 in the backing store (slot -1), which must hold the update by then."""
+    table = CachedTable(0, 64, 3, initial_rows(0, 64, 3).to(DEVICE), None)
+    cache = SlotCache([table], num_slots=2, associativity=2, mover=mover)
+    slow_write_backs(cache)
+    a = prefetch(cache, rows_tensor([1, 2]))
+    cache.weights[a.slot_of_index.long()] += 10.0
+    cache.mark_dirty(a)
+    cache.unlock(a)
+    b = cache.prefetch(rows_tensor([3, 4]))  # evicts rows 1 and 2, dirty; B stays in flight
+    c = prefetch(cache, rows_tensor([1]))
+    assert c.slot_of_index.tolist() == [-1]
+    torch.testing.assert_close(table.weights[1].cpu(), initial_rows(1, 1, 3)[0] + 10.0, rtol=0, atol=0)
+    cache.unlock(b)
+    cache.unlock(c)
+
+
+def test_flush_writes_dirty_rows_and_state_once(mover):
     tables = make_tables()
-    cache = SlotCache(tables, num_slots=8, associativity=4)
-    slots = cache.prefetch(rows_tensor([1, 2, 260, 205]))
+    cache = SlotCache(tables, num_slots=8, associativity=4, mover=mover)
+    batch = prefetch(cache, rows_tensor([1, 2, 260, 205]))
+    slots = batch.slot_of_index
     assert slots[3] == -1
     cache.weights[slots[:3].long()] = 7.0
     cache.state[slots[:3].long()] = 3.0
@@ -245,50 +313,49 @@ def test_flush_writes_dirty_rows_and_state_once():
     assert cache.stats().write_backs == 2  # nothing dirty: nothing written
 
 
-def test_locked_slots_are_never_evicted():
+def test_locked_slots_are_never_evicted(mover):
     num_sets = 2
     table = CachedTable(0, 200, 2, initial_rows(0, 200, 2).to(DEVICE), None)
-    cache = SlotCache([table], num_slots=8, associativity=4)
+    cache = SlotCache([table], num_slots=8, associativity=4, mover=mover)
     first, second = rows_of_set(0, num_sets, 4), rows_of_set(0, num_sets, 7)[4:]
-    slots_first = cache.prefetch(rows_tensor(first))
-    assert sorted(slots_first.tolist()) == [0, 1, 2, 3]
+    batch_first = prefetch(cache, rows_tensor(first))
+    assert sorted(batch_first.slot_of_index.tolist()) == [0, 1, 2, 3]
     # Batch 1 still in flight (no unlock): batch 2's rows of the same set find no way.
-    slots_second = cache.prefetch(rows_tensor(second + second))
-    assert slots_second.tolist() == [-1] * 6
+    batch_second = prefetch(cache, rows_tensor(second + second))
+    assert batch_second.slot_of_index.tolist() == [-1] * 6
     assert sorted(cache.tags[:4].tolist()) == sorted(first)
     stats = cache.stats()
     assert (stats.unique_misses, stats.misses_no_slot, stats.evictions, stats.lookups) == (7, 3, 0, 10)
     assert cache.num_locked() == 4
-    cache.unlock(slots_second)  # nothing to release: every slot was -1
+    cache.unlock(batch_second)  # no slot to release: every slot was -1
     assert cache.num_locked() == 4
-    cache.unlock(slots_first)
+    cache.unlock(batch_first)
     assert cache.num_locked() == 0
     # Unlocked, the same batch evicts: all four rows were last used at step 1, so ties go to the
     # lowest ways, taken by the missed rows in ascending order.
-    slots_second = cache.prefetch(rows_tensor(second))
-    assert slots_second.tolist() == [0, 1, 2]
+    assert prefetch(cache, rows_tensor(second)).slot_of_index.tolist() == [0, 1, 2]
     assert cache.stats().evictions == 3
 
 
-def test_hits_lock_before_misses_choose_and_misses_go_in_row_order():
+def test_hits_lock_before_misses_choose_and_misses_go_in_row_order(mover):
     num_sets = 2
     table = CachedTable(0, 400, 2, initial_rows(0, 400, 2).to(DEVICE), None)
-    cache = SlotCache([table], num_slots=8, associativity=4)
+    cache = SlotCache([table], num_slots=8, associativity=4, mover=mover)
     old = rows_of_set(0, num_sets, 4, high=400)
-    cache.unlock(cache.prefetch(rows_tensor(old)))
+    cache.unlock(prefetch(cache, rows_tensor(old)))
     new = rows_of_set(0, num_sets, 8, high=400)[4:]
     # The batch uses old[3] (in way 3) and four new rows. old[3] is a hit, locked before any
     # victim is chosen; the misses go in ascending row order, each to the lowest of the tied
     # unlocked ways (all last used at step 1), and the largest finds none.
     batch = rows_tensor([new[3], old[3], new[1], new[0], new[2]])
-    slots = cache.prefetch(batch)
-    assert slots.tolist() == [-1, 3, 1, 0, 2]
+    assert prefetch(cache, batch).slot_of_index.tolist() == [-1, 3, 1, 0, 2]
     assert cache.tags.tolist()[:4] == [new[0], new[1], new[2], old[3]]
+    torch.testing.assert_close(cache.weights[:4].cpu(), initial_rows(0, 400, 2)[cache.tags[:4].cpu()])
 
 
-def test_lookup_changes_nothing_and_takes_no_lock():
-    cache = SlotCache(make_tables(), num_slots=8, associativity=4)
-    cache.unlock(cache.prefetch(rows_tensor([4, 5, 260])))
+def test_lookup_changes_nothing_and_takes_no_lock(mover):
+    cache = SlotCache(make_tables(), num_slots=8, associativity=4, mover=mover)
+    cache.unlock(prefetch(cache, rows_tensor([4, 5, 260])))
     before = {name: getattr(cache, name).clone() for name in ("tags", "last_use", "use_count", "locks")}
     slots = cache.lookup(rows_tensor([5, 6, 260, 210, 5, -3]))
     assert slots.dtype == torch.int32
@@ -300,23 +367,23 @@ def test_lookup_changes_nothing_and_takes_no_lock():
     assert cache.step == 1 and cache.stats().lookups == 3
 
 
-def test_rows_outside_cached_tables_are_left_alone():
-    cache = SlotCache(make_tables(), num_slots=8, associativity=4)
-    slots = cache.prefetch(rows_tensor([200, 249, 350, 10**12, -1, 200]))
-    assert slots.tolist() == [-1] * 6
+def test_rows_outside_cached_tables_are_left_alone(mover):
+    cache = SlotCache(make_tables(), num_slots=8, associativity=4, mover=mover)
+    assert prefetch(cache, rows_tensor([200, 249, 350, 10**12, -1, 200])).slot_of_index.tolist() == [-1] * 6
     assert (cache.tags == EMPTY).all()
     assert cache.stats() == CacheStats(batches=1)
-    assert cache.prefetch(rows_tensor([])).shape == (0,)
+    assert prefetch(cache, rows_tensor([])).slot_of_index.shape == (0,)
     assert cache.step == 2
 
 
-def test_lfu_aging_halves_counts_and_lets_a_once_hot_row_go():
+def test_lfu_aging_halves_counts_and_lets_a_once_hot_row_go(mover):
     def run(decay_interval):
         table = CachedTable(0, 16, 1, initial_rows(0, 16, 1).to(DEVICE), None)
-        cache = SlotCache([table], num_slots=2, associativity=2, policy="lfu", lfu_decay_interval=decay_interval)
+        cache = SlotCache([table], num_slots=2, associativity=2, policy="lfu", lfu_decay_interval=decay_interval,
+                          mover=mover)
         counts = []
         for row in (7, 7, 7, 7, 3, 5):  # row 7 hot early, then rows 3 and 5
-            cache.unlock(cache.prefetch(rows_tensor([row, row])))  # two lookups, one use
+            cache.unlock(prefetch(cache, rows_tensor([row, row])))  # two lookups, one use
             counts.append(sorted(zip(cache.tags.tolist(), cache.use_count.tolist())))
         return counts
 
@@ -329,25 +396,25 @@ def test_lfu_aging_halves_counts_and_lets_a_once_hot_row_go():
     assert run(decay_interval=1000)[5] == [(5, 1), (7, 4)]
 
 
-def test_lookahead_evicts_the_row_needed_latest():
+def test_lookahead_evicts_the_row_needed_latest(mover):
     table = CachedTable(0, 64, 1, initial_rows(0, 64, 1).to(DEVICE), None)
-    cache = SlotCache([table], num_slots=3, associativity=3, policy="lookahead")
-    cache.unlock(cache.prefetch(rows_tensor([10, 11, 12])))
+    cache = SlotCache([table], num_slots=3, associativity=3, policy="lookahead", mover=mover)
+    cache.unlock(prefetch(cache, rows_tensor([10, 11, 12])))
     ways = {row: way for way, row in enumerate(cache.tags.tolist())}
     # The pipeline's hint: row 10 next needed at step 5, row 12 at step 3, row 11 at none.
     cache.next_use[ways[10]], cache.next_use[ways[12]] = 5, 3
-    cache.unlock(cache.prefetch(rows_tensor([20])))
+    cache.unlock(prefetch(cache, rows_tensor([20])))
     assert 11 not in cache.tags.tolist()
     cache.next_use[cache.tags == 20] = 4
-    cache.unlock(cache.prefetch(rows_tensor([21])))
+    cache.unlock(prefetch(cache, rows_tensor([21])))
     assert sorted(cache.tags.tolist()) == [12, 20, 21]  # row 10 (step 5) was needed latest
     cache.next_use.fill_(NEXT_USE_UNKNOWN)  # no hint: least recently used goes
-    cache.unlock(cache.prefetch(rows_tensor([22])))
+    cache.unlock(prefetch(cache, rows_tensor([22])))
     assert sorted(cache.tags.tolist()) == [20, 21, 22]
 
 
-def test_counters_are_consistent():
-    cache = SlotCache(make_tables(), num_slots=16, associativity=4)
+def test_counters_are_consistent(mover):
+    cache = SlotCache(make_tables(), num_slots=16, associativity=4, mover=mover)
     check = TrainingCheck(cache)
     for batch in make_trace(num_batches=12, seed=3):
         check.step(batch)
@@ -362,21 +429,26 @@ def test_counters_are_consistent():
     assert cache.stats() == CacheStats()
 
 
-def test_bytes_count_each_tables_row_size():
+def test_bytes_count_each_tables_row_size(mover):
     wide = CachedTable(0, 50, 4, initial_rows(0, 50, 4).to(DEVICE), initial_rows(0, 50, 2).to(DEVICE))  # 24 B
     narrow = CachedTable(50, 50, 2, initial_rows(50, 50, 2).to(DEVICE), None)  # 8 B
-    cache = SlotCache([wide, narrow], num_slots=64, associativity=64)  # one set: nothing evicted
-    slots = cache.prefetch(rows_tensor([1, 2, 3, 60, 61, 2]))
+    cache = SlotCache([wide, narrow], num_slots=64, associativity=64, mover=mover)  # one set: nothing evicted
+    batch = prefetch(cache, rows_tensor([1, 2, 3, 60, 61, 2]))
     assert cache.stats().bytes_in == 3 * 24 + 2 * 8
-    cache.mark_dirty(slots[[0, 3]])
+    # Rows of both tables (two host segments of different widths) are in their slots.
+    slots = batch.slot_of_index.long()
+    torch.testing.assert_close(cache.weights[slots[:3], :4].cpu(), initial_rows(0, 50, 4)[[1, 2, 3]])
+    torch.testing.assert_close(cache.state[slots[:3], :2].cpu(), initial_rows(0, 50, 2)[[1, 2, 3]])
+    torch.testing.assert_close(cache.weights[slots[3:5], :2].cpu(), initial_rows(50, 50, 2)[[10, 11]])
+    cache.mark_dirty(batch.slot_of_index[[0, 3]])
     cache.flush()
     assert cache.stats().bytes_out == 24 + 8
 
 
-def test_write_back_copies_now_and_keeps_dirty_bits():
+def test_write_back_copies_now_and_keeps_dirty_bits(mover):
     tables = make_tables()
-    cache = SlotCache(tables, num_slots=8, associativity=4)
-    slots = cache.prefetch(rows_tensor([1, 260]))
+    cache = SlotCache(tables, num_slots=8, associativity=4, mover=mover)
+    slots = prefetch(cache, rows_tensor([1, 260])).slot_of_index
     cache.weights[slots.long()] = 5.0
     cache.mark_dirty(slots)
     cache.write_back(rows_tensor([-1, int(slots[0]), int(slots[0])], dtype=torch.int32))
@@ -386,43 +458,98 @@ def test_write_back_copies_now_and_keeps_dirty_bits():
     assert (cache.stats().write_backs, cache.stats().bytes_out) == (1, ROW_BYTES)
 
 
-def test_invalidate_drops_rows_unwritten_and_refuses_while_locked():
+def test_invalidate_drops_rows_unwritten_and_refuses_while_locked(mover):
     tables = make_tables()
-    cache = SlotCache(tables, num_slots=8, associativity=4)
-    slots = cache.prefetch(rows_tensor([1, 2]))
-    cache.weights[slots.long()] = 9.0
-    cache.mark_dirty(slots)
+    cache = SlotCache(tables, num_slots=8, associativity=4, mover=mover)
+    batch = prefetch(cache, rows_tensor([1, 2]))
+    cache.weights[batch.slot_of_index.long()] = 9.0
+    cache.mark_dirty(batch)
     with pytest.raises(RuntimeError, match="locked"):
         cache.invalidate()
-    cache.unlock(slots)
+    cache.unlock(batch)
     cache.invalidate()
     assert (cache.tags == EMPTY).all() and int(cache.dirty.sum()) == 0
     torch.testing.assert_close(tables[0].weights[1:3].cpu(), initial_rows(1, 2, 4))  # not written back
-    again = cache.prefetch(rows_tensor([1]))
-    torch.testing.assert_close(cache.weights[again[0], :4].cpu(), initial_rows(1, 1, 4)[0])
+    again = prefetch(cache, rows_tensor([1]))
+    torch.testing.assert_close(cache.weights[again.slot_of_index[0], :4].cpu(), initial_rows(1, 1, 4)[0])
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="checked only where it costs no device sync")
-def test_unlock_twice_is_caught_on_cpu():
-    cache = SlotCache(make_tables(), num_slots=8, associativity=4)
-    slots = cache.prefetch(rows_tensor([1, 1, 2]))
+def test_unlock_twice_or_with_a_tensor_is_refused(mover):
+    cache = SlotCache(make_tables(), num_slots=8, associativity=4, mover=mover)
+    batch = prefetch(cache, rows_tensor([1, 1, 2]))
     assert sorted(cache.locks.tolist()) == [0] * 6 + [1, 1]  # one lock per unique row
-    cache.unlock(slots)
+    with pytest.raises(TypeError, match="CacheBatch"):
+        cache.unlock(batch.slot_of_index)  # a remap is not a batch: nothing released
+    assert cache.num_locked() == 2
+    cache.unlock(batch)
     with pytest.raises(RuntimeError, match="holds no lock"):
-        cache.unlock(slots)
+        cache.unlock(batch)
+    assert cache.num_locked() == 0 and int(cache.locks.min()) == 0
+
+
+def test_unlock_of_a_copied_batch_releases_its_rows_left_in_the_backing_store(mover):
+    """Issue 12: the batch is found by the step its handle names, so a copy of the handle (with
+    copies of its tensors) releases the locks and the rows its prefetch gave no slot, and those
+    rows are cached again by the next prefetch."""
+    num_sets = 1
+    table = CachedTable(0, 200, 2, initial_rows(0, 200, 2).to(DEVICE), None)
+    cache = SlotCache([table], num_slots=4, associativity=4, mover=mover)
+    holder = prefetch(cache, rows_tensor(rows_of_set(0, num_sets, 4)))  # fills the one set with locked rows
+    bypassing = prefetch(cache, rows_tensor([150, 151]))
+    assert bypassing.slot_of_index.tolist() == [-1, -1] and cache.bypass_count[150] == 1
+    twin = copy.copy(bypassing)
+    twin.slot_of_index, twin.locked_slots = twin.slot_of_index.clone(), twin.locked_slots.clone()
+    twin.bypassed_rows = twin.bypassed_rows.clone()
+    cache.unlock(twin)
+    cache.unlock(holder)
+    assert int(cache.bypass_count.sum()) == 0 and cache.num_locked() == 0
+    with pytest.raises(RuntimeError, match="holds no lock"):
+        cache.unlock(bypassing)  # the original names the same batch: released once
+    again = prefetch(cache, rows_tensor([150, 151]))
+    assert (again.slot_of_index >= 0).all(), "rows released by the copy must be cacheable again"
+    torch.testing.assert_close(cache.weights[again.slot_of_index.long()].cpu(), initial_rows(150, 2, 2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_rows_copy_bit_exact(dtype):
+def test_half_precision_rows_copy_bit_exact(dtype, mover):
     table = CachedTable(0, 32, 5, (torch.randn(32, 5) * 1000).to(DEVICE, dtype), None)
-    cache = SlotCache([table], num_slots=2, associativity=2)
-    slots = cache.prefetch(rows_tensor([3, 30]))
+    cache = SlotCache([table], num_slots=2, associativity=2, mover=mover)
+    slots = prefetch(cache, rows_tensor([3, 30])).slot_of_index
     assert cache.weights.dtype == dtype
     assert torch.equal(cache.weights[slots.long()].view(torch.int16), table.weights[[3, 30]].view(torch.int16))
     cache.weights[slots.long()] = 1.5
     cache.mark_dirty(slots)
     cache.flush()
     assert (table.weights[[3, 30]] == 1.5).all()
+
+
+@pytest.mark.parametrize("seed", [9, 10])
+def test_staged_mover_under_random_timing_equals_serial_training(seed):
+    """The staged mover's threads slowed at random (sleeps before host copies, one intra-op
+    thread, one-row staging buffers so every batch is many chunks), batches kept in flight two
+    deep: every row each batch reads is its newest value, as in serial training, and the
+    decisions equal the zero-copy cache's."""
+    rng = np.random.default_rng(seed)
+    checks = {}
+    for mover in ("staged", "zero_copy"):
+        cache = SlotCache(make_tables(), num_slots=16, associativity=4, mover=mover, staging_rows=1, mover_threads=1)
+        if mover == "staged":
+            # Write-backs slower than fills, to give a missing wait its chance to show.
+            cache.mover.delay = lambda where: time.sleep(float(rng.choice([0, 0, 0.0005, 0.002])) *
+                                                         (4 if where == "write_back" else 1))
+        check = checks[mover] = TrainingCheck(cache)
+        in_flight = []
+        for batch in make_trace(num_batches=24, seed=seed):
+            in_flight.append((check.prefetch(batch), batch))
+            if len(in_flight) > 2:
+                check.train(*in_flight.pop(0))
+        for prefetched, batch in in_flight:
+            check.train(prefetched, batch)
+        check.check_backing_after_flush()
+    assert checks["staged"].cache.stats() == checks["zero_copy"].cache.stats()
+    stats = checks["staged"].cache.stats()
+    assert stats.write_backs > 10 and stats.misses_no_slot > 3
+    assert checks["staged"].cache.mover.stats["rows_written"] >= stats.write_backs
 
 
 def test_constructor_checks():
@@ -437,6 +564,10 @@ def test_constructor_checks():
         SlotCache([CachedTable(0, 10, 4, torch.zeros(10, 5, device=DEVICE))], 8, 4)
     with pytest.raises(ValueError, match="policy must be one of"):
         SlotCache(tables, 8, 4, policy="fifo")
+    with pytest.raises(ValueError, match="mover must be one of"):
+        SlotCache(tables, 8, 4, mover="dma")
+    with pytest.raises(ValueError, match="staging_rows must be >= 1"):
+        SlotCache(tables, 8, 4, mover="staged", staging_rows=0)
     with pytest.raises(ValueError, match="row_width"):
         SlotCache(tables, 8, 4, row_width=5)
     wide = SlotCache(tables, 8, 4, row_width=8, state_width=3, weights_dtype=torch.float32)
@@ -451,7 +582,7 @@ def test_constructor_checks():
 @pytest.mark.gpu
 @pytest.mark.parametrize("placement", ["device", "host", "managed"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_gpu_agrees_with_simulator_on_every_tier(placement, policy):
+def test_gpu_agrees_with_simulator_on_every_tier(placement, policy, mover):
     from tiered_tbe.cache.tiers import allocate
     from tiered_tbe.specs import Placement
 
@@ -465,7 +596,10 @@ def test_gpu_agrees_with_simulator_on_every_tier(placement, policy):
             state = state.view(num_rows, state_width)
             state.copy_(-initial_rows(start, num_rows, state_width))
         tables.append(CachedTable(start, num_rows, dim, weights, state))
-    cache = SlotCache(tables, num_slots=16, associativity=4, policy=policy, lfu_decay_interval=4, device="cuda")
+    if mover == "staged" and placement == "device":
+        pytest.skip("the staged mover needs a backing store the host can read")
+    cache = SlotCache(tables, num_slots=16, associativity=4, policy=policy, lfu_decay_interval=4, device="cuda",
+                      mover=mover, staging_rows=3)
     simulator = CacheSimulator(16, 4, policy, lfu_decay_interval=4, row_bytes=ROW_BYTES)
     check = TrainingCheck(cache)
     for batch in make_trace(num_batches=60, seed=7):
@@ -478,12 +612,18 @@ def test_gpu_agrees_with_simulator_on_every_tier(placement, policy):
 
 
 @pytest.mark.gpu
-def test_gpu_large_trace_matches_simulator_and_never_syncs():
-    """A Zipf trace over a 1M-row table, a 4096-slot cache: counters and slots equal the simulator's,
-    and prefetch / mark_dirty / unlock / lookup never wait for the device."""
+def test_gpu_large_trace_matches_simulator_and_never_syncs(mover):
+    """A Zipf trace over a 1M-row table in pinned host memory, a 4096-slot cache: counters and
+    slots equal the simulator's, and prefetch / mark_dirty / unlock / lookup never wait for the
+    device (the staged mover's threads do, off this thread)."""
+    from tiered_tbe.cache.tiers import allocate
+    from tiered_tbe.specs import Placement
+
     num_rows, dim = 1 << 20, 16
-    table = CachedTable(0, num_rows, dim, torch.randn(num_rows, dim, device="cuda"), None)
-    cache = SlotCache([table], num_slots=4096, associativity=32, policy="lru", device="cuda")
+    weights = allocate(Placement.HOST, num_rows * dim, torch.float32, "cuda").tensor.view(num_rows, dim)
+    weights.copy_(torch.randn(num_rows, dim, device="cuda"))
+    table = CachedTable(0, num_rows, dim, weights, None)
+    cache = SlotCache([table], num_slots=4096, associativity=32, policy="lru", device="cuda", mover=mover)
     simulator = CacheSimulator(4096, 32, "lru", row_bytes=dim * 4)
     rng = np.random.default_rng(0)
     batches = [(rng.zipf(1.1, 20000) - 1) % num_rows for _ in range(20)]
@@ -493,10 +633,12 @@ def test_gpu_large_trace_matches_simulator_and_never_syncs():
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            slots = cache.prefetch(rows)
+            batch = cache.prefetch(rows)
             again = cache.lookup(rows)
-            cache.mark_dirty(slots)
-            cache.unlock(slots)
+            cache.wait_filled(batch)
+            slots = batch.slot_of_index
+            cache.mark_dirty(batch)
+            cache.unlock(batch)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(slots, again)
@@ -510,11 +652,11 @@ def test_gpu_large_trace_matches_simulator_and_never_syncs():
     assert torch.equal(table.weights, reference)
 
 
-def test_locked_slots_release_a_batch_without_a_sort_and_write_back_names_a_row_once():
+def test_locked_slots_release_a_batch_without_a_sort_and_write_back_names_a_row_once(mover):
     table = CachedTable(0, 300, 3, initial_rows(0, 300, 3).to(DEVICE), None)
-    cache = SlotCache([table], num_slots=8, associativity=2)
-    slot_of_index = cache.prefetch(rows_tensor([7, 7, 250, 7, 3, 250, 11, 19, 23]))
-    locked = cache.locked_slots
+    cache = SlotCache([table], num_slots=8, associativity=2, mover=mover)
+    batch = prefetch(cache, rows_tensor([7, 7, 250, 7, 3, 250, 11, 19, 23]))
+    slot_of_index, locked = batch.slot_of_index, batch.locked_slots
     held = locked[locked >= 0]
     assert held.numel() == torch.unique(held).numel() == int((cache.locks > 0).sum())  # one lock per row
     assert set(held.tolist()) == set(slot_of_index[slot_of_index >= 0].tolist())
@@ -522,7 +664,36 @@ def test_locked_slots_release_a_batch_without_a_sort_and_write_back_names_a_row_
     cache.write_back(slot_of_index)  # row 7 named three times: one write
     assert cache.stats().write_backs == int((slot_of_index >= 0).sum()) - 3  # 7 x3 and 250 x2 once each
     torch.testing.assert_close(table.weights[7].cpu(), initial_rows(7, 1, 3)[0] + 1.0)
-    cache.unlock(locked, distinct=True)
+    cache.unlock(batch)
     assert cache.num_locked() == 0
-    with pytest.raises(RuntimeError, match="holds no lock"):
-        cache.unlock(locked, distinct=True)
+
+
+def test_staged_mover_threads_stop_with_their_cache_and_errors_reach_the_caller():
+    import gc
+    import threading
+
+    def mover_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("tiered_tbe")]
+
+    before = len(mover_threads())
+    cache = SlotCache(make_tables(), num_slots=8, associativity=4, mover="staged")
+    cache.unlock(prefetch(cache, rows_tensor([1, 2])))
+    assert len(mover_threads()) == before + 2
+    del cache
+    gc.collect()
+    for thread in mover_threads()[before:]:
+        thread.join(timeout=10)
+    assert len(mover_threads()) == before, "a dropped cache's mover threads must exit"
+
+    cache = SlotCache(make_tables(), num_slots=8, associativity=4, mover="staged")
+
+    def broken(where):
+        raise OSError("disk gone")
+
+    cache.mover.delay = broken
+    batch = cache.prefetch(rows_tensor([1, 2]))
+    with pytest.raises(RuntimeError, match="staged row mover failed") as failure:
+        cache.wait_filled(batch)
+    assert isinstance(failure.value.__cause__, OSError)
+    with pytest.raises(RuntimeError, match="staged row mover failed"):
+        cache.prefetch(rows_tensor([3]))

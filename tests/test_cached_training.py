@@ -2,7 +2,8 @@
 
 Heavy eviction: a cache of 2 sets x 4 ways against batches with far more unique rows, and
 some batches whose every lookup hashes into one set; two cached tables share the cache beside
-an uncached one.
+an uncached one. Every optimizer, policy and row mover; the module's plain-torch backend
+(the row math is not what is tested here, and the Triton interpreter would take minutes).
 """
 
 from __future__ import annotations
@@ -41,21 +42,25 @@ def batches(generator, num_sets):
         yield torch.cat(indices).long(), torch.tensor([0] + lengths).cumsum(0)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
 @pytest.mark.parametrize(
     "optimizer, weights_dtype",
     [(SGD(lr=0.2), torch.float32), (RowwiseAdagrad(lr=0.1), torch.float32), (Adam(lr=0.02), torch.float32),
      (RowwiseAdagrad(lr=0.1), torch.float16)],
     ids=["sgd-fp32", "adagrad-fp32", "adam-fp32", "adagrad-fp16"],
 )
-def test_cached_training_equals_uncached(policy, optimizer, weights_dtype, device, one_simulated_thread):
-    config = CacheConfig(slots=8, associativity=4, policy=policy, lfu_decay_interval=7)
+def test_cached_training_equals_uncached(policy, optimizer, weights_dtype, mover, device, one_simulated_thread):
+    config = CacheConfig(slots=8, associativity=4, policy=policy, lfu_decay_interval=7, mover=mover, staging_rows=2)
     cached = TieredEmbeddingBags(tables(True), optimizer=optimizer, weights_dtype=weights_dtype, cache=config,
-                                 device=device)
-    plain = TieredEmbeddingBags(tables(False), optimizer=optimizer, weights_dtype=weights_dtype, device=device)
+                                 device=device, backend="torch")
+    plain = TieredEmbeddingBags(tables(False), optimizer=optimizer, weights_dtype=weights_dtype, device=device,
+                                backend="torch")
+    assert cached.cache.mover.name == mover
     generator = torch.Generator().manual_seed(5)
-    for indices, offsets in batches(generator, cached.cache.num_sets):
-        indices, offsets = indices.to(device), offsets.to(device)
+    steps = [(i.to(device), o.to(device)) for i, o in batches(generator, cached.cache.num_sets)]
+    for step, (indices, offsets) in enumerate(steps):
+        if policy == "lookahead":  # the next three batches' rows, as a pipeline would hint them
+            cached.hint_upcoming([cached.rows_for_hint(*later)[0] for later in steps[step + 1: step + 4]])
         a, b = cached(indices, offsets), plain(indices, offsets)
         assert torch.equal(a, b)
         grad = torch.randn(a.shape, generator=generator).to(device)
@@ -88,3 +93,27 @@ def test_bad_batch_prefetched_ahead_raises_at_its_forward_and_leaves_nothing_beh
     assert module.cache.num_locked() == 0
     after = module.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_mover_comes_from_the_config_or_the_placement_table(device, monkeypatch):
+    from tiered_tbe.cache import mover
+
+    with pytest.raises(ValueError, match="mover must be one of"):
+        CacheConfig(mover="dma")
+    with pytest.raises(ValueError, match="staging_rows must be an int >= 1"):
+        CacheConfig(staging_rows=0)
+    with pytest.raises(ValueError, match="mover_threads must be an int >= 1"):
+        CacheConfig(mover_threads=True)
+
+    def module(**config):
+        return TieredEmbeddingBags(tables(True), optimizer=SGD(lr=0.1), device=device, backend="torch",
+                                   cache=CacheConfig(slots=8, associativity=4, **config))
+
+    assert module().cache.mover.name == "zero_copy"  # the table's default for HOST_CACHED and MANAGED_CACHED
+    staged = module(mover="staged", staging_rows=3, mover_threads=1)
+    assert (staged.cache.mover.name, staged.cache.mover.staging_rows, staged.cache.mover.threads) == ("staged", 3, 1)
+    monkeypatch.setitem(mover.DEFAULT_MOVER, Placement.HOST_CACHED, "staged")
+    assert module().cache.mover.name == "zero_copy"  # MANAGED_CACHED's default still says zero_copy
+    monkeypatch.setitem(mover.DEFAULT_MOVER, Placement.MANAGED_CACHED, "staged")
+    assert module().cache.mover.name == "staged"
+    assert module(mover="zero_copy").cache.mover.name == "zero_copy"

@@ -1,8 +1,10 @@
 """Module-level GPU checks (run on the lent H200 by benchmarks/gpu_suite.sh): every placement
-trains identically, runs repeat bitwise, and the side-stream pipeline equals serial training at
-a size where streams really overlap."""
+and row mover trains identically, runs repeat bitwise, the side-stream pipeline equals serial
+training at a size where streams really overlap, and the staged mover's memory stays flat."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -30,9 +32,9 @@ def zipf_batches(steps: int, num_tables: int, seed: int = 0):
     return batches
 
 
-def make(placement: Placement, optimizer, policy: str = "lru") -> TieredEmbeddingBags:
+def make(placement: Placement, optimizer, policy: str = "lru", mover: str = "zero_copy") -> TieredEmbeddingBags:
     tables = [TableSpec(ROWS, DIM, name=f"t{i}", placement=placement) for i in range(2)]
-    cache = CacheConfig(fraction=0.02, policy=policy) if placement.is_cached else None
+    cache = CacheConfig(fraction=0.02, policy=policy, mover=mover) if placement.is_cached else None
     return TieredEmbeddingBags(tables, optimizer=optimizer, cache=cache, device="cuda", seed=3, bounds_check="off")
 
 
@@ -49,18 +51,22 @@ def train(module, batches, depth: int = 0):
 def test_every_placement_trains_identically(optimizer):
     batches = zipf_batches(20, 2)
     expected = train(make(Placement.DEVICE, optimizer), batches)
-    for placement in (Placement.HOST, Placement.MANAGED, Placement.HOST_CACHED, Placement.MANAGED_CACHED):
-        got = train(make(placement, optimizer), batches)
+    runs = [(Placement.HOST, "zero_copy"), (Placement.MANAGED, "zero_copy"), (Placement.HOST_CACHED, "zero_copy"),
+            (Placement.MANAGED_CACHED, "zero_copy"), (Placement.HOST_CACHED, "staged"),
+            (Placement.MANAGED_CACHED, "staged")]
+    for placement, mover in runs:
+        got = train(make(placement, optimizer, mover=mover), batches)
         for key in expected:
-            assert torch.equal(got[key], expected[key]), f"{placement.value}: {key}"
+            assert torch.equal(got[key], expected[key]), f"{placement.value}, {mover}: {key}"
 
 
+@pytest.mark.parametrize("mover", ["zero_copy", "staged"])
 @pytest.mark.parametrize("policy", ["lru", "lookahead"])
-def test_pipelined_equals_serial_on_side_stream(policy):
+def test_pipelined_equals_serial_on_side_stream(policy, mover):
     batches = zipf_batches(40, 2, seed=1)
     expected = train(make(Placement.HOST_CACHED, SGD(lr=0.1), policy), batches)
     for depth in (1, 2, 4):
-        module = make(Placement.HOST_CACHED, SGD(lr=0.1), policy)
+        module = make(Placement.HOST_CACHED, SGD(lr=0.1), policy, mover)
         got = train(module, batches, depth)
         assert module.cache.num_locked() == 0
         stats = module.cache_stats()
@@ -71,28 +77,30 @@ def test_pipelined_equals_serial_on_side_stream(policy):
             assert torch.equal(got[key], expected[key]), f"depth {depth}: {key}"
 
 
-@pytest.mark.parametrize("policy", ["lru", "lookahead"])
-def test_pipelined_equals_serial_at_benchmark_size(policy):
+@pytest.mark.parametrize("policy, mover", [("lru", "zero_copy"), ("lookahead", "zero_copy"), ("lru", "staged"),
+                                           ("lookahead", "staged")])
+def test_pipelined_equals_serial_at_benchmark_size(policy, mover):
     """The benchmark's tables (26 Criteo Kaggle tables, 33.8M rows x 128 fp32 in pinned memory,
     row-wise Adagrad, B = 65536, a cache of 5% of the rows), 12 steps at Zipf 1.05: the
-    pipeline (depth 2, side stream, high-priority steps) trains bitwise like serial training."""
+    pipeline (depth 2, side stream, high-priority steps) with either mover trains bitwise like
+    serial training with the zero-copy mover, and leaves no lock held."""
     from tiered_tbe.benchmarks.common import ZipfBatches
     from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
 
-    def build():
+    def build(mover):
         tables = [TableSpec(n, 128, name=f"C{t + 1}", placement=Placement.HOST_CACHED)
                   for t, n in enumerate(CRITEO_KAGGLE_TABLE_ROWS)]
         return TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(lr=0.05), device="cuda", seed=3,
-                                   cache=CacheConfig(fraction=0.05, policy=policy), bounds_check="off")
+                                   cache=CacheConfig(fraction=0.05, policy=policy, mover=mover), bounds_check="off")
 
     lookups = ZipfBatches(CRITEO_KAGGLE_TABLE_ROWS, 1.05, 65536, 1, "cuda", seed=7)
     generator = torch.Generator(device="cuda").manual_seed(8)
     batches = [(*lookups.next(), torch.randn(65536, 26 * 128, device="cuda", generator=generator))
                for _ in range(12)]
-    serial = build()
+    serial = build("zero_copy")
     for indices, offsets, grad in batches:
         serial(indices, offsets).backward(grad)
-    pipelined = build()
+    pipelined = build(mover)
     for indices, offsets, grad in PrefetchPipeline(pipelined, batches, depth=2):
         pipelined(indices, offsets).backward(grad)
     torch.cuda.synchronize()
@@ -100,3 +108,35 @@ def test_pipelined_equals_serial_at_benchmark_size(policy):
     for t in range(len(CRITEO_KAGGLE_TABLE_ROWS)):
         assert torch.equal(pipelined.table(t), serial.table(t)), f"table {t}"
         assert torch.equal(pipelined.storage.state(t), serial.storage.state(t)), f"table {t} state"
+
+
+def test_staged_mover_memory_stays_flat_over_2000_steps():
+    """2,000 pipelined steps (depth 2) with the staged mover: device memory, pinned host memory
+    and the process's resident memory after step 2,000 are what they were after step 200 (the
+    staging buffers are reused, no job or lock is left behind)."""
+    module = make(Placement.HOST_CACHED, RowwiseAdagrad(lr=0.05), mover="staged")
+    batches = zipf_batches(50, 2, seed=2)
+
+    def resident_bytes() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+    def pinned_bytes() -> int:
+        stats = getattr(torch.cuda, "host_memory_stats", None)
+        return stats().get("allocated_bytes.current", stats().get("reserved_bytes.current", 0)) if stats else 0
+
+    marks = {}
+    steps = itertools.islice(itertools.cycle(batches), 2000)
+    for step, (indices, offsets, grad) in enumerate(PrefetchPipeline(module, steps, depth=2), 1):
+        module(indices, offsets).backward(grad)
+        if step in (200, 2000):
+            torch.cuda.synchronize()
+            module.cache.drain()
+            marks[step] = (torch.cuda.memory_allocated(), pinned_bytes(), resident_bytes())
+    assert module.cache.num_locked() == 0
+    assert module.cache.mover._finished == module.cache.mover._submitted  # no job left in the mover
+    (device_200, pinned_200, rss_200), (device_2000, pinned_2000, rss_2000) = marks[200], marks[2000]
+    assert device_2000 <= device_200 + (4 << 20), (device_200, device_2000)
+    assert pinned_2000 <= pinned_200 + (4 << 20), (pinned_200, pinned_2000)
+    assert rss_2000 <= rss_200 + (64 << 20), (rss_200, rss_2000)
+    assert module.cache_stats().evictions > 0 and module.cache.mover.stats["rows_written"] > 0

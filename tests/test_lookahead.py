@@ -59,7 +59,7 @@ class PipelinedDriver:
 
     def __init__(self, cache: SlotCache, batches, window: int, depth: int, hints: bool = True):
         self.cache, self.batches, self.window, self.depth, self.hints = cache, batches, window, depth, hints
-        self.in_flight: list[torch.Tensor] = []
+        self.in_flight: list = []  # CacheBatch of the batches prefetched, not finished
 
     def hint(self, j: int) -> None:
         """The lookahead hints before batch j's prefetch (nothing for other policies)."""
@@ -70,10 +70,12 @@ class PipelinedDriver:
         """Batch j's prefetch, then batch j - depth finishes."""
         cache = self.cache
         rows = torch.from_numpy(self.batches[j]).to(DEVICE)
-        slot_of_index = cache.prefetch(rows)
+        batch = cache.prefetch(rows)
+        cache.wait_filled(batch)
+        slot_of_index = batch.slot_of_index
         hit = slot_of_index >= 0
         assert torch.equal(cache.tags[slot_of_index[hit].long()], rows[hit])
-        self.in_flight.append(slot_of_index)
+        self.in_flight.append(batch)
         if len(self.in_flight) > self.depth:
             self._finish_oldest()
         return slot_of_index
@@ -87,9 +89,9 @@ class PipelinedDriver:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        slot_of_index = self.in_flight.pop(0)
-        self.cache.mark_dirty(slot_of_index)
-        self.cache.unlock(slot_of_index)
+        batch = self.in_flight.pop(0)
+        self.cache.mark_dirty(batch)
+        self.cache.unlock(batch)
 
 
 def assert_same_state(cache: SlotCache, simulator: CacheSimulator):
@@ -106,8 +108,8 @@ def bit(step: int) -> int:
     return int(np.array([1 << (step % WINDOW_BITS)], dtype=np.uint64).view(np.int64)[0])
 
 
-def test_add_upcoming_sets_one_bit_per_step_and_clears_it_when_the_step_leaves_the_window():
-    cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy="lookahead")
+def test_add_upcoming_sets_one_bit_per_step_and_clears_it_when_the_step_leaves_the_window(mover):
+    cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy="lookahead", mover=mover)
     assert cache.window_bits is None  # nothing allocated before the first hint
     # Repeats, a row of the uncached table between the cached ones (210), rows outside every
     # table (10**12, -1) and padding (INT64_MAX) are fine; only rows of cached tables get bits.
@@ -138,8 +140,8 @@ def test_add_upcoming_sets_one_bit_per_step_and_clears_it_when_the_step_leaves_t
     assert cache.upcoming_steps == [] and int(cache.window_bits.count_nonzero()) == 0
 
 
-def test_add_upcoming_rejects_bad_input_and_changes_nothing():
-    cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy="lookahead")
+def test_add_upcoming_rejects_bad_input_and_changes_nothing(mover):
+    cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy="lookahead", mover=mover)
     cache.unlock(cache.prefetch(rows_tensor([3])))  # step 1: hints for steps 3 .. 66
     bad = [
         (ValueError, "outside the window", rows_tensor([3]), 2),  # the next prefetch's own batch
@@ -173,11 +175,11 @@ def soonest_uses(recorded: dict[int, list[int]], step: int) -> dict[int, int]:
     return soonest
 
 
-def test_next_use_of_slots_is_the_soonest_recorded_step_of_each_row():
+def test_next_use_of_slots_is_the_soonest_recorded_step_of_each_row(mover):
     """Random hints over 150 steps (the window's bits wrap around twice), checked before every
     prefetch against a direct computation; each prefetch decodes the same values on the device."""
     rng = np.random.default_rng(5)
-    cache = SlotCache(make_tables(), num_slots=32, associativity=4, policy="lookahead")
+    cache = SlotCache(make_tables(), num_slots=32, associativity=4, policy="lookahead", mover=mover)
     candidates = np.concatenate([np.arange(0, 40), np.arange(250, 270)])  # crowded sets, two tables
     recorded: dict[int, list[int]] = {}
     for _ in range(150):
@@ -197,13 +199,14 @@ def test_next_use_of_slots_is_the_soonest_recorded_step_of_each_row():
 
 
 @pytest.mark.parametrize("depth", [0, 2])
-def test_a_window_of_64_batches_agrees_with_the_simulator_across_the_wrap_of_the_bits(depth):
+def test_a_window_of_64_batches_agrees_with_the_simulator_across_the_wrap_of_the_bits(depth, mover):
     """Steps 60 .. 130 with a window of 64 batches: every prefetch's window spans a multiple of 64,
     so the steps' bits wrap around; the cache and the simulator choose the same victims."""
     window, warmup = MAX_LOOKAHEAD, 59
     batches = make_trace(num_batches=71, num_sets=8, seed=3)
     cached_batches = [batch[is_cached_row(batch)] for batch in batches]
-    cache = SlotCache(make_tables(), num_slots=32, associativity=4, policy="lookahead", lfu_decay_interval=4)
+    cache = SlotCache(make_tables(), num_slots=32, associativity=4, policy="lookahead", lfu_decay_interval=4,
+                      mover=mover)
     simulator = CacheSimulator(32, 4, "lookahead", lfu_decay_interval=4, row_bytes=ROW_BYTES,
                                lookahead_window=window, pipeline_depth=depth)
     for _ in range(warmup):  # empty batches: only the steps move
@@ -232,12 +235,13 @@ def test_a_window_of_64_batches_agrees_with_the_simulator_across_the_wrap_of_the
     ("lookahead", 1, 0), ("lookahead", 3, 0), ("lookahead", 1, 2), ("lookahead", 3, 2),
     ("lru", 0, 2), ("lfu", 0, 2),
 ])
-def test_slot_cache_agrees_with_simulator(policy, window, depth):
+def test_slot_cache_agrees_with_simulator(policy, window, depth, mover):
     """Same trace, hints and pipeline: equal counters and per-slot state (locks included) after every
     batch, and after the batches still in flight finish."""
     batches = make_trace(num_batches=24, num_sets=8, seed=11)
     cached_batches = [batch[is_cached_row(batch)] for batch in batches]
-    cache = SlotCache(make_tables(), num_slots=32, associativity=4, policy=policy, lfu_decay_interval=4)
+    cache = SlotCache(make_tables(), num_slots=32, associativity=4, policy=policy, lfu_decay_interval=4,
+                      mover=mover)
     simulator = CacheSimulator(32, 4, policy, lfu_decay_interval=4, row_bytes=ROW_BYTES, lookahead_window=window,
                                pipeline_depth=depth)
     driver = PipelinedDriver(cache, batches, window, depth, hints=policy == "lookahead")
@@ -259,9 +263,9 @@ def test_slot_cache_agrees_with_simulator(policy, window, depth):
         assert stats.misses_no_slot > 0  # the trace fills sets with the locks of batches in flight
 
 
-def test_lookahead_without_hints_is_lru():
+def test_lookahead_without_hints_is_lru(mover):
     batches = make_trace(num_batches=16, num_sets=4, seed=2)
-    lookahead = SlotCache(make_tables(), num_slots=16, associativity=4, policy="lookahead")
+    lookahead = SlotCache(make_tables(), num_slots=16, associativity=4, policy="lookahead", mover=mover)
     driver = PipelinedDriver(lookahead, batches, window=0, depth=1, hints=False)
     lru = CacheSimulator(16, 4, "lru", pipeline_depth=1, row_bytes=ROW_BYTES)
     for j, batch in enumerate(batches):
@@ -371,12 +375,17 @@ def test_lookahead_moves_fewer_rows_than_lru():
 
 
 @pytest.mark.gpu
-def test_gpu_lookahead_pipeline_matches_simulator_and_never_syncs():
+def test_gpu_lookahead_pipeline_matches_simulator_and_never_syncs(mover):
     """A Zipf trace over a 1M-row table, 4096 slots, window 4, depth 2: counters and slots equal the
     simulator's, and add_upcoming / prefetch / mark_dirty / unlock never wait for the device."""
+    from tiered_tbe.cache.tiers import allocate
+    from tiered_tbe.specs import Placement
+
     num_rows, dim, window, depth = 1 << 20, 16, 4, 2
-    table = CachedTable(0, num_rows, dim, torch.randn(num_rows, dim, device="cuda"), None)
-    cache = SlotCache([table], num_slots=4096, associativity=32, policy="lookahead", device="cuda")
+    weights = allocate(Placement.HOST, num_rows * dim, torch.float32, "cuda").tensor.view(num_rows, dim)
+    weights.normal_()
+    table = CachedTable(0, num_rows, dim, weights, None)
+    cache = SlotCache([table], num_slots=4096, associativity=32, policy="lookahead", device="cuda", mover=mover)
     simulator = CacheSimulator(4096, 32, "lookahead", row_bytes=dim * 4, lookahead_window=window,
                                pipeline_depth=depth)
     rng = np.random.default_rng(0)

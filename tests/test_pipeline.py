@@ -10,6 +10,8 @@ reads them from the backing store), in the issue order the GPU streams would enf
 from __future__ import annotations
 
 import gc
+import random
+import time
 
 import pytest
 import torch
@@ -23,16 +25,27 @@ OPTIMIZERS = {"sgd": SGD(lr=0.3), "adagrad": RowwiseAdagrad(lr=0.2), "adam": Ada
 BATCH_SIZE = 2
 
 
-def make_model(policy: str, backend: str = "torch", slots: int = 8) -> nn.Module:
-    """Three tiered modules (one per optimizer) over the same tables, each with a tiny cache."""
+def make_model(policy: str, backend: str = "torch", slots: int = 8, mover: str = "zero_copy",
+               stressed: bool = False) -> nn.Module:
+    """Three tiered modules (one per optimizer) over the same tables, each with a tiny cache.
+
+    ``stressed`` (staged mover): one-row staging buffers, one intra-op thread, and random sleeps
+    before the mover's host copies, write-backs slower than fills."""
     model = nn.Module()
+    staging = dict(staging_rows=1, mover_threads=1) if stressed else {}
     for name, optimizer in OPTIMIZERS.items():
         tables = [TableSpec(60, 4, name="big", placement=Placement.HOST_CACHED),
                   TableSpec(1, 3, name="one_row", placement=Placement.MANAGED_CACHED),
                   TableSpec(20, 5, name="dense")]
-        model.add_module(name, TieredEmbeddingBags(
+        module = TieredEmbeddingBags(
             tables, optimizer=optimizer, backend=backend, seed=1,
-            cache=CacheConfig(slots=slots, associativity=4, policy=policy, lfu_decay_interval=5)))
+            cache=CacheConfig(slots=slots, associativity=4, policy=policy, lfu_decay_interval=5, mover=mover,
+                              **staging))
+        if stressed:
+            rng = random.Random(name)
+            module.cache.mover.delay = lambda where, rng=rng: time.sleep(
+                rng.choice([0, 0, 0, 0.0003, 0.001]) * (3 if where == "write_back" else 1))
+        model.add_module(name, module)
     return model
 
 
@@ -73,14 +86,16 @@ def assert_no_locks(model: nn.Module) -> None:
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_pipelined_training_equals_serial(policy, one_simulated_thread):
-    steps = 200
+    """Both movers, depths 1 to 4; the staged mover's threads slowed at random (sleeps, one
+    thread, many chunks): bitwise the tables of serial training."""
+    steps = 100
     batches = make_batches(steps)
     serial = make_model(policy)
     for batch in batches:
         train_step(serial, batch)
     expected = tables_of(serial)
-    for depth in (1, 2, 4):
-        pipelined = make_model(policy)
+    for mover, depth in [("zero_copy", 1), ("zero_copy", 4), ("staged", 2), ("staged", 4)]:
+        pipelined = make_model(policy, mover=mover, stressed=mover == "staged")
         seen = 0
         for batch in PrefetchPipeline(pipelined, batches, depth=depth, lookups=lookups):
             train_step(pipelined, batch)
@@ -91,29 +106,91 @@ def test_pipelined_training_equals_serial(policy, one_simulated_thread):
         assert stats.evictions > 0 and stats.misses_no_slot > 0, "the cache must be under pressure"
         got = tables_of(pipelined)
         for key in expected:  # fp32 rows, same math in the same order: bitwise
-            assert torch.equal(got[key], expected[key]), f"depth {depth}: {key} differs"
+            assert torch.equal(got[key], expected[key]), f"{mover}, depth {depth}: {key} differs"
+
+
+@pytest.mark.parametrize("mover", ["zero_copy", "staged"])
+@pytest.mark.parametrize("policy", ["lru", "lookahead"])
+def test_evaluating_held_out_batches_inside_a_pipelined_loop_changes_no_training(policy, mover, one_simulated_thread):
+    """Issue 12: every 4th step the loop evaluates a held-out batch under no_grad, a batch the
+    pipeline never prefetched. It prefetches itself, beside the batches in flight (their locks
+    stay), reads what serial training would read, and training stays bitwise what it is without it."""
+    steps = 40
+    batches = make_batches(steps)
+    held_out = [(indices, offsets) for indices, offsets, _ in make_batches(steps // 4, seed=7)]
+
+    def run(pipelined: bool, evaluate: bool):
+        model = make_model(policy, mover=mover)
+        source = PrefetchPipeline(model, batches, depth=2, lookups=lookups) if pipelined else batches
+        outputs, held = [], 0
+        for step, batch in enumerate(source):
+            train_step(model, batch)
+            if evaluate and step % 4 == 3:
+                indices, offsets = held_out[step // 4]
+                in_flight = {name: held_rows(m) for name, m in model.named_children()}
+                with torch.no_grad():
+                    outputs.append([m(indices.clone(), offsets.clone()) for m in model.children()])
+                for name, m in model.named_children():  # the batches in flight kept their rows, locked
+                    slots, rows = in_flight[name]
+                    held += slots.numel()
+                    assert torch.equal(m.cache.tags[slots], rows) and (m.cache.locks[slots] > 0).all(), name
+        assert_no_locks(model)
+        assert held > 0 or not (pipelined and evaluate), "no batch was in flight at an evaluation"
+        return tables_of(model), outputs
+
+    expected, _ = run(pipelined=True, evaluate=False)
+    got, outputs = run(pipelined=True, evaluate=True)
+    assert len(outputs) == steps // 4
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+    serial_tables, serial_outputs = run(pipelined=False, evaluate=True)
+    for key in expected:
+        assert torch.equal(serial_tables[key], expected[key]), key
+    for step, (a, b) in enumerate(zip(outputs, serial_outputs)):  # the evaluation read what serial training reads
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), step
 
 
 def test_pipelined_triton_kernels_equal_serial():
-    batches = make_batches(25, seed=3)
+    batches = make_batches(8, seed=3)
     serial = make_model("lru", backend="triton")
     for batch in batches:
         train_step(serial, batch)
-    pipelined = make_model("lru", backend="triton")
-    for batch in PrefetchPipeline(pipelined, batches, depth=2, lookups=lookups):
-        train_step(pipelined, batch)
-    assert_no_locks(pipelined)
-    expected, got = tables_of(serial), tables_of(pipelined)
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    expected = tables_of(serial)
+    for mover in ("zero_copy", "staged"):
+        pipelined = make_model("lru", backend="triton", mover=mover)
+        for batch in PrefetchPipeline(pipelined, batches, depth=2, lookups=lookups):
+            train_step(pipelined, batch)
+        assert_no_locks(pipelined)
+        got = tables_of(pipelined)
+        assert all(torch.equal(got[k], expected[k]) for k in expected), mover
+
+
+def held_rows(module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots the batches prefetched and not yet trained hold, and their rows."""
+    slots = [b.cache_batch.locked_slots for _, _, b in module._prefetched]
+    slots = torch.cat(slots).long() if slots else torch.zeros(0, dtype=torch.long)
+    slots = slots[slots >= 0]
+    return slots, module.cache.tags[slots].clone()
+
+
+def test_a_batch_prefetched_out_of_order_is_refused():
+    module = make_model("lru").sgd
+    first, second = [(i, o) for i, o, _ in make_batches(2)]
+    module.prefetch(*first)
+    module.prefetch(*second)
+    with pytest.raises(ValueError, match="prefetched after the one prefetched next"):
+        module(*second)
+    module.cancel_prefetched()
+    assert module.cache.num_locked() == 0
 
 
 @pytest.mark.parametrize("defer_unlock", [False, True])
-def test_a_row_left_in_the_backing_store_stays_there_while_its_batch_is_in_flight(defer_unlock):
+def test_a_row_left_in_the_backing_store_stays_there_while_its_batch_is_in_flight(defer_unlock, mover):
     """B reads row 0 from the backing store (its one set is full of A's locked rows). C's
     prefetch, while B is in flight, must not copy row 0 into a slot: B's update would land in
     the backing store after the copy and be lost to C. Once B is released, D's prefetch caches
     row 0, with B's update."""
-    module = make_model("lru", slots=4).sgd  # one set of 4 ways, SGD lr 0.3
+    module = make_model("lru", slots=4, mover=mover).sgd  # one set of 4 ways, SGD lr 0.3
     def batch(rows):  # every lookup in table "big", bag 0
         return torch.tensor(rows), torch.tensor([0, len(rows)] + [len(rows)] * 5)
     a, b, c, d = batch([10, 11, 12, 13]), batch([0]), batch([0]), batch([0])
@@ -141,8 +218,8 @@ def test_a_row_left_in_the_backing_store_stays_there_while_its_batch_is_in_fligh
     assert module.cache.stats().misses_no_slot == 2  # B's and C's row 0
 
 
-def test_no_locks_after_eval_exception_and_early_exit():
-    model = make_model("lru")
+def test_no_locks_after_eval_exception_and_early_exit(mover):
+    model = make_model("lru", mover=mover)
     batches = make_batches(12)
     with torch.no_grad():
         for batch in PrefetchPipeline(model, batches, depth=3, lookups=lookups):
@@ -170,8 +247,8 @@ def test_no_locks_after_eval_exception_and_early_exit():
     assert_no_locks(model)
 
 
-def test_single_module_and_default_lookups():
-    module = make_model("lfu").adam
+def test_single_module_and_default_lookups(mover):
+    module = make_model("lfu", mover=mover).adam
     batches = [(i, o) for i, o, _ in make_batches(6)]
     for indices, offsets in PrefetchPipeline(module, batches, depth=8):
         module(indices, offsets).sum().backward()

@@ -12,7 +12,8 @@ from tiered_tbe import validation
 from tiered_tbe.backends import backend_named
 from tiered_tbe.base.mode import default_device
 from tiered_tbe.base.sorting import INT64_MAX, sort_ids
-from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD, SlotCache
+from tiered_tbe.cache.mover import default_mover
+from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD, CacheBatch, SlotCache
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.function import TieredEmbeddingBagsFunction
 from tiered_tbe.kernels.rows import Lookups, no_cache
@@ -43,6 +44,10 @@ class PreparedBatch:
     its backward has run, after its forward under no_grad, or when autograd drops the graph
     without a backward (``release`` is then called from a finalizer), so no path leaks a lock.
 
+    Its rows may still be on their way when it is made (the staged mover copies them behind
+    the step): reading :attr:`slot_of_index` orders the current stream after them first, so no
+    kernel reads a slot before its row is there.
+
     A batch prefetched by a :class:`~tiered_tbe.PrefetchPipeline` on its side stream is not
     unlocked on the training stream, where the unlock would race with a prefetch running
     beside it: ``release`` queues it (``deferred``) behind an event, and the module's next
@@ -50,16 +55,29 @@ class PreparedBatch:
     """
 
     lookups: Lookups
-    slot_of_index: torch.Tensor | None  # int32 [N]: slot of each lookup's row, -1 = backing store; None: no cache
+    remap: torch.Tensor | None  # int32 [N]: slot of each lookup's row, -1 = backing store; None: no cache
     cache: SlotCache | None
+    cache_batch: CacheBatch | None = None  # the prefetch's hold on the cache (None without a cache)
     ready: torch.cuda.Event | None = None  # recorded after its prefetch, on the stream that ran it
     value_check: validation.ValueCheck | None = None  # verdict still to read (prefetched ahead)
-    locked_slots: torch.Tensor | None = None  # int32: the distinct slots its prefetch locked
     deferred: DeferredUnlocks | None = None  # where release() queues the unlock, while open
     _released: bool = field(default=False, repr=False)
+    _rows_arrived: bool = field(default=False, repr=False)
+
+    @property
+    def slot_of_index(self) -> torch.Tensor | None:
+        """int32 [N]: the slot of each lookup's row, -1 = backing store (None without a cache). The
+        first read waits, on the current stream, for the batch's rows to reach their slots
+        (``SlotCache.wait_filled``)."""
+        if not self._rows_arrived and self.cache_batch is not None:
+            self.cache.wait_filled(self.cache_batch)
+            self._rows_arrived = True
+        return self.remap
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (*self.lookups, self.slot_of_index, self.locked_slots) if isinstance(t, torch.Tensor)]
+        held = [self.remap] if self.cache_batch is None else [self.remap, self.cache_batch.locked_slots,
+                                                              self.cache_batch.bypassed_rows]
+        return [t for t in (*self.lookups, *held) if isinstance(t, torch.Tensor)]
 
     def release(self) -> None:
         """The batch is done with its rows: unlock them now, or queue the unlock (``deferred``)."""
@@ -70,14 +88,14 @@ class PreparedBatch:
             self.unlock()
             return
         done = None
-        if self.slot_of_index is not None and self.slot_of_index.is_cuda:
+        if self.remap is not None and self.remap.is_cuda:
             done = torch.cuda.Event()
             done.record()  # on the stream that ran the batch's last kernel
         self.deferred.queue.append((done, self))
 
     def unlock(self) -> None:
         """Release the batch's locks, and the rows it left in their backing stores, on the current stream."""
-        self.cache.unlock(self.locked_slots, distinct=True)
+        self.cache.unlock(self.cache_batch)
 
 
 class TieredEmbeddingBags(nn.Module):
@@ -179,6 +197,9 @@ class TieredEmbeddingBags(nn.Module):
                 state_width=slot_state_width,
                 weights_dtype=weights_dtype,
                 device=self.device,
+                mover=config.mover or default_mover(tables[t].placement for t in cached),
+                mover_threads=config.mover_threads,
+                staging_rows=config.staging_rows,
             )
             cache_weights, cache_state = self.cache.weights, self.cache.state
         elif cache is not None:
@@ -227,9 +248,10 @@ class TieredEmbeddingBags(nn.Module):
         # the prefetch only moves rows into the cache. The forward raises before any value changes.
         global_rows = self._row_offset[table_of_index] + indices
         lookups = Lookups(indices, offsets, batch_size, global_rows=global_rows, bag_of_index=bag_of_index)
-        slot_of_index = self.cache.prefetch(global_rows) if self.cache is not None else None
-        return PreparedBatch(lookups, slot_of_index, self.cache, value_check=value_check,
-                             locked_slots=self.cache.locked_slots if self.cache is not None else None)
+        if self.cache is None:
+            return PreparedBatch(lookups, None, None, value_check=value_check)
+        cache_batch = self.cache.prefetch(global_rows)
+        return PreparedBatch(lookups, cache_batch.slot_of_index, self.cache, cache_batch, value_check=value_check)
 
     def run_deferred_unlocks(self) -> None:
         """Unlock, on the current stream, the batches a pipeline's training loop has released
@@ -331,14 +353,20 @@ class TieredEmbeddingBags(nn.Module):
         self._deferred_unlocks = DeferredUnlocks()
 
     def _take_prefetched(self, indices, offsets) -> PreparedBatch | None:
+        """The batch prefetched next, if it is this one (the same tensors); None if this batch
+        was not prefetched at all (e.g. a held-out batch evaluated inside a pipelined loop): the
+        forward then prefetches it itself, serially, on the current stream, beside the batches in
+        flight, which keep their locks (the cache orders its metadata across streams)."""
         if not self._prefetched:
             return None
         queued_indices, queued_offsets, batch = self._prefetched[0]
         if queued_indices is not indices or queued_offsets is not offsets:
-            raise ValueError(
-                "forward got a batch other than the one prefetched next: call forward with the same "
-                "indices/offsets tensors, in the order they were prefetched"
-            )
+            if any(i is indices and o is offsets for i, o, _ in self._prefetched):
+                raise ValueError(
+                    "forward got a batch prefetched after the one prefetched next: call forward with the "
+                    "prefetched indices/offsets tensors in the order they were prefetched"
+                )
+            return None
         self._prefetched.popleft()
         if batch.ready is not None:  # prefetched on another stream (PrefetchPipeline)
             training_stream = torch.cuda.current_stream(self.device)
@@ -393,7 +421,8 @@ class TieredEmbeddingBags(nn.Module):
 
     # ---------------------------------------------------------------- tables and state
     def flush(self) -> None:
-        """Write every dirty cached row (and its optimizer state) back to its backing store."""
+        """Write every dirty cached row (and its optimizer state) back to its backing store. With
+        the staged mover it returns once they are there (every row move in flight lands first)."""
         if self.cache is not None:
             self.cache.flush()
 

@@ -18,6 +18,13 @@ Rows of every batch in flight stay locked from its prefetch until its backward (
 forward, under no_grad; or when the pipeline closes) has run and the next prefetch has
 unlocked them, on the side stream, so a prefetch never evicts them, and unlocks never run beside a
 prefetch.
+
+With the staged row mover (``CacheConfig(mover="staged")``) ``P(i+k)`` on the side stream only
+decides and lists what moves; host threads and the mover's copy streams carry the rows while
+steps ``i .. i+k-1`` train, and ``F(i+k)`` waits for that batch's fill alone (on the host until
+the mover has issued it, then on the device). The training stream is left with the lookup
+kernels. A forward inside the loop of a batch the pipeline never prefetched (an evaluation batch)
+prefetches itself on the training stream, ordered after the side stream's prefetches by events.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiered_tbe.base.codes import Placement  # noqa: F401  (re-exported: part of the public API)
+from tiered_tbe.base.codes import MOVERS, Placement  # noqa: F401  (Placement re-exported: public API)
 from tiered_tbe.cache.policy import DEFAULT_POLICY, POLICIES, round_to_sets
 
 # Weights dtypes by the names the command line and the benchmarks use (``--dtype``).
@@ -68,6 +68,13 @@ class CacheConfig:
     :class:`~tiered_tbe.PrefetchPipeline`) also holds 8 bytes of device memory per row of the
     cached tables for the hints, beyond ``memory``. ``lfu_decay_interval``: every this many
     prefetches, LFU halves every use count, so a once-hot row does not stay forever.
+
+    ``mover``: how rows cross the bus (``tiered_tbe.cache.mover``): ``"zero_copy"`` (copy
+    kernels read the backing store in place) or ``"staged"`` (host threads gather into pinned
+    buffers, the copy engines carry them); None takes ``tiered_tbe.cache.DEFAULT_MOVER`` for the
+    tables' placement. ``mover_threads``: torch intra-op threads of each of the staged mover's
+    host threads (None: torch's default); ``staging_rows``: rows per staging buffer (None: the
+    mover's default).
     """
 
     slots: int | None = None
@@ -76,6 +83,9 @@ class CacheConfig:
     policy: str = DEFAULT_POLICY
     associativity: int = 32
     lfu_decay_interval: int = 64
+    mover: str | None = None
+    mover_threads: int | None = None
+    staging_rows: int | None = None
 
     def __post_init__(self):
         given = [k for k in ("slots", "memory", "fraction") if getattr(self, k) is not None]
@@ -99,6 +109,12 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig: memory must be at least one slot's worth of bytes, got {self.memory!r}")
         if self.fraction is not None and not (isinstance(self.fraction, numbers.Real) and 0 < self.fraction <= 1):
             raise ValueError(f"CacheConfig: fraction must be in (0, 1], got {self.fraction!r}")
+        if self.mover is not None and self.mover not in MOVERS:
+            raise ValueError(f"CacheConfig: mover must be one of {list(MOVERS)} or None, got {self.mover!r}")
+        for name in ("mover_threads", "staging_rows"):
+            value = getattr(self, name)
+            if value is not None and (not _is_whole_number(value) or value < 1):
+                raise ValueError(f"CacheConfig: {name} must be a whole number >= 1 or None, got {value!r}")
 
     def num_slots(self, cached_rows: int, bytes_per_slot: int) -> int:
         """Slots to allocate for ``cached_rows`` rows of ``bytes_per_slot`` bytes: whole sets, at least one.

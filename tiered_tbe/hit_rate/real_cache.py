@@ -56,14 +56,14 @@ def check_real_cache_windows(policies: Sequence[str], options: SimOptions) -> No
 def _one_simulated_thread():
     """One CUDA-simulator thread per cache-kernel launch (each is a Python thread); the kernels are
     grid-stride loops, so the result is the same with any count. No effect on a GPU."""
-    from tiered_tbe.cache import slot_cache
+    from tiered_tbe.cache import launch
 
-    threads = slot_cache.SIMULATED_THREADS
-    slot_cache.SIMULATED_THREADS = 1
+    threads = launch.SIMULATED_THREADS
+    launch.SIMULATED_THREADS = 1
     try:
         yield
     finally:
-        slot_cache.SIMULATED_THREADS = threads
+        launch.SIMULATED_THREADS = threads
 
 
 def run_slot_cache(trace: Trace, policy: str, num_slots: int, options: SimOptions) -> CacheStats:

@@ -1,0 +1,102 @@
+"""The lookahead window of a slot cache: which recorded upcoming batch names which row.
+
+Lookahead hints are incremental: each batch of the window is recorded once, as a bit in a
+per-row word (``window_bits``: bit ``s % 64`` for the batch of step ``s``), and forgotten when
+its step is prefetched; a prefetch decodes each row's next use from its word, only for the
+sets that choose a victim (``cache/_kernels.py``). Telling the cache of a batch costs one pass
+over that batch's rows, whatever the window's length. The words cost 8 bytes of device memory
+per row of the cached tables (allocated by the first hint only). The policy's side of it is
+specified in ``cache/policy.py`` ("Lookahead window").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiered_tbe.cache import _kernels
+from tiered_tbe.cache._kernels import WINDOW_BITS
+from tiered_tbe.cache.launch import KernelLauncher
+from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN
+
+# Most batches after the next prefetch that lookahead hints can name: the batch ``d`` places after
+# it is prefetched at step ``step + 1 + d``, and add_upcoming takes steps up to
+# ``step + 1 + WINDOW_BITS``, so ``d <= WINDOW_BITS``.
+MAX_LOOKAHEAD = WINDOW_BITS
+
+
+class UpcomingBatches:
+    """The recorded batches of the window and their per-row bits.
+
+    ``window_bits``: int64 [rows_end] once a batch was recorded (``None`` before): bit ``s %
+    WINDOW_BITS`` set while the recorded batch of step ``s`` names the row. ``kernel_bits``:
+    what the prefetch kernel takes for it (a [1] dummy until then).
+    """
+
+    def __init__(self, rows_end: int, device: torch.device, launcher: KernelLauncher):
+        self.rows_end = rows_end
+        self.device = device
+        self.launcher = launcher
+        self.window_bits: torch.Tensor | None = None
+        self._no_bits = torch.zeros(1, dtype=torch.int64, device=device)
+        self.kernel_bits = launcher.array(self._no_bits)
+        self._rows_of_step: dict[int, torch.Tensor] = {}  # the masked rows of each recorded step
+
+    @property
+    def steps(self) -> list[int]:
+        """The recorded steps, ascending."""
+        return sorted(self._rows_of_step)
+
+    def add(self, masked_rows: torch.Tensor, step: int, current_step: int) -> None:
+        """Record ``masked_rows`` (int64 [M], NOT_CACHED outside the cached tables) as the batch
+        of ``step``; ``current_step`` is the cache's step. ``TypeError`` / ``ValueError`` and no
+        change for a step outside ``current_step + 2 .. current_step + 1 + WINDOW_BITS`` or recorded."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {step!r}")
+        if not current_step + 1 < step <= current_step + 1 + WINDOW_BITS:
+            raise ValueError(f"step {step} outside the window of hints: steps {current_step + 2} .. "
+                             f"{current_step + 1 + WINDOW_BITS} (the next prefetch is step {current_step + 1}; "
+                             f"at most MAX_LOOKAHEAD = {MAX_LOOKAHEAD} batches after it)")
+        if step in self._rows_of_step:
+            raise ValueError(f"step {step} is already recorded (upcoming_steps: {self.steps})")
+        if self.window_bits is None:
+            self.window_bits = torch.zeros(self.rows_end, dtype=torch.int64, device=self.device)
+            self.kernel_bits = self.launcher.array(self.window_bits)
+        # The next prefetch's step shares its bit with step + 1 + WINDOW_BITS: forget it first.
+        self.forget(through=current_step + 1)
+        self._rows_of_step[step] = masked_rows
+        self._update_bits(masked_rows, step, set_bit=True)
+
+    def forget(self, through: int) -> None:
+        """Clear the bits of every recorded step ``<= through`` and drop its rows."""
+        for step in [s for s in self._rows_of_step if s <= through]:
+            rows = self._rows_of_step.pop(step)
+            if rows.is_cuda:  # the rows may come from another stream: free them after this one's clear
+                rows.record_stream(torch.cuda.current_stream(self.device))
+            self._update_bits(rows, step, set_bit=False)
+
+    def clear(self) -> None:
+        if self._rows_of_step:
+            self.forget(through=max(self._rows_of_step))
+
+    def next_use_of_slots(self, tags: torch.Tensor, current_step: int) -> torch.Tensor:
+        """int64 [S]: the soonest recorded step in ``current_step + 2 .. current_step + 1 +
+        WINDOW_BITS`` naming each slot's row (``tags``), else ``NEXT_USE_UNKNOWN``. Plain torch:
+        the reference of the prefetch kernel's decode."""
+        next_use = torch.full(tags.shape, NEXT_USE_UNKNOWN, dtype=torch.int64, device=self.device)
+        if self.window_bits is None:
+            return next_use
+        words = torch.where(tags != EMPTY, self.window_bits[tags.clamp(min=0)], 0)
+        next_step = current_step + 1
+        for step in sorted(self._rows_of_step, reverse=True):  # the soonest step is written last
+            if next_step < step <= next_step + WINDOW_BITS:
+                named = ((words >> (step % WINDOW_BITS)) & 1).bool()
+                next_use = torch.where(named, step, next_use)
+        return next_use
+
+    def _update_bits(self, rows: torch.Tensor, step: int, set_bit: bool) -> None:
+        """Set (or clear) bit ``step % WINDOW_BITS`` of the words of ``rows`` (NOT_CACHED skipped): one launch."""
+        if rows.numel() == 0:
+            return
+        bit = step % WINDOW_BITS
+        step_bit = 1 << bit if bit < WINDOW_BITS - 1 else -(1 << bit)  # as an int64: bit 63 is the sign
+        self.launcher.launch(_kernels.window_bits_kernel, rows.numel(), rows, step_bit, set_bit, self.kernel_bits)

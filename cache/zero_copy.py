@@ -1,0 +1,130 @@
+"""The zero-copy row mover: copy kernels read and write the backing stores in place, on the prefetch's stream.
+
+Everything happens on the current stream, in order: a prefetch's dirty victims are written
+back (ascending rows: the GPU writes host memory at ~52 GB/s in row order, ~21 GB/s in random
+order on the H200 machine), then the missed rows are copied in. So a batch's fills are ready
+when its prefetch's stream reaches them, and nothing else needs waiting for.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tiered_tbe.base.mode import SIMULATION
+from tiered_tbe.cache import _kernels
+from tiered_tbe.cache._kernels import OUTCOME_FILLED
+from tiered_tbe.cache.launch import KernelLauncher, flat_view
+from tiered_tbe.cache.mover import Moves, RowMover, sorted_write_backs
+from tiered_tbe.cache.policy import EMPTY
+from tiered_tbe.cache.tables import BITS_OF_SIZE, CachedTable
+
+# Most thread blocks a copy launch (fill, write-back, flush) uses; each block moves 8 rows at a
+# time. On the H200 fewer blocks (1056, 264, 132) copied 10-20% more slowly and did not speed a
+# pipeline up (benchmarks/RESULTS.md); other platforms can try `bench_cache.py --copy-blocks`.
+# Env TIERED_TBE_COPY_BLOCKS overrides it.
+DEFAULT_COPY_BLOCKS = int(os.environ.get("TIERED_TBE_COPY_BLOCKS", "16384"))
+# Rows a copy block moves at a time (a warp each): 32 x this many threads per block.
+DEFAULT_COPY_ROWS_PER_BLOCK = int(os.environ.get("TIERED_TBE_COPY_ROWS_PER_BLOCK", "8"))
+
+
+class ZeroCopyMover(RowMover):
+    """Moves rows with ``copy_rows_kernel`` (``cache/_kernels.py``): one launch per group of
+    tables that share a backing buffer, weights and state together.
+
+    ``copy_blocks`` and ``copy_rows_per_block`` set the launch shape on the GPU.
+    """
+
+    name = "zero_copy"
+
+    def __init__(self, weights: torch.Tensor, state: torch.Tensor, tables: list[CachedTable],
+                 device: torch.device, launcher: KernelLauncher, rows_end: int):
+        self.device = device
+        self.launcher = launcher
+        self.rows_end = rows_end
+        self.copy_blocks = DEFAULT_COPY_BLOCKS  # most thread blocks per copy launch (GPU only)
+        self.copy_rows_per_block = DEFAULT_COPY_ROWS_PER_BLOCK  # warps per copy block (GPU only)
+        self._copy_groups = self._make_copy_groups(weights, state, tables)
+
+    def start(self, moves: Moves, step: int) -> None:
+        # A slot's old row leaves before its new row arrives: write-backs first, then fills.
+        dirty_victims = torch.where(moves.victim_was_dirty.bool(), moves.victim_row, EMPTY)
+        self.write_back(*sorted_write_backs(dirty_victims, moves.slot_of_unique, self.rows_end))
+        self.copy_rows(moves.outcome, OUTCOME_FILLED, moves.unique_rows, moves.slot_of_unique, to_backing=False)
+        return None
+
+    def wait_filled(self, ticket) -> None:
+        pass  # the fills ran on the prefetch's stream, which the caller already waits for
+
+    def write_back(self, sorted_rows, sorted_slots, selected) -> None:
+        self.copy_rows(selected, 1, sorted_rows, sorted_slots, to_backing=True)
+
+    def drain(self) -> None:
+        pass
+
+    def copy_rows(self, selected, wanted, row_of_entry, slot_of_entry, to_backing) -> None:
+        """Copy the rows of the entries where ``selected == wanted`` (all tables, one launch per
+        buffer group; see ``copy_rows_kernel``): slot -> backing store if ``to_backing``, else
+        backing store -> slot."""
+        num_entries = selected.numel()
+        if SIMULATION:
+            # Few simulator threads (each is a Python thread); each walks many entries, all columns.
+            from tiered_tbe.cache import launch
+
+            grid, block = 1, (1, launch.SIMULATED_THREADS)
+        else:
+            rows_per_block = self.copy_rows_per_block
+            grid, block = max(1, min(-(-num_entries // rows_per_block), self.copy_blocks)), (32, rows_per_block)
+        for _tensors, k_info, k_cache_weights, k_cache_state, k_store_weights, k_store_state in self._copy_groups:
+            self.launcher.launch_configured(
+                _kernels.copy_rows_kernel, grid, block, selected, wanted, row_of_entry, slot_of_entry, k_info,
+                to_backing, k_cache_weights, k_cache_state, k_store_weights, k_store_state)
+
+    def _make_copy_groups(self, weights, state, tables) -> list[tuple]:
+        """Kernel arguments of ``copy_rows_kernel`` for each group of tables whose weights (and
+        state) share one buffer, as a module's tables of one tier do: one launch copies rows of
+        every table of a group. Each group: (table_info, cache words, cache state, store words,
+        store state), converted for the kernels once.
+
+        Rows travel as the widest integer words (up to 8 bytes) that divide every row, row
+        stride and row offset involved: a warp then moves up to 256 bytes per instruction.
+        """
+        element = weights.element_size()
+        array = self.launcher.array
+        if weights.stride(1) != 1:
+            raise ValueError("the cache's slot rows must be contiguous (weights.stride(1) == 1)")
+        groups: dict[tuple, list[CachedTable]] = {}
+        for t in tables:
+            state_key = None if t.state is None else t.state.untyped_storage().data_ptr()
+            groups.setdefault((t.weights.untyped_storage().data_ptr(), state_key), []).append(t)
+
+        byte_quantities = [weights.data_ptr(), weights.stride(0) * element, weights.shape[1] * element]
+        for t in tables:
+            byte_quantities += [t.weights.data_ptr(), t.weights.stride(0) * element, t.dim * element]
+        word = next(size for size in (8, 4, 2, 1) if all(q % size == 0 for q in byte_quantities))
+        word_dtype = BITS_OF_SIZE[word]
+        dummy_state = torch.zeros(1, 1, dtype=torch.float32, device=self.device)
+        k_cache_weights = array(weights.view(word_dtype))
+        k_cache_state = array(state if state.shape[1] else dummy_state)
+
+        result = []
+        for group in groups.values():
+            store_weights = flat_view(group[0].weights, word_dtype)
+            store_state = flat_view(group[0].state, torch.float32) if group[0].state is not None else dummy_state[0]
+            info = torch.zeros(len(group), _kernels.TABLE_INFO_COLUMNS, dtype=torch.int64)
+            for g, t in enumerate(group):  # tables ascend by global row (see check_tables)
+                info[g, _kernels.INFO_GLOBAL_START] = t.global_row_start
+                info[g, _kernels.INFO_GLOBAL_END] = t.global_row_end
+                info[g, _kernels.INFO_WEIGHTS_OFFSET] = (t.weights.data_ptr() - store_weights.data_ptr()) // word
+                info[g, _kernels.INFO_WEIGHTS_STRIDE] = t.weights.stride(0) * element // word
+                info[g, _kernels.INFO_WORDS] = t.dim * element // word
+                if t.state is not None:
+                    info[g, _kernels.INFO_STATE_OFFSET] = (t.state.data_ptr() - store_state.data_ptr()) // 4
+                    info[g, _kernels.INFO_STATE_STRIDE] = t.state.stride(0)
+                    info[g, _kernels.INFO_STATE_WIDTH] = t.state_width
+            # The tensors stay referenced with their kernel views (which do not own memory on the GPU).
+            tensors = (info.to(self.device), store_weights, store_state)
+            result.append((tensors, array(tensors[0]), k_cache_weights, k_cache_state,
+                           array(store_weights), array(store_state)))
+        return result
