@@ -100,9 +100,9 @@ def test_the_mover_comes_from_the_config_or_the_placement_table(device, monkeypa
 
     with pytest.raises(ValueError, match="mover must be one of"):
         CacheConfig(mover="dma")
-    with pytest.raises(ValueError, match="staging_rows must be an int >= 1"):
+    with pytest.raises(ValueError, match="staging_rows must be a whole number >= 1"):
         CacheConfig(staging_rows=0)
-    with pytest.raises(ValueError, match="mover_threads must be an int >= 1"):
+    with pytest.raises(ValueError, match="mover_threads must be a whole number >= 1"):
         CacheConfig(mover_threads=True)
 
     def module(**config):
