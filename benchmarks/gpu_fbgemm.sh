@@ -9,6 +9,7 @@
 #   SWEEP_CONFIGS  configurations also timed with each backward tile shape of SWEEP (default: none)
 #   SWEEP          backward tile shapes "rows,lanes,warps,chunk ..." (default: a few)
 #   TESTS          pytest targets run first (default: the kernel and compile gpu tests); "" skips
+#   PYTEST_ARGS    extra pytest flags (default -x); TESTS_TIMEOUT seconds for the tests (default 240)
 #   STEPS, WARMUP  timed and warm-up steps per side (default 20, 8)
 #   MOVER          our cache's row mover for the cached configurations (default: CacheConfig's)
 #   SKIP_INSTALL=1 the project and wheels are installed already
@@ -32,7 +33,8 @@ python3 -c "import fbgemm_gpu; print('fbgemm_gpu', fbgemm_gpu.__version__)" 2>&1
 TESTS=${TESTS-tests/test_kernels.py tests/test_compile_once.py}
 if [[ -n $TESTS ]]; then
     # shellcheck disable=SC2086
-    timeout 240 python3 -m pytest -m gpu -q -x -p no:cacheprovider $TESTS >"$OUT/gpu-tests.log" 2>&1
+    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu -q ${PYTEST_ARGS--x} -p no:cacheprovider $TESTS \
+        >"$OUT/gpu-tests.log" 2>&1
     echo "gpu tests: rc=$? $(tail -n 1 "$OUT/gpu-tests.log")"
 fi
 CONFIGS=${CONFIGS:-criteo-adagrad criteo-adagrad-z1.2 criteo-adagrad-fp16 criteo-sgd criteo-adam big-uniform-sgd \

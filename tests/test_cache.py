@@ -628,8 +628,8 @@ def test_gpu_large_trace_matches_simulator_and_never_syncs(mover):
     rng = np.random.default_rng(0)
     batches = [(rng.zipf(1.1, 20000) - 1) % num_rows for _ in range(20)]
     reference = table.weights.clone()
-    for batch in batches:
-        rows = torch.from_numpy(batch).cuda()
+    for trace_batch in batches:
+        rows = torch.from_numpy(trace_batch).cuda()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -645,7 +645,7 @@ def test_gpu_large_trace_matches_simulator_and_never_syncs(mover):
         hit = slots >= 0
         assert torch.equal(cache.tags[slots[hit].long()], rows[hit])
         assert torch.equal(cache.weights[slots[hit].long()], reference[rows[hit]])
-        simulator.run(batch, np.array([0, batch.size]))
+        simulator.run(trace_batch, np.array([0, trace_batch.size]))
     assert cache.stats() == simulator.stats
     assert_same_state(cache, simulator)
     cache.flush()
