@@ -160,7 +160,9 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
         results.append(_report(f"hot row update ({name})", backward._hot_row_update_kernel.warmup(
             f32, f32, i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, GROUP=32, BLOCK_P=32,
             BLOCK_L=4, grid=grid, num_warps=4), arch))
-    results.append(_report("per-sample-weight grad", backward._per_sample_weights_grad_kernel.warmup(
+    import tiered_tbe.kernels.per_sample_weights as per_sample_weights
+
+    results.append(_report("per-sample-weight grad", per_sample_weights._per_sample_weights_grad_kernel.warmup(
         f32, f32, 3328, addresses, addresses, i32, i32, weights, dim, i64, i64, i32, 65536, POOLING=0,
         USE_CACHE=True, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16, BLOCK_B=8, BLOCK_L=4, BLOCK_D=block_d,
         grid=grid, num_warps=4), arch))
@@ -193,10 +195,12 @@ def compilations() -> dict[str, int]:
 
     import tiered_tbe.kernels.backward as backward
     import tiered_tbe.kernels.forward as forward
+    import tiered_tbe.kernels.grouping as grouping
     import tiered_tbe.kernels.linearize as linearize
+    import tiered_tbe.kernels.per_sample_weights as per_sample_weights
 
     counts = {}
-    for module in (forward, backward, linearize):
+    for module in (forward, backward, grouping, linearize, per_sample_weights):
         for name, value in vars(module).items():
             function = value.fn if isinstance(value, Autotuner) else value
             if isinstance(function, JITFunction) and name.endswith("_kernel"):

@@ -25,7 +25,7 @@ How, without atomics and without a host synchronization (``sort_lookups``, then 
 Each row is owned by one program, so no two programs write the same row, and every sum runs in
 an order fixed by the inputs: two identical steps give bit-identical results.
 
-Per-sample-weight gradients (``per_sample_weights_grad``) need the rows before the update: the
+Per-sample-weight gradients (``kernels/per_sample_weights.py``) need the rows before the update: the
 caller computes them first.
 """
 
@@ -39,21 +39,17 @@ import torch
 import triton
 import triton.language as tl
 
-from tiered_tbe.base.codes import INT32_MAX
-from tiered_tbe.base.sorting import sort_ids
-
 from .addressing import (
     INTERPRETING,
     POOLING_MEAN_CONSTEXPR,
     POOLING_NONE,
     POOLING_NONE_CONSTEXPR,
-    bag_tile_bounds,
     pooling_code,
     row_pointers,
     sum_lanes,
     table_row_zero,
 )
-from .linearize import linearize
+from .grouping import SortedLookups, sort_lookups
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
 
@@ -83,78 +79,7 @@ def default_config(block_d: int) -> BackwardConfig:
 # Windows per group of the second level of hot-row sums (a power of two).
 HOT_GROUP = 4 if INTERPRETING else 32
 
-
-class SortedLookups(NamedTuple):
-    """A batch's lookups grouped by global row (all on the device, nothing read back)."""
-
-    sorted_rows: torch.Tensor  # int32/int64 [N]: global rows, ascending
-    order: torch.Tensor  # int64 [N]: lookup at each sorted position
-    sorted_bags: torch.Tensor  # int32 [N]: bag t*B+b of the lookup at each sorted position
-    run_count: torch.Tensor  # int32 [N]: runs (distinct rows) begun up to and including each position
-    run_end: torch.Tensor  # int32 [N]: one past the last sorted position of run u; N past the last run
-    num_runs: torch.Tensor  # int32 [1]: distinct rows of the batch
-
-
-@triton.jit(do_not_specialize=["num_lookups"])
-def _run_starts_kernel(
-    run_starts_ptr,  # int32 [N] out: 1 where a sorted position begins a run (its row differs from the previous)
-    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
-    num_lookups,  # N
-    BLOCK: tl.constexpr,  # positions per program
-):
-    positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = positions < num_lookups
-    rows = tl.load(sorted_rows_ptr + positions, mask=inside)
-    previous = tl.load(sorted_rows_ptr + positions - 1, mask=inside & (positions > 0))
-    tl.store(run_starts_ptr + positions, ((positions == 0) | (rows != previous)).to(tl.int32), mask=inside)
-
-
-@triton.jit(do_not_specialize=["num_lookups"])
-def _run_ends_kernel(
-    run_end_ptr,  # int32 [N] out: one past the last position of each run
-    num_runs_ptr,  # int32 [1] out: the number of runs
-    run_count_ptr,  # int32 [N]: runs begun up to and including each position
-    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
-    num_lookups,  # N
-    BLOCK: tl.constexpr,  # positions per program
-):
-    positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = positions < num_lookups
-    last = positions == num_lookups - 1
-    rows = tl.load(sorted_rows_ptr + positions, mask=inside)
-    following = tl.load(sorted_rows_ptr + positions + 1, mask=inside & ~last)
-    ends_run = inside & (last | (rows != following))
-    runs = tl.load(run_count_ptr + positions, mask=inside, other=1) - 1
-    tl.store(run_end_ptr + runs, (positions + 1).to(tl.int32), mask=ends_run)
-    tl.store(num_runs_ptr + tl.zeros_like(runs), runs + 1, mask=inside & last)
-
-
-def sort_lookups(stores: RowStores, lookups: Lookups) -> SortedLookups:
-    """Group a batch's lookups by global row (step 1 of the module docstring). No host sync."""
-    num_lookups = lookups.num_lookups
-    if num_lookups >= INT32_MAX:
-        raise ValueError(f"a batch holds at most 2^31 - 1 lookups, got {num_lookups}")
-    device = lookups.indices.device
-    small = stores.num_rows <= INT32_MAX
-    lookups = linearize(stores, lookups, key_dtype=torch.int32 if small else torch.int64)
-    if lookups.global_rows.dtype == torch.int32 or not small:
-        sorted_rows, order = torch.sort(lookups.global_rows, stable=True)
-    else:  # int64 rows computed by the caller (the cache's prefetch): sort them on int32 keys
-        sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows, stable=True)
-    run_starts = torch.empty(num_lookups, dtype=torch.int32, device=device)
-    # Entries past the last run stay N: a run number past the batch's reads as an empty run.
-    run_end = torch.full((num_lookups,), num_lookups, dtype=torch.int32, device=device)
-    num_runs = torch.zeros(1, dtype=torch.int32, device=device)
-    if num_lookups == 0:
-        return SortedLookups(sorted_rows, order, lookups.bag_of_index, run_starts, run_end, num_runs)
-    # What the kernels read per sorted position, gathered once (a dependent load less per lookup).
-    sorted_bags = lookups.bag_of_index[order]
-    block = 256 if INTERPRETING else 1024
-    grid = (triton.cdiv(num_lookups, block),)
-    _run_starts_kernel[grid](run_starts, sorted_rows, num_lookups, BLOCK=block)
-    run_count = torch.cumsum(run_starts, 0, dtype=torch.int32)
-    _run_ends_kernel[grid](run_end, num_runs, run_count, sorted_rows, num_lookups, BLOCK=block)
-    return SortedLookups(sorted_rows, order, sorted_bags, run_count, run_end, num_runs)
+__all__ = ["BackwardConfig", "HOT_GROUP", "SortedLookups", "backward_update", "default_config", "sort_lookups"]
 
 
 @triton.jit
@@ -669,89 +594,3 @@ def backward_update(
     _row_update_kernel[(triton.cdiv(num_lookups, config.rows),)](
         s.run_end, *gradient_args, *update_args, num_lookups, lookups.batch_size,
         **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
-
-
-@triton.jit(do_not_specialize=["batch_size"])
-def _per_sample_weights_grad_kernel(
-    per_sample_weights_grad_ptr,  # fp32 [N] out: d loss / d per_sample_weights[i]
-    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
-    grad_output_stride,  # elements between consecutive rows of grad_output
-    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
-    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
-    cache_weights_ptr,  # [num_slots, row_width] slot rows
-    cache_weights_stride,  # elements between consecutive slots
-    indices_ptr,  # int32/int64 [N]: row within its table of each lookup
-    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
-    slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1 (read only if USE_CACHE)
-    batch_size,  # B
-    POOLING: tl.constexpr,  # pooling code
-    USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
-    ALIGN: tl.constexpr,  # every row start and dim is a multiple of this many elements
-    ALIGN_BYTES: tl.constexpr,  # ALIGN in bytes of a weight
-    BLOCK_B: tl.constexpr,  # bags per program
-    BLOCK_L: tl.constexpr,  # lookups of each bag per step
-    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
-):
-    table = tl.program_id(1)
-    element = cache_weights_ptr.dtype.element_ty
-    bags, in_batch, starts, ends = bag_tile_bounds(offsets_ptr, table, tl.program_id(0) * BLOCK_B, batch_size, BLOCK_B,
-                                                  BLOCK_L)
-    lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
-    table_rows = table_row_zero(table_weights_address_ptr, table, element)
-    row_stride = tl.load(table_weights_stride_ptr + table)
-    columns = tl.arange(0, BLOCK_D)
-    in_row = columns < tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
-    if POOLING != POOLING_NONE_CONSTEXPR:
-        # Every lookup of a bag shares its output row's gradient (one load per tile row, from L1).
-        bag_grads = tl.load(grad_output_ptr + bags[:, None].to(tl.int64) * grad_output_stride
-                            + tl.multiple_of(tl.load(table_output_offset_ptr + table), ALIGN) + columns[None, :],
-                            mask=in_batch[:, None] & in_row[None, :], other=0.0)
-        if POOLING == POOLING_MEAN_CONSTEXPR:
-            bag_grads = bag_grads / tl.maximum(ends - starts, 1).to(tl.float32)[:, None]
-    for step_start in range(0, tl.max(ends - starts, axis=0), BLOCK_L):
-        positions = starts + step_start + lanes
-        in_bag = positions < ends
-        rows = tl.load(indices_ptr + positions, mask=in_bag, other=0)
-        slots = tl.zeros_like(rows)
-        if USE_CACHE:
-            slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
-        pointers = row_pointers(table_rows, rows, row_stride, slots, cache_weights_ptr, cache_weights_stride,
-                                USE_CACHE, ALIGN_BYTES)
-        tile_mask = in_bag[:, None] & in_row[None, :]
-        tile = tl.load(pointers[:, None] + columns[None, :], mask=tile_mask, other=0.0).to(tl.float32)
-        if POOLING == POOLING_NONE_CONSTEXPR:
-            grads = tl.load(grad_output_ptr + positions[:, None] * grad_output_stride + columns[None, :],
-                            mask=tile_mask, other=0.0)
-        else:
-            grads = bag_grads
-        tl.store(per_sample_weights_grad_ptr + positions, tl.sum(tile * grads, axis=1), mask=in_bag)
-
-
-def per_sample_weights_grad(
-    grad_output: torch.Tensor, stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None, pooling: str
-) -> torch.Tensor:
-    """fp32 [N]: d loss / d per_sample_weights[i] = dot(grad of lookup i's output, row i), / bag length for mean.
-
-    Reads the rows as they are now: call it before ``backward_update`` changes them.
-    """
-    mode = pooling_code(pooling)
-    check_lookups(stores, lookups, slot_of_index)
-    grad_output = check_grad_output(grad_output, stores, lookups, mode)
-    result = torch.empty(lookups.num_lookups, dtype=torch.float32, device=lookups.indices.device)
-    if lookups.batch_size == 0 or lookups.num_lookups == 0:
-        return result
-    use_cache = slot_of_index is not None and stores.uses_cache
-    block_b, block_l = (2, 2) if INTERPRETING else (8, 4)
-    grid = (triton.cdiv(lookups.batch_size, block_b), stores.num_tables)
-    _per_sample_weights_grad_kernel[grid](
-        result, grad_output, grad_output.stride(0),
-        stores.table_weights_address, stores.table_weights_stride, stores.table_dim, stores.table_output_offset,
-        stores.cache_weights, stores.cache_weights.stride(0),
-        lookups.indices, lookups.offsets, slot_of_index if use_cache else lookups.indices, lookups.batch_size,
-        POOLING=mode, USE_CACHE=use_cache, ALIGN=stores.alignment,
-        ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
-        BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(stores.max_dim), num_warps=4,
-    )
-    return result

@@ -16,9 +16,10 @@ import torch
 
 from tiered_tbe.kernels import backward as backward_module
 from tiered_tbe.kernels import forward as forward_module
-from tiered_tbe.kernels.backward import BackwardConfig, backward_update, per_sample_weights_grad, sort_lookups
+from tiered_tbe.kernels.backward import BackwardConfig, backward_update, sort_lookups
 from tiered_tbe.kernels.forward import pooled_forward
 from tiered_tbe.kernels.optimizers import LAMB, OPTIMIZERS, SGD, Adagrad, Adam, PartialRowwiseAdam, RowwiseAdagrad
+from tiered_tbe.kernels.per_sample_weights import per_sample_weights_grad
 from tiered_tbe.kernels.reference import (
     reference_backward_update,
     reference_forward,

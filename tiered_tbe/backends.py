@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiered_tbe.kernels import backward, forward, reference
+from tiered_tbe.kernels import backward, forward, per_sample_weights, reference
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def _reference_per_sample_weights_grad(*args) -> torch.Tensor:
 
 BACKENDS = {
     "triton": KernelBackend("triton", forward.pooled_forward, backward.backward_update,
-                            backward.per_sample_weights_grad),
+                            per_sample_weights.per_sample_weights_grad),
     "torch": KernelBackend("torch", _reference_forward, _reference_backward_update,
                            _reference_per_sample_weights_grad),
 }

@@ -1,0 +1,96 @@
+"""Group a batch's lookups by global row, on the device: the backward's first step.
+
+``sort_lookups`` linearizes the batch (``kernels/linearize.py``), sorts the lookups by global row
+(a stable radix sort, on int32 keys when the rows fit), gathers each sorted position's bag, and
+run-length encodes the sorted rows: ``run_count`` (runs begun up to each position, a cumulative
+sum) and ``run_end`` (one past the last position of each run). The number of runs stays on the
+device, so nothing waits for the GPU; every launch is sized from the number of lookups.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from tiered_tbe.base.codes import INT32_MAX
+from tiered_tbe.base.sorting import sort_ids
+
+from .addressing import INTERPRETING
+from .linearize import linearize
+from .rows import Lookups, RowStores
+
+
+class SortedLookups(NamedTuple):
+    """A batch's lookups grouped by global row (all on the device, nothing read back)."""
+
+    sorted_rows: torch.Tensor  # int32/int64 [N]: global rows, ascending
+    order: torch.Tensor  # int64 [N]: lookup at each sorted position
+    sorted_bags: torch.Tensor  # int32 [N]: bag t*B+b of the lookup at each sorted position
+    run_count: torch.Tensor  # int32 [N]: runs (distinct rows) begun up to and including each position
+    run_end: torch.Tensor  # int32 [N]: one past the last sorted position of run u; N past the last run
+    num_runs: torch.Tensor  # int32 [1]: distinct rows of the batch
+
+
+@triton.jit(do_not_specialize=["num_lookups"])
+def _run_starts_kernel(
+    run_starts_ptr,  # int32 [N] out: 1 where a sorted position begins a run (its row differs from the previous)
+    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
+    num_lookups,  # N
+    BLOCK: tl.constexpr,  # positions per program
+):
+    positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = positions < num_lookups
+    rows = tl.load(sorted_rows_ptr + positions, mask=inside)
+    previous = tl.load(sorted_rows_ptr + positions - 1, mask=inside & (positions > 0))
+    tl.store(run_starts_ptr + positions, ((positions == 0) | (rows != previous)).to(tl.int32), mask=inside)
+
+
+@triton.jit(do_not_specialize=["num_lookups"])
+def _run_ends_kernel(
+    run_end_ptr,  # int32 [N] out: one past the last position of each run
+    num_runs_ptr,  # int32 [1] out: the number of runs
+    run_count_ptr,  # int32 [N]: runs begun up to and including each position
+    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
+    num_lookups,  # N
+    BLOCK: tl.constexpr,  # positions per program
+):
+    positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = positions < num_lookups
+    last = positions == num_lookups - 1
+    rows = tl.load(sorted_rows_ptr + positions, mask=inside)
+    following = tl.load(sorted_rows_ptr + positions + 1, mask=inside & ~last)
+    ends_run = inside & (last | (rows != following))
+    runs = tl.load(run_count_ptr + positions, mask=inside, other=1) - 1
+    tl.store(run_end_ptr + runs, (positions + 1).to(tl.int32), mask=ends_run)
+    tl.store(num_runs_ptr + tl.zeros_like(runs), runs + 1, mask=inside & last)
+
+
+def sort_lookups(stores: RowStores, lookups: Lookups) -> SortedLookups:
+    """Group a batch's lookups by global row (step 1 of the module docstring). No host sync."""
+    num_lookups = lookups.num_lookups
+    if num_lookups >= INT32_MAX:
+        raise ValueError(f"a batch holds at most 2^31 - 1 lookups, got {num_lookups}")
+    device = lookups.indices.device
+    small = stores.num_rows <= INT32_MAX
+    lookups = linearize(stores, lookups, key_dtype=torch.int32 if small else torch.int64)
+    if lookups.global_rows.dtype == torch.int32 or not small:
+        sorted_rows, order = torch.sort(lookups.global_rows, stable=True)
+    else:  # int64 rows computed by the caller (the cache's prefetch): sort them on int32 keys
+        sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows, stable=True)
+    run_starts = torch.empty(num_lookups, dtype=torch.int32, device=device)
+    # Entries past the last run stay N: a run number past the batch's reads as an empty run.
+    run_end = torch.full((num_lookups,), num_lookups, dtype=torch.int32, device=device)
+    num_runs = torch.zeros(1, dtype=torch.int32, device=device)
+    if num_lookups == 0:
+        return SortedLookups(sorted_rows, order, lookups.bag_of_index, run_starts, run_end, num_runs)
+    # What the kernels read per sorted position, gathered once (a dependent load less per lookup).
+    sorted_bags = lookups.bag_of_index[order]
+    block = 256 if INTERPRETING else 1024
+    grid = (triton.cdiv(num_lookups, block),)
+    _run_starts_kernel[grid](run_starts, sorted_rows, num_lookups, BLOCK=block)
+    run_count = torch.cumsum(run_starts, 0, dtype=torch.int32)
+    _run_ends_kernel[grid](run_end, num_runs, run_count, sorted_rows, num_lookups, BLOCK=block)
+    return SortedLookups(sorted_rows, order, sorted_bags, run_count, run_end, num_runs)

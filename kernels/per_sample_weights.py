@@ -1,0 +1,109 @@
+"""Gradient of the per-sample weights: d loss / d w_i = dot(gradient of lookup i's output, row i).
+
+It reads the rows as they are before the update: the autograd wiring computes it before
+``backward_update`` (``kernels/backward.py``). Tiled like the forward (``kernels/addressing.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .addressing import (
+    INTERPRETING,
+    POOLING_MEAN_CONSTEXPR,
+    POOLING_NONE_CONSTEXPR,
+    bag_tile_bounds,
+    pooling_code,
+    row_pointers,
+    table_row_zero,
+)
+from .backward import check_grad_output
+from .rows import Lookups, RowStores, check_lookups
+
+
+@triton.jit(do_not_specialize=["batch_size"])
+def _per_sample_weights_grad_kernel(
+    per_sample_weights_grad_ptr,  # fp32 [N] out: d loss / d per_sample_weights[i]
+    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
+    grad_output_stride,  # elements between consecutive rows of grad_output
+    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
+    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table
+    table_dim_ptr,  # int32 [T]: embedding_dim of each table
+    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    cache_weights_ptr,  # [num_slots, row_width] slot rows
+    cache_weights_stride,  # elements between consecutive slots
+    indices_ptr,  # int32/int64 [N]: row within its table of each lookup
+    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
+    slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1 (read only if USE_CACHE)
+    batch_size,  # B
+    POOLING: tl.constexpr,  # pooling code
+    USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
+    ALIGN: tl.constexpr,  # every row start and dim is a multiple of this many elements
+    ALIGN_BYTES: tl.constexpr,  # ALIGN in bytes of a weight
+    BLOCK_B: tl.constexpr,  # bags per program
+    BLOCK_L: tl.constexpr,  # lookups of each bag per step
+    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
+):
+    table = tl.program_id(1)
+    element = cache_weights_ptr.dtype.element_ty
+    bags, in_batch, starts, ends = bag_tile_bounds(offsets_ptr, table, tl.program_id(0) * BLOCK_B, batch_size, BLOCK_B,
+                                                  BLOCK_L)
+    lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
+    table_rows = table_row_zero(table_weights_address_ptr, table, element)
+    row_stride = tl.load(table_weights_stride_ptr + table)
+    columns = tl.arange(0, BLOCK_D)
+    in_row = columns < tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
+    if POOLING != POOLING_NONE_CONSTEXPR:
+        # Every lookup of a bag shares its output row's gradient (one load per tile row, from L1).
+        bag_grads = tl.load(grad_output_ptr + bags[:, None].to(tl.int64) * grad_output_stride
+                            + tl.multiple_of(tl.load(table_output_offset_ptr + table), ALIGN) + columns[None, :],
+                            mask=in_batch[:, None] & in_row[None, :], other=0.0)
+        if POOLING == POOLING_MEAN_CONSTEXPR:
+            bag_grads = bag_grads / tl.maximum(ends - starts, 1).to(tl.float32)[:, None]
+    for step_start in range(0, tl.max(ends - starts, axis=0), BLOCK_L):
+        positions = starts + step_start + lanes
+        in_bag = positions < ends
+        rows = tl.load(indices_ptr + positions, mask=in_bag, other=0)
+        slots = tl.zeros_like(rows)
+        if USE_CACHE:
+            slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
+        pointers = row_pointers(table_rows, rows, row_stride, slots, cache_weights_ptr, cache_weights_stride,
+                                USE_CACHE, ALIGN_BYTES)
+        tile_mask = in_bag[:, None] & in_row[None, :]
+        tile = tl.load(pointers[:, None] + columns[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+        if POOLING == POOLING_NONE_CONSTEXPR:
+            grads = tl.load(grad_output_ptr + positions[:, None] * grad_output_stride + columns[None, :],
+                            mask=tile_mask, other=0.0)
+        else:
+            grads = bag_grads
+        tl.store(per_sample_weights_grad_ptr + positions, tl.sum(tile * grads, axis=1), mask=in_bag)
+
+
+def per_sample_weights_grad(
+    grad_output: torch.Tensor, stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None, pooling: str
+) -> torch.Tensor:
+    """fp32 [N]: d loss / d per_sample_weights[i] = dot(grad of lookup i's output, row i), / bag length for mean.
+
+    Reads the rows as they are now: call it before ``backward_update`` changes them.
+    """
+    mode = pooling_code(pooling)
+    check_lookups(stores, lookups, slot_of_index)
+    grad_output = check_grad_output(grad_output, stores, lookups, mode)
+    result = torch.empty(lookups.num_lookups, dtype=torch.float32, device=lookups.indices.device)
+    if lookups.batch_size == 0 or lookups.num_lookups == 0:
+        return result
+    use_cache = slot_of_index is not None and stores.uses_cache
+    block_b, block_l = (2, 2) if INTERPRETING else (8, 4)
+    grid = (triton.cdiv(lookups.batch_size, block_b), stores.num_tables)
+    _per_sample_weights_grad_kernel[grid](
+        result, grad_output, grad_output.stride(0),
+        stores.table_weights_address, stores.table_weights_stride, stores.table_dim, stores.table_output_offset,
+        stores.cache_weights, stores.cache_weights.stride(0),
+        lookups.indices, lookups.offsets, slot_of_index if use_cache else lookups.indices, lookups.batch_size,
+        POOLING=mode, USE_CACHE=use_cache, ALIGN=stores.alignment,
+        ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
+        BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(stores.max_dim), num_warps=4,
+    )
+    return result
