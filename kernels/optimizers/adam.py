@@ -23,7 +23,8 @@ from .base import FusedOptimizer, bias_corrections
 
 
 @triton.jit
-def _load_state(state_rows, columns, row_mask, mask, dims):
+def load_moments(state_rows, columns, row_mask, mask, dims):
+    """Per-element moments ``m`` then ``v`` of each row (Adam, LAMB)."""
     pointers = state_rows[:, None] + columns[None, :]
     first = tl.load(pointers, mask=mask, other=0.0)
     second = tl.load(pointers + dims[:, None], mask=mask, other=0.0)
@@ -41,7 +42,7 @@ def _update(weights, grad, state, mask, dims, hyper):
 
 
 @triton.jit
-def _store_state(state_rows, state, columns, row_mask, mask, dims):
+def store_moments(state_rows, state, columns, row_mask, mask, dims):
     pointers = state_rows[:, None] + columns[None, :]
     tl.store(pointers, state[0], mask=mask)
     tl.store(pointers + dims[:, None], state[1], mask=mask)
@@ -55,15 +56,13 @@ class Adam(FusedOptimizer):
     weight_decay: float = 0.0
 
     name = "adam"
-    TRITON = (_load_state, _update, _store_state)
+    TRITON = (load_moments, _update, store_moments)
 
     def state_columns(self, dim):
         return (("exp_avg", dim), ("exp_avg_sq", dim))
 
     def kernel_hyper(self, step):
-        beta1, beta2 = (float(b) for b in self.betas)
-        return (float(self.lr), float(self.eps), beta1, beta2, float(self.weight_decay),
-                *bias_corrections(beta1, beta2, step))
+        return adam_kernel_hyper(self, step)
 
     def reference_update(self, weights, grad, state, step):
         beta1, beta2 = self.betas
@@ -73,3 +72,11 @@ class Adam(FusedOptimizer):
         second = beta2 * state[:, dim:] + (1 - beta2) * grad * grad
         step_size = (first / correction1) / ((second / correction2).sqrt() + self.eps) + self.weight_decay * weights
         return weights - self.lr * step_size, torch.cat([first, second], dim=1)
+
+
+def adam_kernel_hyper(optimizer, step: int) -> tuple[float, ...]:
+    """``(lr, eps, beta1, beta2, weight_decay, 1 - beta1^step, 1 - beta2^step)``: the bundle of
+    the Adam-type optimizers (Adam, PartialRowwiseAdam, LAMB)."""
+    beta1, beta2 = (float(b) for b in optimizer.betas)
+    return (float(optimizer.lr), float(optimizer.eps), beta1, beta2, float(optimizer.weight_decay),
+            *bias_corrections(beta1, beta2, step))

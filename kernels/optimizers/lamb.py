@@ -18,15 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .adam import adam_kernel_hyper, load_moments, store_moments
 from .base import FusedOptimizer, bias_corrections
-
-
-@triton.jit
-def _load_state(state_rows, columns, row_mask, mask, dims):
-    pointers = state_rows[:, None] + columns[None, :]
-    first = tl.load(pointers, mask=mask, other=0.0)
-    second = tl.load(pointers + dims[:, None], mask=mask, other=0.0)
-    return first, second
 
 
 @triton.jit
@@ -43,13 +36,6 @@ def _update(weights, grad, state, mask, dims, hyper):
     return weights - (learning_rate * trust_ratio)[:, None] * step, (first, second)
 
 
-@triton.jit
-def _store_state(state_rows, state, columns, row_mask, mask, dims):
-    pointers = state_rows[:, None] + columns[None, :]
-    tl.store(pointers, state[0], mask=mask)
-    tl.store(pointers + dims[:, None], state[1], mask=mask)
-
-
 @dataclass(frozen=True)
 class LAMB(FusedOptimizer):
     lr: float = 0.001
@@ -58,15 +44,13 @@ class LAMB(FusedOptimizer):
     weight_decay: float = 0.0
 
     name = "lamb"
-    TRITON = (_load_state, _update, _store_state)
+    TRITON = (load_moments, _update, store_moments)  # Adam's moments, Adam's layout
 
     def state_columns(self, dim):
         return (("exp_avg", dim), ("exp_avg_sq", dim))
 
     def kernel_hyper(self, step):
-        beta1, beta2 = (float(b) for b in self.betas)
-        return (float(self.lr), float(self.eps), beta1, beta2, float(self.weight_decay),
-                *bias_corrections(beta1, beta2, step))
+        return adam_kernel_hyper(self, step)
 
     def reference_update(self, weights, grad, state, step):
         beta1, beta2 = self.betas

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .adam import adam_kernel_hyper
 from .base import FusedOptimizer, bias_corrections
 
 
@@ -59,9 +60,7 @@ class PartialRowwiseAdam(FusedOptimizer):
         return (("exp_avg", dim), ("exp_avg_sq", 1))
 
     def kernel_hyper(self, step):
-        beta1, beta2 = (float(b) for b in self.betas)
-        return (float(self.lr), float(self.eps), beta1, beta2, float(self.weight_decay),
-                *bias_corrections(beta1, beta2, step))
+        return adam_kernel_hyper(self, step)
 
     def reference_update(self, weights, grad, state, step):
         beta1, beta2 = self.betas
