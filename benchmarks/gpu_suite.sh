@@ -3,7 +3,8 @@
 #
 #   1. install the project offline and check that tiered_tbe.cache / tiered_tbe.kernels import on
 #      a GPU (not in simulation); print versions and the GPU's name;
-#   2. the gpu-marked tests (pytest -m gpu -x);
+#   2. the gpu-marked tests (pytest -m gpu -x); with the FBGEMM peer carried (.peer), ours beside
+#      FBGEMM (benchmarks/bench_fbgemm.py; benchmarks/gpu_fbgemm.sh runs every configuration);
 #   3. benchmarks/bench_kernels.py, bench_cache.py (both row movers), bench_pipeline.py (and again
 #      with the staged mover), then profile_step.py,
 #      trace_pipeline.py (per-stream busy / idle time of pipelined steps) and bench_pipeline.py
@@ -77,6 +78,11 @@ if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
         echo "install failed: stopping"
         exit 1
     }
+    # FBGEMM_GPU beside ours, when its peer archive was carried (../shared/peer/README.md).
+    if [[ -d .peer ]]; then
+        run_step fbgemm-install 120 "$WORK/fbgemm-install.log" 20 bash .peer/install-on-device.sh .peer \
+            && export PYTHONPATH=/tmp/fbsite:${PYTHONPATH:-}
+    fi
 fi
 run_step check 120 "$WORK/check.log" 10 python3 - "$WORK/env.json" <<'PY' || { cat "$WORK/check.log"; echo "check failed: stopping"; exit 1; }
 import json, os, subprocess, sys
@@ -109,6 +115,15 @@ run_step gpu-tests 150 "$OUT/gpu-tests.log" 30 python3 -m pytest -m gpu -q -x -p
 
 # 3. The benchmarks (each appends its table to RESULTS-gpu.md and, where it can, writes a JSON).
 RECORD=(--record --results-file "$OUT/RESULTS-gpu.md")
+# Ours beside FBGEMM on the same batches, when fbgemm_gpu imports (FBGEMM_CONFIGS: which ones).
+if python3 -c "import fbgemm_gpu" >/dev/null 2>&1; then
+    # shellcheck disable=SC2086
+    run_step bench_fbgemm 200 "$WORK/bench_fbgemm.log" 60 \
+        python3 benchmarks/bench_fbgemm.py --configs ${FBGEMM_CONFIGS:-criteo-adagrad big-zipf-adagrad cached-lru \
+        cached-lru-pipelined} "${RECORD[@]}" --json "$WORK/bench_fbgemm.json"
+else
+    printf 'bench_fbgemm\tskipped: fbgemm_gpu does not import (carry .peer)\t0\n' >>"$STATUS_FILE"
+fi
 # shellcheck disable=SC2086  # *_ARGS are flag lists, split on purpose
 run_step bench_kernels 100 "$OUT/bench_kernels.log" 40 \
     python3 benchmarks/bench_kernels.py --rep-ms 100 "${RECORD[@]}" ${KERNELS_ARGS:-}
@@ -226,14 +241,16 @@ else:
     if fails:
         print("bench_big: " + fails[-1][:200])
 for name, pattern in (("trace.log", r"^== |stream|host ms|span"), ("priority.log", r"^\| (all HBM|host_cached)"),
-                      ("pipeline_staged.log", r"^\| (all HBM|host_cached)|^- zipf")):
+                      ("pipeline_staged.log", r"^\| (all HBM|host_cached)|^- zipf"),
+                      ("bench_fbgemm.log", r"^\| [a-z].* \| (forward|backward|step|prefetch) \|")):
     path = work / name
     lines = [line for line in path.read_text(errors="replace").splitlines() if re.search(pattern, line)] \
         if path.exists() else []
     if lines:
         print({"trace.log": "trace_pipeline (zipf 1.05, depth 2; per-stream busy/idle ms per step):",
                "priority.log": "bench_pipeline with steps on the default-priority stream (zipf 1.05):",
-               "pipeline_staged.log": "bench_pipeline with the staged mover:"}[name])
+               "pipeline_staged.log": "bench_pipeline with the staged mover:",
+               "bench_fbgemm.log": "bench_fbgemm (configuration | phase | FBGEMM ms | ours ms | ours/FBGEMM | target):"}[name])
         for line in lines:
             print("  " + line.strip())
 phases = log_tail("profile.log", r"^== |^   (prefetch|forward|backward) |host time of one")
