@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 import torch
@@ -37,11 +38,14 @@ import torch
 from tiered_tbe import records
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks.bench_cache import free
+from tiered_tbe.kernels import forward
 from tiered_tbe.kernels.backward import backward_update, sort_lookups
-from tiered_tbe.kernels.forward import pooled_forward
 from tiered_tbe.kernels.linearize import linearize
+from tiered_tbe.kernels.rows import Lookups
 from tiered_tbe.module import TieredEmbeddingBags
 from tiered_tbe.optimizers import optimizer_named
+from tiered_tbe.pipeline import PrefetchPipeline
 from tiered_tbe.specs import CacheConfig, Placement, TableSpec
 from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
 
@@ -161,19 +165,20 @@ def shape_of(config: Config) -> Config:
 # ------------------------------------------------------------------------------------ timing
 
 
-def time_steps(step, batches, grad, warmup: int, steps: int, before=None) -> dict[str, float]:
-    """Median ms of forward, backward and the whole step (CUDA events on the current stream).
+def time_steps(step, batches, grad, warmup: int, before=None) -> dict[str, float]:
+    """Median ms of forward, backward and the whole step over the batches after the first ``warmup``
+    (CUDA events on the current stream).
 
-    ``step(i, indices, offsets) -> output``; ``before(i)`` runs first each step, outside the
-    forward (a prefetch), and is timed as ``prefetch``."""
+    ``batches`` yields ``(indices, offsets)``; ``step(i, indices, offsets) -> output``;
+    ``before(i, indices, offsets)`` runs first each step, outside the forward (a prefetch), and
+    is timed as ``prefetch``."""
     timer = common.StepTimer()
-    for i in range(warmup + steps):
-        indices, offsets = batches[i % len(batches)]
+    for i, (indices, offsets) in enumerate(batches):
         timed = i >= warmup
         if timed:
             timer.start()
         if before is not None:
-            before(i)
+            before(i, indices, offsets)
             if timed:
                 timer.mark("prefetch")
         out = step(i, indices, offsets)
@@ -184,6 +189,11 @@ def time_steps(step, batches, grad, warmup: int, steps: int, before=None) -> dic
             timer.mark("backward")
         del out
     return {phase: common.median(times) for phase, times in timer.phases().items()}
+
+
+def cycle(batches, count: int) -> list:
+    """``count`` batches, cycling through ``batches``."""
+    return [batches[i % len(batches)] for i in range(count)]
 
 
 def ours_module(config: Config, args) -> TieredEmbeddingBags:
@@ -202,49 +212,31 @@ def ours_module(config: Config, args) -> TieredEmbeddingBags:
 
 def measure_ours(config: Config, batches, grad, args) -> dict:
     emb = ours_module(config, args)
-    result = {}
+    count = args.warmup + args.steps
+
+    def forward_of(i, indices, offsets):
+        return emb(indices, offsets)
+
     if config.pipelined:
-        from tiered_tbe.pipeline import PrefetchPipeline
-
-        timer = common.StepTimer()
-        count = args.warmup + args.steps
-        pipeline = PrefetchPipeline(emb, [batches[i % len(batches)] for i in range(count)], depth=2)
-        for i, (indices, offsets) in enumerate(pipeline):
-            if i >= args.warmup:
-                timer.start()
-            out = emb(indices, offsets)
-            if i >= args.warmup:
-                timer.mark("forward")
-            out.backward(grad)
-            if i >= args.warmup:
-                timer.mark("backward")
-            del out
+        pipeline = PrefetchPipeline(emb, cycle(batches, count), depth=2)
+        result = time_steps(forward_of, pipeline, grad, args.warmup)
         pipeline.close()
-        result = {phase: common.median(times) for phase, times in timer.phases().items()}
     elif config.cached:
-        def prefetch(i):
-            indices, offsets = batches[i % len(batches)]
-            emb.prefetch(indices, offsets)
-        result = time_steps(lambda i, indices, offsets: emb(indices, offsets), batches, grad, args.warmup,
-                            args.steps, before=prefetch)
+        result = time_steps(forward_of, cycle(batches, count), grad, args.warmup,
+                            before=lambda i, indices, offsets: emb.prefetch(indices, offsets))
     else:
-        result = time_steps(lambda i, indices, offsets: emb(indices, offsets), batches, grad, args.warmup,
-                            args.steps)
-        from tiered_tbe.kernels.rows import Lookups
-
-        lookups = [Lookups(indices, offsets, config.batch_size) for indices, offsets in batches]
+        result = time_steps(forward_of, cycle(batches, count), grad, args.warmup)
+        lookups = Lookups(*batches[0], config.batch_size)
         result["kernel_forward"] = common.time_ms(
-            lambda: pooled_forward(emb.row_stores, lookups[0], None, "sum"), rep_ms=100)
+            lambda: forward.pooled_forward(emb.row_stores, lookups, None, "sum"), rep_ms=100)
         # Where the backward's time goes: grouping the lookups by row, then the three update kernels.
-        result["kernel_sort"] = common.time_ms(lambda: sort_lookups(emb.row_stores, lookups[0]), rep_ms=100)
-        grouped = sort_lookups(emb.row_stores, lookups[0])
-        keys = linearize(emb.row_stores, lookups[0], torch.int32).global_rows
+        result["kernel_sort"] = common.time_ms(lambda: sort_lookups(emb.row_stores, lookups), rep_ms=100)
+        grouped = sort_lookups(emb.row_stores, lookups)
+        keys = linearize(emb.row_stores, lookups, torch.int32).global_rows
         result["kernel_torch_sort"] = common.time_ms(lambda: torch.sort(keys, stable=True), rep_ms=100)
         result["kernel_update"] = common.time_ms(
-            lambda: backward_update(grad, emb.row_stores, lookups[0], None, "sum", emb.optimizer, 1,
+            lambda: backward_update(grad, emb.row_stores, lookups, None, "sum", emb.optimizer, 1,
                                     sorted_lookups=grouped), rep_ms=100)
-        from tiered_tbe.kernels import forward
-
         best = getattr(forward._pooled_forward_kernel, "best_config", None)
         result["forward_tile"] = (f"B{best.kwargs['BLOCK_B']} L{best.kwargs['BLOCK_L']} w{best.num_warps}"
                                   if best is not None else "-")
@@ -286,10 +278,14 @@ def fbgemm_module(config: Config):
 
 def measure_fbgemm(config: Config, batches, grad, args) -> dict:
     emb = fbgemm_module(config)
+    count = args.warmup + args.steps
+
+    def forward_of(i, indices, offsets):
+        return emb(indices, offsets)
+
     if config.pipelined:
         # As TorchRec's prefetch pipeline: batch i+1 prefetched on a side stream while batch i trains.
         main, side = torch.cuda.current_stream(), torch.cuda.Stream()
-        count = args.warmup + args.steps
         with torch.cuda.stream(side):
             emb.prefetch(*batches[0], forward_stream=main)
         ready = [torch.cuda.Event() for _ in range(count + 1)]
@@ -304,25 +300,11 @@ def measure_fbgemm(config: Config, batches, grad, args) -> dict:
                 ready[i + 1].record(side)
             return out
 
-        result = time_steps(step, batches, grad, args.warmup, args.steps)
-    elif config.cached:
-        def prefetch(i):
-            emb.prefetch(*batches[i % len(batches)])
-        result = time_steps(lambda i, indices, offsets: emb(indices, offsets), batches, grad, args.warmup,
-                            args.steps, before=prefetch)
-    else:
-        result = time_steps(lambda i, indices, offsets: emb(indices, offsets), batches, grad, args.warmup,
-                            args.steps)
-    return result  # the module goes with this frame: the caller frees its memory
-
-
-def bench_free() -> None:
-    import gc
-
-    gc.collect()
-    if not SIMULATION:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        return time_steps(step, cycle(batches, count), grad, args.warmup)
+    if config.cached:
+        return time_steps(forward_of, cycle(batches, count), grad, args.warmup,
+                          before=lambda i, indices, offsets: emb.prefetch(indices, offsets))
+    return time_steps(forward_of, cycle(batches, count), grad, args.warmup)
 
 
 # ------------------------------------------------------------------------------------ main
@@ -350,16 +332,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         del sampler
         grad = torch.randn(config.batch_size, config.dim * len(config.tables), device=default_device())
         row = {"config": base.name, "ours": measure_ours(config, batches, grad, args)}
-        bench_free()
+        free()
         row["fbgemm"] = measure_fbgemm(config, batches, grad, args) if not missing else {}
-        bench_free()
+        free()
         for spec in (args.backward_configs or []) if not config.cached else []:
-            import os
-
             os.environ["TIERED_TBE_BACKWARD"] = spec
             try:
                 row[f"ours backward {spec}"] = measure_ours(config, batches, grad, args)
-                bench_free()
+                free()
             finally:
                 del os.environ["TIERED_TBE_BACKWARD"]
         results.append(row)
@@ -367,7 +347,7 @@ def run(args: argparse.Namespace) -> list[dict]:
               + ("; FBGEMM " + ", ".join(f"{k} {common.fmt(v)}" for k, v in row["fbgemm"].items())
                  if row["fbgemm"] else ""), flush=True)
         del batches, grad
-        bench_free()
+        free()
     common.report(args, SCRIPT, sys.argv[1:], results, table_of(results))
     return results
 

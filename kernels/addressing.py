@@ -85,6 +85,31 @@ def row_pointers(
 
 
 @triton.jit
+def lookup_rows(
+    positions,  # int64 [F]: lookup positions of the tile
+    in_bag,  # bool [F]: which positions are real lookups
+    in_row,  # bool [BLOCK_D]: the table's columns
+    columns,  # int32 [BLOCK_D]
+    indices_ptr,  # int32/int64 [N]: row within its table of each lookup
+    slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1 (read only if USE_CACHE)
+    table_rows,  # pointer: row 0 of the table in its backing store
+    row_stride,  # int64: elements between rows of the table
+    cache_ptr,  # [num_slots, width] slot rows, same element type as the table rows
+    cache_stride,  # elements between consecutive slots
+    USE_CACHE: tl.constexpr,  # False: every row comes from its backing store
+    ALIGN_BYTES: tl.constexpr,  # every row start is a multiple of this many bytes
+):
+    """fp32 [F, BLOCK_D]: the newest copy of each lookup's row (zeros outside the tile and the table)."""
+    rows = tl.load(indices_ptr + positions, mask=in_bag, other=0)
+    slots = tl.zeros_like(rows)
+    if USE_CACHE:
+        slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
+    pointers = row_pointers(table_rows, rows, row_stride, slots, cache_ptr, cache_stride, USE_CACHE, ALIGN_BYTES)
+    return tl.load(pointers[:, None] + columns[None, :], mask=in_bag[:, None] & in_row[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def bag_tile_bounds(
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
     table,  # scalar: the program's table

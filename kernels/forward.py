@@ -32,8 +32,8 @@ from .addressing import (
     POOLING_NONE_CONSTEXPR,
     bag_length_class,
     bag_tile_bounds,
+    lookup_rows,
     pooling_code,
-    row_pointers,
     sum_lanes,
     table_row_zero,
 )
@@ -131,14 +131,8 @@ def _pooled_forward_kernel(
         for step_start in range(0, tl.max(ends - starts, axis=0), BLOCK_L):
             positions = starts + step_start + lanes  # int64 [BLOCK_B * BLOCK_L]
             in_bag = positions < ends
-            rows = tl.load(indices_ptr + positions, mask=in_bag, other=0)
-            slots = tl.zeros_like(rows)
-            if USE_CACHE:
-                slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
-            pointers = row_pointers(table_rows, rows, row_stride, slots, cache_weights_ptr, cache_weights_stride,
-                                    USE_CACHE, ALIGN_BYTES)
-            tile = tl.load(pointers[:, None] + columns[None, :], mask=in_bag[:, None] & in_row[None, :],
-                           other=0.0).to(tl.float32)
+            tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
+                               row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
             if HAS_PER_SAMPLE_WEIGHTS:
                 tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, None]
             if POOLING == POOLING_NONE_CONSTEXPR:  # every lookup is its own output row

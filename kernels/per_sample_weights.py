@@ -15,8 +15,8 @@ from .addressing import (
     POOLING_MEAN_CONSTEXPR,
     POOLING_NONE_CONSTEXPR,
     bag_tile_bounds,
+    lookup_rows,
     pooling_code,
-    row_pointers,
     table_row_zero,
 )
 from .backward import check_grad_output
@@ -65,14 +65,9 @@ def _per_sample_weights_grad_kernel(
     for step_start in range(0, tl.max(ends - starts, axis=0), BLOCK_L):
         positions = starts + step_start + lanes
         in_bag = positions < ends
-        rows = tl.load(indices_ptr + positions, mask=in_bag, other=0)
-        slots = tl.zeros_like(rows)
-        if USE_CACHE:
-            slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
-        pointers = row_pointers(table_rows, rows, row_stride, slots, cache_weights_ptr, cache_weights_stride,
-                                USE_CACHE, ALIGN_BYTES)
+        tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows, row_stride,
+                           cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
         tile_mask = in_bag[:, None] & in_row[None, :]
-        tile = tl.load(pointers[:, None] + columns[None, :], mask=tile_mask, other=0.0).to(tl.float32)
         if POOLING == POOLING_NONE_CONSTEXPR:
             grads = tl.load(grad_output_ptr + positions[:, None] * grad_output_stride + columns[None, :],
                             mask=tile_mask, other=0.0)
