@@ -278,3 +278,20 @@ def test_trace_pipeline_measures_busy_overlap_and_idle_time_per_stream(capsys):
     trace.main([*TINY_MODEL, "--steps", "1", "--runs", "hbm", "lru-pipelined"])
     out = capsys.readouterr().out
     assert "== lru-pipelined" in out and "host ms / step: step" in out
+
+
+def test_cli_bench_fbgemm_without_fbgemm_times_our_side(capsys, tmp_path):
+    """Without FBGEMM (and without a GPU) the command says so, times our side at a tiny size
+    through every path (HBM, cached, pipelined) and writes its JSON; --list names the configurations."""
+    assert cli_main(["bench", "fbgemm", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert "criteo-adagrad " in listed and "cached-lru-pipelined" in listed
+    json_file = tmp_path / "fbgemm.json"
+    code = cli_main(["bench", "fbgemm", "--configs", "criteo-sgd", "cached-lru-pipelined", "--json", str(json_file)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "FBGEMM_GPU: no CUDA device (simulation mode); timing our side only" in out
+    assert "| criteo-sgd | forward |" in out and "| cached-lru-pipelined | step |" in out
+    results = {r["config"]: r for r in json.loads(json_file.read_text())["results"]}
+    assert results["criteo-sgd"]["ours"]["step"] > 0 and results["criteo-sgd"]["fbgemm"] == {}
+    assert results["cached-lru-pipelined"]["ours"]["hit_rate"] >= 0
