@@ -32,12 +32,13 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 
 import torch
 
 from tiered_tbe import records
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
-from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks import common, kernel_profile
 from tiered_tbe.benchmarks.bench_cache import free
 from tiered_tbe.kernels import forward
 from tiered_tbe.kernels.backward import backward_update, sort_lookups
@@ -53,6 +54,8 @@ SCRIPT = "bench_fbgemm.py"
 HYPER = {"sgd": dict(lr=0.01), "rowwise_adagrad": dict(lr=0.01, eps=1e-8), "adam": dict(lr=0.001, eps=1e-8)}
 # ours / FBGEMM at most (issue 10, 11): steps and backwards 0.9, forwards 1.0, Adam 0.7, cached steps 0.8.
 TARGETS = {"forward": 1.0, "backward": 0.9, "step": 0.9}
+PROFILED_STEPS = 5  # steps run under torch.profiler with --profile (after the timed ones)
+PROFILED_KERNELS = 8  # kernels listed per side
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--backward-configs", nargs="+", default=None, metavar="R,L,W,CHUNK",
                         help="also time our HBM steps with these backward tile shapes (rows, lanes, warps, chunk): "
                              "a tuning sweep")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile a few steps of each side: device ms per step of each kernel, and each "
+                             "phase's fraction of the copy bandwidth measured in the same run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the lookups")
     common.add_output_flags(parser)
     return parser
@@ -173,22 +179,33 @@ def time_steps(step, batches, grad, warmup: int, before=None) -> dict[str, float
     ``before(i, indices, offsets)`` runs first each step, outside the forward (a prefetch), and
     is timed as ``prefetch``."""
     timer = common.StepTimer()
+    host: dict[str, list[float]] = {}
     for i, (indices, offsets) in enumerate(batches):
         timed = i >= warmup
         if timed:
             timer.start()
+        begin = time.perf_counter()
         if before is not None:
             before(i, indices, offsets)
             if timed:
                 timer.mark("prefetch")
+        enqueued = time.perf_counter()
         out = step(i, indices, offsets)
         if timed:
             timer.mark("forward")
+        forwarded = time.perf_counter()
         out.backward(grad)
         if timed:
             timer.mark("backward")
+            done = time.perf_counter()
+            for phase, ms in (("prefetch", enqueued - begin), ("forward", forwarded - enqueued),
+                              ("backward", done - forwarded)):
+                host.setdefault(f"host_{phase}", []).append(ms * 1e3)
         del out
-    return {phase: common.median(times) for phase, times in timer.phases().items()}
+    result = {phase: common.median(times) for phase, times in timer.phases().items()}
+    # Host ms to enqueue each phase: where it nears the device ms, the phase is launch-bound.
+    result.update({phase: common.median(times) for phase, times in host.items() if before or phase != "host_prefetch"})
+    return result
 
 
 def cycle(batches, count: int) -> list:
@@ -217,16 +234,28 @@ def measure_ours(config: Config, batches, grad, args) -> dict:
     def forward_of(i, indices, offsets):
         return emb(indices, offsets)
 
-    if config.pipelined:
-        pipeline = PrefetchPipeline(emb, cycle(batches, count), depth=2)
-        result = time_steps(forward_of, pipeline, grad, args.warmup)
-        pipeline.close()
-    elif config.cached:
-        result = time_steps(forward_of, cycle(batches, count), grad, args.warmup,
-                            before=lambda i, indices, offsets: emb.prefetch(indices, offsets))
-    else:
-        result = time_steps(forward_of, cycle(batches, count), grad, args.warmup)
+    def run_steps(count: int, warmup: int) -> dict[str, float]:
+        if config.pipelined:
+            pipeline = PrefetchPipeline(emb, cycle(batches, count), depth=2)
+            result = time_steps(forward_of, pipeline, grad, warmup)
+            pipeline.close()
+            return result
+        if config.cached:
+            return time_steps(forward_of, cycle(batches, count), grad, warmup,
+                              before=lambda i, indices, offsets: emb.prefetch(indices, offsets))
+        return time_steps(forward_of, cycle(batches, count), grad, warmup)
+
+    result = run_steps(count, args.warmup)
+    if args.profile and not config.pipelined:
+        result["profile"] = kernel_profile.kernel_ms_per_step(lambda: run_steps(PROFILED_STEPS, 0), PROFILED_STEPS)
+    if not config.cached:
         lookups = Lookups(*batches[0], config.batch_size)
+        if args.profile:
+            keys = linearize(emb.row_stores, lookups, torch.int64).global_rows
+            state_bytes = 4 * emb.optimizer.state_width(config.dim)
+            result["bytes"] = kernel_profile.step_bytes(
+                lookups.num_lookups, int(torch.unique(keys).numel()), config.batch_size,
+                config.dim * len(config.tables), config.dim * common.DTYPES[config.dtype].itemsize, state_bytes)
         result["kernel_forward"] = common.time_ms(
             lambda: forward.pooled_forward(emb.row_stores, lookups, None, "sum"), rep_ms=100)
         # Where the backward's time goes: grouping the lookups by row, then the three update kernels.
@@ -300,40 +329,56 @@ def measure_fbgemm(config: Config, batches, grad, args) -> dict:
                 ready[i + 1].record(side)
             return out
 
-        return time_steps(step, cycle(batches, count), grad, args.warmup)
-    if config.cached:
-        return time_steps(forward_of, cycle(batches, count), grad, args.warmup,
-                          before=lambda i, indices, offsets: emb.prefetch(indices, offsets))
-    return time_steps(forward_of, cycle(batches, count), grad, args.warmup)
+        def run_steps(count: int, warmup: int) -> dict[str, float]:
+            return time_steps(step, cycle(batches, count), grad, warmup)
+    elif config.cached:
+        def run_steps(count: int, warmup: int) -> dict[str, float]:
+            return time_steps(forward_of, cycle(batches, count), grad, warmup,
+                              before=lambda i, indices, offsets: emb.prefetch(indices, offsets))
+    else:
+        def run_steps(count: int, warmup: int) -> dict[str, float]:
+            return time_steps(forward_of, cycle(batches, count), grad, warmup)
+    result = run_steps(count, args.warmup)
+    if args.profile and not config.pipelined:  # (the pipelined steps' events and batches run on from the timing)
+        result["profile"] = kernel_profile.kernel_ms_per_step(lambda: run_steps(PROFILED_STEPS, 0), PROFILED_STEPS)
+    return result
 
 
 # ------------------------------------------------------------------------------------ main
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    missing = None if args.ours_only else fbgemm_available()
+    missing = "not asked for (--ours-only)" if args.ours_only else fbgemm_available()
     print(f"bench_fbgemm: {describe_mode()}")
-    if missing and not SIMULATION:
+    if missing and not SIMULATION and not args.ours_only:
         print(f"FBGEMM_GPU is not available: {missing}. Install fbgemm-gpu beside torch to compare, "
               "or pass --ours-only. Nothing measured.")
         return []
     if missing:
-        print(f"FBGEMM_GPU: {missing}; timing our side only, at a tiny size (times mean nothing)")
+        print(f"FBGEMM_GPU: {missing}; timing our side only" + (", at a tiny size (times mean nothing)"
+                                                                 if SIMULATION else ""))
     print("settings: no bounds checks on either side (FBGEMM BoundsCheckMode.NONE, ours bounds_check='off'); "
           "fp32 output; stochastic rounding for fp16 weights on both sides; cached: FBGEMM MANAGED_CACHING, "
           f"ours HOST_CACHED/MANAGED_CACHED{'' if not args.mover else f' mover={args.mover}'}, same cache fraction")
     configs = [c for c in CONFIGS if args.configs is None or c.name in args.configs]
+    copy_gbs = kernel_profile.copy_bandwidth_gbs() if args.profile else None
+    if copy_gbs is not None:
+        print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
+    def batches_of(config: Config):
+        sampler = common.ZipfBatches(config.tables, config.alpha, config.batch_size, config.bag_size,
+                                     default_device(), seed=args.seed)
+        grad = torch.randn(config.batch_size, config.dim * len(config.tables), device=default_device(),
+                           generator=torch.Generator(default_device()).manual_seed(args.seed))
+        return sampler.batches(args.distinct_batches), grad
+
+    # Every configuration of ours first, then every one of FBGEMM's (the same batches, rebuilt from
+    # the seed): measured right after an FBGEMM module in the same process, our host-bound steps
+    # ran 0.2-0.3 ms slower (RESULTS.md, 2026-12-01), FBGEMM's were the same either way.
     results = []
     for base in configs:
         config = shape_of(base)
-        sampler = common.ZipfBatches(config.tables, config.alpha, config.batch_size, config.bag_size,
-                                     default_device(), seed=args.seed)
-        batches = sampler.batches(args.distinct_batches)
-        del sampler
-        grad = torch.randn(config.batch_size, config.dim * len(config.tables), device=default_device())
-        row = {"config": base.name, "ours": measure_ours(config, batches, grad, args)}
-        free()
-        row["fbgemm"] = measure_fbgemm(config, batches, grad, args) if not missing else {}
+        batches, grad = batches_of(config)
+        row = {"config": base.name, "ours": measure_ours(config, batches, grad, args), "copy_gbs": copy_gbs}
         free()
         for spec in (args.backward_configs or []) if not config.cached else []:
             os.environ["TIERED_TBE_BACKWARD"] = spec
@@ -343,11 +388,20 @@ def run(args: argparse.Namespace) -> list[dict]:
             finally:
                 del os.environ["TIERED_TBE_BACKWARD"]
         results.append(row)
-        print(f"  {base.name}: ours " + ", ".join(f"{k} {common.fmt(v)}" for k, v in row["ours"].items())
-              + ("; FBGEMM " + ", ".join(f"{k} {common.fmt(v)}" for k, v in row["fbgemm"].items())
-                 if row["fbgemm"] else ""), flush=True)
+        print(f"  {base.name}: ours " + ", ".join(f"{k} {common.fmt(v)}" for k, v in row["ours"].items()
+                                                  if not isinstance(v, (list, dict))), flush=True)
         del batches, grad
         free()
+    for base, row in zip(configs, results):
+        row["fbgemm"] = {}
+        if not missing:
+            config = shape_of(base)
+            batches, grad = batches_of(config)
+            row["fbgemm"] = measure_fbgemm(config, batches, grad, args)
+            print(f"  {base.name}: FBGEMM " + ", ".join(f"{k} {common.fmt(v)}" for k, v in row["fbgemm"].items()
+                                                        if not isinstance(v, list)), flush=True)
+            del batches, grad
+            free()
     common.report(args, SCRIPT, sys.argv[1:], results, table_of(results))
     return results
 
@@ -376,12 +430,39 @@ def table_of(results: list[dict]) -> list[str]:
                          common.fmt(row["ours"]["kernel_update"]), "-", "-", "-"])
         for key, value in row.items():
             if key.startswith("ours backward "):
-                rows.append([config.name, f"step, {key[5:]}", common.fmt(row["fbgemm"].get("step")),
-                             common.fmt(value.get("step")),
-                             common.fmt(value["step"] / row["fbgemm"]["step"] if row["fbgemm"].get("step") else None,
-                                        ".2f"), "-", "-"])
+                for phase in ("backward", "step"):
+                    theirs = row["fbgemm"].get(phase)
+                    rows.append([config.name, f"{phase}, {key[5:]}", common.fmt(theirs), common.fmt(value.get(phase)),
+                                 common.fmt(value[phase] / theirs if theirs else None, ".2f"), "-", "-"])
     header = ["configuration", "phase", "FBGEMM ms", "ours ms", "ours / FBGEMM", "target", ""]
-    return records.markdown_table(header, rows)
+    return records.markdown_table(header, rows) + profile_table_of(results)
+
+
+def profile_table_of(results: list[dict]) -> list[str]:
+    """With --profile: each phase's fraction of the copy bandwidth, and the longest kernels of each side."""
+    rows = []
+    for row in results:
+        ours, theirs, copy_gbs = row["ours"], row["fbgemm"], row.get("copy_gbs")
+        for phase, floor in ours.get("bytes", {}).items():
+            fractions = [floor / (side[phase] * 1e6) / copy_gbs if side.get(phase) and copy_gbs else None
+                         for side in (theirs, ours)]
+            rows.append([row["config"], f"{phase}: {floor / 1e6:.0f} MB at least, fraction of copy bandwidth",
+                         common.fmt(fractions[0], ".2f"), common.fmt(fractions[1], ".2f")])
+        for phase in ("prefetch", "forward", "backward"):
+            if f"host_{phase}" in ours:
+                rows.append([row["config"], f"{phase}: host ms to enqueue", common.fmt(theirs.get(f"host_{phase}")),
+                             common.fmt(ours[f"host_{phase}"])])
+        sides = [(theirs, "FBGEMM", 1), (ours, "ours", 2)]
+        sides += [(value, key[5:], 2) for key, value in row.items() if key.startswith("ours backward ")]
+        for side, name, column in sides:
+            for kernel, ms in side.get("profile", [])[:PROFILED_KERNELS]:
+                cells = ["-", "-"]
+                cells[column - 1] = common.fmt(ms)
+                rows.append([row["config"], f"{name} kernel {kernel}", *cells])
+    if not rows:
+        return []
+    header = ["configuration", "profile (device ms per step, all streams)", "FBGEMM", "ours"]
+    return ["", *records.markdown_table(header, rows)]
 
 
 def run_command(args: argparse.Namespace) -> list[dict]:

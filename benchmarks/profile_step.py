@@ -93,11 +93,33 @@ def profile(emb, batches, grad, top: int) -> None:
         print(averages.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
 
 
+def python_profile(emb, batches, grad, top: int) -> None:
+    """cProfile of the host side of whole steps: the Python functions (and launches) a step's time
+    on the host goes to, by own time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for indices, offsets in batches:
+        if emb.cache is not None:
+            emb.prefetch(indices, offsets)
+        out = emb(indices, offsets)
+        out.backward(grad)
+        del out
+    profiler.disable()
+    common.synchronize()
+    print(f"   host functions over {len(batches)} steps, by own time (ms per step = tottime / steps * 1000):")
+    pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(top)
+
+
 def main(argv=None) -> int:
     parser = bench_cache.build_parser(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--steps", type=int, default=3, help="steps profiled per model")
     parser.add_argument("--top", type=int, default=25, help="operators listed per table")
     parser.add_argument("--skip-hbm", action="store_true", help="profile only the cached model")
+    parser.add_argument("--skip-cached", action="store_true", help="profile only the all-HBM model")
+    parser.add_argument("--python", action="store_true", help="also cProfile the host side of the steps")
     args = bench_cache.check_args(parser.parse_args(argv))
     device = default_device()
     print(describe_mode(), flush=True)
@@ -106,8 +128,9 @@ def main(argv=None) -> int:
     batches = common.ZipfBatches(table_rows, alpha, args.batch_size, args.bag_size, device,
                                  seed=args.seed).batches(args.warmup + 2 * args.steps)
     grad = torch.randn(args.batch_size, len(table_rows) * args.dim, device=device)
-    models = [("host_cached", Placement.HOST_CACHED,
-               CacheConfig(fraction=args.cache_fraction, policy=args.policy, associativity=args.associativity))]
+    models = [] if args.skip_cached else [
+        ("host_cached", Placement.HOST_CACHED,
+         CacheConfig(fraction=args.cache_fraction, policy=args.policy, associativity=args.associativity))]
     if not args.skip_hbm:
         models.append(("all HBM", Placement.DEVICE, None))
     for label, placement, cache in models:
@@ -121,6 +144,8 @@ def main(argv=None) -> int:
         if emb.cache is not None:
             launch_overhead(emb.cache, device)
         profile(emb, batches[args.warmup + args.steps:], grad, args.top)
+        if args.python:
+            python_profile(emb, batches[args.warmup:], grad, args.top)
         del emb
         bench_cache.free()
     return 0

@@ -50,6 +50,7 @@ from .addressing import (
     table_row_zero,
 )
 from .grouping import SortedLookups, sort_lookups
+from .launch import launch
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
 
@@ -78,6 +79,9 @@ def default_config(block_d: int) -> BackwardConfig:
 
 # Windows per group of the second level of hot-row sums (a power of two).
 HOT_GROUP = 4 if INTERPRETING else 32
+# Lookups before a hot run's first pure window (and after its last) summed per step: a whole
+# window at once, so the run's owner issues those loads together rather than in a chain of steps.
+HOT_LANES = 2 if INTERPRETING else 32
 
 __all__ = ["BackwardConfig", "HOT_GROUP", "SortedLookups", "backward_update", "default_config", "sort_lookups"]
 
@@ -580,17 +584,16 @@ def backward_update(
 
     num_windows = triton.cdiv(num_lookups, chunk)
     window_sums = torch.empty(num_windows, block_d, dtype=torch.float32, device=device)
-    _hot_window_sums_kernel[(num_windows,)](
-        window_sums, s.run_count, *gradient_args, num_lookups, lookups.batch_size, **common, num_warps=4)
     group = HOT_GROUP
     num_groups = triton.cdiv(num_windows, group)
     group_sums = torch.empty(num_groups, block_d, dtype=torch.float32, device=device)
-    _hot_group_sums_kernel[(num_groups,)](group_sums, window_sums, s.run_count, num_lookups, CHUNK=chunk, GROUP=group,
-                                          BLOCK_D=block_d, num_warps=4)
-    _hot_row_update_kernel[(num_windows,)](
-        window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups,
-        lookups.batch_size, **common, **updating, GROUP=group, BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=4,
-        num_warps=4)
-    _row_update_kernel[(triton.cdiv(num_lookups, config.rows),)](
-        s.run_end, *gradient_args, *update_args, num_lookups, lookups.batch_size,
-        **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
+    launch(_hot_window_sums_kernel, (num_windows,), window_sums, s.run_count, *gradient_args, num_lookups,
+           lookups.batch_size, **common, num_warps=4)
+    launch(_hot_group_sums_kernel, (num_groups,), group_sums, window_sums, s.run_count, num_lookups, CHUNK=chunk,
+           GROUP=group, BLOCK_D=block_d, num_warps=4)
+    launch(_hot_row_update_kernel, (num_windows,), window_sums, group_sums, s.run_count, s.run_end, *gradient_args,
+           *update_args, num_lookups, lookups.batch_size, **common, **updating, GROUP=group,
+           BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES, num_warps=4)
+    launch(_row_update_kernel, (triton.cdiv(num_lookups, config.rows),), s.run_end, *gradient_args, *update_args,
+           num_lookups, lookups.batch_size, **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes,
+           num_warps=config.num_warps)

@@ -37,6 +37,7 @@ from .addressing import (
     sum_lanes,
     table_row_zero,
 )
+from .launch import launch
 from .rows import Lookups, RowStores, check_lookups
 
 # Tiles of more than this many elements spill registers: the autotuner never tries them.
@@ -187,7 +188,8 @@ def pooled_forward(
     def grid(meta):
         return triton.cdiv(batch_size, meta["BLOCK_B"] * meta["GROUPS"]), num_tables
 
-    _pooled_forward_kernel[grid](
+    launch(
+        _pooled_forward_kernel, grid,
         output, output.stride(0), output.shape[1],
         stores.table_weights_address, stores.table_weights_stride, stores.table_dim, stores.table_output_offset,
         stores.cache_weights, stores.cache_weights.stride(0),

@@ -19,6 +19,7 @@ from tiered_tbe.base.codes import INT32_MAX
 from tiered_tbe.base.sorting import sort_ids
 
 from .addressing import INTERPRETING
+from .launch import launch
 from .linearize import linearize
 from .rows import Lookups, RowStores
 
@@ -90,7 +91,7 @@ def sort_lookups(stores: RowStores, lookups: Lookups) -> SortedLookups:
     sorted_bags = lookups.bag_of_index[order]
     block = 256 if INTERPRETING else 1024
     grid = (triton.cdiv(num_lookups, block),)
-    _run_starts_kernel[grid](run_starts, sorted_rows, num_lookups, BLOCK=block)
+    launch(_run_starts_kernel, grid, run_starts, sorted_rows, num_lookups, BLOCK=block)
     run_count = torch.cumsum(run_starts, 0, dtype=torch.int32)
-    _run_ends_kernel[grid](run_end, num_runs, run_count, sorted_rows, num_lookups, BLOCK=block)
+    launch(_run_ends_kernel, grid, run_end, num_runs, run_count, sorted_rows, num_lookups, BLOCK=block)
     return SortedLookups(sorted_rows, order, sorted_bags, run_count, run_end, num_runs)
