@@ -452,6 +452,10 @@ def profile_table_of(results: list[dict]) -> list[str]:
             if f"host_{phase}" in ours:
                 rows.append([row["config"], f"{phase}: host ms to enqueue", common.fmt(theirs.get(f"host_{phase}")),
                              common.fmt(ours[f"host_{phase}"])])
+        if ours.get("profile"):
+            totals = [sum(ms for _, ms in side["profile"]) if side.get("profile") else None for side in (theirs, ours)]
+            rows.append([row["config"], "all kernels of a step (the GPU's busy time)", common.fmt(totals[0]),
+                         common.fmt(totals[1])])
         sides = [(theirs, "FBGEMM", 1), (ours, "ours", 2)]
         sides += [(value, key[5:], 2) for key, value in row.items() if key.startswith("ours backward ")]
         for side, name, column in sides:

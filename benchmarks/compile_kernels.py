@@ -240,33 +240,6 @@ def count_compilations(batches: int = 6) -> dict[str, int]:
     return compilations()
 
 
-def check_launch_arguments(batches: int = 3) -> int:
-    """Run ``count_compilations``'s batches with ``kernels.launch`` on: for every launch, check that
-    the arguments its fast path would hand the compiled kernel (``*args, *rest``) are exactly the
-    ones Triton binds (every parameter, in signature order). Returns the launches checked; raises
-    AssertionError at the first mismatch."""
-    import tiered_tbe.kernels.launch as launch_module
-
-    checked = 0
-
-    def checking_call(self, grid, args, kwargs):
-        nonlocal checked
-        self.kernel[grid](*args, **kwargs)  # compile-only: compiles (or "tunes"), runs nothing
-        rest, meta = self.rest_of(args, kwargs)
-        binder = self.function.device_caches[0][4]
-        bound, _, _ = binder(*args, **meta)  # as Triton binds the call (an autotuner adds its config's)
-        theirs, ours = list(bound.values()), [*args, *rest]
-        assert len(theirs) == len(ours), (self.function.__name__, len(theirs), len(ours))
-        for name, their, our in zip(self.arg_names, theirs, ours):
-            assert their is our or their == our, (self.function.__name__, name, their, our)
-        checked += 1
-
-    launch_module.ENABLED = True
-    launch_module._Launcher.__call__ = checking_call
-    count_compilations(batches)
-    return checked
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dim", type=int, default=128, help="embedding dim (default 128)")
@@ -275,12 +248,7 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizers", nargs="+", help="optimizer names (default: all)")
     parser.add_argument("--count-compilations", action="store_true",
                         help="count the kernels compiled over batches of varying sizes instead")
-    parser.add_argument("--check-launch", action="store_true",
-                        help="check kernels/launch.py's arguments against Triton's binding instead")
     args = parser.parse_args(argv)
-    if args.check_launch:
-        print(f"launch arguments match Triton's binding: {check_launch_arguments()} launches checked")
-        return 0
     if args.count_compilations:
         for name, count in sorted(count_compilations().items()):
             print(f"{name:<36} {count} compiled")

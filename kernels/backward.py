@@ -50,7 +50,6 @@ from .addressing import (
     table_row_zero,
 )
 from .grouping import SortedLookups, sort_lookups
-from .launch import launch
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
 
@@ -584,16 +583,17 @@ def backward_update(
 
     num_windows = triton.cdiv(num_lookups, chunk)
     window_sums = torch.empty(num_windows, block_d, dtype=torch.float32, device=device)
+    _hot_window_sums_kernel[(num_windows,)](
+        window_sums, s.run_count, *gradient_args, num_lookups, lookups.batch_size, **common, num_warps=4)
     group = HOT_GROUP
     num_groups = triton.cdiv(num_windows, group)
     group_sums = torch.empty(num_groups, block_d, dtype=torch.float32, device=device)
-    launch(_hot_window_sums_kernel, (num_windows,), window_sums, s.run_count, *gradient_args, num_lookups,
-           lookups.batch_size, **common, num_warps=4)
-    launch(_hot_group_sums_kernel, (num_groups,), group_sums, window_sums, s.run_count, num_lookups, CHUNK=chunk,
-           GROUP=group, BLOCK_D=block_d, num_warps=4)
-    launch(_hot_row_update_kernel, (num_windows,), window_sums, group_sums, s.run_count, s.run_end, *gradient_args,
-           *update_args, num_lookups, lookups.batch_size, **common, **updating, GROUP=group,
-           BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES, num_warps=4)
-    launch(_row_update_kernel, (triton.cdiv(num_lookups, config.rows),), s.run_end, *gradient_args, *update_args,
-           num_lookups, lookups.batch_size, **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes,
-           num_warps=config.num_warps)
+    _hot_group_sums_kernel[(num_groups,)](group_sums, window_sums, s.run_count, num_lookups, CHUNK=chunk, GROUP=group,
+                                          BLOCK_D=block_d, num_warps=4)
+    _hot_row_update_kernel[(num_windows,)](
+        window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups,
+        lookups.batch_size, **common, **updating, GROUP=group, BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES,
+        num_warps=4)
+    _row_update_kernel[(triton.cdiv(num_lookups, config.rows),)](
+        s.run_end, *gradient_args, *update_args, num_lookups, lookups.batch_size,
+        **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)

@@ -37,7 +37,6 @@ from .addressing import (
     sum_lanes,
     table_row_zero,
 )
-from .launch import launch
 from .rows import Lookups, RowStores, check_lookups
 
 # Tiles of more than this many elements spill registers: the autotuner never tries them.
@@ -188,8 +187,7 @@ def pooled_forward(
     def grid(meta):
         return triton.cdiv(batch_size, meta["BLOCK_B"] * meta["GROUPS"]), num_tables
 
-    launch(
-        _pooled_forward_kernel, grid,
+    _pooled_forward_kernel[grid](
         output, output.stride(0), output.shape[1],
         stores.table_weights_address, stores.table_weights_stride, stores.table_dim, stores.table_output_offset,
         stores.cache_weights, stores.cache_weights.stride(0),

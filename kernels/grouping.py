@@ -1,10 +1,11 @@
 """Group a batch's lookups by global row, on the device: the backward's first step.
 
 ``sort_lookups`` linearizes the batch (``kernels/linearize.py``), sorts the lookups by global row
-(a stable radix sort, on int32 keys when the rows fit), gathers each sorted position's bag, and
-run-length encodes the sorted rows: ``run_count`` (runs begun up to each position, a cumulative
-sum) and ``run_end`` (one past the last position of each run). The number of runs stays on the
-device, so nothing waits for the GPU; every launch is sized from the number of lookups.
+(a stable radix sort, on int32 keys when the rows fit), gathers each sorted position's bag (in
+the run-start kernel), and run-length encodes the sorted rows: ``run_count`` (runs begun up to
+each position, a cumulative sum) and ``run_end`` (one past the last position of each run, N past
+the last run). The number of runs stays on the device, so nothing waits for the GPU; every
+launch is sized from the number of lookups.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from tiered_tbe.base.codes import INT32_MAX
 from tiered_tbe.base.sorting import sort_ids
 
 from .addressing import INTERPRETING
-from .launch import launch
 from .linearize import linearize
 from .rows import Lookups, RowStores
 
@@ -38,7 +38,10 @@ class SortedLookups(NamedTuple):
 @triton.jit(do_not_specialize=["num_lookups"])
 def _run_starts_kernel(
     run_starts_ptr,  # int32 [N] out: 1 where a sorted position begins a run (its row differs from the previous)
+    sorted_bags_ptr,  # int32 [N] out: bag of the lookup at each sorted position
     sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
+    order_ptr,  # int64 [N]: lookup at each sorted position
+    bag_of_index_ptr,  # int32 [N]: bag t*B+b of each lookup
     num_lookups,  # N
     BLOCK: tl.constexpr,  # positions per program
 ):
@@ -47,11 +50,13 @@ def _run_starts_kernel(
     rows = tl.load(sorted_rows_ptr + positions, mask=inside)
     previous = tl.load(sorted_rows_ptr + positions - 1, mask=inside & (positions > 0))
     tl.store(run_starts_ptr + positions, ((positions == 0) | (rows != previous)).to(tl.int32), mask=inside)
+    lookups = tl.load(order_ptr + positions, mask=inside, other=0)
+    tl.store(sorted_bags_ptr + positions, tl.load(bag_of_index_ptr + lookups, mask=inside), mask=inside)
 
 
 @triton.jit(do_not_specialize=["num_lookups"])
 def _run_ends_kernel(
-    run_end_ptr,  # int32 [N] out: one past the last position of each run
+    run_end_ptr,  # int32 [N] out: one past the last position of each run; N past the last run
     num_runs_ptr,  # int32 [1] out: the number of runs
     run_count_ptr,  # int32 [N]: runs begun up to and including each position
     sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
@@ -66,6 +71,10 @@ def _run_ends_kernel(
     ends_run = inside & (last | (rows != following))
     runs = tl.load(run_count_ptr + positions, mask=inside, other=1) - 1
     tl.store(run_end_ptr + runs, (positions + 1).to(tl.int32), mask=ends_run)
+    # Run numbers from the batch's count on read as empty runs: N (no fill before this kernel).
+    total_runs = tl.load(run_count_ptr + num_lookups - 1)
+    past_runs = inside & (positions >= total_runs)
+    tl.store(run_end_ptr + positions, (tl.zeros_like(positions) + num_lookups).to(tl.int32), mask=past_runs)
     tl.store(num_runs_ptr + tl.zeros_like(runs), runs + 1, mask=inside & last)
 
 
@@ -82,16 +91,16 @@ def sort_lookups(stores: RowStores, lookups: Lookups) -> SortedLookups:
     else:  # int64 rows computed by the caller (the cache's prefetch): sort them on int32 keys
         sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows, stable=True)
     run_starts = torch.empty(num_lookups, dtype=torch.int32, device=device)
-    # Entries past the last run stay N: a run number past the batch's reads as an empty run.
-    run_end = torch.full((num_lookups,), num_lookups, dtype=torch.int32, device=device)
-    num_runs = torch.zeros(1, dtype=torch.int32, device=device)
+    run_end = torch.empty(num_lookups, dtype=torch.int32, device=device)
+    num_runs = torch.empty(1, dtype=torch.int32, device=device)
     if num_lookups == 0:
-        return SortedLookups(sorted_rows, order, lookups.bag_of_index, run_starts, run_end, num_runs)
-    # What the kernels read per sorted position, gathered once (a dependent load less per lookup).
-    sorted_bags = lookups.bag_of_index[order]
+        return SortedLookups(sorted_rows, order, lookups.bag_of_index, run_starts, run_end, num_runs.zero_())
+    # The bag of each sorted position, gathered once (a dependent load less per lookup in the kernels).
+    sorted_bags = torch.empty(num_lookups, dtype=torch.int32, device=device)
     block = 256 if INTERPRETING else 1024
     grid = (triton.cdiv(num_lookups, block),)
-    launch(_run_starts_kernel, grid, run_starts, sorted_rows, num_lookups, BLOCK=block)
+    _run_starts_kernel[grid](run_starts, sorted_bags, sorted_rows, order, lookups.bag_of_index, num_lookups,
+                             BLOCK=block)
     run_count = torch.cumsum(run_starts, 0, dtype=torch.int32)
-    launch(_run_ends_kernel, grid, run_end, num_runs, run_count, sorted_rows, num_lookups, BLOCK=block)
+    _run_ends_kernel[grid](run_end, num_runs, run_count, sorted_rows, num_lookups, BLOCK=block)
     return SortedLookups(sorted_rows, order, sorted_bags, run_count, run_end, num_runs)

@@ -15,7 +15,6 @@ import triton.language as tl
 from tiered_tbe.base.codes import INT32_MAX
 
 from .addressing import INTERPRETING, bag_tile_bounds
-from .launch import launch
 from .rows import Lookups, RowStores
 
 
@@ -63,6 +62,7 @@ def linearize(stores: RowStores, lookups: Lookups, key_dtype: torch.dtype = torc
     if num_lookups > 0 and lookups.batch_size > 0:
         block_b, block_l = (2, 2) if INTERPRETING else (32, 4)
         grid = (triton.cdiv(lookups.batch_size, block_b), stores.num_tables)
-        launch(_linearize_kernel, grid, global_rows, bag_of_index, stores.table_row_offset, lookups.indices,
-               lookups.offsets, num_lookups, lookups.batch_size, BLOCK_B=block_b, BLOCK_L=block_l, num_warps=4)
+        _linearize_kernel[grid](global_rows, bag_of_index, stores.table_row_offset, lookups.indices,
+                                lookups.offsets, num_lookups, lookups.batch_size, BLOCK_B=block_b, BLOCK_L=block_l,
+                                num_warps=4)
     return lookups._replace(global_rows=global_rows, bag_of_index=bag_of_index)

@@ -20,7 +20,6 @@ from .addressing import (
     table_row_zero,
 )
 from .backward import check_grad_output
-from .launch import launch
 from .rows import Lookups, RowStores, check_lookups
 
 
@@ -93,8 +92,7 @@ def per_sample_weights_grad(
     use_cache = slot_of_index is not None and stores.uses_cache
     block_b, block_l = (2, 2) if INTERPRETING else (8, 4)
     grid = (triton.cdiv(lookups.batch_size, block_b), stores.num_tables)
-    launch(
-        _per_sample_weights_grad_kernel, grid,
+    _per_sample_weights_grad_kernel[grid](
         result, grad_output, grad_output.stride(0),
         stores.table_weights_address, stores.table_weights_stride, stores.table_dim, stores.table_output_offset,
         stores.cache_weights, stores.cache_weights.stride(0),

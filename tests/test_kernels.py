@@ -384,6 +384,33 @@ def _segments_batch(lengths, dim, device, optimizer):
     return stores, Lookups(indices, offsets, bag_lengths.numel()), slot_of_row[indices]
 
 
+def test_sort_lookups_matches_torch(device):
+    """Sorted rows, bags by sorted position, run counts and run ends (N past the last run: the
+    kernels read those as empty runs) against plain torch, with memory just freed full of garbage
+    so that an entry the kernels forget to write shows."""
+    lengths = [1, 5, 2, 40, 1, 1, 3, 17]
+    stores, lookups, _ = _segments_batch(lengths, 4, device, None)
+    num_lookups = lookups.num_lookups
+    for _ in range(3):  # garbage where the caching allocator will hand out the next int32 buffers
+        torch.full((4 * num_lookups + 8,), -7, dtype=torch.int32, device=device)
+    sorted_lookups = sort_lookups(stores, lookups)
+    rows = lookups.indices.long()  # one table: global row = row
+    expected_rows, expected_order = torch.sort(rows, stable=True)
+    assert torch.equal(sorted_lookups.sorted_rows.long(), expected_rows)
+    assert torch.equal(sorted_lookups.order, expected_order)
+    bag_of_index = torch.repeat_interleave(torch.arange(lookups.batch_size, device=device),
+                                           lookups.offsets.diff())
+    assert torch.equal(sorted_lookups.sorted_bags.long(), bag_of_index[expected_order])
+    _, counts = torch.unique_consecutive(expected_rows, return_counts=True)
+    assert int(sorted_lookups.num_runs) == counts.numel()
+    starts = torch.ones(num_lookups, dtype=torch.long, device=device)
+    starts[1:] = (expected_rows[1:] != expected_rows[:-1]).long()
+    assert torch.equal(sorted_lookups.run_count.long(), starts.cumsum(0))
+    expected_end = torch.full((num_lookups,), num_lookups, dtype=torch.long, device=device)
+    expected_end[: counts.numel()] = counts.cumsum(0)
+    assert torch.equal(sorted_lookups.run_end.long(), expected_end)
+
+
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
 def test_hot_rows_at_every_segment_length_around_the_split(name, device):
     """Rows looked up 1, 2, CHUNK - 1 .. CHUNK + 1, 2 CHUNK - 2 .. 2 CHUNK (where runs start holding
