@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 import time
@@ -175,20 +176,30 @@ def time_steps(step, batches, grad, warmup: int, before=None) -> dict[str, float
     """Median ms of forward, backward and the whole step over the batches after the first ``warmup``
     (CUDA events on the current stream).
 
-    ``batches`` yields ``(indices, offsets)``; ``step(i, indices, offsets) -> output``;
+    ``batches`` yields ``(indices, offsets)`` (taking the next one is part of the step: a
+    PrefetchPipeline prefetches the batches ahead then); ``step(i, indices, offsets) -> output``;
     ``before(i, indices, offsets)`` runs first each step, outside the forward (a prefetch), and
     is timed as ``prefetch``."""
     timer = common.StepTimer()
     host: dict[str, list[float]] = {}
-    for i, (indices, offsets) in enumerate(batches):
+    prefetching = before is not None or not isinstance(batches, list)  # a prefetch, or a pipeline's
+    batches = iter(batches)
+    for i in itertools.count():
         timed = i >= warmup
         if timed:
             timer.start()
         begin = time.perf_counter()
+        # Inside the step: a PrefetchPipeline prefetches the batches ahead when it hands one over.
+        batch = next(batches, None)
+        if batch is None:
+            if timed:
+                timer.discard()
+            break
+        indices, offsets = batch
         if before is not None:
             before(i, indices, offsets)
-            if timed:
-                timer.mark("prefetch")
+        if timed and prefetching:
+            timer.mark("prefetch")
         enqueued = time.perf_counter()
         out = step(i, indices, offsets)
         if timed:
@@ -204,7 +215,8 @@ def time_steps(step, batches, grad, warmup: int, before=None) -> dict[str, float
         del out
     result = {phase: common.median(times) for phase, times in timer.phases().items()}
     # Host ms to enqueue each phase: where it nears the device ms, the phase is launch-bound.
-    result.update({phase: common.median(times) for phase, times in host.items() if before or phase != "host_prefetch"})
+    result.update({phase: common.median(times) for phase, times in host.items()
+                   if prefetching or phase != "host_prefetch"})
     return result
 
 

@@ -116,6 +116,10 @@ class StepTimer:
     def mark(self, name: str) -> None:
         self._steps[-1].append((name, self._stamp()))
 
+    def discard(self) -> None:
+        """Forget the step begun last (it did not happen)."""
+        self._steps.pop()
+
     def phases(self) -> dict[str, list[float]]:
         """Milliseconds of every phase of every step, and ``"step"`` (first to last mark)."""
         synchronize()
