@@ -295,3 +295,31 @@ def test_cli_bench_fbgemm_without_fbgemm_times_our_side(capsys, tmp_path):
     results = {r["config"]: r for r in json.loads(json_file.read_text())["results"]}
     assert results["criteo-sgd"]["ours"]["step"] > 0 and results["criteo-sgd"]["fbgemm"] == {}
     assert results["cached-lru-pipelined"]["ours"]["hit_rate"] >= 0
+
+
+def test_kernel_profile_names_bytes_and_simulation():
+    kernel_profile = importlib.import_module("tiered_tbe.benchmarks.kernel_profile")
+    name = "void split_embedding_backward_codegen_sgd_unweighted_kernel_warp_per_row<float, float, 8>(at::Tensor)"
+    short = "split_embedding_backward_codegen_sgd_unweighted_kernel_warp_per_row"
+    assert kernel_profile.short_kernel_name(name, width=100) == short
+    assert kernel_profile.short_kernel_name("_row_update_kernel") == "_row_update_kernel"
+    assert len(kernel_profile.short_kernel_name("k" * 100, width=20)) == 20
+    # 10 lookups of 512-byte rows, a [4, 64] fp32 output; 3 unique rows with 4 bytes of state each.
+    assert kernel_profile.step_bytes(10, 3, 4, 64, 512, 4) == {"forward": 10 * 512 + 1024,
+                                                              "backward": 1024 + 2 * 3 * 516}
+    ran = []
+    assert kernel_profile.kernel_ms_per_step(lambda: ran.append(1), 1) == []  # simulation: nothing on a device
+    assert ran == [1]
+
+
+def test_profile_step_python_profile_and_bench_fbgemm_profile(capsys):
+    """profile_step --python lists the host functions of whole steps; bench_fbgemm --profile adds
+    the host time to enqueue each phase (simulation: no kernel table)."""
+    profile_step = importlib.import_module("tiered_tbe.benchmarks.profile_step")
+    profile_step.main([*TINY_MODEL, "--steps", "1", "--top", "3", "--skip-cached", "--python"])
+    out = capsys.readouterr().out
+    assert "== all HBM" in out and "host functions over" in out and "tottime" in out
+    assert cli_main(["bench", "fbgemm", "--configs", "criteo-sgd", "cached-lru-pipelined", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "| criteo-sgd | backward: host ms to enqueue |" in out
+    assert "| cached-lru-pipelined | prefetch: host ms to enqueue |" in out
