@@ -17,6 +17,7 @@ import re
 import torch
 
 from tiered_tbe.base.mode import SIMULATION
+from tiered_tbe.benchmarks import common
 
 
 def short_kernel_name(name: str, width: int = 60) -> str:
@@ -54,10 +55,7 @@ def copy_bandwidth_gbs(megabytes: int = 1024) -> float:
         return float("nan")
     source = torch.empty(megabytes << 18, dtype=torch.float32, device="cuda")
     target = torch.empty_like(source)
-    import triton.testing
-
-    ms = triton.testing.do_bench(lambda: target.copy_(source), rep=100)
-    return 2 * source.numel() * 4 / ms / 1e6
+    return 2 * source.numel() * 4 / common.time_ms(lambda: target.copy_(source), rep_ms=100) / 1e6
 
 
 def step_bytes(num_lookups: int, unique_rows: int, batch_size: int, total_dim: int, row_bytes: int,

@@ -76,16 +76,22 @@ def launch_overhead(cache, device, repeats: int = 200) -> None:
         common.synchronize()
 
 
+def train_steps(emb, batches, grad) -> None:
+    """A prefetch, a forward and a backward per batch (without a cache the prefetch only prepares
+    the batch ahead of its forward)."""
+    for indices, offsets in batches:
+        emb.prefetch(indices, offsets)
+        out = emb(indices, offsets)
+        out.backward(grad)
+        del out
+
+
 def profile(emb, batches, grad, top: int) -> None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if not SIMULATION:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        for indices, offsets in batches:
-            emb.prefetch(indices, offsets)
-            out = emb(indices, offsets)
-            out.backward(grad)
-            del out
+        train_steps(emb, batches, grad)
         common.synchronize()
     averages = prof.key_averages()
     print(averages.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
@@ -101,12 +107,7 @@ def python_profile(emb, batches, grad, top: int) -> None:
 
     profiler = cProfile.Profile()
     profiler.enable()
-    for indices, offsets in batches:
-        if emb.cache is not None:
-            emb.prefetch(indices, offsets)
-        out = emb(indices, offsets)
-        out.backward(grad)
-        del out
+    train_steps(emb, batches, grad)
     profiler.disable()
     common.synchronize()
     print(f"   host functions over {len(batches)} steps, by own time (ms per step = tottime / steps * 1000):")

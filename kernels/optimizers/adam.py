@@ -32,13 +32,20 @@ def load_moments(state_rows, columns, row_mask, mask, dims):
 
 
 @triton.jit
-def _update(weights, grad, state, mask, dims, hyper):
-    learning_rate, eps, beta1, beta2, weight_decay = hyper[0], hyper[1], hyper[2], hyper[3], hyper[4]
+def adam_step(weights, grad, state, hyper):
+    """``(step, (m, v))``: the new moments and the step ``w`` moves along (before ``lr``; Adam, LAMB)."""
+    eps, beta1, beta2, weight_decay = hyper[1], hyper[2], hyper[3], hyper[4]
     correction1, correction2 = hyper[5], hyper[6]
     first = beta1 * state[0] + (1.0 - beta1) * grad
     second = beta2 * state[1] + (1.0 - beta2) * grad * grad
     step = (first / correction1) / (tl.sqrt_rn(second / correction2) + eps) + weight_decay * weights
-    return weights - learning_rate * step, (first, second)
+    return step, (first, second)
+
+
+@triton.jit
+def _update(weights, grad, state, mask, dims, hyper):
+    step, moments = adam_step(weights, grad, state, hyper)
+    return weights - hyper[0] * step, moments
 
 
 @triton.jit
@@ -65,13 +72,8 @@ class Adam(FusedOptimizer):
         return adam_kernel_hyper(self, step)
 
     def reference_update(self, weights, grad, state, step):
-        beta1, beta2 = self.betas
-        correction1, correction2 = bias_corrections(beta1, beta2, step)
-        dim = weights.shape[1]
-        first = beta1 * state[:, :dim] + (1 - beta1) * grad
-        second = beta2 * state[:, dim:] + (1 - beta2) * grad * grad
-        step_size = (first / correction1) / ((second / correction2).sqrt() + self.eps) + self.weight_decay * weights
-        return weights - self.lr * step_size, torch.cat([first, second], dim=1)
+        step_size, moments = adam_step_reference(self, weights, grad, state, step)
+        return weights - self.lr * step_size, moments
 
 
 def adam_kernel_hyper(optimizer, step: int) -> tuple[float, ...]:
@@ -80,3 +82,15 @@ def adam_kernel_hyper(optimizer, step: int) -> tuple[float, ...]:
     beta1, beta2 = (float(b) for b in optimizer.betas)
     return (float(optimizer.lr), float(optimizer.eps), beta1, beta2, float(optimizer.weight_decay),
             *bias_corrections(beta1, beta2, step))
+
+
+def adam_step_reference(optimizer, weights, grad, state, step):
+    """Plain torch, the same as :func:`adam_step`: ``(step, [m | v])`` of ``weights [R, dim]``, ``grad``
+    and ``state [R, 2 * dim]`` at 1-based ``step``, for an optimizer with Adam's fields (Adam, LAMB)."""
+    beta1, beta2 = optimizer.betas
+    correction1, correction2 = bias_corrections(beta1, beta2, step)
+    dim = weights.shape[1]
+    first = beta1 * state[:, :dim] + (1 - beta1) * grad
+    second = beta2 * state[:, dim:] + (1 - beta2) * grad * grad
+    step_size = (first / correction1) / ((second / correction2).sqrt() + optimizer.eps)
+    return step_size + optimizer.weight_decay * weights, torch.cat([first, second], dim=1)
