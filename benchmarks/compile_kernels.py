@@ -138,7 +138,8 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     align = 16 // weights.element_size()
     common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, ALIGN=align, GRAD_ALIGN_BYTES=16, CHUNK=config.chunk,
                   BLOCK_D=block_d)
-    gradient_args = (i64, i32, f32, i64, f32, 3328, i32, i32)  # order, bags, weights, offsets, grad, stride, tables
+    # order, bags, weights, offsets, step arguments, grad stride, table dims and output offsets
+    gradient_args = (i64, i32, f32, i64, i64, 3328, i32, i32)
     results.append(_report("hot window sums", backward._hot_window_sums_kernel.warmup(
         f32, i32, *gradient_args, n, 65536, **common, grid=grid, num_warps=4), arch))
     results.append(_report("hot group sums", backward._hot_group_sums_kernel.warmup(
@@ -147,12 +148,14 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     for name in optimizers or list(OPTIMIZERS):
         optimizer = OPTIMIZERS[name]()
         load_state, update, store_state = optimizer.TRITON
-        hyper = tuple(float(v) for v in optimizer.kernel_hyper(1))
+        num_hyper = len(optimizer.kernel_hyper(1))
         updating = dict(USE_CACHE=True, OPTIMIZER_LOAD_STATE=load_state, OPTIMIZER_UPDATE=update,
-                        OPTIMIZER_STORE_STATE=store_state, STOCHASTIC_ROUNDING=dtype != torch.float32, ALIGN_BYTES=16,
+                        OPTIMIZER_STORE_STATE=store_state, STOCHASTIC_ROUNDING=dtype != torch.float32,
+                        NUM_HYPER=num_hyper,
+                        ALIGN_BYTES=16,
                         STATE_ALIGN_BYTES=4 if optimizer.state_width(dim) % 4 else 16)
         update_args = (i32, i32, addresses, addresses, addresses, addresses, addresses, weights, dim, state, 2 * dim,
-                       hyper, 0, 1)
+                       f32)
         label = f"row update ({name}) R{config.rows} L{config.lanes} w{config.num_warps}"
         results.append(_report(label, backward._row_update_kernel.warmup(
             i32, *gradient_args, *update_args, n, 65536, **common, **updating, ROWS=config.rows,

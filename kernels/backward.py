@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from typing import NamedTuple
 
 import torch
@@ -49,6 +50,7 @@ from .addressing import (
     sum_lanes,
     table_row_zero,
 )
+from .graphs import to_device
 from .grouping import SortedLookups, sort_lookups
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
@@ -82,7 +84,44 @@ HOT_GROUP = 4 if INTERPRETING else 32
 # window at once, so the run's owner issues those loads together rather than in a chain of steps.
 HOT_LANES = 2 if INTERPRETING else 32
 
-__all__ = ["BackwardConfig", "HOT_GROUP", "SortedLookups", "backward_update", "default_config", "sort_lookups"]
+__all__ = ["BackwardConfig", "HOT_GROUP", "SortedLookups", "backward_update", "default_config", "sort_lookups",
+           "step_arguments"]
+
+
+@triton.jit
+def _grad_output_of_step(
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (see step_arguments)
+):
+    """The fp32 pointer to this step's grad_output, read from the step's arguments."""
+    return tl.load(step_args_ptr).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _load_hyper(
+    hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters
+    NUM_HYPER: tl.constexpr,  # 1 to MAX_HYPER
+):
+    """The tuple of scalars an optimizer's update reads (``FusedOptimizer.kernel_hyper``)."""
+    if NUM_HYPER == 1:
+        return (tl.load(hyper_ptr),)
+    elif NUM_HYPER == 2:
+        return tl.load(hyper_ptr), tl.load(hyper_ptr + 1)
+    elif NUM_HYPER == 3:
+        return tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2)
+    elif NUM_HYPER == 4:
+        return tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3)
+    elif NUM_HYPER == 5:
+        return (tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3),
+                tl.load(hyper_ptr + 4))
+    elif NUM_HYPER == 6:
+        return (tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3),
+                tl.load(hyper_ptr + 4), tl.load(hyper_ptr + 5))
+    elif NUM_HYPER == 7:
+        return (tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3),
+                tl.load(hyper_ptr + 4), tl.load(hyper_ptr + 5), tl.load(hyper_ptr + 6))
+    else:
+        return (tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3),
+                tl.load(hyper_ptr + 4), tl.load(hyper_ptr + 5), tl.load(hyper_ptr + 6), tl.load(hyper_ptr + 7))
 
 
 @triton.jit
@@ -171,9 +210,9 @@ def _update_rows(
     cache_weights_stride,  # elements between consecutive slots of cache_weights
     cache_state_ptr,  # fp32 [num_slots, state_width]: optimizer state of cached rows
     cache_state_stride,  # elements between consecutive slots of cache_state
-    hyper,  # tuple of fp32: the optimizer's hyper-parameters (FusedOptimizer.kernel_hyper)
-    seed,  # stochastic rounding: philox key
-    step,  # optimizer step: part of the philox counter, so a fixed seed still varies per step
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: the philox key and step)
+    hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters (FusedOptimizer.kernel_hyper)
+    NUM_HYPER: tl.constexpr,  # how many
     OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
     OPTIMIZER_UPDATE: tl.constexpr,
     OPTIMIZER_STORE_STATE: tl.constexpr,
@@ -198,8 +237,10 @@ def _update_rows(
     # apply the update twice.
     weights = tl.load(weight_rows[:, None] + columns[None, :], mask=mask, other=0.0).to(tl.float32)
     state = OPTIMIZER_LOAD_STATE(state_rows, columns, row_mask, mask, dims)
-    weights, state = OPTIMIZER_UPDATE(weights, grad, state, mask, dims, hyper)
+    weights, state = OPTIMIZER_UPDATE(weights, grad, state, mask, dims, _load_hyper(hyper_ptr, NUM_HYPER))
     if STOCHASTIC_ROUNDING:
+        seed = tl.load(step_args_ptr + 1).to(tl.int32)
+        step = tl.load(step_args_ptr + 2).to(tl.int32)
         # Philox counter (column, row low word, row high word, step): a distinct draw per element and step.
         zeros = tl.zeros_like(mask.to(tl.int32))
         random_bits, _, _, _ = tl.philox(seed, columns[None, :] + zeros,
@@ -219,7 +260,7 @@ def _hot_window_sums_kernel(
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
-    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: grad_output's address)
     grad_output_stride,  # elements between consecutive rows of grad_output
     table_dim_ptr,  # int32 [T]: embedding_dim of each table
     table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
@@ -238,6 +279,7 @@ def _hot_window_sums_kernel(
         if tl.load(run_count_ptr + first) == tl.load(run_count_ptr + first + CHUNK - 1):  # a pure window
             columns = tl.arange(0, BLOCK_D)
             positions = first + tl.arange(0, CHUNK)
+            grad_output_ptr = _grad_output_of_step(step_args_ptr)
             tile = _lookup_gradients(
                 positions, positions >= 0, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
                 grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns,
@@ -287,7 +329,7 @@ def _sum_rows(
     return tl.sum(sums, axis=0)
 
 
-@triton.jit(do_not_specialize=["num_lookups", "batch_size", "seed", "step"])
+@triton.jit(do_not_specialize=["num_lookups", "batch_size"])
 def _hot_row_update_kernel(
     window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D]: gradient sum of each pure window
     group_sums_ptr,  # fp32 [cdiv(cdiv(N, CHUNK), GROUP), BLOCK_D]: sum of each pure group of windows
@@ -297,7 +339,7 @@ def _hot_row_update_kernel(
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
-    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: grad_output, seed, step)
     grad_output_stride,  # elements between consecutive rows of grad_output
     table_dim_ptr,  # int32 [T]: embedding_dim of each table
     table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
@@ -312,9 +354,7 @@ def _hot_row_update_kernel(
     cache_weights_stride,  # elements between consecutive slots
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
     cache_state_stride,  # elements between consecutive slots of cache_state
-    hyper,  # tuple of fp32: the optimizer's hyper-parameters
-    seed,  # stochastic rounding: philox key
-    step,  # optimizer step
+    hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters
     num_lookups,  # N
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code
@@ -327,6 +367,7 @@ def _hot_row_update_kernel(
     OPTIMIZER_UPDATE: tl.constexpr,
     OPTIMIZER_STORE_STATE: tl.constexpr,
     STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically
+    NUM_HYPER: tl.constexpr,  # hyper-parameters the optimizer reads
     ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
     STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
     GROUP: tl.constexpr,  # windows per group
@@ -364,6 +405,7 @@ def _hot_row_update_kernel(
                 else:
                     grad = _sum_rows(window_sums_ptr, first_window, last_window, in_row, BLOCK_P, BLOCK_D)
                 lanes = tl.arange(0, BLOCK_L)
+                grad_output_ptr = _grad_output_of_step(step_args_ptr)
                 head_end = first_window * CHUNK
                 tail_start = (last_window + 1) * CHUNK
                 for offset in range(0, CHUNK, BLOCK_L):  # each part is shorter than CHUNK
@@ -384,19 +426,19 @@ def _hot_row_update_kernel(
                 _update_rows(global_rows, one + table, slots, grad[None, :], one == 0, dims, columns, in_row,
                              table_weights_address_ptr, table_weights_stride_ptr,
                      table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
-                     cache_weights_stride, cache_state_ptr, cache_state_stride, hyper, seed, step,
+                     cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr, hyper_ptr, NUM_HYPER,
                      OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
                      ALIGN_BYTES, STATE_ALIGN_BYTES)
 
 
-@triton.jit(do_not_specialize=["num_lookups", "batch_size", "seed", "step"])
+@triton.jit(do_not_specialize=["num_lookups", "batch_size"])
 def _row_update_kernel(
     run_end_ptr,  # int32 [N]: one past the last position of each run; N past the last run
     order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
-    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: grad_output, seed, step)
     grad_output_stride,  # elements between consecutive rows of grad_output
     table_dim_ptr,  # int32 [T]: embedding_dim of each table
     table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
@@ -411,9 +453,7 @@ def _row_update_kernel(
     cache_weights_stride,  # elements between consecutive slots
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
     cache_state_stride,  # elements between consecutive slots of cache_state
-    hyper,  # tuple of fp32: the optimizer's hyper-parameters
-    seed,  # stochastic rounding: philox key
-    step,  # optimizer step
+    hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters
     num_lookups,  # N
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code
@@ -426,6 +466,7 @@ def _row_update_kernel(
     OPTIMIZER_UPDATE: tl.constexpr,
     OPTIMIZER_STORE_STATE: tl.constexpr,
     STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically
+    NUM_HYPER: tl.constexpr,  # hyper-parameters the optimizer reads
     ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
     STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
     ROWS: tl.constexpr,  # runs per program
@@ -446,6 +487,7 @@ def _row_update_kernel(
             lane_runs = tile * ROWS + tl.arange(0, ROWS * BLOCK_L) // BLOCK_L
             lane_starts, lane_ends, lane_mask = _runs_of_tile(lane_runs, run_end_ptr, num_lookups, CHUNK)
 
+        grad_output_ptr = _grad_output_of_step(step_args_ptr)
         grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         for step_start in range(0, tl.max(tl.where(row_mask, ends - starts, 0), axis=0), BLOCK_L):
             positions = lane_starts + step_start + lanes
@@ -465,7 +507,7 @@ def _row_update_kernel(
         _update_rows(global_rows, tables, slots, grad, row_mask, dims, columns, mask,
                      table_weights_address_ptr, table_weights_stride_ptr,
                      table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
-                     cache_weights_stride, cache_state_ptr, cache_state_stride, hyper, seed, step,
+                     cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr, hyper_ptr, NUM_HYPER,
                      OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
                      ALIGN_BYTES, STATE_ALIGN_BYTES)
 
@@ -508,6 +550,44 @@ def grad_alignment_bytes(grad_output: torch.Tensor, stores: RowStores) -> int:
     return 4 * math.gcd(elements, grad_output.stride(0) if grad_output.dim() == 2 else 1, *stores.dims, 4)
 
 
+# What changes from step to step reaches the kernels through one device tensor, not launch
+# arguments, so one CUDA graph of the backward serves every step of a batch shape
+# (kernels/graphs.py). int64 [STEP_ARGS]: grad_output's address, the philox key and the step,
+# then the optimizer's hyper-parameters as fp32, two to an int64 (``hyper_view``).
+STEP_INTS = 3
+MAX_HYPER = 8
+STEP_ARGS = STEP_INTS + MAX_HYPER // 2
+
+
+def step_arguments(grad_output: torch.Tensor, hyper: tuple[float, ...], seed: int, step: int) -> torch.Tensor:
+    """int64 [STEP_ARGS] on the host: what the kernels read of this step (layout above)."""
+    if not 1 <= len(hyper) <= MAX_HYPER:
+        raise ValueError(f"an optimizer passes 1 to {MAX_HYPER} hyper-parameters to the kernels, got {len(hyper)}")
+    packed = struct.pack(f"<{STEP_INTS}q{MAX_HYPER}f", grad_output.data_ptr(), int(seed) & 0x7FFFFFFF,
+                         int(step) & 0x7FFFFFFF, *hyper, *(0.0,) * (MAX_HYPER - len(hyper)))
+    return torch.frombuffer(bytearray(packed), dtype=torch.int64)
+
+
+def hyper_view(step_args: torch.Tensor, num_hyper: int) -> torch.Tensor:
+    """fp32 [num_hyper]: the hyper-parameters inside ``step_args`` (a view)."""
+    return step_args.view(torch.float32)[2 * STEP_INTS:2 * STEP_INTS + num_hyper]
+
+
+class _UpdatePlan(NamedTuple):
+    """Everything a backward's launches bake in besides its tensors (hashable: part of a graph's key)."""
+
+    mode: int
+    batch_size: int
+    grad_output_stride: int
+    grad_align_bytes: int
+    block_d: int
+    config: BackwardConfig
+    use_cache: bool
+    optimizer_triton: tuple
+    num_hyper: int
+    stochastic_rounding: bool
+
+
 def backward_update(
     grad_output: torch.Tensor,
     stores: RowStores,
@@ -520,6 +600,7 @@ def backward_update(
     seed: int = 0,
     sorted_lookups: SortedLookups | None = None,
     config: BackwardConfig | None = None,
+    graphs=None,
 ) -> None:
     """Sum the gradient of each unique row of the batch and apply the optimizer to it, in place.
 
@@ -538,6 +619,8 @@ def backward_update(
         seed: stochastic rounding's random key (the draws also depend on ``step``, row and column).
         sorted_lookups: ``sort_lookups(stores, lookups)`` when the caller made it already.
         config: tile shapes (default :func:`default_config`).
+        graphs: a :class:`~tiered_tbe.kernels.graphs.StepGraphs` of this ``stores``: the launches
+            run as a CUDA graph of the batch's shape (bit-identical to running them one by one).
     """
     if not isinstance(optimizer, FusedOptimizer):
         raise TypeError(f"optimizer must be a FusedOptimizer (tiered_tbe.optimizers), got {type(optimizer).__name__}")
@@ -546,45 +629,67 @@ def backward_update(
     mode = pooling_code(pooling)
     check_lookups(stores, lookups, slot_of_index)
     grad_output = check_grad_output(grad_output, stores, lookups, mode)
-    num_lookups = lookups.num_lookups
-    if num_lookups == 0 or lookups.batch_size == 0:
+    if lookups.num_lookups == 0 or lookups.batch_size == 0:
         return
     block_d = triton.next_power_of_2(stores.max_dim)
     config = config or default_config(block_d)
+    if not 2 <= config.chunk <= 1024 or config.chunk & (config.chunk - 1):
+        raise ValueError(f"config.chunk must be a power of two in [2, 1024], got {config.chunk}")
+    hyper = tuple(float(value) for value in optimizer.kernel_hyper(step))
+    plan = _UpdatePlan(
+        mode=mode, batch_size=lookups.batch_size, grad_output_stride=grad_output.stride(0),
+        grad_align_bytes=grad_alignment_bytes(grad_output, stores), block_d=block_d, config=config,
+        use_cache=slot_of_index is not None and stores.uses_cache, optimizer_triton=optimizer.TRITON,
+        num_hyper=len(hyper),
+        stochastic_rounding=bool(stochastic_rounding) and stores.weights_dtype != torch.float32)
+    inputs = (lookups.indices, lookups.offsets, lookups.per_sample_weights, lookups.global_rows,
+              lookups.bag_of_index, slot_of_index if plan.use_cache else None,
+              step_arguments(grad_output, hyper, seed, step))
+
+    def enqueue(tensors):
+        _enqueue_update(plan, stores, *tensors, sorted_lookups=sorted_lookups)
+
+    if graphs is None or sorted_lookups is not None:
+        enqueue(to_device(inputs, grad_output.device))
+    else:
+        graphs.run((plan, id(stores)), inputs, enqueue, grad_output.device)
+
+
+def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_sample_weights, global_rows,
+                    bag_of_index, slot_of_index, step_args, sorted_lookups: SortedLookups | None = None) -> None:
+    """Enqueue the backward's launches. Reads the batch only through its arguments (``step_args``:
+    grad_output's address, the step, the hyper-parameters), so a CUDA graph of it serves every
+    batch of its shape."""
+    lookups = Lookups(indices, offsets, plan.batch_size, per_sample_weights, global_rows, bag_of_index)
+    num_lookups = lookups.num_lookups
+    device = indices.device
+    config, block_d = plan.config, plan.block_d
     chunk = config.chunk
-    if not 2 <= chunk <= 1024 or chunk & (chunk - 1):
-        raise ValueError(f"config.chunk must be a power of two in [2, 1024], got {chunk}")
-    sorted_lookups = sorted_lookups or sort_lookups(stores, lookups)
-    device = grad_output.device
-    use_cache = slot_of_index is not None and stores.uses_cache
-    per_sample_weights = lookups.per_sample_weights
+    s = sorted_lookups or sort_lookups(stores, lookups)
     has_per_sample_weights = per_sample_weights is not None
-    element = stores.weights_dtype.itemsize
-    state_alignment = 4 * stores.state_alignment
-    load_state, update, store_state = optimizer.TRITON
-    common = dict(POOLING=mode, HAS_PER_SAMPLE_WEIGHTS=has_per_sample_weights, ALIGN=stores.alignment,
-                  GRAD_ALIGN_BYTES=grad_alignment_bytes(grad_output, stores), CHUNK=chunk, BLOCK_D=block_d)
-    updating = dict(USE_CACHE=use_cache, OPTIMIZER_LOAD_STATE=load_state, OPTIMIZER_UPDATE=update,
-                    OPTIMIZER_STORE_STATE=store_state,
-                    STOCHASTIC_ROUNDING=bool(stochastic_rounding) and stores.weights_dtype != torch.float32,
-                    ALIGN_BYTES=stores.alignment * element, STATE_ALIGN_BYTES=state_alignment)
-    s = sorted_lookups
+    hyper = hyper_view(step_args, plan.num_hyper)
+    load_state, update, store_state = plan.optimizer_triton
+    common = dict(POOLING=plan.mode, HAS_PER_SAMPLE_WEIGHTS=has_per_sample_weights, ALIGN=stores.alignment,
+                  GRAD_ALIGN_BYTES=plan.grad_align_bytes, CHUNK=chunk, BLOCK_D=block_d)
+    updating = dict(USE_CACHE=plan.use_cache, OPTIMIZER_LOAD_STATE=load_state, OPTIMIZER_UPDATE=update,
+                    OPTIMIZER_STORE_STATE=store_state, STOCHASTIC_ROUNDING=plan.stochastic_rounding,
+                    NUM_HYPER=plan.num_hyper, ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
+                    STATE_ALIGN_BYTES=4 * stores.state_alignment)
     order = s.order
     # Per-sample weights and slots by sorted position, gathered once (no dependent load in the kernels).
-    sorted_weights = per_sample_weights[order] if has_per_sample_weights else grad_output
-    sorted_slots = slot_of_index[order] if use_cache else s.run_end
-    hyper = tuple(float(value) for value in optimizer.kernel_hyper(step))
-    gradient_args = (order, s.sorted_bags, sorted_weights, lookups.offsets, grad_output, grad_output.stride(0),
+    sorted_weights = per_sample_weights[order] if has_per_sample_weights else hyper
+    sorted_slots = slot_of_index[order] if plan.use_cache else s.run_end
+    gradient_args = (order, s.sorted_bags, sorted_weights, offsets, step_args, plan.grad_output_stride,
                      stores.table_dim, stores.table_output_offset)
     update_args = (s.sorted_rows, sorted_slots, stores.table_weights_address, stores.table_weights_stride,
                    stores.table_state_address, stores.table_state_stride, stores.table_row_offset,
                    stores.cache_weights, stores.cache_weights.stride(0), stores.cache_state,
-                   stores.cache_state.stride(0), hyper, int(seed) & 0x7FFFFFFF, int(step) & 0x7FFFFFFF)
+                   stores.cache_state.stride(0), hyper)
 
     num_windows = triton.cdiv(num_lookups, chunk)
     window_sums = torch.empty(num_windows, block_d, dtype=torch.float32, device=device)
     _hot_window_sums_kernel[(num_windows,)](
-        window_sums, s.run_count, *gradient_args, num_lookups, lookups.batch_size, **common, num_warps=4)
+        window_sums, s.run_count, *gradient_args, num_lookups, plan.batch_size, **common, num_warps=4)
     group = HOT_GROUP
     num_groups = triton.cdiv(num_windows, group)
     group_sums = torch.empty(num_groups, block_d, dtype=torch.float32, device=device)
@@ -592,8 +697,8 @@ def backward_update(
                                           BLOCK_D=block_d, num_warps=4)
     _hot_row_update_kernel[(num_windows,)](
         window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups,
-        lookups.batch_size, **common, **updating, GROUP=group, BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES,
+        plan.batch_size, **common, **updating, GROUP=group, BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES,
         num_warps=4)
     _row_update_kernel[(triton.cdiv(num_lookups, config.rows),)](
-        s.run_end, *gradient_args, *update_args, num_lookups, lookups.batch_size,
+        s.run_end, *gradient_args, *update_args, num_lookups, plan.batch_size,
         **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)

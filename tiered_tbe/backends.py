@@ -30,7 +30,7 @@ def _reference_forward(stores, lookups, slot_of_index, pooling):
 
 
 def _reference_backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, step=1,
-                               stochastic_rounding: bool = False, seed: int = 0):
+                               stochastic_rounding: bool = False, seed: int = 0, graphs=None):
     if stochastic_rounding:
         raise ValueError("backend='torch' rounds to nearest only: use backend='triton' for stochastic rounding")
     reference.reference_backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, step)

@@ -16,6 +16,7 @@ from tiered_tbe.cache.mover import default_mover
 from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD, CacheBatch, SlotCache
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.function import TieredEmbeddingBagsFunction
+from tiered_tbe.kernels.graphs import StepGraphs
 from tiered_tbe.kernels.rows import Lookups, no_cache
 from tiered_tbe.optimizers import FusedOptimizer
 from tiered_tbe.specs import CacheConfig, TableSpec
@@ -120,6 +121,10 @@ class TieredEmbeddingBags(nn.Module):
             update (every row stays as it was, the batch's locks are released) with a ValueError
             naming the tensor, the position and the table. Costs a pass over the gradient and one
             host sync per backward. Off, a NaN reaches the rows it touches.
+        cuda_graphs: on a GPU, replay each batch shape's backward as one CUDA graph (captured on
+            the shape's second batch, with one device synchronization; bit-identical to running
+            its launches one by one; ``kernels/graphs.py``). ``TIERED_TBE_CUDA_GRAPHS=0`` turns
+            it off too.
 
     Forward: ``indices`` (int32/int64 [N]) and ``offsets`` (int32/int64 [T*B+1]) in FBGEMM's
     table-major TBE layout, optional ``per_sample_weights`` (float [N]). Returns fp32
@@ -139,6 +144,7 @@ class TieredEmbeddingBags(nn.Module):
         seed: int = 0,
         backend: str = "triton",
         nan_check: str = "off",
+        cuda_graphs: bool = True,
     ):
         super().__init__()
         if not tables:
@@ -172,6 +178,8 @@ class TieredEmbeddingBags(nn.Module):
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
         self.optimizer_step = 0
+        # CUDA graphs of the backward, per batch shape (the triton backend only).
+        self._backward_graphs = StepGraphs() if cuda_graphs and self.backend.name == "triton" else None
 
         state_width = [optimizer.state_width(s.embedding_dim) if optimizer else 0 for s in tables]
         generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -414,7 +422,7 @@ class TieredEmbeddingBags(nn.Module):
             self.optimizer_step += 1
             self.backend.backward_update(grad_output, self.row_stores, batch.lookups, slot_of_index, self.pooling,
                                          optimizer, self.optimizer_step, stochastic_rounding=self.stochastic_rounding,
-                                         seed=self.seed)
+                                         seed=self.seed, graphs=self._backward_graphs)
             if self.cache is not None:
                 self.cache.mark_dirty(slot_of_index)
         batch.release()

@@ -1,0 +1,108 @@
+"""CUDA graphs of the backward (kernels/graphs.py): what the kernels read of a step, and graphed
+training bitwise equal to the launches run one by one (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiered_tbe import SGD, Adam, CacheConfig, Placement, RowwiseAdagrad, TableSpec
+from tiered_tbe.kernels.backward import MAX_HYPER, STEP_ARGS, hyper_view, step_arguments
+from tiered_tbe.kernels.graphs import StepGraphs
+from tiered_tbe.module import TieredEmbeddingBags
+
+
+def test_step_arguments_hold_the_grad_address_seed_step_and_hyper():
+    grad = torch.randn(3, 5)
+    hyper = (0.125, 1e-8, 0.9, 0.999, 0.0, 0.1, 0.001)
+    arguments = step_arguments(grad, hyper, seed=(1 << 40) + 7, step=12)
+    assert arguments.dtype == torch.int64 and arguments.shape == (STEP_ARGS,)
+    assert arguments[0].item() == grad.data_ptr()
+    assert arguments[1].item() == 7  # the philox key is 31 bits
+    assert arguments[2].item() == 12
+    expected = torch.tensor(hyper, dtype=torch.float32)
+    assert torch.equal(hyper_view(arguments, len(hyper)), expected)
+    with pytest.raises(ValueError, match="hyper-parameters"):
+        step_arguments(grad, (0.1,) * (MAX_HYPER + 1), 0, 1)
+    with pytest.raises(ValueError, match="hyper-parameters"):
+        step_arguments(grad, (), 0, 1)
+
+
+def test_step_graphs_run_eagerly_off_the_gpu():
+    calls = []
+    graphs = StepGraphs(enabled=True)
+    host = torch.arange(4)
+    device_input = torch.ones(3)
+    for _ in range(3):
+        graphs.run("key", (device_input, None, host), calls.append, torch.device("cpu"))
+    assert len(calls) == 3 and graphs.captures == 0 and graphs.replays == 0
+    assert calls[0][0] is device_input and calls[0][1] is None and calls[0][2] is host
+
+
+ROWS, DIM = 5000, 40  # dim 40: not a power of two
+
+
+def _batches(steps: int, num_tables: int, shapes: list[tuple[int, int]], seed: int = 0):
+    """Batches cycling through (batch size, bag length) shapes, each with its own gradient
+    tensor (a new address every step), hot rows repeated thousands of times."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    batches = []
+    for step in range(steps):
+        batch, bag = shapes[step % len(shapes)]
+        n = num_tables * batch * bag
+        hot = torch.randint(0, 4, (n,), generator=generator, device="cuda")
+        cold = torch.randint(0, ROWS, (n,), generator=generator, device="cuda")
+        pick = torch.rand(n, generator=generator, device="cuda") < 0.5
+        indices = torch.where(pick, hot, cold)
+        offsets = torch.arange(0, n + 1, bag, device="cuda")
+        weights = torch.rand(n, generator=generator, device="cuda")
+        grad = torch.randn(batch, num_tables * DIM, generator=generator, device="cuda")
+        batches.append((indices, offsets, weights, grad))
+    return batches
+
+
+def _train(graphs: bool, batches, optimizer, placement=Placement.DEVICE, dtype=torch.float32,
+           stochastic_rounding=False, pooling="sum", weighted=False):
+    tables = [TableSpec(ROWS, DIM, name=f"t{i}", placement=placement) for i in range(3)]
+    cache = CacheConfig(fraction=0.05) if placement.is_cached else None
+    module = TieredEmbeddingBags(tables, pooling=pooling, optimizer=optimizer, weights_dtype=dtype, device="cuda",
+                                 cache=cache, bounds_check="off", seed=5, stochastic_rounding=stochastic_rounding,
+                                 cuda_graphs=graphs)
+    for indices, offsets, weights, grad in batches:
+        module(indices, offsets, weights if weighted else None).backward(grad)
+    torch.cuda.synchronize()
+    return module, {key: value.clone() for key, value in module.state_dict().items()}
+
+
+CASES = {
+    "sgd": dict(optimizer=SGD(lr=0.1)),
+    "rowwise_adagrad_mean_weighted": dict(optimizer=RowwiseAdagrad(lr=0.05), pooling="mean", weighted=True),
+    "adam": dict(optimizer=Adam(lr=0.01)),  # bias corrections change every step
+    "fp16_stochastic_rounding": dict(optimizer=RowwiseAdagrad(lr=0.05), dtype=torch.float16,
+                                     stochastic_rounding=True),  # the philox counter changes every step
+    "cached": dict(optimizer=RowwiseAdagrad(lr=0.05), placement=Placement.HOST_CACHED),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_graphed_training_equals_eager_bitwise(case):
+    shapes = [(64, 3), (32, 1)]
+    batches = _batches(12, 3, shapes)
+    _, expected = _train(False, batches, **CASES[case])
+    module, got = _train(True, batches, **CASES[case])
+    graphs = module._backward_graphs
+    assert graphs.captures == len(shapes), "each repeating shape is captured once"
+    assert graphs.replays == len(batches) - len(shapes), "every later batch of a shape replays its graph"
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), f"{case}: {key}"
+
+
+@pytest.mark.gpu
+def test_shapes_that_never_repeat_run_eagerly():
+    batches = [_batches(1, 3, [(16 + step, 2)], seed=step)[0] for step in range(5)]
+    _, expected = _train(False, batches, optimizer=SGD(lr=0.1))
+    module, got = _train(True, batches, optimizer=SGD(lr=0.1))
+    assert module._backward_graphs.captures == 0 and module._backward_graphs.replays == 0
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
