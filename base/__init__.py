@@ -6,4 +6,5 @@ API: every other module may import it, it imports none of them.
 - :mod:`~tiered_tbe.base.mode`: picks CPU simulation or GPU mode before triton / numba load.
 - :mod:`~tiered_tbe.base.sorting`: ``sort_ids``, sorting row ids on int32 keys when they fit.
 - :mod:`~tiered_tbe.base.codes`: ``Placement`` (the memory tiers) and the shared sentinels.
+- :mod:`~tiered_tbe.base.graphs`: ``StepGraphs``, CUDA graphs of a step's launches per batch shape.
 """

@@ -59,7 +59,8 @@ def assign_slots_kernel(
     unique_rows,  # int64 [N]: the batch's unique rows, ascending; NOT_CACHED past the last
     num_sets,  # int64
     associativity,  # int64: ways per set
-    step,  # int64: this prefetch's step (see policy.py)
+    step_of_prefetch,  # int64 [1]: this prefetch's step (see policy.py); a tensor, so a CUDA graph of the
+    #                  prefetch serves every step
     policy,  # int64: POLICY_* code
     tags,  # int64 [S]: row per slot, EMPTY if none
     last_use,  # int64 [S]
@@ -86,6 +87,7 @@ def assign_slots_kernel(
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     n = set_of_position.shape[0]
+    step = step_of_prefetch[0]
     for begin in range(start, n, stride):
         the_set = set_of_position[begin]
         if the_set >= num_sets:

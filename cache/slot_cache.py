@@ -38,6 +38,7 @@ from dataclasses import fields
 
 import torch
 
+from tiered_tbe.base.graphs import StepGraphs, to_device
 from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.base.sorting import sort_ids
 from tiered_tbe.cache import _kernels
@@ -48,6 +49,7 @@ from tiered_tbe.cache.mover import Moves, make_mover, sorted_write_backs
 from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, NO_SLOT, POLICY_LOOKAHEAD, check_geometry, policy_code
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.cache.tables import CachedTable, check_tables
+from tiered_tbe.cache.zero_copy import ZeroCopyMover
 
 __all__ = ["MAX_LOOKAHEAD", "CacheBatch", "CachedTable", "SlotCache"]
 
@@ -102,6 +104,8 @@ class SlotCache:
         mover: ``"zero_copy"`` or ``"staged"`` (:mod:`tiered_tbe.cache.mover`).
         mover_threads, staging_rows: the staged mover's host threads per copy and rows per
             staging buffer (:class:`~tiered_tbe.cache.staged.StagedMover`).
+        cuda_graphs: on a GPU with the zero-copy mover, replay each batch shape's prefetch as one
+            CUDA graph (``base/graphs.py``; bit-identical to its launches one by one).
 
     Per-slot tensors (``S = num_slots``; slot ``s`` is way ``s % associativity`` of set
     ``s // associativity``):
@@ -153,6 +157,7 @@ class SlotCache:
         mover: str = "zero_copy",
         mover_threads: int | None = None,
         staging_rows: int | None = None,
+        cuda_graphs: bool = True,
     ):
         self.device = torch.device(device) if device is not None else default_device()
         if self.device.type == "cpu" and not SIMULATION:
@@ -216,6 +221,8 @@ class SlotCache:
                                                                      self.bypass_count))
         self.mover = make_mover(mover, self.weights, self.state, self.tables, self.device, self._launcher,
                                 self._rows_end, threads=mover_threads, staging_rows=staging_rows)
+        # CUDA graphs of the prefetch (assign and move), per batch shape.
+        self._prefetch_graphs = StepGraphs(enabled=None if cuda_graphs else False)
         # Prefetches not yet unlocked, by step -> the batch as its prefetch made it.
         self._unreleased: dict[int, CacheBatch] = {}
         # (stream, event) after the latest operation on the metadata, on CUDA: an operation on
@@ -260,8 +267,7 @@ class SlotCache:
         self._upcoming.forget(through=self._step)  # this batch's own hint, if any, leaves the window
         ticket = None
         if rows.numel() > 0:
-            slot_of_index, locked_slots, bypassed_rows, moves = self._assign(rows)
-            ticket = self.mover.start(moves, self._step)
+            slot_of_index, locked_slots, bypassed_rows, ticket = self._assign_and_move(rows)
         else:
             slot_of_index = locked_slots = torch.empty(0, dtype=torch.int32, device=self.device)
             bypassed_rows = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -442,8 +448,28 @@ class SlotCache:
 
     # ------------------------------------------------------------------ prefetch
 
-    def _assign(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Moves]:
-        """(slot_of_index int32 [N], locked_slots int32 [N], bypassed_rows int64 [N], the moves) of a batch."""
+    def _assign_and_move(self, rows: torch.Tensor):
+        """(slot_of_index, locked_slots, bypassed_rows, the mover's ticket) of a batch: :meth:`_assign`,
+        then the mover's start. With the zero-copy mover (device work only) both replay as one
+        CUDA graph per batch shape (``base/graphs.py``; the step reaches the kernels in a tensor)."""
+        step = torch.tensor([self._step], dtype=torch.int64)
+        if self.mover.name != ZeroCopyMover.name:  # the staged mover's start hands work to host threads
+            slot_of_index, locked_slots, bypassed_rows, moves = self._assign(*to_device((rows, step), self.device))
+            return slot_of_index, locked_slots, bypassed_rows, self.mover.start(moves, self._step)
+
+        def enqueue(tensors):
+            slot_of_index, locked_slots, bypassed_rows, moves = self._assign(*tensors)
+            self.mover.start(moves, self._step)  # the zero-copy mover's start ignores the step
+            return slot_of_index, locked_slots, bypassed_rows
+
+        window_bits = self._upcoming.window_bits
+        key = (self._policy_code == POLICY_LOOKAHEAD and window_bits is not None,
+               None if window_bits is None else window_bits.data_ptr())
+        return *self._prefetch_graphs.run(key, (rows, step), enqueue, self.device), None
+
+    def _assign(self, rows: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Moves]:
+        """(slot_of_index int32 [N], locked_slots int32 [N], bypassed_rows int64 [N], the moves) of the
+        batch ``rows`` (int64 [N]) at ``step`` (int64 [1], on the device)."""
         n = rows.numel()
         on = dict(device=self.device)
 
@@ -475,7 +501,7 @@ class SlotCache:
         read_window_bits = self._policy_code == POLICY_LOOKAHEAD and self.window_bits is not None
         self._launcher.launch(
             _kernels.assign_slots_kernel, n, set_of_position, unique_of_position, unique_rows, self.num_sets,
-            self.associativity, self._step, self._policy_code, self._k_tags, self._k_last_use, self._k_use_count,
+            self.associativity, step, self._policy_code, self._k_tags, self._k_last_use, self._k_use_count,
             self._k_next_use, self._upcoming.kernel_bits, read_window_bits, self._k_locks, self._k_dirty,
             self._k_bypass_count, slot_of_unique, outcome, victim_row, victim_was_dirty)
 

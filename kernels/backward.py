@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tiered_tbe.base.graphs import to_device
+
 from .addressing import (
     INTERPRETING,
     POOLING_MEAN_CONSTEXPR,
@@ -50,7 +52,6 @@ from .addressing import (
     sum_lanes,
     table_row_zero,
 )
-from .graphs import to_device
 from .grouping import SortedLookups, sort_lookups
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
@@ -552,7 +553,7 @@ def grad_alignment_bytes(grad_output: torch.Tensor, stores: RowStores) -> int:
 
 # What changes from step to step reaches the kernels through one device tensor, not launch
 # arguments, so one CUDA graph of the backward serves every step of a batch shape
-# (kernels/graphs.py). int64 [STEP_ARGS]: grad_output's address, the philox key and the step,
+# (base/graphs.py). int64 [STEP_ARGS]: grad_output's address, the philox key and the step,
 # then the optimizer's hyper-parameters as fp32, two to an int64 (``hyper_view``).
 STEP_INTS = 3
 MAX_HYPER = 8
@@ -619,7 +620,7 @@ def backward_update(
         seed: stochastic rounding's random key (the draws also depend on ``step``, row and column).
         sorted_lookups: ``sort_lookups(stores, lookups)`` when the caller made it already.
         config: tile shapes (default :func:`default_config`).
-        graphs: a :class:`~tiered_tbe.kernels.graphs.StepGraphs` of this ``stores``: the launches
+        graphs: a :class:`~tiered_tbe.base.graphs.StepGraphs` of this ``stores``: the launches
             run as a CUDA graph of the batch's shape (bit-identical to running them one by one).
     """
     if not isinstance(optimizer, FusedOptimizer):

@@ -1,4 +1,4 @@
-"""CUDA graphs of the backward (kernels/graphs.py): what the kernels read of a step, and graphed
+"""CUDA graphs of the backward (base/graphs.py): what the kernels read of a step, and graphed
 training bitwise equal to the launches run one by one (GPU)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tiered_tbe import SGD, Adam, CacheConfig, Placement, RowwiseAdagrad, TableSpec
+from tiered_tbe.base.graphs import StepGraphs
 from tiered_tbe.kernels.backward import MAX_HYPER, STEP_ARGS, hyper_view, step_arguments
-from tiered_tbe.kernels.graphs import StepGraphs
 from tiered_tbe.module import TieredEmbeddingBags
 
 
@@ -91,9 +91,10 @@ def test_graphed_training_equals_eager_bitwise(case):
     batches = _batches(12, 3, shapes)
     _, expected = _train(False, batches, **CASES[case])
     module, got = _train(True, batches, **CASES[case])
-    graphs = module._backward_graphs
-    assert graphs.captures == len(shapes), "each repeating shape is captured once"
-    assert graphs.replays == len(batches) - len(shapes), "every later batch of a shape replays its graph"
+    every_graphs = [module._backward_graphs] + ([module.cache._prefetch_graphs] if module.cache else [])
+    for graphs in every_graphs:
+        assert graphs.captures == len(shapes), "each repeating shape is captured once"
+        assert graphs.replays == len(batches) - len(shapes), "every later batch of a shape replays its graph"
     for key in expected:
         assert torch.equal(got[key], expected[key]), f"{case}: {key}"
 
@@ -106,3 +107,25 @@ def test_shapes_that_never_repeat_run_eagerly():
     assert module._backward_graphs.captures == 0 and module._backward_graphs.replays == 0
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", [Placement.DEVICE, Placement.HOST_CACHED], ids=lambda p: p.value)
+def test_graphed_steps_never_wait_for_the_device(placement):
+    """Capture and replays included, a training step issues no synchronizing CUDA call (after a
+    first step, whose forward autotuning times kernels)."""
+    batches = _batches(4, 3, [(64, 3)])
+    tables = [TableSpec(ROWS, DIM, name=f"t{i}", placement=placement) for i in range(3)]
+    cache = CacheConfig(fraction=0.05) if placement.is_cached else None
+    module = TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(lr=0.05), device="cuda", cache=cache,
+                                 bounds_check="off")
+    indices, offsets, _, grad = batches[0]
+    module(indices, offsets).backward(grad)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for indices, offsets, _, grad in batches[1:]:
+            module(indices, offsets).backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert module._backward_graphs.captures == 1 and module._backward_graphs.replays == 3

@@ -10,13 +10,13 @@ from torch import nn
 
 from tiered_tbe import validation
 from tiered_tbe.backends import backend_named
+from tiered_tbe.base.graphs import StepGraphs
 from tiered_tbe.base.mode import default_device
 from tiered_tbe.base.sorting import INT64_MAX, sort_ids
 from tiered_tbe.cache.mover import default_mover
 from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD, CacheBatch, SlotCache
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.function import TieredEmbeddingBagsFunction
-from tiered_tbe.kernels.graphs import StepGraphs
 from tiered_tbe.kernels.rows import Lookups, no_cache
 from tiered_tbe.optimizers import FusedOptimizer
 from tiered_tbe.specs import CacheConfig, TableSpec
@@ -121,10 +121,10 @@ class TieredEmbeddingBags(nn.Module):
             update (every row stays as it was, the batch's locks are released) with a ValueError
             naming the tensor, the position and the table. Costs a pass over the gradient and one
             host sync per backward. Off, a NaN reaches the rows it touches.
-        cuda_graphs: on a GPU, replay each batch shape's backward as one CUDA graph (captured on
-            the shape's second batch, with one device synchronization; bit-identical to running
-            its launches one by one; ``kernels/graphs.py``). ``TIERED_TBE_CUDA_GRAPHS=0`` turns
-            it off too.
+        cuda_graphs: on a GPU, replay each batch shape's backward (and the cache's prefetch, with
+            the zero-copy mover) as one CUDA graph (captured on the shape's second batch, without
+            waiting for the device; bit-identical to running its launches one by one;
+            ``base/graphs.py``). ``TIERED_TBE_CUDA_GRAPHS=0`` turns it off too.
 
     Forward: ``indices`` (int32/int64 [N]) and ``offsets`` (int32/int64 [T*B+1]) in FBGEMM's
     table-major TBE layout, optional ``per_sample_weights`` (float [N]). Returns fp32
@@ -179,7 +179,8 @@ class TieredEmbeddingBags(nn.Module):
         self.seed = seed
         self.optimizer_step = 0
         # CUDA graphs of the backward, per batch shape (the triton backend only).
-        self._backward_graphs = StepGraphs() if cuda_graphs and self.backend.name == "triton" else None
+        self._backward_graphs = StepGraphs(enabled=None if cuda_graphs else False) \
+            if self.backend.name == "triton" else None
 
         state_width = [optimizer.state_width(s.embedding_dim) if optimizer else 0 for s in tables]
         generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -208,6 +209,7 @@ class TieredEmbeddingBags(nn.Module):
                 mover=config.mover or default_mover(tables[t].placement for t in cached),
                 mover_threads=config.mover_threads,
                 staging_rows=config.staging_rows,
+                cuda_graphs=cuda_graphs,
             )
             cache_weights, cache_state = self.cache.weights, self.cache.state
         elif cache is not None:

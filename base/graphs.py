@@ -1,9 +1,11 @@
 """CUDA graphs of a step's launches, one per batch shape: the host enqueues a step in one call.
 
-A training step of the TBE launches ~8 Triton kernels and ~15 torch ops; on the lent H200 the
-host takes longer to enqueue them (0.8-1.3 ms for the backward) than the GPU takes to run them
-(~0.7 ms), so the GPU waits (benchmarks/RESULTS.md). A CUDA graph replays the whole sequence
-from one host call.
+A training step launches ~8 Triton kernels and ~15 torch ops in the backward, ~60 torch ops and
+7 Numba kernels in a cache's prefetch; on the lent H200 the host takes longer to enqueue them
+(0.8-1.3 ms for the backward, 3-5 ms for the prefetch) than the GPU takes to run them (~0.7 ms,
+~1.3 ms), so the GPU waits (benchmarks/RESULTS.md). A CUDA graph replays the whole sequence
+from one host call. The backward (``kernels/backward.py``) and the slot cache's prefetch
+(``cache/slot_cache.py``) use it.
 
 A graph bakes in every launch's arguments, so what changes from batch to batch reaches it
 through tensors whose addresses do not change:
@@ -12,18 +14,17 @@ through tensors whose addresses do not change:
   graph before each replay (device-to-device, a few microseconds);
 - host inputs (a small CPU tensor of scalars: the address of this step's ``grad_output``, the
   step, the optimizer's hyper-parameters) are copied to a static device tensor, only when their
-  values changed, through pinned memory (torch's host allocator keeps a pinned block until its
-  copy has run, so a later step never overwrites values an earlier copy has not read yet).
+  values changed, through a ring of pinned slots (``PinnedRing``: a slot is reused only after
+  its copy has run, so a later step never overwrites values an earlier copy has not read yet).
 
 A key (the batch shape and everything the launches bake in) is captured on its second use (the
 first runs eagerly, so every Triton kernel is compiled before the capture) and replayed from its
 third. Batches whose shapes never repeat run eagerly. Graphs live per key, least recently used
 first out beyond ``capacity``, each with its own memory pool (its sort buffers and outputs).
-Capture synchronizes the device once per key.
+Capture runs on a side stream ordered after the current one; nothing waits for the device.
 
 Safe because every replay of a key runs on the stream it was captured for (part of the key),
-and everything a replay writes is consumed by the launches of the same replay: nothing it
-returns outlives the step.
+and what a replay returns is a copy of the graph's outputs (the next replay overwrites them).
 """
 
 from __future__ import annotations
@@ -35,43 +36,101 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from .addressing import INTERPRETING
+from .mode import SIMULATION
 
 Inputs = Sequence[torch.Tensor | None]
+Outputs = tuple[torch.Tensor, ...] | None
 
 
 def graphs_enabled() -> bool:
     """CUDA graphs need a GPU and the compiled kernels; ``TIERED_TBE_CUDA_GRAPHS=0`` turns them off."""
-    return (not INTERPRETING and torch.cuda.is_available()
+    return (not SIMULATION and torch.cuda.is_available()
             and os.environ.get("TIERED_TBE_CUDA_GRAPHS", "1") != "0")
 
 
 def to_device(inputs: Inputs, device: torch.device) -> list[torch.Tensor | None]:
-    """``inputs`` with host tensors copied to ``device`` without a host sync (through pinned memory)."""
+    """``inputs`` with (small) host tensors copied to ``device`` without a host sync."""
     moved = []
     for tensor in inputs:
-        if tensor is not None and tensor.device != device:
-            tensor = _pinned_copy(tensor).to(device, non_blocking=True)
+        if tensor is not None and tensor.device.type == "cpu" and device.type != "cpu":
+            target = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            copy_to_device(target, tensor)
+            tensor = target
         moved.append(tensor)
     return moved
+
+
+def copy_to_device(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy a small host tensor into ``target`` on the current stream, without a host sync."""
+    if target.device.type != "cuda":
+        target.copy_(source)
+        return
+    staging(target.device).copy(target, source)
+
+
+class PinnedRing:
+    """Pinned host slots for the step's small host-to-device copies (a step's scalars).
+
+    A copy from pageable memory may wait for the device, and allocating pinned memory counts as
+    a synchronizing call; so the values go through one of ``slots`` pinned slots allocated once,
+    each reused only after the copy that last read it has run (its event; the host waits there
+    only if it is ``slots`` copies ahead of the device).
+    """
+
+    def __init__(self, device: torch.device, slots: int = 64, slot_bytes: int = 256):
+        self.slot_bytes = slot_bytes
+        self._buffer = torch.empty(slots, slot_bytes, dtype=torch.uint8, pin_memory=True)
+        self._events = [torch.cuda.Event() for _ in range(slots)]
+        self._next = 0
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        nbytes = source.numel() * source.element_size()
+        if nbytes > self.slot_bytes or not source.is_contiguous():
+            raise ValueError(f"PinnedRing copies contiguous tensors of at most {self.slot_bytes} bytes, got "
+                             f"{tuple(source.shape)} {source.dtype}")
+        slot = self._next
+        self._next = (slot + 1) % len(self._events)
+        event = self._events[slot]
+        if not event.query():
+            event.synchronize()  # back-pressure: this slot's last copy has not run yet
+        pinned = self._buffer[slot, :nbytes].view(source.dtype).view(source.shape)
+        pinned.copy_(source)
+        target.copy_(pinned, non_blocking=True)
+        event.record()
+
+
+_RINGS: dict[torch.device, PinnedRing] = {}
+
+
+def staging(device: torch.device) -> PinnedRing:
+    """The pinned ring of ``device`` (made on first use: constructors call it, so that the
+    pinned allocation happens there and not on the training path)."""
+    device = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
+    ring = _RINGS.get(device)
+    if ring is None:
+        ring = _RINGS[device] = PinnedRing(device)
+    return ring
 
 
 class _Captured:
     """One key's graph and its static inputs (device tensors the graph reads)."""
 
-    def __init__(self, graph, statics: list[torch.Tensor | None], host_values: list[torch.Tensor | None]):
+    def __init__(self, graph, statics: list[torch.Tensor | None], host_values: list[torch.Tensor | None],
+                 outputs: Outputs):
         self.graph = graph
         self.statics = statics
+        self.outputs = outputs  # the graph's outputs (its pool's memory), overwritten by each replay
         self.host_values = host_values  # the values last copied into each static of a host input
 
 
 class StepGraphs:
     """CUDA graphs of one enqueue function, keyed by batch shape.
 
-    ``run(key, inputs, enqueue, device)`` calls ``enqueue(device_inputs)``: eagerly, or by
-    replaying the key's graph of it. ``enqueue`` must read the batch only through ``inputs``
+    ``run(key, inputs, enqueue, device)`` returns ``enqueue(device_inputs)``: run eagerly, or
+    by replaying the key's graph of it. ``enqueue`` must read the batch only through ``inputs``
     (every other tensor it reads must keep its address and be updated in place), must not
-    synchronize with the host, and must not return anything the caller keeps.
+    synchronize with the host, and returns ``None`` or a tuple of tensors (a replay returns
+    copies of them).
     """
 
     def __init__(self, capacity: int = 4, capture_after: int = 1, enabled: bool | None = None):
@@ -81,34 +140,33 @@ class StepGraphs:
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()
         self._uses: OrderedDict[Hashable, int] = OrderedDict()  # eager uses of keys not captured yet
         self._refused: set[Hashable] = set()  # keys whose capture failed: always eager
+        if not SIMULATION and torch.cuda.is_available():
+            staging(torch.device("cuda"))  # the pinned slots, allocated here rather than in a step
         self.captures = 0
         self.replays = 0
 
-    def run(self, key: Hashable, inputs: Inputs, enqueue: Callable[[list], None], device: torch.device) -> None:
+    def run(self, key: Hashable, inputs: Inputs, enqueue: Callable[[list], Outputs], device: torch.device
+            ) -> Outputs:
         if not self.enabled or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-            enqueue(to_device(inputs, device))
-            return
+            return enqueue(to_device(inputs, device))
         key = (key, tuple(_signature(tensor) for tensor in inputs), torch.cuda.current_stream(device).cuda_stream)
         captured = self._graphs.get(key)
         if captured is not None:
             self._graphs.move_to_end(key)
-            self._replay(captured, inputs)
-            return
+            return self._replay(captured, inputs)
         uses = self._uses.pop(key, 0)
         if key in self._refused or uses < self.capture_after:
             self._uses[key] = uses + 1
             while len(self._uses) > 64 * self.capacity:  # forget shapes seen long ago
                 self._uses.popitem(last=False)
-            enqueue(to_device(inputs, device))
-            return
+            return enqueue(to_device(inputs, device))
         captured = self._capture(key, inputs, enqueue, device)
         if captured is None:
-            enqueue(to_device(inputs, device))
-            return
+            return enqueue(to_device(inputs, device))
         self._graphs[key] = captured
         while len(self._graphs) > self.capacity:
             self._graphs.popitem(last=False)
-        self._replay(captured, inputs)
+        return self._replay(captured, inputs)
 
     def clear(self) -> None:
         """Drop every graph (their memory pools go with them)."""
@@ -126,7 +184,7 @@ class StepGraphs:
                 # thread_local: another thread's CUDA calls (the staged mover's worker) do not break it.
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    enqueue(statics)
+                    outputs = enqueue(statics)
                 finally:
                     graph.capture_end()
         except RuntimeError as error:  # an op that cannot be captured: this key stays eager
@@ -137,9 +195,9 @@ class StepGraphs:
             return None
         current.wait_stream(side)
         self.captures += 1
-        return _Captured(graph, statics, [None] * len(inputs))
+        return _Captured(graph, statics, [None] * len(inputs), outputs)
 
-    def _replay(self, captured: _Captured, inputs: Inputs) -> None:
+    def _replay(self, captured: _Captured, inputs: Inputs) -> Outputs:
         for index, (static, tensor) in enumerate(zip(captured.statics, inputs)):
             if tensor is None:
                 continue
@@ -147,18 +205,15 @@ class StepGraphs:
                 last = captured.host_values[index]
                 if last is not None and torch.equal(last, tensor):
                     continue  # the static already holds these values
-                static.copy_(_pinned_copy(tensor), non_blocking=True)
+                copy_to_device(static, tensor)
                 captured.host_values[index] = tensor.clone()
             else:
                 static.copy_(tensor)
         captured.graph.replay()
         self.replays += 1
-
-
-def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A pinned copy of a host tensor, from torch's host allocator (which keeps the block until
-    the copies issued from it have run)."""
-    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
+        if captured.outputs is None:
+            return None
+        return tuple(output.clone() for output in captured.outputs)
 
 
 def _signature(tensor: torch.Tensor | None) -> tuple | None:
