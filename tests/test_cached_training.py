@@ -50,9 +50,18 @@ def batches(generator, num_sets):
     ids=["sgd-fp32", "adagrad-fp32", "adam-fp32", "adagrad-fp16"],
 )
 def test_cached_training_equals_uncached(policy, optimizer, weights_dtype, mover, device, one_simulated_thread):
+    _train_cached_and_plain(policy, optimizer, weights_dtype, mover, device, "raise")
+
+
+def test_cached_training_without_bounds_checks_equals_uncached(mover, device, one_simulated_thread):
+    """bounds_check="off" takes the global rows from the linearize kernel instead of torch ops."""
+    _train_cached_and_plain("lru", RowwiseAdagrad(lr=0.1), torch.float32, mover, device, "off")
+
+
+def _train_cached_and_plain(policy, optimizer, weights_dtype, mover, device, bounds_check):
     config = CacheConfig(slots=8, associativity=4, policy=policy, lfu_decay_interval=7, mover=mover, staging_rows=2)
     cached = TieredEmbeddingBags(tables(True), optimizer=optimizer, weights_dtype=weights_dtype, cache=config,
-                                 device=device, backend="torch")
+                                 device=device, backend="torch", bounds_check=bounds_check)
     plain = TieredEmbeddingBags(tables(False), optimizer=optimizer, weights_dtype=weights_dtype, device=device,
                                 backend="torch")
     assert cached.cache.mover.name == mover

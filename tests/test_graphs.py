@@ -8,7 +8,7 @@ import torch
 
 from tiered_tbe import SGD, Adam, CacheConfig, Placement, RowwiseAdagrad, TableSpec
 from tiered_tbe.base.graphs import StepGraphs
-from tiered_tbe.kernels.backward import MAX_HYPER, STEP_ARGS, hyper_view, step_arguments
+from tiered_tbe.kernels.update_rows import MAX_HYPER, STEP_ARGS, hyper_view, step_arguments
 from tiered_tbe.module import TieredEmbeddingBags
 
 

@@ -17,6 +17,7 @@ from tiered_tbe.cache.mover import default_mover
 from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD, CacheBatch, SlotCache
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.function import TieredEmbeddingBagsFunction
+from tiered_tbe.kernels.linearize import linearize
 from tiered_tbe.kernels.rows import Lookups, no_cache
 from tiered_tbe.optimizers import FusedOptimizer
 from tiered_tbe.specs import CacheConfig, TableSpec
@@ -240,6 +241,13 @@ class TieredEmbeddingBags(nn.Module):
             # Nothing to check or prefetch: the kernels read int32 or int64 indices and offsets as
             # they come, and the backward linearizes the batch itself. No kernel runs here.
             return PreparedBatch(Lookups(indices, offsets, batch_size), None, None)
+        if self.bounds_check == "off":
+            # The cache needs each lookup's global row: one linearize launch (kernels/linearize.py)
+            # instead of a searchsorted over the offsets and five elementwise ops. Unchecked, as
+            # bounds_check="off" says: an index outside its table names another table's row.
+            lookups = linearize(self.row_stores, Lookups(indices, offsets, batch_size), key_dtype=torch.int64)
+            cache_batch = self.cache.prefetch(lookups.global_rows)
+            return PreparedBatch(lookups, cache_batch.slot_of_index, self.cache, cache_batch)
         indices = indices.long()
         offsets = offsets.long()
         bag_of_index = self._bag_of_index(indices, offsets)

@@ -1,0 +1,194 @@
+"""The hot rows of the backward: runs holding a whole window of ``CHUNK`` sorted positions.
+
+``hot_window_sums_kernel`` sums each pure window (one program per window),
+``hot_group_sums_kernel`` each pure group of ``GROUP`` windows, and ``hot_row_update_kernel``
+(one program per window; a run's first pure window owns the run) adds its run's group and window
+sums and the lookups before its first and after its last pure window, then applies the optimizer
+(``kernels/update_rows.py``). Launched by ``kernels/backward.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .update_rows import grad_output_of_step, lookup_gradients, update_rows
+
+
+@triton.jit(do_not_specialize=["num_lookups", "batch_size"])
+def hot_window_sums_kernel(
+    window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D] out: gradient sum of each pure window
+    run_count_ptr,  # int32 [N]: runs begun up to each sorted position
+    order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
+    sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
+    sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
+    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: grad_output's address)
+    grad_output_stride,  # elements between consecutive rows of grad_output
+    table_dim_ptr,  # int32 [T]: embedding_dim of each table
+    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    num_lookups,  # N
+    batch_size,  # B
+    POOLING: tl.constexpr,  # pooling code
+    HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
+    ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
+    GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
+    CHUNK: tl.constexpr,  # sorted positions per window: runs holding a whole one are hot
+    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
+):
+    window = tl.program_id(0).to(tl.int64)
+    first = window * CHUNK
+    if first + CHUNK <= num_lookups:
+        if tl.load(run_count_ptr + first) == tl.load(run_count_ptr + first + CHUNK - 1):  # a pure window
+            columns = tl.arange(0, BLOCK_D)
+            positions = first + tl.arange(0, CHUNK)
+            grad_output_ptr = grad_output_of_step(step_args_ptr)
+            tile = lookup_gradients(
+                positions, positions >= 0, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
+                grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns,
+                POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
+            tl.store(window_sums_ptr + window * BLOCK_D + columns, tl.sum(tile, axis=0))
+
+
+@triton.jit(do_not_specialize=["num_lookups"])
+def hot_group_sums_kernel(
+    group_sums_ptr,  # fp32 [cdiv(cdiv(N, CHUNK), GROUP), BLOCK_D] out: sum of each pure group of windows
+    window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D]: gradient sum of each pure window
+    run_count_ptr,  # int32 [N]: runs begun up to each sorted position
+    num_lookups,  # N
+    CHUNK: tl.constexpr,  # sorted positions per window
+    GROUP: tl.constexpr,  # windows per group
+    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
+):
+    """Second level for the hottest rows: a group of GROUP windows inside one run is summed once,
+    so the run's owner adds at most ~2 GROUP window sums beside its groups' sums."""
+    group = tl.program_id(0).to(tl.int64)
+    first = group * GROUP * CHUNK
+    last = first + GROUP * CHUNK - 1
+    if last < num_lookups:
+        if tl.load(run_count_ptr + first) == tl.load(run_count_ptr + last):  # every window pure, one run
+            columns = tl.arange(0, BLOCK_D)
+            windows = group * GROUP + tl.arange(0, GROUP)
+            sums = tl.load(window_sums_ptr + windows[:, None] * BLOCK_D + columns[None, :])
+            tl.store(group_sums_ptr + group * BLOCK_D + columns, tl.sum(sums, axis=0))
+
+
+@triton.jit
+def _sum_rows(
+    rows_ptr,  # fp32 [M, BLOCK_D]: rows to add
+    first,  # int64: first row
+    last,  # int64: last row (inclusive; none when last < first)
+    in_row,  # bool [1, BLOCK_D]: the columns that count
+    BLOCK_P: tl.constexpr,  # rows added per step
+    BLOCK_D: tl.constexpr,  # columns
+):
+    """fp32 [BLOCK_D]: the sum of rows first..last of a [M, BLOCK_D] buffer."""
+    columns = tl.arange(0, BLOCK_D)
+    sums = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
+    for row_start in range(first, last + 1, BLOCK_P):
+        rows = row_start + tl.arange(0, BLOCK_P)
+        sums += tl.load(rows_ptr + rows[:, None] * BLOCK_D + columns[None, :], mask=(rows <= last)[:, None] & in_row,
+                        other=0.0)
+    return tl.sum(sums, axis=0)
+
+
+@triton.jit(do_not_specialize=["num_lookups", "batch_size"])
+def hot_row_update_kernel(
+    window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D]: gradient sum of each pure window
+    group_sums_ptr,  # fp32 [cdiv(cdiv(N, CHUNK), GROUP), BLOCK_D]: sum of each pure group of windows
+    run_count_ptr,  # int32 [N]: runs begun up to each sorted position
+    run_end_ptr,  # int32 [N]: one past the last position of each run
+    order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
+    sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
+    sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
+    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: grad_output, seed, step)
+    grad_output_stride,  # elements between consecutive rows of grad_output
+    table_dim_ptr,  # int32 [T]: embedding_dim of each table
+    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
+    sorted_slots_ptr,  # int32 [N]: slot of the row at each sorted position, or -1 (read only if USE_CACHE)
+    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
+    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table's weights
+    table_state_address_ptr,  # int64 [T]: address of row 0 of each table's state
+    table_state_stride_ptr,  # int64 [T]: elements between rows of each table's state
+    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
+    cache_weights_ptr,  # [num_slots, row_width] slot rows
+    cache_weights_stride,  # elements between consecutive slots
+    cache_state_ptr,  # fp32 [num_slots, state_width] slot state
+    cache_state_stride,  # elements between consecutive slots of cache_state
+    hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters
+    num_lookups,  # N
+    batch_size,  # B
+    POOLING: tl.constexpr,  # pooling code
+    HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
+    ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
+    GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
+    CHUNK: tl.constexpr,  # sorted positions per window: runs holding a whole one are hot
+    USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
+    OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
+    OPTIMIZER_UPDATE: tl.constexpr,
+    OPTIMIZER_STORE_STATE: tl.constexpr,
+    STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically
+    NUM_HYPER: tl.constexpr,  # hyper-parameters the optimizer reads
+    ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
+    STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
+    GROUP: tl.constexpr,  # windows per group
+    BLOCK_P: tl.constexpr,  # window sums added per step
+    BLOCK_L: tl.constexpr,  # lookups before the first / after the last pure window summed per step
+    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
+):
+    window = tl.program_id(0).to(tl.int64)
+    first = window * CHUNK
+    if first + CHUNK <= num_lookups:
+        run_count = tl.load(run_count_ptr + first)
+        if run_count == tl.load(run_count_ptr + first + CHUNK - 1):  # a pure window
+            run = run_count - 1
+            start = tl.load(run_end_ptr + run - 1, mask=run > 0, other=0).to(tl.int64)
+            end = tl.load(run_end_ptr + run).to(tl.int64)
+            first_window = (start + CHUNK - 1) // CHUNK
+            if window == first_window:  # the run's first pure window owns the run
+                last_window = end // CHUNK - 1
+                table = tl.load(sorted_bags_ptr + start) // batch_size
+                columns = tl.arange(0, BLOCK_D)
+                one = tl.zeros([1], dtype=tl.int32)
+                dims = one + tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
+                in_row = columns[None, :] < dims[:, None]
+
+                # The run's pure groups of windows, its windows outside them, then its lookups before
+                # the first and after the last pure window.
+                first_group = (first_window + GROUP - 1) // GROUP
+                last_group = (last_window + 1) // GROUP - 1
+                if first_group <= last_group:
+                    grad = _sum_rows(group_sums_ptr, first_group, last_group, in_row, BLOCK_P, BLOCK_D)
+                    grad += _sum_rows(window_sums_ptr, first_window, first_group * GROUP - 1, in_row, BLOCK_P,
+                                      BLOCK_D)
+                    grad += _sum_rows(window_sums_ptr, (last_group + 1) * GROUP, last_window, in_row, BLOCK_P,
+                                      BLOCK_D)
+                else:
+                    grad = _sum_rows(window_sums_ptr, first_window, last_window, in_row, BLOCK_P, BLOCK_D)
+                lanes = tl.arange(0, BLOCK_L)
+                grad_output_ptr = grad_output_of_step(step_args_ptr)
+                head_end = first_window * CHUNK
+                tail_start = (last_window + 1) * CHUNK
+                for offset in range(0, CHUNK, BLOCK_L):  # each part is shorter than CHUNK
+                    head = start + offset + lanes
+                    tail = tail_start + offset + lanes
+                    grad += tl.sum(lookup_gradients(
+                        head, head < head_end, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
+                        grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size,
+                        columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES), axis=0)
+                    grad += tl.sum(lookup_gradients(
+                        tail, tail < end, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
+                        grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size,
+                        columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES), axis=0)
+                slots = one
+                if USE_CACHE:
+                    slots = one + tl.load(sorted_slots_ptr + start)
+                global_rows = one.to(tl.int64) + tl.load(sorted_rows_ptr + start).to(tl.int64)
+                update_rows(global_rows, one + table, slots, grad[None, :], one == 0, dims, columns, in_row,
+                             table_weights_address_ptr, table_weights_stride_ptr,
+                     table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
+                     cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr, hyper_ptr, NUM_HYPER,
+                     OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
+                     ALIGN_BYTES, STATE_ALIGN_BYTES)

@@ -1,0 +1,200 @@
+"""What the backward's update kernels share: a lookup's gradient row, a tile of rows updated by
+the optimizer in its slot or backing store, and the step's arguments they read.
+
+What changes from step to step reaches the kernels through one device tensor, not launch
+arguments, so one CUDA graph of the backward serves every step of a batch shape
+(``base/graphs.py``): int64 ``[STEP_ARGS]``, grad_output's address, the philox key and the step,
+then the optimizer's hyper-parameters as fp32, two to an int64 (``hyper_view``).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from .addressing import POOLING_MEAN_CONSTEXPR, POOLING_NONE_CONSTEXPR, row_pointers, table_row_zero
+
+STEP_INTS = 3
+MAX_HYPER = 8
+STEP_ARGS = STEP_INTS + MAX_HYPER // 2
+
+
+def step_arguments(grad_output: torch.Tensor, hyper: tuple[float, ...], seed: int, step: int) -> torch.Tensor:
+    """int64 [STEP_ARGS] on the host: what the kernels read of this step (layout above)."""
+    if not 1 <= len(hyper) <= MAX_HYPER:
+        raise ValueError(f"an optimizer passes 1 to {MAX_HYPER} hyper-parameters to the kernels, got {len(hyper)}")
+    packed = struct.pack(f"<{STEP_INTS}q{MAX_HYPER}f", grad_output.data_ptr(), int(seed) & 0x7FFFFFFF,
+                         int(step) & 0x7FFFFFFF, *hyper, *(0.0,) * (MAX_HYPER - len(hyper)))
+    return torch.frombuffer(bytearray(packed), dtype=torch.int64)
+
+
+def hyper_view(step_args: torch.Tensor, num_hyper: int) -> torch.Tensor:
+    """fp32 [num_hyper]: the hyper-parameters inside ``step_args`` (a view)."""
+    return step_args.view(torch.float32)[2 * STEP_INTS:2 * STEP_INTS + num_hyper]
+
+
+@triton.jit
+def grad_output_of_step(
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (see step_arguments)
+):
+    """The fp32 pointer to this step's grad_output, read from the step's arguments."""
+    return tl.load(step_args_ptr).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def load_hyper(
+    hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters
+    NUM_HYPER: tl.constexpr,  # 1 to MAX_HYPER
+):
+    """The tuple of scalars an optimizer's update reads (``FusedOptimizer.kernel_hyper``)."""
+    if NUM_HYPER == 1:
+        return (tl.load(hyper_ptr),)
+    elif NUM_HYPER == 2:
+        return tl.load(hyper_ptr), tl.load(hyper_ptr + 1)
+    elif NUM_HYPER == 3:
+        return tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2)
+    elif NUM_HYPER == 4:
+        return tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3)
+    elif NUM_HYPER == 5:
+        return (tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3),
+                tl.load(hyper_ptr + 4))
+    elif NUM_HYPER == 6:
+        return (tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3),
+                tl.load(hyper_ptr + 4), tl.load(hyper_ptr + 5))
+    elif NUM_HYPER == 7:
+        return (tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3),
+                tl.load(hyper_ptr + 4), tl.load(hyper_ptr + 5), tl.load(hyper_ptr + 6))
+    else:
+        return (tl.load(hyper_ptr), tl.load(hyper_ptr + 1), tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3),
+                tl.load(hyper_ptr + 4), tl.load(hyper_ptr + 5), tl.load(hyper_ptr + 6), tl.load(hyper_ptr + 7))
+
+
+@triton.jit
+def lookup_gradients(
+    positions,  # int64 [F]: sorted positions
+    valid,  # bool [F]: which positions count
+    order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
+    sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
+    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries (mean pooling's bag lengths)
+    sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
+    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
+    grad_output_stride,  # elements between consecutive rows of grad_output
+    table_dim_ptr,  # int32 [T]: embedding_dim of each table
+    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    batch_size,  # B
+    columns,  # int32 [BLOCK_D]
+    POOLING: tl.constexpr,  # pooling code (kernels/addressing.py)
+    HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
+    ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
+    GRAD_ALIGN_BYTES: tl.constexpr,  # every grad_output row slice starts at a multiple of this
+):
+    """fp32 [F, BLOCK_D]: d loss / d row of the lookup at each sorted position (zeros where not
+    valid or past its table's dim)."""
+    bags = tl.load(sorted_bags_ptr + positions, mask=valid, other=0)
+    tables = bags // batch_size
+    dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=valid, other=0), ALIGN)
+    if POOLING == POOLING_NONE_CONSTEXPR:
+        pointers = grad_output_ptr + tl.load(order_ptr + positions, mask=valid, other=0) * grad_output_stride
+    else:
+        first_columns = tl.multiple_of(tl.load(table_output_offset_ptr + tables, mask=valid, other=0), ALIGN)
+        pointers = grad_output_ptr + (bags % batch_size).to(tl.int64) * grad_output_stride + first_columns
+    pointers = tl.multiple_of(pointers, GRAD_ALIGN_BYTES)
+    tile = tl.load(pointers[:, None] + columns[None, :], mask=valid[:, None] & (columns[None, :] < dims[:, None]),
+                   other=0.0)
+    if HAS_PER_SAMPLE_WEIGHTS:
+        tile = tile * tl.load(sorted_weights_ptr + positions, mask=valid, other=0.0)[:, None]
+    if POOLING == POOLING_MEAN_CONSTEXPR:
+        lengths = (tl.load(offsets_ptr + bags + 1, mask=valid, other=1)
+                   - tl.load(offsets_ptr + bags, mask=valid, other=0))
+        tile = tile / tl.maximum(lengths, 1).to(tl.float32)[:, None]
+    return tile
+
+
+@triton.jit
+def stochastic_round(
+    values,  # fp32 tile: the exact new weights
+    random_bits,  # uint32, same shape: uniform random bits, one word per value
+    TARGET: tl.constexpr,  # tl.float16 or tl.bfloat16
+):
+    """fp32 values exactly representable in TARGET: the neighbour above or below, with probabilities
+    that make the expected result equal to ``values``.
+
+    Adding uniform random bits below the last kept mantissa bit, then truncating, rounds the
+    magnitude up with probability equal to the dropped fraction. bf16 keeps the top 16 bits of an
+    fp32 word; fp16 keeps 10 mantissa bits (13 dropped) in its normal range, and below 2^-14 has
+    a fixed spacing of 2^-24, where we round ``|x| * 2^24`` up or down with a random threshold.
+    """
+    bits = values.to(tl.uint32, bitcast=True)
+    if TARGET == tl.bfloat16:
+        rounded = ((bits + (random_bits >> 16)) >> 16 << 16).to(tl.float32, bitcast=True)
+    else:
+        normal = ((bits + (random_bits >> 19)) >> 13 << 13).to(tl.float32, bitcast=True)
+        threshold = (random_bits >> 8).to(tl.float32) * (1.0 / 16777216.0)  # uniform in [0, 1)
+        magnitude = tl.floor(tl.abs(values) * 16777216.0 + threshold) * (1.0 / 16777216.0)
+        subnormal = tl.where(values < 0, -magnitude, magnitude)
+        rounded = tl.where(tl.abs(values) < 6.103515625e-05, subnormal, normal)  # 2^-14
+    return tl.where(values != values, values, rounded)  # NaN stays NaN (its bits could carry into the sign)
+
+
+@triton.jit
+def update_rows(
+    global_rows,  # int64 [R]: the rows to update
+    tables,  # int32 [R]: their tables
+    slots,  # int32 [R]: the slot of each row, or -1 (ignored unless USE_CACHE)
+    grad,  # fp32 [R, BLOCK_D]: each row's summed gradient (zeros outside mask)
+    row_mask,  # bool [R]: which rows to update
+    dims,  # int32 [R]: embedding_dim of each row's table
+    columns,  # int32 [BLOCK_D]
+    mask,  # bool [R, BLOCK_D]: row_mask and the table's columns
+    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
+    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table's weights
+    table_state_address_ptr,  # int64 [T]: address of row 0 of each table's fp32 state (0: none)
+    table_state_stride_ptr,  # int64 [T]: elements between rows of each table's state
+    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
+    cache_weights_ptr,  # [num_slots, row_width] slot rows; its element type is every row's
+    cache_weights_stride,  # elements between consecutive slots of cache_weights
+    cache_state_ptr,  # fp32 [num_slots, state_width]: optimizer state of cached rows
+    cache_state_stride,  # elements between consecutive slots of cache_state
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: the philox key and step)
+    hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters (FusedOptimizer.kernel_hyper)
+    NUM_HYPER: tl.constexpr,  # how many
+    OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
+    OPTIMIZER_UPDATE: tl.constexpr,
+    OPTIMIZER_STORE_STATE: tl.constexpr,
+    USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
+    STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically (else to nearest)
+    ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
+    STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
+):
+    """Apply the optimizer to ``R`` rows in their slot or backing store, and store them."""
+    element = cache_weights_ptr.dtype.element_ty
+    table_rows = global_rows - tl.load(table_row_offset_ptr + tables, mask=row_mask, other=0)
+    weight_rows = row_pointers(table_row_zero(table_weights_address_ptr, tables, element), table_rows,
+                               tl.load(table_weights_stride_ptr + tables, mask=row_mask, other=0), slots,
+                               cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
+    state_rows = row_pointers(table_row_zero(table_state_address_ptr, tables, tl.float32), table_rows,
+                              tl.load(table_state_stride_ptr + tables, mask=row_mask, other=0), slots,
+                              cache_state_ptr, cache_state_stride, USE_CACHE, STATE_ALIGN_BYTES)
+
+    # Every load of the rows and their state comes before the barrier below, every store after it.
+    # Threads of a program may hold copies of the same values (a row-wise accumulator in every
+    # thread of its row): a thread that stored before another one loaded would make that one
+    # apply the update twice.
+    weights = tl.load(weight_rows[:, None] + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+    state = OPTIMIZER_LOAD_STATE(state_rows, columns, row_mask, mask, dims)
+    weights, state = OPTIMIZER_UPDATE(weights, grad, state, mask, dims, load_hyper(hyper_ptr, NUM_HYPER))
+    if STOCHASTIC_ROUNDING:
+        seed = tl.load(step_args_ptr + 1).to(tl.int32)
+        step = tl.load(step_args_ptr + 2).to(tl.int32)
+        # Philox counter (column, row low word, row high word, step): a distinct draw per element and step.
+        zeros = tl.zeros_like(mask.to(tl.int32))
+        random_bits, _, _, _ = tl.philox(seed, columns[None, :] + zeros,
+                                         (global_rows & 0xFFFFFFFF).to(tl.int32)[:, None] + zeros,
+                                         (global_rows >> 32).to(tl.int32)[:, None] + zeros, zeros + step)
+        weights = stochastic_round(weights, random_bits, element)
+    tl.debug_barrier()
+    OPTIMIZER_STORE_STATE(state_rows, state, columns, row_mask, mask, dims)
+    tl.store(weight_rows[:, None] + columns[None, :], weights.to(element), mask=mask)
