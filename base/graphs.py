@@ -77,7 +77,7 @@ class PinnedRing:
     only if it is ``slots`` copies ahead of the device).
     """
 
-    def __init__(self, device: torch.device, slots: int = 64, slot_bytes: int = 256):
+    def __init__(self, slots: int = 64, slot_bytes: int = 256):
         self.slot_bytes = slot_bytes
         self._buffer = torch.empty(slots, slot_bytes, dtype=torch.uint8, pin_memory=True)
         self._events = [torch.cuda.Event() for _ in range(slots)]
@@ -108,7 +108,8 @@ def staging(device: torch.device) -> PinnedRing:
     device = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
     ring = _RINGS.get(device)
     if ring is None:
-        ring = _RINGS[device] = PinnedRing(device)
+        with torch.cuda.device(device):  # its events belong to that device
+            ring = _RINGS[device] = PinnedRing()
     return ring
 
 
@@ -167,11 +168,6 @@ class StepGraphs:
         while len(self._graphs) > self.capacity:
             self._graphs.popitem(last=False)
         return self._replay(captured, inputs)
-
-    def clear(self) -> None:
-        """Drop every graph (their memory pools go with them)."""
-        self._graphs.clear()
-        self._uses.clear()
 
     def _capture(self, key, inputs: Inputs, enqueue, device: torch.device) -> _Captured | None:
         statics = [None if tensor is None else torch.empty_like(tensor, device=device) for tensor in inputs]

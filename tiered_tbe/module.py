@@ -237,38 +237,36 @@ class TieredEmbeddingBags(nn.Module):
         """
         self.run_deferred_unlocks()  # batches finished since the last prefetch free their slots first
         batch_size = validation.check_static(self.tables, indices, offsets, self.device)
-        if self.cache is None and self.bounds_check == "off":
-            # Nothing to check or prefetch: the kernels read int32 or int64 indices and offsets as
-            # they come, and the backward linearizes the batch itself. No kernel runs here.
-            return PreparedBatch(Lookups(indices, offsets, batch_size), None, None)
+        value_check = None
         if self.bounds_check == "off":
+            if self.cache is None:
+                # Nothing to check or prefetch: the kernels read int32 or int64 indices and offsets as
+                # they come, and the backward linearizes the batch itself. No kernel runs here.
+                return PreparedBatch(Lookups(indices, offsets, batch_size), None, None)
             # The cache needs each lookup's global row: one linearize launch (kernels/linearize.py)
             # instead of a searchsorted over the offsets and five elementwise ops. Unchecked, as
             # bounds_check="off" says: an index outside its table names another table's row.
             lookups = linearize(self.row_stores, Lookups(indices, offsets, batch_size), key_dtype=torch.int64)
-            cache_batch = self.cache.prefetch(lookups.global_rows)
-            return PreparedBatch(lookups, cache_batch.slot_of_index, self.cache, cache_batch)
-        indices = indices.long()
-        offsets = offsets.long()
-        bag_of_index = self._bag_of_index(indices, offsets)
-        table_of_index = self._table_of_index(bag_of_index, batch_size)
-        value_check = None
-        if self.bounds_check == "raise":
+        else:
+            indices = indices.long()
+            offsets = offsets.long()
+            bag_of_index = self._bag_of_index(indices, offsets)
+            table_of_index = self._table_of_index(bag_of_index, batch_size)
             value_check = validation.start_value_check(
                 self.tables, indices, offsets, table_of_index, self._num_rows_of_table, batch_size
             )
             if not ahead:
                 value_check.raise_if_bad()  # before any lock: bad input changes nothing
                 value_check = None
-        # A batch prefetched ahead may be malformed (its verdict is read at its forward): each lookup's
-        # table is clamped into range above, so nothing here indexes out of bounds; an index outside its
-        # table names another table's row or none (the cache leaves rows outside its tables alone), and
-        # the prefetch only moves rows into the cache. The forward raises before any value changes.
-        global_rows = self._row_offset[table_of_index] + indices
-        lookups = Lookups(indices, offsets, batch_size, global_rows=global_rows, bag_of_index=bag_of_index)
-        if self.cache is None:
-            return PreparedBatch(lookups, None, None, value_check=value_check)
-        cache_batch = self.cache.prefetch(global_rows)
+            # A batch prefetched ahead may be malformed (its verdict is read at its forward): each lookup's
+            # table is clamped into range above, so nothing here indexes out of bounds; an index outside its
+            # table names another table's row or none (the cache leaves rows outside its tables alone), and
+            # the prefetch only moves rows into the cache. The forward raises before any value changes.
+            global_rows = self._row_offset[table_of_index] + indices
+            lookups = Lookups(indices, offsets, batch_size, global_rows=global_rows, bag_of_index=bag_of_index)
+            if self.cache is None:
+                return PreparedBatch(lookups, None, None, value_check=value_check)
+        cache_batch = self.cache.prefetch(lookups.global_rows)
         return PreparedBatch(lookups, cache_batch.slot_of_index, self.cache, cache_batch, value_check=value_check)
 
     def run_deferred_unlocks(self) -> None:
