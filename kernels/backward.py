@@ -19,13 +19,10 @@ How, without atomics and without a host synchronization (``sort_lookups``, then 
    program per window; the first pure window of a run works) adds its run's window sums, the
    lookups before its first and after its last pure window, and applies the optimizer.
 3. Other rows (fewer than ``2 * CHUNK - 1`` lookups): ``_row_update_kernel`` (here), a grid of
-   tiles of ``ROWS`` runs (programs past the batch's runs exit at once), which sums each run's
-   lookups ``BLOCK_L`` at a time and applies the optimizer to the tile's rows at once (a
-   warp-sized slice of a program per row, as FBGEMM's warp-per-row kernels, with every load of
-   the tile issued together). A tile steps as often as its longest run has lookups, so the runs
-   are first ordered by their number of lookups (``run_length_order``: one small kernel and a
-   stable one-byte radix sort): a tile then holds runs of one length. In row order, a tile of 16
-   runs of a Zipf batch did ~5x the steps its lookups need (20% of its lanes worked; ~89% after).
+   tiles of ``ROWS`` consecutive runs (programs past the batch's runs exit at once), which sums
+   each run's lookups ``BLOCK_L`` at a time and applies the optimizer to the tile's rows at once
+   (a warp-sized slice of a program per row, as FBGEMM's warp-per-row kernels, with every load
+   of the tile issued together).
 
 The gradient of a lookup and the optimizer's update of a tile of rows are shared by both
 (``kernels/update_rows.py``, with the step's arguments the kernels read from one device tensor,
@@ -93,7 +90,6 @@ __all__ = ["BackwardConfig", "HOT_GROUP", "SortedLookups", "backward_update", "d
 
 @triton.jit(do_not_specialize=["num_lookups", "batch_size"])
 def _row_update_kernel(
-    run_order_ptr,  # int64 [N]: run numbers, the row-update kernel's by ascending length first (run_length_order)
     run_end_ptr,  # int32 [N]: one past the last position of each run; N past the last run
     order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
@@ -135,18 +131,17 @@ def _row_update_kernel(
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
 ):
     tile = tl.program_id(0)
-    runs = _ordered_runs(run_order_ptr, tile * ROWS + tl.arange(0, ROWS), num_lookups)
+    runs = tile * ROWS + tl.arange(0, ROWS)
     starts, ends, row_mask = _runs_of_tile(runs, run_end_ptr, num_lookups, CHUNK)
-    # Programs past the kernel's runs (the hot and empty ones come last in run_order) exit here.
-    if tl.max(row_mask.to(tl.int32), axis=0) > 0:
+    # Programs past the batch's runs exit here (their runs read as empty): one load, no count read first.
+    if tl.min(starts, axis=0) < num_lookups:
         columns = tl.arange(0, BLOCK_D)
         # Gradient tiles have ROWS * BLOCK_L rows, (run, lane) pairs: BLOCK_L lookups of each run per step.
         lanes = tl.arange(0, ROWS * BLOCK_L) % BLOCK_L
         if BLOCK_L == 1:
             lane_starts, lane_ends, lane_mask = starts, ends, row_mask
         else:
-            lane_runs = _ordered_runs(run_order_ptr, tile * ROWS + tl.arange(0, ROWS * BLOCK_L) // BLOCK_L,
-                                      num_lookups)
+            lane_runs = tile * ROWS + tl.arange(0, ROWS * BLOCK_L) // BLOCK_L
             lane_starts, lane_ends, lane_mask = _runs_of_tile(lane_runs, run_end_ptr, num_lookups, CHUNK)
 
         grad_output_ptr = grad_output_of_step(step_args_ptr)
@@ -172,47 +167,6 @@ def _row_update_kernel(
                      cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr, hyper_ptr, NUM_HYPER,
                      OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
                      ALIGN_BYTES, STATE_ALIGN_BYTES)
-
-
-@triton.jit
-def _ordered_runs(
-    run_order_ptr,  # int64 [N]: run numbers in the order the row-update kernel takes them
-    places,  # int32 tensor: places in that order
-    num_lookups,  # N
-):
-    """Run numbers at ``places`` of ``run_order`` (int32; ``N``, an empty run, past its end)."""
-    return tl.load(run_order_ptr + places, mask=places < num_lookups, other=num_lookups).to(tl.int32)
-
-
-# Length class of the runs the row-update kernel does not own (hot or empty): sorted last.
-_NOT_OWNED = 255
-
-
-@triton.jit(do_not_specialize=["num_lookups"])
-def _run_length_class_kernel(
-    run_class_ptr,  # uint8 [N] out: lookups of each run the row-update kernel owns (at most 254), else 255
-    run_end_ptr,  # int32 [N]: one past the last position of each run; N past the last run
-    num_lookups,  # N
-    CHUNK: tl.constexpr,  # window of sorted positions: a run holding a whole one is hot
-    NOT_OWNED: tl.constexpr,  # the class of hot and empty runs
-    BLOCK: tl.constexpr,  # runs per program
-):
-    runs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    starts, ends, owned = _runs_of_tile(runs, run_end_ptr, num_lookups, CHUNK)
-    length_class = tl.where(owned, tl.minimum(ends - starts, NOT_OWNED - 1), NOT_OWNED)
-    tl.store(run_class_ptr + runs, length_class.to(tl.uint8), mask=runs < num_lookups)
-
-
-def run_length_order(run_end: torch.Tensor, chunk: int) -> torch.Tensor:
-    """int64 ``[N]``: run numbers with the row-update kernel's runs first, by ascending number of
-    lookups (ties in row order), then the hot and empty runs. A stable sort of one-byte keys: one
-    radix pass. Reordering runs changes no sum's order, so the results stay bit-identical."""
-    num_lookups = run_end.numel()
-    run_class = torch.empty(num_lookups, dtype=torch.uint8, device=run_end.device)
-    block = 256 if INTERPRETING else 1024
-    _run_length_class_kernel[(triton.cdiv(num_lookups, block),)](
-        run_class, run_end, num_lookups, CHUNK=chunk, NOT_OWNED=_NOT_OWNED, BLOCK=block)
-    return torch.sort(run_class, stable=True).indices
 
 
 @triton.jit
@@ -380,5 +334,5 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
         plan.batch_size, **common, **updating, GROUP=group, BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES,
         num_warps=4)
     _row_update_kernel[(triton.cdiv(num_lookups, config.rows),)](
-        run_length_order(s.run_end, chunk), s.run_end, *gradient_args, *update_args, num_lookups, plan.batch_size,
+        s.run_end, *gradient_args, *update_args, num_lookups, plan.batch_size,
         **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)

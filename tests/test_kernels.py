@@ -411,27 +411,6 @@ def test_sort_lookups_matches_torch(device):
     assert torch.equal(sorted_lookups.run_end.long(), expected_end)
 
 
-def test_run_length_order_puts_owned_runs_first_by_length(device):
-    """The row-update kernel takes its runs shortest first (ties in row order), then the hot and
-    the empty runs: against a plain-torch ordering of the same run ends."""
-    c = CHUNK
-    lengths = [3, 1, 2 * c, 5, 1, 2 * c - 2, 3, 2, 9 * c, 1, 5]
-    stores, lookups, _ = _segments_batch(lengths, 4, device, None)
-    sorted_lookups = sort_lookups(stores, lookups)
-    order = backward_module.run_length_order(sorted_lookups.run_end, c)
-    num_lookups, num_runs = lookups.num_lookups, len(lengths)
-    ends = sorted_lookups.run_end.long()
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    starts[num_runs:] = num_lookups
-    hot = ((starts + c - 1) // c + 1) * c <= ends
-    key = torch.where(hot | (ends == starts), 10**9, ends - starts)
-    expected = torch.sort(key.cpu(), stable=True).indices
-    assert torch.equal(order.cpu(), expected)
-    owned = [run for run in range(num_runs) if not hot[run]]
-    assert 0 < len(owned) < num_runs, "the batch must hold hot runs and the kernel's runs"
-    assert [lengths[run] for run in order[: len(owned)].tolist()] == sorted(lengths[run] for run in owned)
-
-
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
 def test_hot_rows_at_every_segment_length_around_the_split(name, device):
     """Rows looked up 1, 2, CHUNK - 1 .. CHUNK + 1, 2 CHUNK - 2 .. 2 CHUNK (where runs start holding
