@@ -19,10 +19,10 @@ How, without atomics and without a host synchronization (``sort_lookups``, then 
    program per window; the first pure window of a run works) adds its run's window sums, the
    lookups before its first and after its last pure window, and applies the optimizer.
 3. Other rows (fewer than ``2 * CHUNK - 1`` lookups): ``_row_update_kernel`` (here), a grid of
-   tiles of ``ROWS`` consecutive runs (programs past the batch's runs exit at once), which loads
-   the tile's rows and state, sums each run's lookups ``BLOCK_L`` at a time meanwhile, and
-   applies the optimizer to the tile's rows at once (a warp-sized slice of a program per row, as
-   FBGEMM's warp-per-row kernels, with every load of the tile issued together).
+   tiles of ``ROWS`` consecutive runs (programs past the batch's runs exit at once), which sums
+   each run's lookups ``BLOCK_L`` at a time and applies the optimizer to the tile's rows at once
+   (a warp-sized slice of a program per row, as FBGEMM's warp-per-row kernels, with every load
+   of the tile issued together).
 
 The gradient of a lookup and the optimizer's update of a tile of rows are shared by both
 (``kernels/update_rows.py``, with the step's arguments the kernels read from one device tensor,
@@ -52,14 +52,7 @@ from .grouping import SortedLookups, sort_lookups
 from .hot_rows import hot_group_sums_kernel, hot_row_update_kernel, hot_window_sums_kernel
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
-from .update_rows import (
-    grad_output_of_step,
-    hyper_view,
-    load_rows,
-    lookup_gradients,
-    step_arguments,
-    store_updated_rows,
-)
+from .update_rows import grad_output_of_step, hyper_view, lookup_gradients, step_arguments, update_rows
 
 
 class BackwardConfig(NamedTuple):
@@ -151,21 +144,6 @@ def _row_update_kernel(
             lane_runs = tile * ROWS + tl.arange(0, ROWS * BLOCK_L) // BLOCK_L
             lane_starts, lane_ends, lane_mask = _runs_of_tile(lane_runs, run_end_ptr, num_lookups, CHUNK)
 
-        # The tile's rows and their state are loaded first: those loads need no gradient, and
-        # their latency hides behind the gradient loop instead of following it.
-        tables = tl.load(sorted_bags_ptr + starts, mask=row_mask, other=0) // batch_size
-        dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=row_mask, other=0), ALIGN)
-        mask = row_mask[:, None] & (columns[None, :] < dims[:, None])
-        global_rows = tl.load(sorted_rows_ptr + starts, mask=row_mask, other=0).to(tl.int64)
-        slots = tl.zeros_like(tables)
-        if USE_CACHE:
-            slots = tl.load(sorted_slots_ptr + starts, mask=row_mask, other=-1)
-        weight_rows, state_rows, weights, state = load_rows(
-            global_rows, tables, slots, row_mask, dims, columns, mask, table_weights_address_ptr,
-            table_weights_stride_ptr, table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr,
-            cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride, OPTIMIZER_LOAD_STATE,
-            USE_CACHE, ALIGN_BYTES, STATE_ALIGN_BYTES)
-
         grad_output_ptr = grad_output_of_step(step_args_ptr)
         grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         for step_start in range(0, tl.max(tl.where(row_mask, ends - starts, 0), axis=0), BLOCK_L):
@@ -176,9 +154,19 @@ def _row_update_kernel(
                 grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns, POOLING,
                 HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
             grad += sum_lanes(tile_grads, ROWS, BLOCK_L, BLOCK_D)
-        store_updated_rows(weight_rows, state_rows, weights, state, global_rows, grad, row_mask, dims, columns,
-                           mask, step_args_ptr, hyper_ptr, NUM_HYPER, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE,
-                           STOCHASTIC_ROUNDING)
+        tables = tl.load(sorted_bags_ptr + starts, mask=row_mask, other=0) // batch_size
+        dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=row_mask, other=0), ALIGN)
+        mask = row_mask[:, None] & (columns[None, :] < dims[:, None])
+        global_rows = tl.load(sorted_rows_ptr + starts, mask=row_mask, other=0).to(tl.int64)
+        slots = tl.zeros_like(tables)
+        if USE_CACHE:
+            slots = tl.load(sorted_slots_ptr + starts, mask=row_mask, other=-1)
+        update_rows(global_rows, tables, slots, grad, row_mask, dims, columns, mask,
+                     table_weights_address_ptr, table_weights_stride_ptr,
+                     table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
+                     cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr, hyper_ptr, NUM_HYPER,
+                     OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
+                     ALIGN_BYTES, STATE_ALIGN_BYTES)
 
 
 @triton.jit

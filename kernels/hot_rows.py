@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .update_rows import grad_output_of_step, load_rows, lookup_gradients, store_updated_rows
+from .update_rows import grad_output_of_step, lookup_gradients, update_rows
 
 
 @triton.jit(do_not_specialize=["num_lookups", "batch_size"])
@@ -154,16 +154,6 @@ def hot_row_update_kernel(
                 one = tl.zeros([1], dtype=tl.int32)
                 dims = one + tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
                 in_row = columns[None, :] < dims[:, None]
-                # The row and its state are loaded first: their latency hides behind the sums below.
-                slots = one
-                if USE_CACHE:
-                    slots = one + tl.load(sorted_slots_ptr + start)
-                global_rows = one.to(tl.int64) + tl.load(sorted_rows_ptr + start).to(tl.int64)
-                weight_rows, state_rows, weights, state = load_rows(
-                    global_rows, one + table, slots, one == 0, dims, columns, in_row, table_weights_address_ptr,
-                    table_weights_stride_ptr, table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr,
-                    cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride,
-                    OPTIMIZER_LOAD_STATE, USE_CACHE, ALIGN_BYTES, STATE_ALIGN_BYTES)
 
                 # The run's pure groups of windows, its windows outside them, then its lookups before
                 # the first and after the last pure window.
@@ -192,6 +182,13 @@ def hot_row_update_kernel(
                         tail, tail < end, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
                         grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size,
                         columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES), axis=0)
-                store_updated_rows(weight_rows, state_rows, weights, state, global_rows, grad[None, :], one == 0,
-                                   dims, columns, in_row, step_args_ptr, hyper_ptr, NUM_HYPER, OPTIMIZER_UPDATE,
-                                   OPTIMIZER_STORE_STATE, STOCHASTIC_ROUNDING)
+                slots = one
+                if USE_CACHE:
+                    slots = one + tl.load(sorted_slots_ptr + start)
+                global_rows = one.to(tl.int64) + tl.load(sorted_rows_ptr + start).to(tl.int64)
+                update_rows(global_rows, one + table, slots, grad[None, :], one == 0, dims, columns, in_row,
+                             table_weights_address_ptr, table_weights_stride_ptr,
+                     table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
+                     cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr, hyper_ptr, NUM_HYPER,
+                     OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
+                     ALIGN_BYTES, STATE_ALIGN_BYTES)

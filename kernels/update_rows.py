@@ -140,10 +140,11 @@ def stochastic_round(
 
 
 @triton.jit
-def load_rows(
+def update_rows(
     global_rows,  # int64 [R]: the rows to update
     tables,  # int32 [R]: their tables
     slots,  # int32 [R]: the slot of each row, or -1 (ignored unless USE_CACHE)
+    grad,  # fp32 [R, BLOCK_D]: each row's summed gradient (zeros outside mask)
     row_mask,  # bool [R]: which rows to update
     dims,  # int32 [R]: embedding_dim of each row's table
     columns,  # int32 [BLOCK_D]
@@ -157,15 +158,18 @@ def load_rows(
     cache_weights_stride,  # elements between consecutive slots of cache_weights
     cache_state_ptr,  # fp32 [num_slots, state_width]: optimizer state of cached rows
     cache_state_stride,  # elements between consecutive slots of cache_state
-    OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton state loader (kernels/optimizers/base.py)
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: the philox key and step)
+    hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters (FusedOptimizer.kernel_hyper)
+    NUM_HYPER: tl.constexpr,  # how many
+    OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
+    OPTIMIZER_UPDATE: tl.constexpr,
+    OPTIMIZER_STORE_STATE: tl.constexpr,
     USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
+    STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically (else to nearest)
     ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
     STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
 ):
-    """``(weight_rows, state_rows, weights, state)``: where ``R`` rows live (slot or backing
-    store) and their weights (fp32 [R, BLOCK_D]) and optimizer state, loaded. The loads need
-    no gradient, so a kernel issues them before it sums its rows' gradients, and their latency
-    hides behind that loop."""
+    """Apply the optimizer to ``R`` rows in their slot or backing store, and store them."""
     element = cache_weights_ptr.dtype.element_ty
     table_rows = global_rows - tl.load(table_row_offset_ptr + tables, mask=row_mask, other=0)
     weight_rows = row_pointers(table_row_zero(table_weights_address_ptr, tables, element), table_rows,
@@ -174,32 +178,13 @@ def load_rows(
     state_rows = row_pointers(table_row_zero(table_state_address_ptr, tables, tl.float32), table_rows,
                               tl.load(table_state_stride_ptr + tables, mask=row_mask, other=0), slots,
                               cache_state_ptr, cache_state_stride, USE_CACHE, STATE_ALIGN_BYTES)
+
+    # Every load of the rows and their state comes before the barrier below, every store after it.
+    # Threads of a program may hold copies of the same values (a row-wise accumulator in every
+    # thread of its row): a thread that stored before another one loaded would make that one
+    # apply the update twice.
     weights = tl.load(weight_rows[:, None] + columns[None, :], mask=mask, other=0.0).to(tl.float32)
     state = OPTIMIZER_LOAD_STATE(state_rows, columns, row_mask, mask, dims)
-    return weight_rows, state_rows, weights, state
-
-
-@triton.jit
-def store_updated_rows(
-    weight_rows,  # pointers [R]: row 0 element of each row's weights (load_rows)
-    state_rows,  # fp32 pointers [R]: each row's optimizer state (load_rows)
-    weights,  # fp32 [R, BLOCK_D]: the rows' weights, loaded (load_rows)
-    state,  # the rows' optimizer state, loaded (load_rows)
-    global_rows,  # int64 [R]: the rows
-    grad,  # fp32 [R, BLOCK_D]: each row's summed gradient (zeros outside mask)
-    row_mask,  # bool [R]: which rows to update
-    dims,  # int32 [R]: embedding_dim of each row's table
-    columns,  # int32 [BLOCK_D]
-    mask,  # bool [R, BLOCK_D]: row_mask and the table's columns
-    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: the philox key and step)
-    hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters (FusedOptimizer.kernel_hyper)
-    NUM_HYPER: tl.constexpr,  # how many
-    OPTIMIZER_UPDATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
-    OPTIMIZER_STORE_STATE: tl.constexpr,
-    STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically (else to nearest)
-):
-    """Apply the optimizer to rows loaded by :func:`load_rows`, and store them where they live."""
-    element = weight_rows.dtype.element_ty
     weights, state = OPTIMIZER_UPDATE(weights, grad, state, mask, dims, load_hyper(hyper_ptr, NUM_HYPER))
     if STOCHASTIC_ROUNDING:
         seed = tl.load(step_args_ptr + 1).to(tl.int32)
@@ -210,10 +195,6 @@ def store_updated_rows(
                                          (global_rows & 0xFFFFFFFF).to(tl.int32)[:, None] + zeros,
                                          (global_rows >> 32).to(tl.int32)[:, None] + zeros, zeros + step)
         weights = stochastic_round(weights, random_bits, element)
-    # Every load of the rows and their state (load_rows) comes before this barrier, every store
-    # after it. Threads of a program may hold copies of the same values (a row-wise accumulator
-    # in every thread of its row): a thread that stored before another one loaded would make
-    # that one apply the update twice.
     tl.debug_barrier()
     OPTIMIZER_STORE_STATE(state_rows, state, columns, row_mask, mask, dims)
     tl.store(weight_rows[:, None] + columns[None, :], weights.to(element), mask=mask)
