@@ -158,7 +158,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
                        f32)
         label = f"row update ({name}) R{config.rows} L{config.lanes} w{config.num_warps}"
         results.append(_report(label, backward._row_update_kernel.warmup(
-            i32, *gradient_args, *update_args, n, 65536, **common, **updating, ROWS=config.rows,
+            i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, ROWS=config.rows,
             BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
         results.append(_report(f"hot row update ({name})", backward.hot_row_update_kernel.warmup(
             f32, f32, i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, GROUP=32, BLOCK_P=32,

@@ -18,8 +18,9 @@ How, without atomics and without a host synchronization (``sort_lookups``, then 
    window (one program per window) into ``window_sums``, and ``hot_row_update_kernel`` (one
    program per window; the first pure window of a run works) adds its run's window sums, the
    lookups before its first and after its last pure window, and applies the optimizer.
-3. Other rows (fewer than ``2 * CHUNK - 1`` lookups): ``_row_update_kernel`` (here), a grid of
-   tiles of ``ROWS`` consecutive runs (programs past the batch's runs exit at once), which sums
+3. Other rows (fewer than ``2 * CHUNK - 1`` lookups): ``_row_update_kernel`` (here), tiles of
+   ``ROWS`` consecutive runs, up to the batch's count of runs (read on the device), a grid's
+   stride apart (``TILES_PER_PROGRAM`` a program at most: the grid is sized by lookups). It sums
    each run's lookups ``BLOCK_L`` at a time and applies the optimizer to the tile's rows at once
    (a warp-sized slice of a program per row, as FBGEMM's warp-per-row kernels, with every load
    of the tile issued together).
@@ -77,6 +78,9 @@ def default_config(block_d: int) -> BackwardConfig:
                           chunk=32)
 
 
+# Tiles of runs per program of _row_update_kernel (at most: its grid is sized by lookups, each
+# program strides over the tiles of the batch's runs).
+TILES_PER_PROGRAM = 2 if INTERPRETING else 8
 # Windows per group of the second level of hot-row sums (a power of two).
 HOT_GROUP = 4 if INTERPRETING else 32
 # Lookups before a hot run's first pure window (and after its last) summed per step: a whole
@@ -90,6 +94,7 @@ __all__ = ["BackwardConfig", "HOT_GROUP", "SortedLookups", "backward_update", "d
 
 @triton.jit(do_not_specialize=["num_lookups", "batch_size"])
 def _row_update_kernel(
+    num_runs_ptr,  # int32 [1]: runs of the batch
     run_end_ptr,  # int32 [N]: one past the last position of each run; N past the last run
     order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
@@ -130,43 +135,45 @@ def _row_update_kernel(
     BLOCK_L: tl.constexpr,  # lookups of each run per step
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
 ):
-    tile = tl.program_id(0)
-    runs = tile * ROWS + tl.arange(0, ROWS)
-    starts, ends, row_mask = _runs_of_tile(runs, run_end_ptr, num_lookups, CHUNK)
-    # Programs past the batch's runs exit here (their runs read as empty): one load, no count read first.
-    if tl.min(starts, axis=0) < num_lookups:
-        columns = tl.arange(0, BLOCK_D)
-        # Gradient tiles have ROWS * BLOCK_L rows, (run, lane) pairs: BLOCK_L lookups of each run per step.
-        lanes = tl.arange(0, ROWS * BLOCK_L) % BLOCK_L
-        if BLOCK_L == 1:
-            lane_starts, lane_ends, lane_mask = starts, ends, row_mask
-        else:
-            lane_runs = tile * ROWS + tl.arange(0, ROWS * BLOCK_L) // BLOCK_L
-            lane_starts, lane_ends, lane_mask = _runs_of_tile(lane_runs, run_end_ptr, num_lookups, CHUNK)
+    # Tiles of runs, a grid's stride apart, up to the batch's count of runs (read here, on the device):
+    # a grid sized by lookups would mostly be programs that find no run (90% of them on Criteo).
+    num_tiles = (tl.load(num_runs_ptr) + ROWS - 1) // ROWS
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        runs = tile * ROWS + tl.arange(0, ROWS)
+        starts, ends, row_mask = _runs_of_tile(runs, run_end_ptr, num_lookups, CHUNK)
+        if tl.max(row_mask.to(tl.int32), axis=0) > 0:  # not a tile of hot runs only
+            columns = tl.arange(0, BLOCK_D)
+            # Gradient tiles have ROWS * BLOCK_L rows, (run, lane) pairs: BLOCK_L lookups of each run per step.
+            lanes = tl.arange(0, ROWS * BLOCK_L) % BLOCK_L
+            if BLOCK_L == 1:
+                lane_starts, lane_ends, lane_mask = starts, ends, row_mask
+            else:
+                lane_runs = tile * ROWS + tl.arange(0, ROWS * BLOCK_L) // BLOCK_L
+                lane_starts, lane_ends, lane_mask = _runs_of_tile(lane_runs, run_end_ptr, num_lookups, CHUNK)
 
-        grad_output_ptr = grad_output_of_step(step_args_ptr)
-        grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-        for step_start in range(0, tl.max(tl.where(row_mask, ends - starts, 0), axis=0), BLOCK_L):
-            positions = lane_starts + step_start + lanes
-            valid = (positions < lane_ends) & lane_mask
-            tile_grads = lookup_gradients(
-                positions, valid, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
-                grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns, POOLING,
-                HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
-            grad += sum_lanes(tile_grads, ROWS, BLOCK_L, BLOCK_D)
-        tables = tl.load(sorted_bags_ptr + starts, mask=row_mask, other=0) // batch_size
-        dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=row_mask, other=0), ALIGN)
-        mask = row_mask[:, None] & (columns[None, :] < dims[:, None])
-        global_rows = tl.load(sorted_rows_ptr + starts, mask=row_mask, other=0).to(tl.int64)
-        slots = tl.zeros_like(tables)
-        if USE_CACHE:
-            slots = tl.load(sorted_slots_ptr + starts, mask=row_mask, other=-1)
-        update_rows(global_rows, tables, slots, grad, row_mask, dims, columns, mask,
-                     table_weights_address_ptr, table_weights_stride_ptr,
-                     table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
-                     cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr, hyper_ptr, NUM_HYPER,
-                     OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
-                     ALIGN_BYTES, STATE_ALIGN_BYTES)
+            grad_output_ptr = grad_output_of_step(step_args_ptr)
+            grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+            for step_start in range(0, tl.max(tl.where(row_mask, ends - starts, 0), axis=0), BLOCK_L):
+                positions = lane_starts + step_start + lanes
+                valid = (positions < lane_ends) & lane_mask
+                tile_grads = lookup_gradients(
+                    positions, valid, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
+                    grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns, POOLING,
+                    HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
+                grad += sum_lanes(tile_grads, ROWS, BLOCK_L, BLOCK_D)
+            tables = tl.load(sorted_bags_ptr + starts, mask=row_mask, other=0) // batch_size
+            dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=row_mask, other=0), ALIGN)
+            mask = row_mask[:, None] & (columns[None, :] < dims[:, None])
+            global_rows = tl.load(sorted_rows_ptr + starts, mask=row_mask, other=0).to(tl.int64)
+            slots = tl.zeros_like(tables)
+            if USE_CACHE:
+                slots = tl.load(sorted_slots_ptr + starts, mask=row_mask, other=-1)
+            update_rows(global_rows, tables, slots, grad, row_mask, dims, columns, mask,
+                         table_weights_address_ptr, table_weights_stride_ptr,
+                         table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
+                         cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr, hyper_ptr, NUM_HYPER,
+                         OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
+                         ALIGN_BYTES, STATE_ALIGN_BYTES)
 
 
 @triton.jit
@@ -333,6 +340,6 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
         window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups,
         plan.batch_size, **common, **updating, GROUP=group, BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES,
         num_warps=4)
-    _row_update_kernel[(triton.cdiv(num_lookups, config.rows),)](
-        s.run_end, *gradient_args, *update_args, num_lookups, plan.batch_size,
+    _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, config.rows), TILES_PER_PROGRAM),)](
+        s.num_runs, s.run_end, *gradient_args, *update_args, num_lookups, plan.batch_size,
         **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
