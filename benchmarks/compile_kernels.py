@@ -161,8 +161,8 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
             i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, ROWS=config.rows,
             BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
         results.append(_report(f"hot row update ({name})", backward.hot_row_update_kernel.warmup(
-            f32, f32, i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, GROUP=32, BLOCK_P=32,
-            BLOCK_L=backward.HOT_LANES, grid=grid, num_warps=4), arch))
+            f32, f32, i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, GROUP=32, WINDOWS=16,
+            BLOCK_P=32, BLOCK_L=backward.HOT_LANES, grid=grid, num_warps=4), arch))
     import tiered_tbe.kernels.per_sample_weights as per_sample_weights
 
     results.append(_report("per-sample-weight grad", per_sample_weights._per_sample_weights_grad_kernel.warmup(

@@ -81,6 +81,8 @@ def default_config(block_d: int) -> BackwardConfig:
 # Tiles of runs per program of _row_update_kernel (at most: its grid is sized by lookups, each
 # program strides over the tiles of the batch's runs).
 TILES_PER_PROGRAM = 2 if INTERPRETING else 8
+# Windows a program of hot_row_update_kernel looks at (one in ~20 owns a hot run on Criteo).
+HOT_WINDOWS = 4 if INTERPRETING else 16
 # Windows per group of the second level of hot-row sums (a power of two).
 HOT_GROUP = 4 if INTERPRETING else 32
 # Lookups before a hot run's first pure window (and after its last) summed per step: a whole
@@ -336,10 +338,10 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     group_sums = torch.empty(num_groups, block_d, dtype=torch.float32, device=device)
     hot_group_sums_kernel[(num_groups,)](group_sums, window_sums, s.run_count, num_lookups, CHUNK=chunk, GROUP=group,
                                           BLOCK_D=block_d, num_warps=4)
-    hot_row_update_kernel[(num_windows,)](
+    hot_row_update_kernel[(triton.cdiv(num_windows, HOT_WINDOWS),)](
         window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups,
-        plan.batch_size, **common, **updating, GROUP=group, BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES,
-        num_warps=4)
+        plan.batch_size, **common, **updating, GROUP=group, WINDOWS=HOT_WINDOWS, BLOCK_P=8 if INTERPRETING else 32,
+        BLOCK_L=HOT_LANES, num_warps=4)
     _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, config.rows), TILES_PER_PROGRAM),)](
         s.num_runs, s.run_end, *gradient_args, *update_args, num_lookups, plan.batch_size,
         **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
