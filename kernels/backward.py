@@ -20,7 +20,7 @@ How, without atomics and without a host synchronization (``sort_lookups``, then 
    lookups before its first and after its last pure window, and applies the optimizer.
 3. Other rows (fewer than ``2 * CHUNK - 1`` lookups): ``_row_update_kernel`` (here), tiles of
    ``ROWS`` consecutive runs, up to the batch's count of runs (read on the device), a grid's
-   stride apart (``TILES_PER_PROGRAM`` a program at most: the grid is sized by lookups). It sums
+   stride apart (``BackwardConfig.tiles`` a program at most: the grid is sized by lookups). It sums
    each run's lookups ``BLOCK_L`` at a time and applies the optimizer to the tile's rows at once
    (a warp-sized slice of a program per row, as FBGEMM's warp-per-row kernels, with every load
    of the tile issued together).
@@ -57,13 +57,14 @@ from .update_rows import grad_output_of_step, hyper_view, lookup_gradients, step
 
 
 class BackwardConfig(NamedTuple):
-    """Tile shapes of the backward kernels (``TIERED_TBE_BACKWARD=rows,lanes,warps,chunk``
+    """Tile shapes of the backward kernels (``TIERED_TBE_BACKWARD=rows,lanes,warps,chunk[,tiles]``
     overrides the defaults, for tuning runs)."""
 
     rows: int  # runs per program of _row_update_kernel
     lanes: int  # lookups of each run per step
     num_warps: int
     chunk: int  # CHUNK: window of sorted positions; runs holding a whole window are hot
+    tiles: int = 2 if INTERPRETING else 8  # tiles of runs a program of _row_update_kernel takes at most
 
 
 def default_config(block_d: int) -> BackwardConfig:
@@ -78,9 +79,6 @@ def default_config(block_d: int) -> BackwardConfig:
                           chunk=32)
 
 
-# Tiles of runs per program of _row_update_kernel (at most: its grid is sized by lookups, each
-# program strides over the tiles of the batch's runs).
-TILES_PER_PROGRAM = 2 if INTERPRETING else 8
 # Windows a program of hot_row_update_kernel looks at (one in ~20 owns a hot run on Criteo).
 HOT_WINDOWS = 4 if INTERPRETING else 16
 # Windows per group of the second level of hot-row sums (a power of two).
@@ -278,6 +276,8 @@ def backward_update(
     config = config or default_config(block_d)
     if not 2 <= config.chunk <= 1024 or config.chunk & (config.chunk - 1):
         raise ValueError(f"config.chunk must be a power of two in [2, 1024], got {config.chunk}")
+    if config.tiles < 1:
+        raise ValueError(f"config.tiles must be at least 1, got {config.tiles}")
     hyper = tuple(float(value) for value in optimizer.kernel_hyper(step))
     plan = _UpdatePlan(
         mode=mode, batch_size=lookups.batch_size, grad_output_stride=grad_output.stride(0),
@@ -342,6 +342,6 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
         window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups,
         plan.batch_size, **common, **updating, GROUP=group, WINDOWS=HOT_WINDOWS, BLOCK_P=8 if INTERPRETING else 32,
         BLOCK_L=HOT_LANES, num_warps=4)
-    _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, config.rows), TILES_PER_PROGRAM),)](
+    _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, config.rows), config.tiles),)](
         s.num_runs, s.run_end, *gradient_args, *update_args, num_lookups, plan.batch_size,
         **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
