@@ -14,16 +14,17 @@ How, without atomics and without a host synchronization (``sort_lookups``, then 
    position of run ``u``); the number of runs stays on the device.
 2. Hot rows (``kernels/hot_rows.py``). The sorted positions fall into windows of ``CHUNK``; a
    window inside one run is *pure*. A run holding a pure window is *hot*:
-   ``hot_window_sums_kernel`` sums each pure
-   window (one program per window) into ``window_sums``, and ``hot_row_update_kernel`` (one
-   program per window; the first pure window of a run works) adds its run's window sums, the
-   lookups before its first and after its last pure window, and applies the optimizer.
+   ``hot_window_sums_kernel`` sums each pure window (one program per window) into
+   ``window_sums``, and ``hot_row_update_kernel`` (``HOT_WINDOWS`` windows a program; the first
+   pure window of a run owns it) adds its run's window sums, the lookups before its first and
+   after its last pure window, and applies the optimizer.
 3. Other rows (fewer than ``2 * CHUNK - 1`` lookups): ``_row_update_kernel`` (here), tiles of
    ``ROWS`` consecutive runs, up to the batch's count of runs (read on the device), a grid's
-   stride apart (``BackwardConfig.tiles`` a program at most: the grid is sized by lookups). It sums
+   stride apart (at most ``BackwardConfig.tiles`` a program: the grid is sized by lookups, and
+   a program per tile of possible runs was ~90% programs that found none on Criteo). It sums
    each run's lookups ``BLOCK_L`` at a time and applies the optimizer to the tile's rows at once
-   (a warp-sized slice of a program per row, as FBGEMM's warp-per-row kernels, with every load
-   of the tile issued together).
+   (a slice of a warp per row, as FBGEMM's warp-per-row kernels, with every load of the tile
+   issued together).
 
 The gradient of a lookup and the optimizer's update of a tile of rows are shared by both
 (``kernels/update_rows.py``, with the step's arguments the kernels read from one device tensor,
@@ -69,7 +70,7 @@ class BackwardConfig(NamedTuple):
 
 def default_config(block_d: int) -> BackwardConfig:
     """Measured on an H200 at dim 128 (benchmarks/RESULTS.md); the interpreter takes small tiles so
-    the tests walk several steps and programs."""
+    the tests walk several steps, tiles and programs."""
     override = os.environ.get("TIERED_TBE_BACKWARD")
     if override:
         return BackwardConfig(*(int(value) for value in override.split(",")))
