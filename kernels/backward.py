@@ -65,7 +65,7 @@ class BackwardConfig(NamedTuple):
     lanes: int  # lookups of each run per step
     num_warps: int
     chunk: int  # CHUNK: window of sorted positions; runs holding a whole window are hot
-    tiles: int = 2 if INTERPRETING else 8  # tiles of runs a program of _row_update_kernel takes at most
+    tiles: int = 2 if INTERPRETING else 16  # tiles of runs a program of _row_update_kernel takes at most
 
 
 def default_config(block_d: int) -> BackwardConfig:
@@ -79,7 +79,7 @@ def default_config(block_d: int) -> BackwardConfig:
     # Small tiles (4 rows of 128 over 2 warps) beat 16 rows over 4 warps once the kernel strides
     # over the batch's runs: Criteo step 0.90 -> 0.81 of FBGEMM's, big Zipf 1.35 -> 1.12 (RESULTS.md).
     return BackwardConfig(rows=max(1, min(16, 512 // block_d)), lanes=1, num_warps=2 if block_d <= 256 else 4,
-                          chunk=32, tiles=16)
+                          chunk=32)
 
 
 # Windows a program of hot_row_update_kernel looks at (one in ~20 owns a hot run on Criteo).

@@ -146,14 +146,16 @@ def hot_row_update_kernel(
     inside = (windows + 1) * CHUNK <= num_lookups
     run_counts = tl.load(run_count_ptr + windows * CHUNK, mask=inside, other=0)
     pure = inside & (run_counts == tl.load(run_count_ptr + windows * CHUNK + CHUNK - 1, mask=inside, other=-1))
-    run_starts = tl.load(run_end_ptr + run_counts - 2, mask=pure & (run_counts > 1), other=0)
+    run_starts = tl.load(run_end_ptr + run_counts - 2, mask=pure & (run_counts > 1), other=0).to(tl.int64)
+    run_ends = tl.load(run_end_ptr + run_counts - 1, mask=pure, other=0).to(tl.int64)
     owns = pure & (windows == (run_starts + CHUNK - 1) // CHUNK)  # the run's first pure window owns it
     for lane in range(0, WINDOWS):
-        if tl.sum(tl.where(owns & (lanes == lane), 1, 0), axis=0) > 0:
+        this = lanes == lane
+        if tl.sum(tl.where(owns & this, 1, 0), axis=0) > 0:
+            # The owner's run, taken from the loads above (a sum over one lane).
+            start = tl.sum(tl.where(this, run_starts, 0), axis=0)
+            end = tl.sum(tl.where(this, run_ends, 0), axis=0)
             first_window = tl.program_id(0).to(tl.int64) * WINDOWS + lane
-            run = tl.load(run_count_ptr + first_window * CHUNK) - 1
-            start = tl.load(run_end_ptr + run - 1, mask=run > 0, other=0).to(tl.int64)
-            end = tl.load(run_end_ptr + run).to(tl.int64)
             _update_hot_run(
                 start, end, first_window, window_sums_ptr, group_sums_ptr, order_ptr, sorted_bags_ptr,
                 sorted_weights_ptr, offsets_ptr, step_args_ptr, grad_output_stride, table_dim_ptr,
