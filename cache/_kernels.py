@@ -209,13 +209,16 @@ INFO_STATE_OFFSET = 5  # fp32 offset of its row 0 in the group's state buffer
 INFO_STATE_STRIDE = 6  # fp32 values between consecutive rows
 INFO_STATE_WIDTH = 7  # optimizer-state values per row (0: none)
 TABLE_INFO_COLUMNS = 8
+# ``wanted`` of copy_rows_kernel that copies every entry whose row lies in the group's tables.
+COPY_EVERY_ROW = -1
 
 
 @cuda.jit
 def copy_rows_kernel(
-    selected,  # uint8 or int8 [N]: entry e is copied only where selected[e] == wanted
-    wanted,  # int64: the value of `selected` that means "copy"
-    row_of_entry,  # int64 [N]: global row of each entry (any value outside the group's tables is skipped)
+    selected,  # uint8 or int8 [N]: entry e is copied only where selected[e] == wanted (any [N] array when
+    #            wanted is COPY_EVERY_ROW)
+    wanted,  # int64: the value of `selected` that means "copy", or COPY_EVERY_ROW: every entry is copied
+    row_of_entry,  # int32 or int64 [N]: global row of each entry (any value outside the group's tables is skipped)
     slot_of_entry,  # int32 or int64 [N]: its slot
     table_info,  # int64 [G, TABLE_INFO_COLUMNS]: the group's tables, ascending global rows (see INFO_*)
     to_backing,  # bool: True copies slot -> backing store (write-back), False the reverse (fill)
@@ -237,7 +240,7 @@ def copy_rows_kernel(
     entry_stride = cuda.gridDim.x * cuda.blockDim.y
     num_tables = table_info.shape[0]
     for entry in range(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y, selected.shape[0], entry_stride):
-        if selected[entry] != wanted:
+        if wanted != COPY_EVERY_ROW and selected[entry] != wanted:
             continue
         row = row_of_entry[entry]
         low, high = 0, num_tables  # the last table whose start is <= row: table_info[low]

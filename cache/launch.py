@@ -37,12 +37,15 @@ class KernelLauncher:
 
     def launch(self, kernel, num_items: int, *args) -> None:
         """Launch a 1-D grid-stride kernel over ``num_items`` entries."""
+        self.launch_configured(kernel, *self.shape_of(num_items), *args)
+
+    @staticmethod
+    def shape_of(num_items: int, max_blocks: int = 65535, max_threads: int = 256) -> tuple[int, int]:
+        """``(blocks, threads a block)`` of a 1-D grid-stride launch over ``num_items`` entries:
+        blocks of ``max_threads`` on the GPU, one block of a few threads in the simulator."""
         if SIMULATION:
-            grid, block = 1, max(1, min(num_items, SIMULATED_THREADS))
-        else:
-            block = 256
-            grid = max(1, min(-(-num_items // block), 65535))
-        self.launch_configured(kernel, grid, block, *args)
+            return 1, max(1, min(num_items, SIMULATED_THREADS, max_threads))
+        return max(1, min(-(-num_items // max_threads), max_blocks)), max_threads
 
     def launch_configured(self, kernel, grid, block, *args) -> None:
         """Launch ``kernel[grid, block]`` on torch's current stream; tensors become kernel arrays."""

@@ -70,6 +70,9 @@ class Moves(NamedTuple):
     outcome: torch.Tensor  # int8: OUTCOME_* of each
     victim_row: torch.Tensor  # int64: the row its fill evicted, EMPTY if none
     victim_was_dirty: torch.Tensor  # uint8: 1 when that row must be written back
+    # int32 when the rows fit it, else int64: the rows to write back (the dirty victims, each a
+    # distinct row), the dtype's largest value elsewhere (sorts last; outside every table)
+    write_back_keys: torch.Tensor
 
 
 def sorted_write_backs(rows: torch.Tensor, slots: torch.Tensor, rows_end: int):

@@ -40,21 +40,22 @@ import torch
 
 from tiered_tbe.base.graphs import StepGraphs, to_device
 from tiered_tbe.base.mode import SIMULATION, default_device
-from tiered_tbe.base.sorting import sort_ids
-from tiered_tbe.cache import _kernels
-from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT
+from tiered_tbe.cache import _kernels, batch_kernels
+from tiered_tbe.cache._kernels import NOT_CACHED
 from tiered_tbe.cache.hints import MAX_LOOKAHEAD, UpcomingBatches
 from tiered_tbe.cache.launch import KernelLauncher
 from tiered_tbe.cache.mover import Moves, make_mover, sorted_write_backs
-from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, NO_SLOT, POLICY_LOOKAHEAD, check_geometry, policy_code
+from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, POLICY_LOOKAHEAD, check_geometry, policy_code
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.cache.tables import CachedTable, check_tables
 from tiered_tbe.cache.zero_copy import ZeroCopyMover
 
 __all__ = ["MAX_LOOKAHEAD", "CacheBatch", "CachedTable", "SlotCache"]
 
-# Counters kept on the device, in CacheStats order (``batches`` is counted on the host).
+# Counters kept on the device, in CacheStats order (``batches`` is counted on the host), as a
+# prefetch's kernels sum them.
 _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
+assert tuple(_DEVICE_COUNTERS) == batch_kernels.COUNTER_NAMES, "batch_kernels.COUNTER_NAMES must follow CacheStats"
 
 
 class CacheBatch:
@@ -469,66 +470,26 @@ class SlotCache:
 
     def _assign(self, rows: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Moves]:
         """(slot_of_index int32 [N], locked_slots int32 [N], bypassed_rows int64 [N], the moves) of the
-        batch ``rows`` (int64 [N]) at ``step`` (int64 [1], on the device)."""
-        n = rows.numel()
-        on = dict(device=self.device)
-
-        # 1. Deduplicate by sorting: unique rows ascending, padded to N with NOT_CACHED.
-        masked = self._mask_uncached(rows)
-        sorted_rows, order = sort_ids(masked, self._rows_end)
-        cached_sorted = sorted_rows != NOT_CACHED
-        is_first = torch.ones(n, dtype=torch.bool, **on)
-        is_first[1:] = sorted_rows[1:] != sorted_rows[:-1]
-        is_first &= cached_sorted
-        unique_index_sorted = torch.cumsum(is_first, 0) - 1  # index among unique rows, per sorted lookup
-        unique_rows = torch.full((n,), NOT_CACHED, dtype=torch.int64, **on)
-        # Repeats of a row write the same value to the same place; uncached lookups (sorted
-        # last) all write NOT_CACHED to position n - 1, which is padding whenever they exist.
-        unique_rows.scatter_(0, torch.where(cached_sorted, unique_index_sorted, n - 1), sorted_rows)
-        unique_of_lookup = torch.empty(n, dtype=torch.int64, **on)
-        unique_of_lookup[order] = torch.where(cached_sorted, unique_index_sorted, -1)
-
-        # 2. Sets, then the unique rows grouped by set (stable: ascending rows within a set).
-        set_of_unique = torch.empty(n, dtype=torch.int64, **on)
-        self._launcher.launch(_kernels.set_of_rows_kernel, n, unique_rows, self.num_sets, set_of_unique)
-        set_of_position, unique_of_position = sort_ids(set_of_unique, self.num_sets + 1, stable=True)
-
+        batch ``rows`` (int64 [N]) at ``step`` (int64 [1], on the device): the kernels and sorts of
+        :mod:`tiered_tbe.cache.batch_kernels`, in its order."""
+        # 1. Deduplicate by sorting: the unique rows ascending, padded to N with NOT_CACHED, and their sets.
+        u = batch_kernels.unique_rows_of_batch(self._launcher, rows, self._table_starts, self._table_ends,
+                                               self._rows_end, self.num_sets)
+        # 2. The unique rows grouped by set (stable: ascending rows within a set).
+        set_of_position, unique_of_position = torch.sort(u.set_of_unique, stable=True)
         # 3. Hits, victims, fills: the policy, one thread per set.
-        slot_of_unique = torch.full((n,), NO_SLOT, dtype=torch.int32, **on)
-        outcome = torch.zeros(n, dtype=torch.int8, **on)
-        victim_row = torch.full((n,), EMPTY, dtype=torch.int64, **on)
-        victim_was_dirty = torch.zeros(n, dtype=torch.uint8, **on)
         read_window_bits = self._policy_code == POLICY_LOOKAHEAD and self.window_bits is not None
         self._launcher.launch(
-            _kernels.assign_slots_kernel, n, set_of_position, unique_of_position, unique_rows, self.num_sets,
-            self.associativity, step, self._policy_code, self._k_tags, self._k_last_use, self._k_use_count,
-            self._k_next_use, self._upcoming.kernel_bits, read_window_bits, self._k_locks, self._k_dirty,
-            self._k_bypass_count, slot_of_unique, outcome, victim_row, victim_was_dirty)
-
-        # 4. The remap, and the counters (device sums: no sync).
-        num_unique = is_first.sum()
-        cached_lookup = unique_of_lookup >= 0
-        unique_of_lookup_or_0 = unique_of_lookup.clamp(min=0)
-        slot_of_index = torch.where(cached_lookup, slot_of_unique[unique_of_lookup_or_0], NO_SLOT)
-        hit = outcome == OUTCOME_HIT
-        filled = outcome == OUTCOME_FILLED
-        unique_hits = hit.sum()
-        update = {
-            "lookups": cached_lookup.sum(),
-            "lookup_hits": (hit[unique_of_lookup_or_0] & cached_lookup).sum(),
-            "unique_rows": num_unique,
-            "unique_hits": unique_hits,
-            "unique_misses": num_unique - unique_hits,
-            "misses_no_slot": (outcome == OUTCOME_NO_SLOT).sum(),
-            "evictions": (filled & (victim_row != EMPTY)).sum(),
-            "write_backs": victim_was_dirty.sum(dtype=torch.int64),
-            "bytes_in": self._bytes_of(unique_rows, filled),
-            "bytes_out": self._bytes_of(victim_row, victim_was_dirty),
-        }
-        self._counters += torch.stack([update[name] for name in _DEVICE_COUNTERS])
-        bypassed_rows = torch.where(outcome == OUTCOME_NO_SLOT, unique_rows, NOT_CACHED)
-        moves = Moves(unique_rows, slot_of_unique, outcome, victim_row, victim_was_dirty)
-        return slot_of_index.to(torch.int32), slot_of_unique, bypassed_rows, moves
+            _kernels.assign_slots_kernel, rows.numel(), set_of_position, unique_of_position, u.unique_rows,
+            self.num_sets, self.associativity, step, self._policy_code, self._k_tags, self._k_last_use,
+            self._k_use_count, self._k_next_use, self._upcoming.kernel_bits, read_window_bits, self._k_locks,
+            self._k_dirty, self._k_bypass_count, u.slot_of_unique, u.outcome, u.victim_row, u.victim_was_dirty)
+        # 4. The remap, the rows left in the backing store, the write-back list, the counters (no sync).
+        slot_of_index, bypassed_rows, write_back_keys, counters = batch_kernels.outcomes_of_batch(
+            self._launcher, u, self._table_starts, self._table_row_bytes)
+        self._counters += counters
+        moves = Moves(u.unique_rows, u.slot_of_unique, u.outcome, u.victim_row, u.victim_was_dirty, write_back_keys)
+        return slot_of_index, u.slot_of_unique, bypassed_rows, moves
 
     def _write_rows_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy slot ``slots[i]`` to the backing row ``rows[i]`` (int64 [M]; EMPTY skips; a row named

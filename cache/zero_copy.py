@@ -16,8 +16,7 @@ from tiered_tbe.base.mode import SIMULATION
 from tiered_tbe.cache import _kernels
 from tiered_tbe.cache._kernels import OUTCOME_FILLED
 from tiered_tbe.cache.launch import KernelLauncher, flat_view
-from tiered_tbe.cache.mover import Moves, RowMover, sorted_write_backs
-from tiered_tbe.cache.policy import EMPTY
+from tiered_tbe.cache.mover import Moves, RowMover
 from tiered_tbe.cache.tables import BITS_OF_SIZE, CachedTable
 
 # Most thread blocks a copy launch (fill, write-back, flush) uses; each block moves 8 rows at a
@@ -48,9 +47,12 @@ class ZeroCopyMover(RowMover):
         self._copy_groups = self._make_copy_groups(weights, state, tables)
 
     def start(self, moves: Moves, step: int) -> None:
-        # A slot's old row leaves before its new row arrives: write-backs first, then fills.
-        dirty_victims = torch.where(moves.victim_was_dirty.bool(), moves.victim_row, EMPTY)
-        self.write_back(*sorted_write_backs(dirty_victims, moves.slot_of_unique, self.rows_end))
+        # A slot's old row leaves before its new row arrives: write-backs first, then fills. The
+        # dirty victims are distinct rows, written in ascending order (the GPU writes host memory
+        # ~2.5x faster in row order); the padding keys sort last and lie outside every table.
+        sorted_rows, order = torch.sort(moves.write_back_keys)
+        self.copy_rows(sorted_rows, _kernels.COPY_EVERY_ROW, sorted_rows, moves.slot_of_unique[order],
+                       to_backing=True)
         self.copy_rows(moves.outcome, OUTCOME_FILLED, moves.unique_rows, moves.slot_of_unique, to_backing=False)
         return None
 
@@ -64,9 +66,9 @@ class ZeroCopyMover(RowMover):
         pass
 
     def copy_rows(self, selected, wanted, row_of_entry, slot_of_entry, to_backing) -> None:
-        """Copy the rows of the entries where ``selected == wanted`` (all tables, one launch per
-        buffer group; see ``copy_rows_kernel``): slot -> backing store if ``to_backing``, else
-        backing store -> slot."""
+        """Copy the rows of the entries where ``selected == wanted`` (every entry with ``wanted ==
+        COPY_EVERY_ROW``; all tables, one launch per buffer group; see ``copy_rows_kernel``):
+        slot -> backing store if ``to_backing``, else backing store -> slot."""
         num_entries = selected.numel()
         if SIMULATION:
             # Few simulator threads (each is a Python thread); each walks many entries, all columns.

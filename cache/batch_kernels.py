@@ -1,0 +1,264 @@
+"""Numba CUDA kernels of a prefetch's bookkeeping: deduplicating the batch, the remap, the counters.
+
+The policy kernel (``assign_slots_kernel`` in :mod:`tiered_tbe.cache._kernels`) decides, one
+thread per set, what happens to each unique row of a batch. Around it a prefetch of ``N``
+lookups must find the unique rows (grouped by set) and, afterwards, turn the decisions into
+each lookup's slot, the rows left in the backing store, the write-back list and the counters.
+Done with torch ops that took ~45 launches over the ``N`` lookups (~0.56 ms of a 2.34 ms
+cached Criteo step on the H200, benchmarks/RESULTS.md, 2026-12-01 sixth session); here each
+pass over the batch is one kernel::
+
+    sort_keys_kernel         rows -> sort keys (rows outside every cached table -> the "none" key)
+    torch.sort               keys ascending, and their order
+    run_heads_kernel         1 at the first sorted position of each cached row, else 0
+    torch.cumsum             the unique number (1-based) of every sorted position
+    unique_rows_kernel       the unique rows (ascending, then NOT_CACHED padding), their sets,
+                             and the policy kernel's outputs initialised
+    torch.sort (stable)      the unique rows grouped by set
+    assign_slots_kernel      hits, victims, fills (``_kernels.py``)
+    batch_outcomes_kernel    each lookup's slot, the rows given no slot, the dirty victims'
+                             write-back keys, and the counters summed per thread block
+
+Everything stays on the device, sized by ``N`` (padding marks what is not a row), so a prefetch
+never waits for the GPU and replays as one CUDA graph. No atomics: every output entry has one
+writer, and the counters are reduced per block into ``partial_counters`` ``[blocks, C]``,
+summed by torch afterwards. Host functions: :func:`unique_rows_of_batch` (before the policy
+kernel) and :func:`outcomes_of_batch` (after it); their plain-torch reference is
+``reference_bookkeeping`` in ``tests/test_cache.py``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from numba import cuda
+
+from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
+from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT, OUTCOME_NONE
+from tiered_tbe.cache.policy import EMPTY, NO_SLOT, set_of_row_device
+
+# The device counters a prefetch adds to, in this order (the CacheStats fields but ``batches``).
+COUNTER_NAMES = ("lookups", "lookup_hits", "unique_rows", "unique_hits", "unique_misses", "misses_no_slot",
+                 "evictions", "write_backs", "bytes_in", "bytes_out")
+(_LOOKUPS, _LOOKUP_HITS, _UNIQUE_ROWS, _UNIQUE_HITS, _UNIQUE_MISSES, _MISSES_NO_SLOT, _EVICTIONS, _WRITE_BACKS,
+ _BYTES_IN, _BYTES_OUT) = range(len(COUNTER_NAMES))
+NUM_COUNTERS = len(COUNTER_NAMES)
+# Most threads a block of batch_outcomes_kernel has (its shared array holds one value per thread
+# and counter) and most blocks a launch has (each writes a row of partial_counters).
+REDUCE_THREADS = 256
+REDUCE_BLOCKS = 1024
+
+
+@cuda.jit
+def sort_keys_kernel(
+    rows,  # int64 [N]: global row of each lookup
+    table_starts,  # int64 [T]: first global row of each cached table, ascending
+    table_ends,  # int64 [T]: one past the last global row of each
+    none_key,  # int64: the key of a row outside every cached table (the largest value of keys' dtype)
+    keys,  # int32 or int64 [N] out: the row (it fits the dtype), or none_key
+):
+    """The keys the batch is sorted by: its rows, with those outside the cached tables sorted last."""
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for i in range(start, rows.shape[0], stride):
+        row = rows[i]
+        table = _table_of_row(row, table_starts)
+        inside = row >= table_starts[table] and row < table_ends[table]
+        keys[i] = row if inside else none_key
+
+
+@cuda.jit
+def run_heads_kernel(
+    sorted_keys,  # int32 or int64 [N]: the sort keys, ascending
+    none_key,  # int64: the key of no row (sorts last)
+    is_head,  # int32 [N] out: 1 where a cached row's run of equal keys starts, else 0
+):
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for i in range(start, sorted_keys.shape[0], stride):
+        key = sorted_keys[i]
+        is_head[i] = 1 if key != none_key and (i == 0 or sorted_keys[i - 1] != key) else 0
+
+
+@cuda.jit
+def unique_rows_kernel(
+    sorted_keys,  # int32 or int64 [N]: the sort keys, ascending
+    unique_number,  # int32 [N]: inclusive prefix sum of run_heads_kernel's is_head
+    none_key,  # int64: the key of no row
+    num_sets,  # int64
+    unique_rows,  # int64 [N] out: the unique rows, ascending, then NOT_CACHED
+    set_of_unique,  # int32 [N] out: set of each unique row; num_sets for padding (sorts last)
+    slot_of_unique,  # int32 [N] out: NO_SLOT (assign_slots_kernel's input state)
+    outcome,  # int8 [N] out: OUTCOME_NONE
+    victim_row,  # int64 [N] out: EMPTY
+    victim_was_dirty,  # uint8 [N] out: 0
+):
+    """Thread ``i`` writes position ``i`` of every padded output, and the unique row whose run
+    starts at sorted position ``i`` (its unique number is never above ``i + 1``; padding
+    starts at the batch's count of unique rows, past every unique row's index: one writer each)."""
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    n = sorted_keys.shape[0]
+    num_unique = unique_number[n - 1]
+    for i in range(start, n, stride):
+        slot_of_unique[i] = NO_SLOT
+        outcome[i] = OUTCOME_NONE
+        victim_row[i] = EMPTY
+        victim_was_dirty[i] = 0
+        if i >= num_unique:
+            unique_rows[i] = NOT_CACHED
+            set_of_unique[i] = num_sets
+        key = sorted_keys[i]
+        if key != none_key and (i == 0 or sorted_keys[i - 1] != key):
+            row = np.int64(key)
+            u = unique_number[i] - 1
+            unique_rows[u] = row
+            set_of_unique[u] = set_of_row_device(row, num_sets)
+
+
+@cuda.jit
+def batch_outcomes_kernel(
+    sorted_keys,  # int32 or int64 [N]: the sort keys, ascending
+    order,  # int64 [N]: the lookup at each sorted position
+    unique_number,  # int32 [N]: 1-based unique number of each sorted position (see unique_rows_kernel)
+    none_key,  # int64: the key of no row
+    unique_rows,  # int64 [N]: the unique rows, then NOT_CACHED
+    slot_of_unique,  # int32 [N]: assign_slots_kernel's slot of each unique row (NO_SLOT: none)
+    outcome,  # int8 [N]: its OUTCOME_* of each
+    victim_row,  # int64 [N]: the row a fill evicted, EMPTY if none
+    victim_was_dirty,  # uint8 [N]: 1 when that row must be written back
+    table_starts,  # int64 [T]: first global row of each cached table, ascending
+    table_row_bytes,  # int64 [T]: bytes of a row of each, weights and optimizer state
+    slot_of_index,  # int32 [N] out: the slot of every lookup's row, NO_SLOT when none
+    bypassed_rows,  # int64 [N] out: the unique rows given no slot, NOT_CACHED elsewhere
+    write_back_keys,  # dtype of sorted_keys [N] out: the dirty victims' rows, none_key elsewhere
+    partial_counters,  # int64 [gridDim.x, NUM_COUNTERS] out: each block's sums of COUNTER_NAMES
+):
+    """Thread ``i`` handles sorted position ``i`` as a lookup (its slot goes to the lookup
+    ``order[i]``) and as a unique row's position; then each block sums its threads' counts in
+    shared memory (launch with at most REDUCE_THREADS threads a block)."""
+    counts = cuda.local.array(NUM_COUNTERS, np.int64)
+    for c in range(NUM_COUNTERS):
+        counts[c] = 0
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for i in range(start, sorted_keys.shape[0], stride):
+        slot = NO_SLOT
+        if sorted_keys[i] != none_key:
+            u = unique_number[i] - 1
+            slot = slot_of_unique[u]
+            counts[_LOOKUPS] += 1
+            if outcome[u] == OUTCOME_HIT:
+                counts[_LOOKUP_HITS] += 1
+        slot_of_index[order[i]] = slot
+
+        row = unique_rows[i]
+        bypassed = NOT_CACHED
+        write_back_key = none_key
+        if row != NOT_CACHED:
+            result = outcome[i]
+            counts[_UNIQUE_ROWS] += 1
+            if result == OUTCOME_HIT:
+                counts[_UNIQUE_HITS] += 1
+            else:
+                counts[_UNIQUE_MISSES] += 1
+            if result == OUTCOME_NO_SLOT:
+                counts[_MISSES_NO_SLOT] += 1
+                bypassed = row
+            if result == OUTCOME_FILLED:
+                counts[_BYTES_IN] += table_row_bytes[_table_of_row(row, table_starts)]
+                victim = victim_row[i]
+                if victim != EMPTY:
+                    counts[_EVICTIONS] += 1
+                    if victim_was_dirty[i] != 0:
+                        counts[_WRITE_BACKS] += 1
+                        counts[_BYTES_OUT] += table_row_bytes[_table_of_row(victim, table_starts)]
+                        write_back_key = victim
+        bypassed_rows[i] = bypassed
+        write_back_keys[i] = write_back_key
+
+    shared = cuda.shared.array((NUM_COUNTERS, REDUCE_THREADS), np.int64)
+    thread = cuda.threadIdx.x
+    for c in range(NUM_COUNTERS):
+        shared[c, thread] = counts[c]
+    cuda.syncthreads()
+    for c in range(thread, NUM_COUNTERS, cuda.blockDim.x):  # a thread per counter sums the block's values
+        total = 0
+        for t in range(cuda.blockDim.x):
+            total += shared[c, t]
+        partial_counters[cuda.blockIdx.x, c] = total
+
+
+@cuda.jit(device=True, inline=True)
+def _table_of_row(row, table_starts):
+    """The last table whose first row is <= ``row`` (table 0 when none is): a binary search."""
+    low, high = 0, table_starts.shape[0]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if table_starts[middle] <= row:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+# ------------------------------------------------------------------------------------ host functions
+
+
+class UniqueRows(NamedTuple):
+    """A batch of ``N`` lookups deduplicated (device tensors [N], padded past its unique rows),
+    and the policy kernel's outputs, initialised (``assign_slots_kernel`` fills them in)."""
+
+    sorted_keys: torch.Tensor  # int32 when the rows fit, else int64: the sort keys, ascending
+    order: torch.Tensor  # int64: the lookup at each sorted position
+    unique_number: torch.Tensor  # int32: the 1-based unique number of each sorted position
+    none_key: int  # the key of no row: the largest value of sorted_keys' dtype
+    unique_rows: torch.Tensor  # int64: the unique rows, ascending, then NOT_CACHED
+    set_of_unique: torch.Tensor  # int32: the set of each, num_sets for padding
+    slot_of_unique: torch.Tensor  # int32 NO_SLOT: slot of each unique row
+    outcome: torch.Tensor  # int8 OUTCOME_NONE: OUTCOME_* of each
+    victim_row: torch.Tensor  # int64 EMPTY: the row its fill evicted
+    victim_was_dirty: torch.Tensor  # uint8 0: 1 when that row must be written back
+
+
+def unique_rows_of_batch(launcher, rows: torch.Tensor, table_starts: torch.Tensor, table_ends: torch.Tensor,
+                         rows_end: int, num_sets: int) -> UniqueRows:
+    """Deduplicate ``rows`` (int64 [N], N >= 1; rows outside the cached tables, given by
+    ``table_starts`` / ``table_ends`` int64 [T] ascending, are dropped); ``rows_end`` bounds the
+    rows of those tables (int32 keys below INT32_MAX). ``launcher``: a ``KernelLauncher``."""
+    n = rows.numel()
+    on = dict(device=rows.device)
+    key_dtype, none_key = (torch.int32, INT32_MAX) if rows_end <= INT32_MAX else (torch.int64, INT64_MAX)
+    keys = torch.empty(n, dtype=key_dtype, **on)
+    launcher.launch(sort_keys_kernel, n, rows, table_starts, table_ends, none_key, keys)
+    sorted_keys, order = torch.sort(keys)
+    is_head = torch.empty(n, dtype=torch.int32, **on)
+    launcher.launch(run_heads_kernel, n, sorted_keys, none_key, is_head)
+    unique_number = torch.cumsum(is_head, 0, dtype=torch.int32)
+    unique = UniqueRows(sorted_keys, order, unique_number, none_key, torch.empty(n, dtype=torch.int64, **on),
+                        torch.empty(n, dtype=torch.int32, **on), torch.empty(n, dtype=torch.int32, **on),
+                        torch.empty(n, dtype=torch.int8, **on), torch.empty(n, dtype=torch.int64, **on),
+                        torch.empty(n, dtype=torch.uint8, **on))
+    launcher.launch(unique_rows_kernel, n, sorted_keys, unique_number, none_key, num_sets, *unique[4:])
+    return unique
+
+
+def outcomes_of_batch(launcher, unique: UniqueRows, table_starts: torch.Tensor, table_row_bytes: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """After the policy kernel filled ``unique``'s outputs: ``(slot_of_index int32 [N],
+    bypassed_rows int64 [N], write_back_keys [N] (sorted_keys' dtype), counters int64
+    [NUM_COUNTERS])`` (see batch_outcomes_kernel); ``table_row_bytes`` int64 [T]."""
+    n = unique.sorted_keys.numel()
+    on = dict(device=unique.sorted_keys.device)
+    slot_of_index = torch.empty(n, dtype=torch.int32, **on)
+    bypassed_rows = torch.empty(n, dtype=torch.int64, **on)
+    write_back_keys = torch.empty(n, dtype=unique.sorted_keys.dtype, **on)
+    blocks, threads = launcher.shape_of(n, REDUCE_BLOCKS, REDUCE_THREADS)
+    partial_counters = torch.empty(blocks, NUM_COUNTERS, dtype=torch.int64, **on)
+    launcher.launch_configured(batch_outcomes_kernel, blocks, threads, *unique[:4], unique.unique_rows,
+                               unique.slot_of_unique, unique.outcome, unique.victim_row, unique.victim_was_dirty,
+                               table_starts, table_row_bytes, slot_of_index, bypassed_rows, write_back_keys,
+                               partial_counters)
+    return slot_of_index, bypassed_rows, write_back_keys, partial_counters.sum(0)
