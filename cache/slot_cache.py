@@ -20,8 +20,8 @@ A training step with the cache::
     batch = cache.prefetch(global_rows)          # hits locked, misses assigned and locked, rows moving
     cache.wait_filled(batch)                     # the current stream waits for the batch's rows
     ... forward / backward read and update rows through batch.slot_of_index ...
-    cache.mark_dirty(batch)                      # the slots that backward updated
-    cache.unlock(batch)                          # the batch no longer needs its rows
+    cache.unlock(batch, mark_dirty=True)         # the slots backward updated are dirty, and the
+                                                 # batch no longer needs its rows
 
 With a prefetch pipeline of depth ``k`` the unlock (and mark_dirty) of a batch comes after the
 prefetches of the ``k`` batches that follow it: those prefetches cannot evict its rows.
@@ -348,24 +348,24 @@ class SlotCache:
         """
         return self._upcoming.next_use_of_slots(self.tags, self._step)
 
-    def unlock(self, batch: CacheBatch) -> None:
+    def unlock(self, batch: CacheBatch, mark_dirty: bool = False) -> None:
         """Release a prefetched batch: its locks (one per unique row) and the rows it gave no slot.
 
         ``batch`` is the :class:`CacheBatch` its prefetch returned, or a copy: the batch is found
-        by its step, so what is released is what the prefetch took. ``RuntimeError`` (nothing
-        changes) when that batch was unlocked already; ``TypeError`` for anything but a CacheBatch.
+        by its step, so what is released is what the prefetch took. ``mark_dirty``: first mark
+        its slots dirty, as :meth:`mark_dirty` of the batch would (in the same launch).
+        ``RuntimeError`` (nothing changes) when that batch was unlocked already; ``TypeError``
+        for anything but a CacheBatch.
         """
         entry = self._unreleased.pop(_check_batch(batch).step, None)
         if entry is None:
             raise RuntimeError(f"unlock of the batch of step {batch.step}, which holds no lock: unlocked twice, "
                                "or not prefetched by this cache")
         self._order_metadata()
-        if entry.bypassed_rows.numel():
-            self._launcher.launch(_kernels.release_bypassed_kernel, entry.bypassed_rows.numel(),
-                                  entry.bypassed_rows, self._k_bypass_count)
-        slots = entry.locked_slots
-        if slots.numel():
-            self._launcher.launch(_kernels.unlock_kernel, slots.numel(), slots, self._k_locks)
+        if entry.locked_slots.numel():  # as long as bypassed_rows
+            self._launcher.launch(_kernels.release_kernel, entry.locked_slots.numel(), entry.locked_slots,
+                                  entry.bypassed_rows, bool(mark_dirty), self._k_locks, self._k_dirty,
+                                  self._k_bypass_count)
         self._metadata_done()
 
     def mark_dirty(self, slots: CacheBatch | torch.Tensor) -> None:

@@ -514,6 +514,19 @@ def test_prefetch_bookkeeping_kernels_match_plain_torch(base, shape):
     assert counters.tolist() == want["counters"]
 
 
+def test_unlock_with_mark_dirty_dirties_exactly_the_batchs_slots_and_releases_its_bypassed_rows():
+    conflicting = rows_of_set(0, 2, 3)  # 3 rows of one set of 2 ways
+    cache = SlotCache(make_tables(), num_slots=4, associativity=2)
+    first = prefetch(cache, rows_tensor(conflicting + conflicting[:1]))  # 2 slots locked, 1 row bypassed
+    assert sorted(first.slot_of_index.tolist()).count(-1) == 1 and int(cache.bypass_count.sum()) == 1
+    other = prefetch(cache, rows_tensor(rows_of_set(1, 2, 1)))
+    cache.unlock(first, mark_dirty=True)
+    assert set(cache.dirty.nonzero().flatten().tolist()) == {s for s in first.slot_of_index.tolist() if s >= 0}
+    assert int(cache.bypass_count.sum()) == 0 and int(cache.locks.sum()) == 1  # other's lock stays
+    cache.unlock(other)  # no mark_dirty: its slot stays clean
+    assert int(cache.dirty.sum()) == 2 and cache.num_locked() == 0
+
+
 def test_bytes_count_each_tables_row_size(mover):
     wide = CachedTable(0, 50, 4, initial_rows(0, 50, 4).to(DEVICE), initial_rows(0, 50, 2).to(DEVICE))  # 24 B
     narrow = CachedTable(50, 50, 2, initial_rows(50, 50, 2).to(DEVICE), None)  # 8 B

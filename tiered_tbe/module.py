@@ -81,14 +81,18 @@ class PreparedBatch:
                                                               self.cache_batch.bypassed_rows]
         return [t for t in (*self.lookups, *held) if isinstance(t, torch.Tensor)]
 
-    def release(self) -> None:
-        """The batch is done with its rows: unlock them now, or queue the unlock (``deferred``)."""
+    def release(self, updated: bool = False) -> None:
+        """The batch is done with its rows: unlock them now, or queue the unlock (``deferred``).
+        ``updated``: its backward updated them in their slots, which become dirty (in the unlock's
+        launch when it unlocks now; else now, on the current stream, before the unlock is queued)."""
         if self._released or self.cache is None:
             return
         self._released = True
         if self.deferred is None or not self.deferred.open:
-            self.unlock()
+            self.cache.unlock(self.cache_batch, mark_dirty=updated)
             return
+        if updated:
+            self.cache.mark_dirty(self.cache_batch)
         done = None
         if self.remap is not None and self.remap.is_cuda:
             done = torch.cuda.Event()
@@ -431,9 +435,7 @@ class TieredEmbeddingBags(nn.Module):
             self.backend.backward_update(grad_output, self.row_stores, batch.lookups, slot_of_index, self.pooling,
                                          optimizer, self.optimizer_step, stochastic_rounding=self.stochastic_rounding,
                                          seed=self.seed, graphs=self._backward_graphs)
-            if self.cache is not None:
-                self.cache.mark_dirty(slot_of_index)
-        batch.release()
+        batch.release(updated=optimizer is not None)
 
     # ---------------------------------------------------------------- tables and state
     def flush(self) -> None:

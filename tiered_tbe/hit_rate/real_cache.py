@@ -114,10 +114,7 @@ def run_slot_cache(trace: Trace, policy: str, num_slots: int, options: SimOption
                 next_to_hint = max(next_to_hint, j + window + 1)
             in_flight.append(cache.prefetch(rows[offsets[j]:offsets[j + 1]]))
             if len(in_flight) > options.pipeline_depth:  # the batch prefetched depth steps ago finishes
-                slot_of_index = in_flight.pop(0)
-                if options.training:
-                    cache.mark_dirty(slot_of_index)
-                cache.unlock(slot_of_index)
+                cache.unlock(in_flight.pop(0), mark_dirty=options.training)
     stats = difference(cache.stats(), before)
     stats.bytes_in = stats.bytes_in // 4 * options.row_bytes  # 4 bytes per row in this cache
     stats.bytes_out = stats.bytes_out // 4 * options.row_bytes
