@@ -53,7 +53,7 @@ REDUCE_BLOCKS = 1024
 
 @cuda.jit
 def sort_keys_kernel(
-    rows,  # int64 [N]: global row of each lookup
+    rows,  # int32 or int64 [N]: global row of each lookup
     table_starts,  # int64 [T]: first global row of each cached table, ascending
     table_ends,  # int64 [T]: one past the last global row of each
     none_key,  # int64: the key of a row outside every cached table (the largest value of keys' dtype)
@@ -225,7 +225,7 @@ class UniqueRows(NamedTuple):
 
 def unique_rows_of_batch(launcher, rows: torch.Tensor, table_starts: torch.Tensor, table_ends: torch.Tensor,
                          rows_end: int, num_sets: int) -> UniqueRows:
-    """Deduplicate ``rows`` (int64 [N], N >= 1; rows outside the cached tables, given by
+    """Deduplicate ``rows`` (int32 or int64 [N], N >= 1; rows outside the cached tables, given by
     ``table_starts`` / ``table_ends`` int64 [T] ascending, are dropped); ``rows_end`` bounds the
     rows of those tables (int32 keys below INT32_MAX). ``launcher``: a ``KernelLauncher``."""
     n = rows.numel()

@@ -246,7 +246,8 @@ class SlotCache:
         """Bring a batch's rows into the cache, lock them, and say where each lookup's row is.
 
         Args:
-            global_rows: int64 [N], the global row of every lookup of the batch (repeats allowed).
+            global_rows: int64 (or int32) [N], the global row of every lookup of the batch
+                (repeats allowed).
                 Rows outside every cached table are left alone (their slot is -1).
 
         Returns:
@@ -261,7 +262,7 @@ class SlotCache:
         forgotten first. Each unique row is locked once; :meth:`unlock` of the batch releases them,
         and the rows it gave no slot, which no prefetch caches until then.
         """
-        rows = self._check_rows(global_rows)
+        rows = self._check_rows(global_rows, dtypes=(torch.int64, torch.int32))
         self._order_metadata()
         self._step += 1
         self._batches += 1
@@ -531,9 +532,10 @@ class SlotCache:
         table = (torch.searchsorted(self._table_starts, rows, right=True) - 1).clamp(min=0)
         return (self._table_row_bytes[table] * counted).sum()
 
-    def _check_rows(self, global_rows: torch.Tensor) -> torch.Tensor:
-        if not isinstance(global_rows, torch.Tensor) or global_rows.dtype != torch.int64 or global_rows.dim() != 1:
-            raise TypeError("global_rows must be a 1-D int64 tensor")
+    def _check_rows(self, global_rows: torch.Tensor, dtypes=(torch.int64,)) -> torch.Tensor:
+        if not isinstance(global_rows, torch.Tensor) or global_rows.dtype not in dtypes or global_rows.dim() != 1:
+            names = " or ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+            raise TypeError(f"global_rows must be a 1-D {names} tensor")
         if global_rows.device.type != self.device.type:
             raise ValueError(f"global_rows on {global_rows.device}, the cache on {self.device}")
         return global_rows.contiguous()

@@ -165,7 +165,7 @@ class Lookups(NamedTuple):
 
     ``N`` lookups into ``T`` tables of ``B`` bags each; bag ``t * B + b`` is
     ``indices[offsets[t*B+b] : offsets[t*B+b+1]]`` (table-major). ``indices`` and ``offsets``
-    may be int32 or int64 (the kernels read either). ``global_rows`` (int64 [N]) and
+    may be int32 or int64 (the kernels read either). ``global_rows`` (int32 or int64 [N]) and
     ``bag_of_index`` (int32 [N]) may come along when the caller computed them already (the
     cache's prefetch needs them); else the backward computes them (``kernels/linearize.py``).
     """

@@ -527,6 +527,20 @@ def test_unlock_with_mark_dirty_dirties_exactly_the_batchs_slots_and_releases_it
     assert int(cache.dirty.sum()) == 2 and cache.num_locked() == 0
 
 
+def test_int32_rows_prefetch_as_int64_rows_do():
+    caches = [SlotCache(make_tables(), num_slots=16, associativity=4) for _ in range(2)]
+    for batch in make_trace(num_batches=8, seed=5):
+        slots = []
+        for cache, dtype in zip(caches, (torch.int64, torch.int32)):
+            prefetched = prefetch(cache, rows_tensor(batch, dtype))
+            slots.append(prefetched.slot_of_index.tolist())
+            cache.unlock(prefetched, mark_dirty=True)
+        assert slots[0] == slots[1]
+    assert torch.equal(caches[0].tags, caches[1].tags) and caches[0].stats() == caches[1].stats()
+    with pytest.raises(TypeError, match="int64 or int32"):
+        caches[0].prefetch(rows_tensor([1, 2], torch.int16))
+
+
 def test_bytes_count_each_tables_row_size(mover):
     wide = CachedTable(0, 50, 4, initial_rows(0, 50, 4).to(DEVICE), initial_rows(0, 50, 2).to(DEVICE))  # 24 B
     narrow = CachedTable(50, 50, 2, initial_rows(50, 50, 2).to(DEVICE), None)  # 8 B

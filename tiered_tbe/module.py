@@ -10,9 +10,10 @@ from torch import nn
 
 from tiered_tbe import validation
 from tiered_tbe.backends import backend_named
+from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
 from tiered_tbe.base.graphs import StepGraphs
 from tiered_tbe.base.mode import default_device
-from tiered_tbe.base.sorting import INT64_MAX, sort_ids
+from tiered_tbe.base.sorting import sort_ids
 from tiered_tbe.cache.mover import default_mover
 from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD, CacheBatch, SlotCache
 from tiered_tbe.cache.stats import CacheStats
@@ -249,8 +250,10 @@ class TieredEmbeddingBags(nn.Module):
                 return PreparedBatch(Lookups(indices, offsets, batch_size), None, None)
             # The cache needs each lookup's global row: one linearize launch (kernels/linearize.py)
             # instead of a searchsorted over the offsets and five elementwise ops. Unchecked, as
-            # bounds_check="off" says: an index outside its table names another table's row.
-            lookups = linearize(self.row_stores, Lookups(indices, offsets, batch_size), key_dtype=torch.int64)
+            # bounds_check="off" says: an index outside its table names another table's row. int32
+            # rows where they fit: the backward sorts them as they are, and every copy is half the bytes.
+            key_dtype = torch.int32 if self.row_stores.num_rows <= INT32_MAX else torch.int64
+            lookups = linearize(self.row_stores, Lookups(indices, offsets, batch_size), key_dtype=key_dtype)
         else:
             indices = indices.long()
             offsets = offsets.long()
