@@ -287,14 +287,33 @@ def test_cli_bench_fbgemm_without_fbgemm_times_our_side(capsys, tmp_path):
     listed = capsys.readouterr().out
     assert "criteo-adagrad " in listed and "cached-lru-pipelined" in listed
     json_file = tmp_path / "fbgemm.json"
-    code = cli_main(["bench", "fbgemm", "--configs", "criteo-sgd", "cached-lru-pipelined", "--json", str(json_file)])
+    code = cli_main(["bench", "fbgemm", "--configs", "criteo-sgd", "cached-lru", "cached-lru-pipelined", "--json",
+                     str(json_file)])
     assert code == 0
     out = capsys.readouterr().out
     assert "FBGEMM_GPU: no CUDA device (simulation mode); timing our side only" in out
     assert "| criteo-sgd | forward |" in out and "| cached-lru-pipelined | step |" in out
     results = {r["config"]: r for r in json.loads(json_file.read_text())["results"]}
     assert results["criteo-sgd"]["ours"]["step"] > 0 and results["criteo-sgd"]["fbgemm"] == {}
-    assert results["cached-lru-pipelined"]["ours"]["hit_rate"] >= 0
+    # Counted over the timed steps only: the serial cached step's new batch misses rows of its own.
+    assert 0 <= results["cached-lru"]["ours"]["hit_rate"] < 1 and results["cached-lru"]["ours"]["rows_in_per_batch"] > 0
+    assert "| cached-lru | rows copied in per timed batch, ours (hit rate by lookup" in out
+    assert "| cached-lru-pipelined | step |" in out
+
+
+def test_bench_fbgemm_gives_a_cached_configuration_a_new_batch_every_step():
+    """A cache that saw the batches before misses nothing: cached configurations never repeat a
+    batch (warm-up, timed and profiled steps); the all-HBM ones cycle --distinct-batches."""
+    bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
+    by_name = {c.name: c for c in bench_fbgemm.CONFIGS}
+    args = bench_fbgemm.check_args(bench_fbgemm.build_parser().parse_args(["--steps", "20", "--warmup", "8"]))
+    steps = args.warmup + args.steps
+    assert bench_fbgemm.batches_needed(by_name["criteo-sgd"], args) == args.distinct_batches
+    assert bench_fbgemm.batches_needed(by_name["cached-lru"], args) == steps
+    args.profile = True
+    assert bench_fbgemm.batches_needed(by_name["cached-lfu"], args) == steps + bench_fbgemm.PROFILED_STEPS
+    # The profiled steps take the batches after the timed ones.
+    assert bench_fbgemm.cycle(list(range(7)), 3, first=5) == [5, 6, 0]
 
 
 def test_kernel_profile_names_bytes_and_simulation():
