@@ -685,8 +685,10 @@ def test_constructor_checks():
     wide = SlotCache(tables, 8, 4, row_width=8, state_width=3, weights_dtype=torch.float32)
     assert wide.weights.shape == (8, 8) and wide.state.shape == (8, 3)
     assert SlotCache(tables, 8, 4).state.shape == (8, 2)
-    with pytest.raises(TypeError, match="int64"):
-        wide.prefetch(rows_tensor([1, 2], torch.int32))
+    with pytest.raises(TypeError, match="int64 or int32"):
+        wide.prefetch(rows_tensor([1, 2], torch.int16))
+    with pytest.raises(TypeError, match="1-D int64 tensor"):  # hints and lookups take int64 rows only
+        wide.lookup(rows_tensor([1, 2], torch.int32))
 
 
 # ---------------------------------------------------------------- GPU (the lent H200)
