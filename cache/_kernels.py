@@ -220,6 +220,8 @@ def copy_rows_kernel(
     wanted,  # int64: the value of `selected` that means "copy", or COPY_EVERY_ROW: every entry is copied
     row_of_entry,  # int32 or int64 [N]: global row of each entry (any value outside the group's tables is skipped)
     slot_of_entry,  # int32 or int64 [N]: its slot
+    num_entries,  # int32 or int64 [1]: only entries before num_entries[0] are looked at (a count the device
+    #               knows: the batch's unique rows, which fills and write-backs lie among)
     table_info,  # int64 [G, TABLE_INFO_COLUMNS]: the group's tables, ascending global rows (see INFO_*)
     to_backing,  # bool: True copies slot -> backing store (write-back), False the reverse (fill)
     cache_weights,  # [S, row_words]: slot rows, reinterpreted as integer words
@@ -231,15 +233,19 @@ def copy_rows_kernel(
     group of tables that share one buffer: one launch for all of them.
 
     Launched with 2-D blocks: threadIdx.x walks the columns of a row (coalesced), threadIdx.y
-    and the grid walk the entries. Weights travel as integer words (up to 8 bytes, several
-    elements each where rows allow): a copy needs no arithmetic, and bf16 has no numba type.
-    A binary search over the group's table starts finds an entry's table.
+    and the grid walk the entries, one dependent load of ``selected`` each: walking the whole
+    padded batch (1.7M entries for ~210K unique rows on Criteo) took ~0.18 ms with nothing to
+    copy (H200, RESULTS.md sixth session), hence ``num_entries``. Weights travel as integer
+    words (up to 8 bytes, several elements each where rows allow): a copy needs no arithmetic,
+    and bf16 has no numba type. A binary search over the group's table starts finds an entry's
+    table.
     """
     column_start = cuda.threadIdx.x
     column_stride = cuda.blockDim.x
     entry_stride = cuda.gridDim.x * cuda.blockDim.y
     num_tables = table_info.shape[0]
-    for entry in range(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y, selected.shape[0], entry_stride):
+    end = min(num_entries[0], selected.shape[0])
+    for entry in range(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y, end, entry_stride):
         if wanted != COPY_EVERY_ROW and selected[entry] != wanted:
             continue
         row = row_of_entry[entry]

@@ -73,6 +73,7 @@ class Moves(NamedTuple):
     # int32 when the rows fit it, else int64: the rows to write back (the dirty victims, each a
     # distinct row), the dtype's largest value elsewhere (sorts last; outside every table)
     write_back_keys: torch.Tensor
+    num_unique: torch.Tensor  # int32 [1]: how many unique rows the batch has (the entries above are padding)
 
 
 def sorted_write_backs(rows: torch.Tensor, slots: torch.Tensor, rows_end: int):

@@ -489,7 +489,8 @@ class SlotCache:
         slot_of_index, bypassed_rows, write_back_keys, counters = batch_kernels.outcomes_of_batch(
             self._launcher, u, self._table_starts, self._table_row_bytes)
         self._counters += counters
-        moves = Moves(u.unique_rows, u.slot_of_unique, u.outcome, u.victim_row, u.victim_was_dirty, write_back_keys)
+        moves = Moves(u.unique_rows, u.slot_of_unique, u.outcome, u.victim_row, u.victim_was_dirty, write_back_keys,
+                      u.unique_number[-1:])
         return slot_of_index, u.slot_of_unique, bypassed_rows, moves
 
     def _write_rows_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:

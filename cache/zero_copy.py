@@ -50,10 +50,12 @@ class ZeroCopyMover(RowMover):
         # A slot's old row leaves before its new row arrives: write-backs first, then fills. The
         # dirty victims are distinct rows, written in ascending order (the GPU writes host memory
         # ~2.5x faster in row order); the padding keys sort last and lie outside every table.
+        # Both lie among the batch's unique rows, a count the device knows (moves.num_unique).
         sorted_rows, order = torch.sort(moves.write_back_keys)
         self.copy_rows(sorted_rows, _kernels.COPY_EVERY_ROW, sorted_rows, moves.slot_of_unique[order],
-                       to_backing=True)
-        self.copy_rows(moves.outcome, OUTCOME_FILLED, moves.unique_rows, moves.slot_of_unique, to_backing=False)
+                       to_backing=True, num_entries=moves.num_unique)
+        self.copy_rows(moves.outcome, OUTCOME_FILLED, moves.unique_rows, moves.slot_of_unique, to_backing=False,
+                       num_entries=moves.num_unique)
         return None
 
     def wait_filled(self, ticket) -> None:
@@ -65,11 +67,13 @@ class ZeroCopyMover(RowMover):
     def drain(self) -> None:
         pass
 
-    def copy_rows(self, selected, wanted, row_of_entry, slot_of_entry, to_backing) -> None:
+    def copy_rows(self, selected, wanted, row_of_entry, slot_of_entry, to_backing, num_entries=None) -> None:
         """Copy the rows of the entries where ``selected == wanted`` (every entry with ``wanted ==
         COPY_EVERY_ROW``; all tables, one launch per buffer group; see ``copy_rows_kernel``):
-        slot -> backing store if ``to_backing``, else backing store -> slot."""
-        num_entries = selected.numel()
+        slot -> backing store if ``to_backing``, else backing store -> slot. ``num_entries``: an
+        int32/int64 [1] device tensor, the entries to look at (default all)."""
+        if num_entries is None:
+            num_entries = torch.full((1,), selected.numel(), dtype=torch.int64, device=selected.device)
         if SIMULATION:
             # Few simulator threads (each is a Python thread); each walks many entries, all columns.
             from tiered_tbe.cache import launch
@@ -77,11 +81,11 @@ class ZeroCopyMover(RowMover):
             grid, block = 1, (1, launch.SIMULATED_THREADS)
         else:
             rows_per_block = self.copy_rows_per_block
-            grid, block = max(1, min(-(-num_entries // rows_per_block), self.copy_blocks)), (32, rows_per_block)
+            grid, block = max(1, min(-(-selected.numel() // rows_per_block), self.copy_blocks)), (32, rows_per_block)
         for _tensors, k_info, k_cache_weights, k_cache_state, k_store_weights, k_store_state in self._copy_groups:
             self.launcher.launch_configured(
-                _kernels.copy_rows_kernel, grid, block, selected, wanted, row_of_entry, slot_of_entry, k_info,
-                to_backing, k_cache_weights, k_cache_state, k_store_weights, k_store_state)
+                _kernels.copy_rows_kernel, grid, block, selected, wanted, row_of_entry, slot_of_entry, num_entries,
+                k_info, to_backing, k_cache_weights, k_cache_state, k_store_weights, k_store_state)
 
     def _make_copy_groups(self, weights, state, tables) -> list[tuple]:
         """Kernel arguments of ``copy_rows_kernel`` for each group of tables whose weights (and
