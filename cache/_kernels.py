@@ -40,19 +40,6 @@ WINDOW_BITS = 64
 
 
 @cuda.jit
-def set_of_rows_kernel(
-    rows,  # int64 [N]: global row ids, NOT_CACHED for padding
-    num_sets,  # int64
-    sets,  # int64 [N] out: set of each row; num_sets for NOT_CACHED, so padding sorts last
-):
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, rows.shape[0], stride):
-        row = rows[i]
-        sets[i] = num_sets if row == NOT_CACHED else set_of_row_device(row, num_sets)
-
-
-@cuda.jit
 def assign_slots_kernel(
     set_of_position,  # int64 [N]: sets of the unique rows, sorted (stable: rows ascending within a set)
     unique_of_position,  # int64 [N]: index into unique_rows of each sorted position

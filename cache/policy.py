@@ -146,7 +146,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from tiered_tbe.base.mode import SIMULATION
+import tiered_tbe.base.mode  # noqa: F401  (sets the simulation mode before numba.cuda loads)
 
 # Policy codes, as passed to the kernels and the simulator.
 POLICY_LRU = 0
@@ -319,9 +319,10 @@ touch_on_fill_cpu = _cpu_inlined(touch_on_fill)
 from numba import cuda  # noqa: E402  (after tiered_tbe.base.mode, which the import above guarantees)
 
 _device = cuda.jit(device=True)
-if SIMULATION:
+if numba.config.ENABLE_CUDASIM:
     # The CUDA simulator runs kernels as Python, where numpy uint64 scalars warn on the
     # wrap-around the hash relies on: kernels call the compiled CPU hash instead (same code).
+    # (Not SIMULATION: benchmarks/compile_cache_kernels.py compiles for the GPU without one.)
     set_of_row_device = set_of_row_cpu
 else:
     set_of_row_device = _device(_rebind(set_of_row, mix64=_device(mix64)))

@@ -366,3 +366,26 @@ def test_bench_fbgemm_cached_steps_against_the_issues_targets():
             "| 1.000 | 1.100 | 1.10 | 1.2 | met |") in table
     alone = "\n".join(bench_fbgemm.table_of(results[-1:]))  # nothing to compare with: no target rows
     assert "step / " not in alone
+
+
+def test_compile_cache_kernels_records_a_launch_of_every_cache_kernel():
+    """benchmarks/compile_cache_kernels.py compiles the signatures a small cache launches in
+    simulation (the compiling half needs NVVM, not installed here): its driver must reach every
+    Numba kernel of the cache, or a kernel would go unchecked."""
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    compile_cache_kernels = importlib.import_module("tiered_tbe.benchmarks.compile_cache_kernels")
+    from tiered_tbe.cache import _kernels, batch_kernels
+
+    every = {name for module in (_kernels, batch_kernels) for name, value in vars(module).items()
+             if isinstance(value, FakeCUDAKernel) and not getattr(value, "_device", False)}
+    launches = compile_cache_kernels.record_launches()
+    assert {entry["kernel"] for entry in launches} == every
+    prefetch_keys = {tuple(entry["args"][4]) for entry in launches if entry["kernel"] == "sort_keys_kernel"}
+    assert prefetch_keys == {("array", "int32", 1, "C")}  # int32 keys: the rows fit
+    assert {tuple(entry["args"][0]) for entry in launches if entry["kernel"] == "sort_keys_kernel"} == {
+        ("array", "int64", 1, "C"), ("array", "int32", 1, "C")}  # int64 and int32 rows prefetched
+    from numba import types
+
+    assert compile_cache_kernels.numba_type(["array", "uint8", 2, "A"]) == types.Array(types.uint8, 2, "A")
+    assert compile_cache_kernels.numba_type(["boolean"]) == types.boolean
