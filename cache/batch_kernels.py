@@ -17,12 +17,12 @@ pass over the batch is one kernel::
     torch.sort (stable)      the unique rows grouped by set
     assign_slots_kernel      hits, victims, fills (``_kernels.py``)
     batch_outcomes_kernel    each lookup's slot, the rows given no slot, the dirty victims'
-                             write-back keys, and the counters summed per thread block
+                             write-back keys, and each thread's counts
 
 Everything stays on the device, sized by ``N`` (padding marks what is not a row), so a prefetch
 never waits for the GPU and replays as one CUDA graph. No atomics: every output entry has one
-writer, and the counters are reduced per block into ``partial_counters`` ``[blocks, C]``,
-summed by torch afterwards. Host functions: :func:`unique_rows_of_batch` (before the policy
+writer, and each thread writes its counts to its own row of ``partial_counters``, summed by
+torch afterwards. Host functions: :func:`unique_rows_of_batch` (before the policy
 kernel) and :func:`outcomes_of_batch` (after it); their plain-torch reference is
 ``reference_bookkeeping`` in ``tests/test_cache.py``.
 """
@@ -45,10 +45,9 @@ COUNTER_NAMES = ("lookups", "lookup_hits", "unique_rows", "unique_hits", "unique
 (_LOOKUPS, _LOOKUP_HITS, _UNIQUE_ROWS, _UNIQUE_HITS, _UNIQUE_MISSES, _MISSES_NO_SLOT, _EVICTIONS, _WRITE_BACKS,
  _BYTES_IN, _BYTES_OUT) = range(len(COUNTER_NAMES))
 NUM_COUNTERS = len(COUNTER_NAMES)
-# Most threads a block of batch_outcomes_kernel has (its shared array holds one value per thread
-# and counter) and most blocks a launch has (each writes a row of partial_counters).
-REDUCE_THREADS = 256
-REDUCE_BLOCKS = 1024
+# Most blocks of batch_outcomes_kernel: each of its threads writes a row of partial_counters, so
+# the grid is capped (512 x 256 threads: 10 MB of partial counts, summed in a few microseconds).
+REDUCE_BLOCKS = 512
 
 
 @cuda.jit
@@ -134,11 +133,12 @@ def batch_outcomes_kernel(
     slot_of_index,  # int32 [N] out: the slot of every lookup's row, NO_SLOT when none
     bypassed_rows,  # int64 [N] out: the unique rows given no slot, NOT_CACHED elsewhere
     write_back_keys,  # dtype of sorted_keys [N] out: the dirty victims' rows, none_key elsewhere
-    partial_counters,  # int64 [gridDim.x, NUM_COUNTERS] out: each block's sums of COUNTER_NAMES
+    partial_counters,  # int64 [gridDim.x * blockDim.x, NUM_COUNTERS] out: each thread's sums of COUNTER_NAMES
 ):
     """Thread ``i`` handles sorted position ``i`` as a lookup (its slot goes to the lookup
-    ``order[i]``) and as a unique row's position; then each block sums its threads' counts in
-    shared memory (launch with at most REDUCE_THREADS threads a block)."""
+    ``order[i]``) and as a unique row's position, and writes its counts to its own row of
+    ``partial_counters`` (summed by torch). Not a shared-memory reduction per block: its
+    barrier cost the CUDA simulator ~15 ms a launch, and the rows of a capped grid are a few MB."""
     counts = cuda.local.array(NUM_COUNTERS, np.int64)
     for c in range(NUM_COUNTERS):
         counts[c] = 0
@@ -179,16 +179,8 @@ def batch_outcomes_kernel(
         bypassed_rows[i] = bypassed
         write_back_keys[i] = write_back_key
 
-    shared = cuda.shared.array((NUM_COUNTERS, REDUCE_THREADS), np.int64)
-    thread = cuda.threadIdx.x
     for c in range(NUM_COUNTERS):
-        shared[c, thread] = counts[c]
-    cuda.syncthreads()
-    for c in range(thread, NUM_COUNTERS, cuda.blockDim.x):  # a thread per counter sums the block's values
-        total = 0
-        for t in range(cuda.blockDim.x):
-            total += shared[c, t]
-        partial_counters[cuda.blockIdx.x, c] = total
+        partial_counters[start, c] = counts[c]
 
 
 @cuda.jit(device=True, inline=True)
@@ -255,8 +247,8 @@ def outcomes_of_batch(launcher, unique: UniqueRows, table_starts: torch.Tensor, 
     slot_of_index = torch.empty(n, dtype=torch.int32, **on)
     bypassed_rows = torch.empty(n, dtype=torch.int64, **on)
     write_back_keys = torch.empty(n, dtype=unique.sorted_keys.dtype, **on)
-    blocks, threads = launcher.shape_of(n, REDUCE_BLOCKS, REDUCE_THREADS)
-    partial_counters = torch.empty(blocks, NUM_COUNTERS, dtype=torch.int64, **on)
+    blocks, threads = launcher.shape_of(n, REDUCE_BLOCKS)
+    partial_counters = torch.empty(blocks * threads, NUM_COUNTERS, dtype=torch.int64, **on)
     launcher.launch_configured(batch_outcomes_kernel, blocks, threads, *unique[:4], unique.unique_rows,
                                unique.slot_of_unique, unique.outcome, unique.victim_row, unique.victim_was_dirty,
                                table_starts, table_row_bytes, slot_of_index, bypassed_rows, write_back_keys,
