@@ -24,6 +24,12 @@ from tiered_tbe.cache.policy import POLICIES
 from tiered_tbe.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_simulated_thread_per_launch(one_simulated_thread):
+    """The benchmarks are checked for their plumbing and tables here, not the cache's kernels for
+    races (tests/test_cache*.py run several threads a launch): one simulated thread a launch."""
 BENCHMARKS = REPO / "benchmarks"
 TINY_MODEL = ["--num-tables", "3", "--row-cap", "1000", "--dim", "16", "--batch-size", "8", "--alpha", "1.05",
               "--warmup", "1", "--batches", "2"]
