@@ -1,10 +1,10 @@
 """CUDA graphs of a step's launches, one per batch shape: the host enqueues a step in one call.
 
 A training step launches ~8 Triton kernels and ~15 torch ops in the backward, and a cache's
-prefetch launched ~60 torch ops and 7 Numba kernels (now ~10 launches, ``cache/batch_kernels.py``,
-still more than one host call should pay for); on the lent H200 the host takes longer to enqueue them
-(0.8-1.3 ms for the backward, 3-5 ms for the prefetch) than the GPU takes to run them (~0.7 ms,
-~1.3 ms), so the GPU waits (benchmarks/RESULTS.md). A CUDA graph replays the whole sequence
+prefetch launched ~60 torch ops and 7 Numba kernels (~12 launches since ``cache/batch_kernels.py``);
+on the lent H200 the host took longer to enqueue them (0.8-1.3 ms for the backward, 3-5 ms for
+the prefetch) than the GPU took to run them (~0.7 ms, ~1.3 ms), so the GPU waited
+(benchmarks/RESULTS.md). A CUDA graph replays the whole sequence
 from one host call. The backward (``kernels/backward.py``) and the slot cache's prefetch
 (``cache/slot_cache.py``) use it.
 

@@ -230,19 +230,12 @@ def copy_rows_kernel(
     column_start = cuda.threadIdx.x
     column_stride = cuda.blockDim.x
     entry_stride = cuda.gridDim.x * cuda.blockDim.y
-    num_tables = table_info.shape[0]
     end = min(num_entries[0], selected.shape[0])
     for entry in range(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y, end, entry_stride):
         if wanted != COPY_EVERY_ROW and selected[entry] != wanted:
             continue
         row = row_of_entry[entry]
-        low, high = 0, num_tables  # the last table whose start is <= row: table_info[low]
-        while high - low > 1:
-            middle = (low + high) // 2
-            if table_info[middle, INFO_GLOBAL_START] <= row:
-                low = middle
-            else:
-                high = middle
+        low = table_of_row(row, table_info[:, INFO_GLOBAL_START])
         if row < table_info[low, INFO_GLOBAL_START] or row >= table_info[low, INFO_GLOBAL_END]:
             continue  # a row of another group's table
         local_row = row - table_info[low, INFO_GLOBAL_START]
@@ -258,6 +251,20 @@ def copy_rows_kernel(
         else:
             _copy_row(cache_weights[slot], 0, store_weights, weights_base, words,
                       cache_state[state_slot], 0, store_state, state_base, state_width, column_start, column_stride)
+
+
+@cuda.jit(device=True, inline=True)
+def table_of_row(row, table_starts):
+    """The last table whose first row is <= ``row`` (table 0 when none is): a binary search over
+    ``table_starts`` (int64 [T], ascending)."""
+    low, high = 0, table_starts.shape[0]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if table_starts[middle] <= row:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 @cuda.jit(device=True, inline=True)

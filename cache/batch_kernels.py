@@ -36,7 +36,14 @@ import torch
 from numba import cuda
 
 from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
-from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT, OUTCOME_NONE
+from tiered_tbe.cache._kernels import (
+    NOT_CACHED,
+    OUTCOME_FILLED,
+    OUTCOME_HIT,
+    OUTCOME_NO_SLOT,
+    OUTCOME_NONE,
+    table_of_row,
+)
 from tiered_tbe.cache.policy import EMPTY, NO_SLOT, set_of_row_device
 
 # The device counters a prefetch adds to, in this order (the CacheStats fields but ``batches``).
@@ -63,7 +70,7 @@ def sort_keys_kernel(
     stride = cuda.gridsize(1)
     for i in range(start, rows.shape[0], stride):
         row = rows[i]
-        table = _table_of_row(row, table_starts)
+        table = table_of_row(row, table_starts)
         inside = row >= table_starts[table] and row < table_ends[table]
         keys[i] = row if inside else none_key
 
@@ -168,32 +175,19 @@ def batch_outcomes_kernel(
                 counts[_MISSES_NO_SLOT] += 1
                 bypassed = row
             if result == OUTCOME_FILLED:
-                counts[_BYTES_IN] += table_row_bytes[_table_of_row(row, table_starts)]
+                counts[_BYTES_IN] += table_row_bytes[table_of_row(row, table_starts)]
                 victim = victim_row[i]
                 if victim != EMPTY:
                     counts[_EVICTIONS] += 1
                     if victim_was_dirty[i] != 0:
                         counts[_WRITE_BACKS] += 1
-                        counts[_BYTES_OUT] += table_row_bytes[_table_of_row(victim, table_starts)]
+                        counts[_BYTES_OUT] += table_row_bytes[table_of_row(victim, table_starts)]
                         write_back_key = victim
         bypassed_rows[i] = bypassed
         write_back_keys[i] = write_back_key
 
     for c in range(NUM_COUNTERS):
         partial_counters[start, c] = counts[c]
-
-
-@cuda.jit(device=True, inline=True)
-def _table_of_row(row, table_starts):
-    """The last table whose first row is <= ``row`` (table 0 when none is): a binary search."""
-    low, high = 0, table_starts.shape[0]
-    while high - low > 1:
-        middle = (low + high) // 2
-        if table_starts[middle] <= row:
-            low = middle
-        else:
-            high = middle
-    return low
 
 
 # ------------------------------------------------------------------------------------ host functions

@@ -60,8 +60,7 @@ import torch
 
 from tiered_tbe.cache._kernels import OUTCOME_FILLED
 from tiered_tbe.cache.host_rows import HostRows
-from tiered_tbe.cache.mover import Moves, RowMover, sorted_write_backs
-from tiered_tbe.cache.policy import EMPTY
+from tiered_tbe.cache.mover import Moves, RowMover
 
 # Rows per staging buffer (a 128-dim fp32 row with its Adagrad state: 17 MB). A batch of the
 # benchmark moves ~80K rows: three chunks, the host gathering one while the last is on the bus.
@@ -158,11 +157,10 @@ class StagedMover(RowMover):
         """Compact the moves on the current stream and hand them to the threads (no host sync)."""
         filled = moves.outcome == OUTCOME_FILLED
         fill_rows, fill_slots = _compact(filled, moves.unique_rows, moves.slot_of_unique.long())
-        dirty_victims = torch.where(moves.victim_was_dirty.bool(), moves.victim_row, EMPTY)
-        back_rows, back_slots, selected = sorted_write_backs(dirty_victims, moves.slot_of_unique, self.rows_end)
-        # Victims are distinct rows: the selected entries are the sorted prefix.
-        counts = torch.stack([filled.sum(), selected.sum(dtype=torch.int64)])
-        job = _Job(fill_rows, fill_slots, back_rows, back_slots.long(), counts)
+        # The dirty victims are distinct rows (Moves.write_back_keys): sorted, they are the prefix.
+        back_keys, order = torch.sort(moves.write_back_keys)
+        counts = torch.stack([filled.sum(), moves.victim_was_dirty.sum(dtype=torch.int64)])
+        job = _Job(fill_rows, fill_slots, back_keys.long(), moves.slot_of_unique[order].long(), counts)
         if self.is_cuda:
             job.counts = torch.empty(2, dtype=torch.int64, pin_memory=True)
             job.counts.copy_(counts, non_blocking=True)

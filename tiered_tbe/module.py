@@ -90,7 +90,7 @@ class PreparedBatch:
             return
         self._released = True
         if self.deferred is None or not self.deferred.open:
-            self.cache.unlock(self.cache_batch, mark_dirty=updated)
+            self.unlock(mark_dirty=updated)
             return
         if updated:
             self.cache.mark_dirty(self.cache_batch)
@@ -100,9 +100,10 @@ class PreparedBatch:
             done.record()  # on the stream that ran the batch's last kernel
         self.deferred.queue.append((done, self))
 
-    def unlock(self) -> None:
-        """Release the batch's locks, and the rows it left in their backing stores, on the current stream."""
-        self.cache.unlock(self.cache_batch)
+    def unlock(self, mark_dirty: bool = False) -> None:
+        """Release the batch's locks, and the rows it left in their backing stores, on the current
+        stream (``mark_dirty``: its slots become dirty in the same launch)."""
+        self.cache.unlock(self.cache_batch, mark_dirty=mark_dirty)
 
 
 class TieredEmbeddingBags(nn.Module):
