@@ -10,21 +10,41 @@ Tables are grouped into **segments**: consecutive cached tables (by global row) 
 share one buffer with one row stride, dim and state width, laid out so that global row ``g``
 sits at row ``g - segment.start`` of one strided view. The module's layout (every cached
 table of a tier in one flat buffer, in table order) makes the 26 Criteo tables one segment,
-so a gather is one ``torch.index_select`` for the weights and one for the state: each runs
-on torch's intra-op thread pool with the GIL released (measured on the H200 machine: 42-59
-GB/s with 16 threads, where splitting the rows over Python threads fell to 2-17 GB/s).
+so a gather is one parallel call over every row of the batch.
+
+Two implementations of the copies (``copy=``, :data:`HOST_COPIES`):
+
+``torch``
+    One ``torch.index_select`` (gather) or ``index_copy_`` (scatter) for the weights and one
+    for the state, each on torch's intra-op thread pool with the GIL released. Splitting rows
+    over Python threads instead fell to 2-17 GB/s on the H200 machine (issue 11). torch sizes
+    its parallel chunks by elements, so the state's one-float rows of a 32K-row chunk are
+    copied by one thread.
+``numba``
+    One Numba ``prange`` loop (``nogil``) that copies each row's weights and state together,
+    as machine words: every thread takes whole rows, weights and state alike.
+
+:data:`DEFAULT_HOST_COPY` is the one measured faster (``benchmarks/bench_host_rows.py``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numba
 import numpy as np
 import torch
 
 from tiered_tbe.cache.tables import CachedTable
 from tiered_tbe.cache.tiers import host_view
+
+HOST_COPIES = ("torch", "numba")
+# Overridable for benchmarks by the environment (TIERED_TBE_HOST_COPY=torch|numba).
+DEFAULT_HOST_COPY = os.environ.get("TIERED_TBE_HOST_COPY", "torch")
 
 
 class _Segment(NamedTuple):
@@ -53,6 +73,7 @@ class HostRows:
     Args:
         tables: the cache's tables (sorted by global row, as ``check_tables`` returns them);
             their tensors are CPU tensors or CUDA tensors over pinned host or managed memory.
+        copy: which implementation copies the rows (:data:`HOST_COPIES`; None: the default).
 
     Rows passed to :meth:`gather` and :meth:`scatter` are CPU int64 global rows of these
     tables in ascending order (each table's rows contiguous); staging rows are laid out as the
@@ -60,7 +81,10 @@ class HostRows:
     table uses its first ``dim`` / ``state_width`` columns.
     """
 
-    def __init__(self, tables: Sequence[CachedTable]):
+    def __init__(self, tables: Sequence[CachedTable], copy: str | None = None):
+        self.copy = copy or DEFAULT_HOST_COPY
+        if self.copy not in HOST_COPIES:
+            raise ValueError(f"host copy must be one of {list(HOST_COPIES)}, got {self.copy!r}")
         self.tables = list(tables)  # keeps the memory of the host views alive
         self.segments: list[_Segment] = []
         group: list[CachedTable] = []
@@ -99,17 +123,93 @@ class HostRows:
     def gather(self, rows: torch.Tensor, weights_out: torch.Tensor, state_out: torch.Tensor) -> None:
         """``weights_out[i, :dim], state_out[i, :width]`` = the backing row ``rows[i]`` (int64 [M])."""
         for segment, begin, end in self._runs(rows):
-            local = rows[begin:end] - segment.start
             dim = segment.weights.shape[1]
+            width = 0 if segment.state is None else segment.state.shape[1]
+            if self.copy == "numba":
+                _copy_rows(rows[begin:end], segment.start, segment.weights, segment.state,
+                           weights_out[begin:end, :dim], state_out[begin:end, :width], to_backing=False)
+                continue
+            local = rows[begin:end] - segment.start
             torch.index_select(segment.weights, 0, local, out=weights_out[begin:end, :dim])
             if segment.state is not None:
-                torch.index_select(segment.state, 0, local, out=state_out[begin:end, : segment.state.shape[1]])
+                torch.index_select(segment.state, 0, local, out=state_out[begin:end, :width])
 
     def scatter(self, rows: torch.Tensor, weights_in: torch.Tensor, state_in: torch.Tensor) -> None:
         """The backing row ``rows[i]`` (int64 [M], distinct) = ``weights_in[i, :dim], state_in[i, :width]``."""
         for segment, begin, end in self._runs(rows):
-            local = rows[begin:end] - segment.start
             dim = segment.weights.shape[1]
+            width = 0 if segment.state is None else segment.state.shape[1]
+            if self.copy == "numba":
+                _copy_rows(rows[begin:end], segment.start, segment.weights, segment.state,
+                           weights_in[begin:end, :dim], state_in[begin:end, :width], to_backing=True)
+                continue
+            local = rows[begin:end] - segment.start
             segment.weights.index_copy_(0, local, weights_in[begin:end, :dim])
             if segment.state is not None:
-                segment.state.index_copy_(0, local, state_in[begin:end, : segment.state.shape[1]])
+                segment.state.index_copy_(0, local, state_in[begin:end, :width])
+
+
+# ---------------------------------------------------------------------- the numba copies
+
+@numba.njit(parallel=True, nogil=True)
+def _gather_kernel(rows, first_row, weights, state, weights_out, state_out):  # pragma: no cover - compiled
+    """weights_out[i] = weights[rows[i] - first_row], state_out[i] = state[rows[i] - first_row] (words)."""
+    for i in numba.prange(rows.shape[0]):
+        row = rows[i] - first_row
+        weights_out[i, :] = weights[row, :]
+        state_out[i, :] = state[row, :]
+
+
+@numba.njit(parallel=True, nogil=True)
+def _scatter_kernel(rows, first_row, weights, state, weights_in, state_in):  # pragma: no cover - compiled
+    """weights[rows[i] - first_row] = weights_in[i], state[...] = state_in[i]; rows distinct (no races)."""
+    for i in numba.prange(rows.shape[0]):
+        row = rows[i] - first_row
+        weights[row, :] = weights_in[i, :]
+        state[row, :] = state_in[i, :]
+
+
+# The workqueue threading layer (numba's fallback when neither TBB nor OpenMP loads) must not run
+# two parallel calls at once; the mover's fill and write-back threads then take turns.
+_WORKQUEUE_LOCK = threading.Lock()
+
+
+def _copy_rows(rows, first_row, weights, state, staged_weights, staged_state, to_backing: bool) -> None:
+    """Copy rows between a segment's views (``weights`` [span, dim], ``state`` [span, width] or
+    None) and staging views (``staged_*`` [M, dim] / [M, width]) with the numba kernels."""
+    if rows.numel() == 0:
+        return
+    words = [_words(t) for t in (weights, staged_weights)]
+    if state is None:
+        states = [np.empty((weights.shape[0], 0), np.uint32), np.empty((rows.numel(), 0), np.uint32)]
+    else:
+        states = [_words(t) for t in (state, staged_state)]
+    kernel = _scatter_kernel if to_backing else _gather_kernel
+    args = (rows.numpy(), first_row, words[0], states[0], words[1], states[1])
+    if _threading_layer() in (None, "workqueue"):  # not known before the first parallel call
+        with _WORKQUEUE_LOCK:
+            kernel(*args)
+    else:
+        kernel(*args)
+
+
+def _threading_layer() -> str | None:
+    try:
+        return numba.threading_layer()
+    except ValueError:  # no parallel call yet
+        return None
+
+
+def _words(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a 2-D CPU tensor with contiguous rows as machine words (the widest of 8,
+    4, 2, 1 bytes dividing its row bytes, row stride and address): [rows, row_bytes / word]."""
+    size = tensor.element_size()
+    row_bytes, stride_bytes = tensor.shape[1] * size, tensor.stride(0) * size
+    address = tensor.data_ptr()
+    word = next(w for w in (8, 4, 2, 1) if row_bytes % w == 0 and stride_bytes % w == 0 and address % w == 0)
+    dtype = np.dtype(f"u{word}")
+    if tensor.shape[0] == 0 or row_bytes == 0:
+        return np.empty((tensor.shape[0], row_bytes // word), dtype)
+    span = (tensor.shape[0] - 1) * stride_bytes + row_bytes
+    flat = np.frombuffer((ctypes.c_uint8 * span).from_address(address), dtype=np.uint8)
+    return np.lib.stride_tricks.as_strided(flat.view(dtype), (tensor.shape[0], row_bytes // word), (stride_bytes, word))
