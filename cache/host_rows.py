@@ -43,8 +43,12 @@ from tiered_tbe.cache.tables import CachedTable
 from tiered_tbe.cache.tiers import host_view
 
 HOST_COPIES = ("torch", "numba")
-# Overridable for benchmarks by the environment (TIERED_TBE_HOST_COPY=torch|numba).
-DEFAULT_HOST_COPY = os.environ.get("TIERED_TBE_HOST_COPY", "torch")
+# Measured on the H200 machine (bench_host_rows.py, RESULTS.md seventh session; 17 GB pinned
+# table, 16 threads, in a worker thread): gather of a 32K-row staging chunk 24.1 GB/s with numba
+# against 8.9 with torch (whose state gather of 4-byte rows took 0.44 ms on one thread), 33.6
+# against 28.4 for 72K rows; scatter 33.1 against 11.2, 36.1 against 17.0. Overridable for
+# benchmarks by the environment (TIERED_TBE_HOST_COPY=torch|numba).
+DEFAULT_HOST_COPY = os.environ.get("TIERED_TBE_HOST_COPY", "numba")
 
 
 class _Segment(NamedTuple):
@@ -179,11 +183,11 @@ def _copy_rows(rows, first_row, weights, state, staged_weights, staged_state, to
     None) and staging views (``staged_*`` [M, dim] / [M, width]) with the numba kernels."""
     if rows.numel() == 0:
         return
-    words = [_words(t) for t in (weights, staged_weights)]
+    words = _words(weights, staged_weights)
     if state is None:
         states = [np.empty((weights.shape[0], 0), np.uint32), np.empty((rows.numel(), 0), np.uint32)]
     else:
-        states = [_words(t) for t in (state, staged_state)]
+        states = _words(state, staged_state)
     kernel = _scatter_kernel if to_backing else _gather_kernel
     args = (rows.numpy(), first_row, words[0], states[0], words[1], states[1])
     if _threading_layer() in (None, "workqueue"):  # not known before the first parallel call
@@ -200,16 +204,23 @@ def _threading_layer() -> str | None:
         return None
 
 
-def _words(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy view of a 2-D CPU tensor with contiguous rows as machine words (the widest of 8,
-    4, 2, 1 bytes dividing its row bytes, row stride and address): [rows, row_bytes / word]."""
-    size = tensor.element_size()
-    row_bytes, stride_bytes = tensor.shape[1] * size, tensor.stride(0) * size
-    address = tensor.data_ptr()
-    word = next(w for w in (8, 4, 2, 1) if row_bytes % w == 0 and stride_bytes % w == 0 and address % w == 0)
+def _words(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """Numpy views of 2-D CPU tensors with contiguous rows of equal bytes, as machine words (the
+    widest of 8, 4, 2, 1 bytes dividing every one's row bytes, row stride and address):
+    [rows, row_bytes / word] each."""
+    size = tensors[0].element_size()
+    row_bytes = tensors[0].shape[1] * size
+    word = next(w for w in (8, 4, 2, 1) if row_bytes % w == 0 and all(
+        t.stride(0) * size % w == 0 and t.data_ptr() % w == 0 for t in tensors))
     dtype = np.dtype(f"u{word}")
-    if tensor.shape[0] == 0 or row_bytes == 0:
-        return np.empty((tensor.shape[0], row_bytes // word), dtype)
-    span = (tensor.shape[0] - 1) * stride_bytes + row_bytes
-    flat = np.frombuffer((ctypes.c_uint8 * span).from_address(address), dtype=np.uint8)
-    return np.lib.stride_tricks.as_strided(flat.view(dtype), (tensor.shape[0], row_bytes // word), (stride_bytes, word))
+    views = []
+    for tensor in tensors:
+        if tensor.shape[0] == 0 or row_bytes == 0:
+            views.append(np.empty((tensor.shape[0], row_bytes // word), dtype))
+            continue
+        stride_bytes = tensor.stride(0) * size
+        span = (tensor.shape[0] - 1) * stride_bytes + row_bytes
+        flat = np.frombuffer((ctypes.c_uint8 * span).from_address(tensor.data_ptr()), dtype=np.uint8)
+        views.append(np.lib.stride_tricks.as_strided(flat.view(dtype), (tensor.shape[0], row_bytes // word),
+                                                     (stride_bytes, word)))
+    return views
