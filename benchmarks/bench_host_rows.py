@@ -31,7 +31,7 @@ import torch
 from tiered_tbe.base.mode import SIMULATION, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.cache import tiers
-from tiered_tbe.cache.host_rows import HOST_COPIES, HostRows
+from tiered_tbe.cache.host_rows import HOST_COPIES, HostRows, set_copy_threads
 from tiered_tbe.cache.tables import CachedTable
 
 DIM = 128
@@ -66,8 +66,7 @@ def in_thread(fn, threads: int):
 
     def body():
         try:
-            torch.set_num_threads(threads)
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            set_copy_threads(threads)
             result["value"] = fn()
         except BaseException as error:  # noqa: BLE001 - re-raised below
             result["error"] = error

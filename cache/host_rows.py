@@ -153,6 +153,13 @@ class HostRows:
                 segment.state.index_copy_(0, local, state_in[begin:end, :width])
 
 
+def set_copy_threads(threads: int) -> None:
+    """Threads each gather or scatter of the calling thread uses (torch's intra-op pool and numba's
+    parallel loops: both counts are per calling thread)."""
+    torch.set_num_threads(threads)
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
 # ---------------------------------------------------------------------- the numba copies
 
 @numba.njit(parallel=True, nogil=True)

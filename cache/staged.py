@@ -59,7 +59,7 @@ from collections.abc import Callable
 import torch
 
 from tiered_tbe.cache._kernels import OUTCOME_FILLED
-from tiered_tbe.cache.host_rows import HostRows
+from tiered_tbe.cache.host_rows import HostRows, set_copy_threads
 from tiered_tbe.cache.mover import Moves, RowMover
 
 # Rows per staging buffer (a 128-dim fp32 row with its Adagrad state: 17 MB). A batch of the
@@ -111,8 +111,8 @@ class StagedMover(RowMover):
         tables: the cached tables (``CachedTable``), backed by host-readable memory.
         device: the cache's device.
         rows_end: one past the largest global row.
-        threads: torch intra-op threads each host thread uses for a gather or a scatter
-            (``torch.set_num_threads`` in that thread); None keeps torch's default.
+        threads: threads each host thread uses for a gather or a scatter (torch's and numba's,
+            set in that thread); None keeps the libraries' defaults (all cores).
         staging_rows: rows per staging buffer (default ``DEFAULT_STAGING_ROWS``).
 
     ``stats`` counts rows moved and the host seconds spent gathering and scattering;
@@ -425,7 +425,7 @@ def _worker(jobs: queue.SimpleQueue, mover_reference, work: Callable) -> None:
                 if mover.is_cuda:
                     torch.cuda.set_device(mover.device)
                 if mover.threads is not None:
-                    torch.set_num_threads(mover.threads)  # this thread's intra-op pool (OpenMP: per thread)
+                    set_copy_threads(mover.threads)  # this thread's (torch's and numba's counts are per thread)
                 configured = True
             if mover._error is None:
                 work(mover, job)

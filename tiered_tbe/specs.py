@@ -72,8 +72,8 @@ class CacheConfig:
     ``mover``: how rows cross the bus (``tiered_tbe.cache.mover``): ``"zero_copy"`` (copy
     kernels read the backing store in place) or ``"staged"`` (host threads gather into pinned
     buffers, the copy engines carry them); None takes ``tiered_tbe.cache.DEFAULT_MOVER`` for the
-    tables' placement. ``mover_threads``: torch intra-op threads of each of the staged mover's
-    host threads (None: torch's default); ``staging_rows``: rows per staging buffer (None: the
+    tables' placement. ``mover_threads``: threads (torch's and numba's) of each of the staged mover's
+    host threads (None: all cores); ``staging_rows``: rows per staging buffer (None: the
     mover's default).
     """
 
