@@ -103,22 +103,11 @@ class RowMover:
 
     name = ""
 
-    def wait_for_earlier_moves(self) -> None:
-        """Called before a prefetch's :meth:`start` (outside its CUDA graph): order the current
-        stream after what that prefetch's device work must follow (guarantee 2)."""
-
     def start(self, moves: Moves, step: int):
         """Begin the write-backs and fills one prefetch (its cache ``step``) decided; returns a
-        ticket for :meth:`start_behind`. Enqueues work on the current stream and never waits for
-        the device. The zero-copy mover's ``start`` is captured in the prefetch's CUDA graph
-        (its ticket is a tuple of tensors, or None)."""
+        ticket for :meth:`wait_filled` (or None). Enqueues work on the current stream and
+        never waits for the device."""
         raise NotImplementedError
-
-    def start_behind(self, ticket):
-        """Called after the prefetch's :meth:`start` has been enqueued (outside its CUDA graph),
-        with what it returned: start the moves that run behind the step on the mover's own
-        stream or threads. Returns the ticket for :meth:`wait_filled`."""
-        return ticket
 
     def wait_filled(self, ticket) -> None:
         """Order the current stream after the fills of the prefetch that returned ``ticket``

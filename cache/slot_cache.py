@@ -453,26 +453,21 @@ class SlotCache:
     def _assign_and_move(self, rows: torch.Tensor):
         """(slot_of_index, locked_slots, bypassed_rows, the mover's ticket) of a batch: :meth:`_assign`,
         then the mover's start. With the zero-copy mover (device work only) both replay as one
-        CUDA graph per batch shape (``base/graphs.py``; the step reaches the kernels in a tensor);
-        the mover's waits before it and its work behind the step (on its own stream) stay outside."""
+        CUDA graph per batch shape (``base/graphs.py``; the step reaches the kernels in a tensor)."""
         step = torch.tensor([self._step], dtype=torch.int64)
-        self.mover.wait_for_earlier_moves()
         if self.mover.name != ZeroCopyMover.name:  # the staged mover's start hands work to host threads
             slot_of_index, locked_slots, bypassed_rows, moves = self._assign(*to_device((rows, step), self.device))
-            ticket = self.mover.start_behind(self.mover.start(moves, self._step))
-            return slot_of_index, locked_slots, bypassed_rows, ticket
+            return slot_of_index, locked_slots, bypassed_rows, self.mover.start(moves, self._step)
 
         def enqueue(tensors):
             slot_of_index, locked_slots, bypassed_rows, moves = self._assign(*tensors)
-            behind = self.mover.start(moves, self._step)  # the zero-copy mover's start ignores the step
-            return slot_of_index, locked_slots, bypassed_rows, *(behind or ())
+            self.mover.start(moves, self._step)  # the zero-copy mover's start ignores the step
+            return slot_of_index, locked_slots, bypassed_rows
 
         window_bits = self._upcoming.window_bits
         key = (self._policy_code == POLICY_LOOKAHEAD and window_bits is not None,
                None if window_bits is None else window_bits.data_ptr())
-        slot_of_index, locked_slots, bypassed_rows, *behind = self._prefetch_graphs.run(
-            key, (rows, step), enqueue, self.device)
-        return slot_of_index, locked_slots, bypassed_rows, self.mover.start_behind(tuple(behind) or None)
+        return *self._prefetch_graphs.run(key, (rows, step), enqueue, self.device), None
 
     def _assign(self, rows: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Moves]:
         """(slot_of_index int32 [N], locked_slots int32 [N], bypassed_rows int64 [N], the moves) of the

@@ -622,49 +622,6 @@ def test_unlock_of_a_copied_batch_releases_its_rows_left_in_the_backing_store(mo
     torch.testing.assert_close(cache.weights[again.slot_of_index.long()].cpu(), initial_rows(150, 2, 2))
 
 
-@pytest.mark.parametrize("behind_rows", [0, 1, 3, None], ids=["none behind", "1 behind", "3 behind", "default"])
-def test_zero_copy_write_backs_behind_the_step_land_with_or_past_the_victim_buffer(behind_rows, monkeypatch):
-    """The zero-copy mover parks a prefetch's dirty victims in its victim buffer and writes them
-    back behind the step; victims past the buffer's rows go back before the fill. Every size
-    ends with the reference's rows in the backing store, and every fill sees earlier updates
-    (two tables with state, one set of 4 ways: each batch evicts up to 4 dirty rows)."""
-    from tiered_tbe.cache import zero_copy
-
-    if behind_rows is not None:
-        monkeypatch.setattr(zero_copy, "DEFAULT_BEHIND_ROWS", behind_rows)
-    tables = make_tables()
-    cache = SlotCache(tables, num_slots=4, associativity=4, mover="zero_copy")
-    assert cache.mover.behind_rows == (4 if behind_rows is None else behind_rows)  # capped at the slots
-    reference = {start: (t.weights.cpu().clone(), None if t.state is None else t.state.cpu().clone())
-                 for t, (start, *_rest) in zip(tables, (TABLE_A, TABLE_B))}
-    rng = np.random.default_rng(7)
-    by_start = {start: t for t, (start, *_rest) in zip(tables, (TABLE_A, TABLE_B))}
-    for step in range(12):
-        rows = np.unique(np.concatenate([rng.integers(0, 200, 3), rng.integers(250, 350, 2)]))
-        batch = prefetch(cache, rows_tensor(rows))
-        for row, slot in zip(rows.tolist(), batch.slot_of_index.tolist()):
-            start = 0 if row < 250 else 250
-            weights, state = reference[start]
-            dim = weights.shape[1]
-            # A row given no slot (5 rows, 4 ways) is read and updated in place in its backing store.
-            target = cache.weights[slot, :dim] if slot >= 0 else by_start[start].weights[row - start]
-            torch.testing.assert_close(target.cpu(), weights[row - start], rtol=0, atol=0,
-                                       msg=f"step {step}, row {row}")
-            target += 1.0
-            weights[row - start] += 1.0
-            if state is not None:
-                (cache.state[slot, : state.shape[1]] if slot >= 0 else by_start[start].state[row - start]).add_(2.0)
-                state[row - start] += 2.0
-        cache.unlock(batch, mark_dirty=True)
-    assert cache.stats().write_backs >= 20  # most batches evict several dirty rows
-    cache.flush()
-    for table, (start, *_rest) in zip(tables, (TABLE_A, TABLE_B)):
-        weights, state = reference[start]
-        torch.testing.assert_close(table.weights.cpu(), weights, rtol=0, atol=0)
-        if state is not None:
-            torch.testing.assert_close(table.state.cpu(), state, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_rows_copy_bit_exact(dtype, mover):
     table = CachedTable(0, 32, 5, (torch.randn(32, 5) * 1000).to(DEVICE, dtype), None)
