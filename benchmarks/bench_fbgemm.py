@@ -106,6 +106,10 @@ CONFIGS = [
     Config("cached-lru-z1.2", CRITEO, placement="host_cached", alpha=1.2),
     Config("cached-lfu-z1.2", CRITEO, placement="host_cached", policy="lfu", alpha=1.2),
     Config("cached-managed-lru", CRITEO, placement="managed_cached"),
+    Config("cached-managed-lfu", CRITEO, placement="managed_cached", policy="lfu"),
+    Config("cached-managed-lru-z1.2", CRITEO, placement="managed_cached", alpha=1.2),
+    Config("cached-managed-lfu-z1.2", CRITEO, placement="managed_cached", policy="lfu", alpha=1.2),
+    Config("cached-managed-lru-pipelined", CRITEO, placement="managed_cached", pipelined=True),
     Config("cached-lru-pipelined", CRITEO, placement="host_cached", pipelined=True),
 ]
 CONFIG_NAMES = [c.name for c in CONFIGS]

@@ -24,7 +24,7 @@ def test_train_says_what_it_trains_before_the_first_step(depth, capsys, one_simu
     result = run_train("--steps", "4", "--pipeline-depth", str(depth), "--policy", "lfu", "--backend", "torch")
     out = capsys.readouterr().out
     assert "CPU simulation mode" in out and "samples/s" in out
-    described = out.index("model: 2 tables of 40 rows x 4 fp32 (host_cached), rowwise_adagrad lr 0.2")
+    described = out.index("model: 2 tables of 40 rows x 4 fp32 (managed_cached), rowwise_adagrad lr 0.2")
     # 5% of 80 cached rows = 4 slots, rounded up to one set of 32 ways.
     cache = out.index(f"cache: 32 slots (1 sets of 32 ways, 40.0% of 80 cached rows), policy lfu, "
                       f"pipeline depth {depth}")

@@ -136,8 +136,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     model.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
 
     tiers = parser.add_argument_group("tiers and cache")
-    tiers.add_argument("--placement", default=Placement.HOST_CACHED.value, choices=[p.value for p in Placement],
-                       help=f"where every table's rows live (default {Placement.HOST_CACHED.value})")
+    # Managed memory: the GPU reads it in place ~2x faster than pinned memory (README, "Placements").
+    tiers.add_argument("--placement", default=Placement.MANAGED_CACHED.value, choices=[p.value for p in Placement],
+                       help=f"where every table's rows live (default {Placement.MANAGED_CACHED.value})")
     tiers.add_argument("--cache-fraction", type=float, default=0.05,
                        help="slot cache size, fraction of the cached tables' rows, in (0, 1] (default 0.05)")
     tiers.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
