@@ -126,31 +126,28 @@ class HostRows:
 
     def gather(self, rows: torch.Tensor, weights_out: torch.Tensor, state_out: torch.Tensor) -> None:
         """``weights_out[i, :dim], state_out[i, :width]`` = the backing row ``rows[i]`` (int64 [M])."""
-        for segment, begin, end in self._runs(rows):
-            dim = segment.weights.shape[1]
-            width = 0 if segment.state is None else segment.state.shape[1]
-            if self.copy == "numba":
-                _copy_rows(rows[begin:end], segment.start, segment.weights, segment.state,
-                           weights_out[begin:end, :dim], state_out[begin:end, :width], to_backing=False)
-                continue
-            local = rows[begin:end] - segment.start
-            torch.index_select(segment.weights, 0, local, out=weights_out[begin:end, :dim])
-            if segment.state is not None:
-                torch.index_select(segment.state, 0, local, out=state_out[begin:end, :width])
+        self._copy(rows, weights_out, state_out, to_backing=False)
 
     def scatter(self, rows: torch.Tensor, weights_in: torch.Tensor, state_in: torch.Tensor) -> None:
         """The backing row ``rows[i]`` (int64 [M], distinct) = ``weights_in[i, :dim], state_in[i, :width]``."""
+        self._copy(rows, weights_in, state_in, to_backing=True)
+
+    def _copy(self, rows: torch.Tensor, staged_weights: torch.Tensor, staged_state: torch.Tensor,
+              to_backing: bool) -> None:
         for segment, begin, end in self._runs(rows):
-            dim = segment.weights.shape[1]
-            width = 0 if segment.state is None else segment.state.shape[1]
+            staged = (staged_weights[begin:end, : segment.weights.shape[1]],
+                      staged_state[begin:end, : 0 if segment.state is None else segment.state.shape[1]])
             if self.copy == "numba":
-                _copy_rows(rows[begin:end], segment.start, segment.weights, segment.state,
-                           weights_in[begin:end, :dim], state_in[begin:end, :width], to_backing=True)
+                _copy_rows(rows[begin:end], segment.start, segment.weights, segment.state, *staged, to_backing)
                 continue
             local = rows[begin:end] - segment.start
-            segment.weights.index_copy_(0, local, weights_in[begin:end, :dim])
-            if segment.state is not None:
-                segment.state.index_copy_(0, local, state_in[begin:end, :width])
+            for backing, part in zip((segment.weights, segment.state), staged):
+                if backing is None:
+                    continue
+                if to_backing:
+                    backing.index_copy_(0, local, part)
+                else:
+                    torch.index_select(backing, 0, local, out=part)
 
 
 def set_copy_threads(threads: int) -> None:
@@ -163,21 +160,18 @@ def set_copy_threads(threads: int) -> None:
 # ---------------------------------------------------------------------- the numba copies
 
 @numba.njit(parallel=True, nogil=True)
-def _gather_kernel(rows, first_row, weights, state, weights_out, state_out):  # pragma: no cover - compiled
-    """weights_out[i] = weights[rows[i] - first_row], state_out[i] = state[rows[i] - first_row] (words)."""
+def _copy_kernel(rows, first_row, weights, state, staged_weights, staged_state, to_backing):  # pragma: no cover
+    """Between backing row ``rows[i] - first_row`` of ``weights``/``state`` and staging row ``i``
+    (machine words [*, words]): to the backing store if ``to_backing`` (rows distinct: no two
+    threads write one row), else from it. Each thread copies whole rows, weights and state."""
     for i in numba.prange(rows.shape[0]):
         row = rows[i] - first_row
-        weights_out[i, :] = weights[row, :]
-        state_out[i, :] = state[row, :]
-
-
-@numba.njit(parallel=True, nogil=True)
-def _scatter_kernel(rows, first_row, weights, state, weights_in, state_in):  # pragma: no cover - compiled
-    """weights[rows[i] - first_row] = weights_in[i], state[...] = state_in[i]; rows distinct (no races)."""
-    for i in numba.prange(rows.shape[0]):
-        row = rows[i] - first_row
-        weights[row, :] = weights_in[i, :]
-        state[row, :] = state_in[i, :]
+        if to_backing:
+            weights[row, :] = staged_weights[i, :]
+            state[row, :] = staged_state[i, :]
+        else:
+            staged_weights[i, :] = weights[row, :]
+            staged_state[i, :] = state[row, :]
 
 
 # The workqueue threading layer (numba's fallback when neither TBB nor OpenMP loads) must not run
@@ -187,7 +181,7 @@ _WORKQUEUE_LOCK = threading.Lock()
 
 def _copy_rows(rows, first_row, weights, state, staged_weights, staged_state, to_backing: bool) -> None:
     """Copy rows between a segment's views (``weights`` [span, dim], ``state`` [span, width] or
-    None) and staging views (``staged_*`` [M, dim] / [M, width]) with the numba kernels."""
+    None) and staging views (``staged_*`` [M, dim] / [M, width]) with the numba kernel."""
     if rows.numel() == 0:
         return
     words = _words(weights, staged_weights)
@@ -195,13 +189,12 @@ def _copy_rows(rows, first_row, weights, state, staged_weights, staged_state, to
         states = [np.empty((weights.shape[0], 0), np.uint32), np.empty((rows.numel(), 0), np.uint32)]
     else:
         states = _words(state, staged_state)
-    kernel = _scatter_kernel if to_backing else _gather_kernel
-    args = (rows.numpy(), first_row, words[0], states[0], words[1], states[1])
+    args = (rows.numpy(), first_row, words[0], states[0], words[1], states[1], to_backing)
     if _threading_layer() in (None, "workqueue"):  # not known before the first parallel call
         with _WORKQUEUE_LOCK:
-            kernel(*args)
+            _copy_kernel(*args)
     else:
-        kernel(*args)
+        _copy_kernel(*args)
 
 
 def _threading_layer() -> str | None:
