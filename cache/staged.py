@@ -11,7 +11,7 @@ Fill thread, per job (stream ``F``)::
     wait until the write-back thread has copied this job's victims out of their slots
     copy the fill rows' ids to the host; then, per chunk of staging_rows rows:
         gather the rows (and their optimizer state) from the backing store into a pinned
-        buffer (one torch.index_select per segment: torch's intra-op threads, GIL released)
+        buffer (HostRows: one parallel call per segment of tables, GIL released)
         F: copy the buffer to a device buffer (DMA), scatter it into the slots (index_copy_)
     record the job's fill event on F
 
@@ -21,7 +21,7 @@ Write-back thread, per job (stream ``W``)::
     W: gather every victim's slot row into one device buffer (HBM to HBM), record an event
        -> the fill thread may now go on (its scatters wait for that event on F)
     copy the victims' row ids to the host; per chunk: W copies it to a pinned buffer (DMA),
-    the host scatters it into the backing store (index_copy_), the next chunk's DMA running
+    the host scatters it into the backing store (HostRows), the next chunk's DMA running
     meanwhile
     take the next job
 
