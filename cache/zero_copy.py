@@ -76,9 +76,12 @@ class ZeroCopyMover(RowMover):
             num_entries = torch.full((1,), selected.numel(), dtype=torch.int64, device=selected.device)
         if SIMULATION:
             # Few simulator threads (each is a Python thread); each walks many entries, all columns.
+            # No more threads than entries to look at: a thread past the last has nothing to do,
+            # and each costs the simulator ~1 ms a launch (most launches look at a few entries).
             from tiered_tbe.cache import launch
 
-            grid, block = 1, (1, launch.SIMULATED_THREADS)
+            entries = min(selected.numel(), int(num_entries[0]))
+            grid, block = 1, (1, max(1, min(entries, launch.SIMULATED_THREADS)))
         else:
             rows_per_block = self.copy_rows_per_block
             grid, block = max(1, min(-(-selected.numel() // rows_per_block), self.copy_blocks)), (32, rows_per_block)
