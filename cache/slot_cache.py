@@ -45,7 +45,14 @@ from tiered_tbe.cache._kernels import NOT_CACHED
 from tiered_tbe.cache.hints import MAX_LOOKAHEAD, UpcomingBatches
 from tiered_tbe.cache.launch import KernelLauncher
 from tiered_tbe.cache.mover import Moves, make_mover, sorted_write_backs
-from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, POLICY_LOOKAHEAD, check_geometry, policy_code
+from tiered_tbe.cache.policy import (
+    EMPTY,
+    NEXT_USE_UNKNOWN,
+    POLICY_LOOKAHEAD,
+    check_geometry,
+    compile_for_simulator,
+    policy_code,
+)
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.cache.tables import CachedTable, check_tables
 from tiered_tbe.cache.zero_copy import ZeroCopyMover
@@ -215,6 +222,7 @@ class SlotCache:
         # Kernel views, made once (converting a tensor costs host time at every launch): the
         # per-slot tensors are only ever updated in place.
         self._launcher = KernelLauncher(self.device)
+        compile_for_simulator()  # in this thread, not in a simulated kernel's (see there)
         self._upcoming = UpcomingBatches(self._rows_end, self.device, self._launcher)
         (self._k_tags, self._k_last_use, self._k_use_count, self._k_dirty, self._k_locks, self._k_next_use,
          self._k_bypass_count) = (self._launcher.array(t) for t in (self.tags, self.last_use, self.use_count,
