@@ -11,6 +11,12 @@ import tiered_tbe  # noqa: F401  (chooses the mode before triton / numba load)
 from tiered_tbe.base.mode import SIMULATION
 
 
+def pytest_sessionfinish(session, exitstatus):
+    import background
+
+    background.cancel_pending()  # subprocess checks of modules collected but not run
+
+
 def pytest_collection_modifyitems(config, items):
     if SIMULATION:
         skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker); run on the lent H200")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from background import run_in_background
 
 import tiered_tbe  # noqa: F401  (chooses GPU / simulation mode before the scripts import triton or numba)
 from tiered_tbe.cache.policy import POLICIES
@@ -220,12 +221,18 @@ def test_old_flag_names_still_work(scripts):
     assert scripts["bench_cache"].parse_args(["--rows", "77", "--tables", "30"]).tables == 30  # any count with --rows
 
 
-@pytest.mark.parametrize("command", [
-    [sys.executable, "-m", "tiered_tbe", "bench", "kernels", "--help"],  # from the installed package
-    [sys.executable, "benchmarks/bench_pipeline.py", "--help"],  # as a script of the checkout
-])
-def test_both_entry_points_import(command):
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+# Started as this module is collected (tests/background.py).
+_ENTRY_POINTS = {
+    "package": run_in_background([sys.executable, "-m", "tiered_tbe", "bench", "kernels", "--help"], timeout=120,
+                                 cwd=REPO),  # from the installed package
+    "script": run_in_background([sys.executable, "benchmarks/bench_pipeline.py", "--help"], timeout=120,
+                                cwd=REPO),  # as a script of the checkout
+}
+
+
+@pytest.mark.parametrize("entry_point", list(_ENTRY_POINTS))
+def test_both_entry_points_import(entry_point):
+    result = _ENTRY_POINTS[entry_point].result()
     assert result.returncode == 0, result.stderr
     assert "--cache-fraction" in result.stdout or "--tables" in result.stdout
 

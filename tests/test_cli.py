@@ -2,12 +2,12 @@
 
 import csv
 import json
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from background import run_in_background
 
 from tiered_tbe.cache.policy import POLICIES as CACHE_POLICIES
 from tiered_tbe.cli import main
@@ -111,17 +111,23 @@ def test_missing_command_lists_the_commands(capsys):
         assert usage in capsys.readouterr().err
 
 
+# The subprocess checks of this module, started as it is collected (tests/background.py).
+_LIBRARY_IMPORTS = run_in_background([sys.executable, "-c", (
+    "import sys, tiered_tbe.cli, tiered_tbe.hit_rate, tiered_tbe.train\n"
+    "from tiered_tbe.hit_rate.report import default_results_file\n"
+    "default_results_file()\n"
+    "for argv in (['train'], ['bench', 'hit-rate']):\n"
+    "    tiered_tbe.cli.build_parser(argv)\n"
+    "print(sorted(m for m in sys.modules if m.startswith('tiered_tbe.benchmarks')))\n"
+    "tiered_tbe.cli.build_parser(['bench', 'cache'])\n"
+    "print('tiered_tbe.benchmarks.bench_cache' in sys.modules)")], timeout=120, check=True)
+DASH_M_ARGS = [*TINY, "--cache-sizes", "5%", "--policies", "belady"]
+_DASH_M = run_in_background([sys.executable, "-m", "tiered_tbe", "bench", "hit-rate", *DASH_M_ARGS], timeout=120)
+
+
 def test_the_library_never_imports_the_benchmarks():
     """The benchmarks sit above the library: the CLI loads a benchmark's module only for its command."""
-    code = ("import sys, tiered_tbe.cli, tiered_tbe.hit_rate, tiered_tbe.train\n"
-            "from tiered_tbe.hit_rate.report import default_results_file\n"
-            "default_results_file()\n"
-            "for argv in (['train'], ['bench', 'hit-rate']):\n"
-            "    tiered_tbe.cli.build_parser(argv)\n"
-            "print(sorted(m for m in sys.modules if m.startswith('tiered_tbe.benchmarks')))\n"
-            "tiered_tbe.cli.build_parser(['bench', 'cache'])\n"
-            "print('tiered_tbe.benchmarks.bench_cache' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    result = _LIBRARY_IMPORTS.result()
     assert result.stdout.split("\n")[:2] == ["[]", "True"], result.stdout
 
 
@@ -138,11 +144,9 @@ def test_python_dash_m_runs_the_same_command(capsys):
     """``python -m tiered_tbe`` prints the table ``main`` prints here. Belady only: a new process
     would spend ~13 s compiling the CPU simulator of the set-associative policies (numba, not
     cached on disk: see cache/simulator.py), which the tests in this process compile and check."""
-    args = [*TINY, "--cache-sizes", "5%", "--policies", "belady"]
-    code, out, _ = run_cli(capsys, *args)
+    code, out, _ = run_cli(capsys, *DASH_M_ARGS)
     assert code == 0
-    result = subprocess.run([sys.executable, "-m", "tiered_tbe", "bench", "hit-rate", *args], capture_output=True,
-                            text=True, timeout=120)
+    result = _DASH_M.result()
     assert result.returncode == 0, result.stderr
 
     def rows(text):  # the table's rows without their last column (lookups per second)

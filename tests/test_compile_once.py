@@ -1,34 +1,44 @@
 """The Triton kernels compile for the H200 (sm_90) here, without a GPU, and once per model shape.
 
-Both run ``benchmarks/compile_kernels.py`` in a fresh process with the interpreter off: the
-kernels are compiled by Triton's real compiler for sm_90 and never run. The interpreter that
-runs the rest of the suite accepts code the compiler rejects, and cannot show specialization:
-Triton compiles a kernel again for every new class of an integer argument (equal to 1, a
-multiple of 16, other), so a per-batch count that is not marked ``do_not_specialize`` would
-compile a kernel again for batch after batch (the slow first steps of a new model shape).
+Both run ``benchmarks/compile_kernels.py`` in a fresh process (started as this module is
+collected: tests/background.py) with the interpreter off: the kernels are compiled by
+Triton's real compiler for sm_90 and never run. The interpreter that runs the rest of the
+suite accepts code the compiler rejects, and cannot show specialization: Triton compiles a
+kernel again for every new class of an integer argument (equal to 1, a multiple of 16,
+other), so a per-batch count that is not marked ``do_not_specialize`` would compile a kernel
+again for batch after batch (the slow first steps of a new model shape).
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from background import run_in_background
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_kernels.py"
 
 
-def _run(*flags: str) -> str:
+def _start(*flags: str):
+    """``compile_kernels.py`` with ``flags`` in a fresh process, started now (tests/background.py)."""
     env = dict(os.environ, TRITON_INTERPRET="0", TIERED_TBE_COMPILE_ONLY="1", NUMBA_ENABLE_CUDASIM="1",
                TRITON_DEFAULT_FP_FUSION="1", CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, env=env,
-                            timeout=600)
+    return run_in_background([sys.executable, str(SCRIPT), *flags], env=env, timeout=600)
+
+
+# Both compile runs start as this module is collected.
+_RUNS = {"vector loads": _start("--optimizers", "sgd", "rowwise_adagrad", "lamb"),
+         "compilations": _start("--count-compilations")}
+
+
+def _run(name: str) -> str:
+    result = _RUNS[name].result()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
 
 def test_every_kernel_compiles_for_sm90_with_vector_loads():
-    out = _run("--optimizers", "sgd", "rowwise_adagrad", "lamb")
+    out = _run("vector loads")
     lines = [line for line in out.splitlines() if "regs" in line]
     assert len(lines) >= 10, out
     for line in lines:
@@ -37,7 +47,7 @@ def test_every_kernel_compiles_for_sm90_with_vector_loads():
 
 
 def test_each_kernel_compiles_once_per_model_shape():
-    out = _run("--count-compilations")
+    out = _run("compilations")
     counts = {line.split()[0]: int(line.split()[1]) for line in out.splitlines() if line.endswith("compiled")}
     forward_candidates = 6  # the autotuner's tiles for the batches' bag-length class, each compiled once
     expected = {"_pooled_forward_kernel": forward_candidates, "_linearize_kernel": 1, "_run_starts_kernel": 1,
