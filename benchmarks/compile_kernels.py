@@ -96,7 +96,9 @@ def _report(name: str, compiled, arch: int = 90) -> dict:
         "kernel": name,
         **_resource_usage(compiled.asm["cubin"]),
         "shared_bytes": compiled.metadata.shared,
-        "v4_loads": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.v4\.", ptx)),
+        # 16-byte loads: to registers, or (a pipelined loop's) asynchronous copies to shared memory.
+        "v4_loads": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.v4\.", ptx))
+        + len(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.[a-z0-9]+)* \[[^]]+\], \[[^]]+\], (?:16|0x10)\b", ptx)),
         "v4_stores": len(re.findall(r"st\.global(?:\.[a-z0-9]+)*\.v4\.", ptx)),
         "scalar_loads": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.b32 ", ptx)),
     }
@@ -130,8 +132,9 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
             f32, 3328, dim, addresses, addresses, i32, i32, weights, dim, i64, i64, i32, f32, 65536, 0,
             POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16,
             BLOCK_D=block_d, grid=grid, num_warps=config.num_warps, **config.kwargs)
-        results.append(_report(f"forward B{config.kwargs['BLOCK_B']} L{config.kwargs['BLOCK_L']} "
-                               f"w{config.num_warps} G{config.kwargs['GROUPS']}", kernel, arch))
+        shape = config.kwargs
+        results.append(_report(f"forward B{shape['BLOCK_B']} L{shape['BLOCK_L']} w{config.num_warps} "
+                               f"G{shape['GROUPS']} S{shape['STAGES']}", kernel, arch))
     results.append(_report("linearize", linearize._linearize_kernel.warmup(
         i32, i32, addresses, i64, i64, n, 65536, BLOCK_B=32, BLOCK_L=4, grid=grid, num_warps=4), arch))
     config = backward.default_config(block_d)
@@ -141,7 +144,8 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     # order, bags, weights, offsets, step arguments, grad stride, table dims and output offsets
     gradient_args = (i64, i32, f32, i64, i64, 3328, i32, i32)
     results.append(_report("hot window sums", backward.hot_window_sums_kernel.warmup(
-        f32, i32, *gradient_args, n, 65536, **common, grid=grid, num_warps=4), arch))
+        f32, i32, *gradient_args, n, 65536, **common, WINDOWS=backward.SUM_WINDOWS, grid=grid,
+        num_warps=backward.SUM_WARPS), arch))
     results.append(_report("hot group sums", backward.hot_group_sums_kernel.warmup(
         f32, f32, i32, n, CHUNK=config.chunk, GROUP=32, BLOCK_D=block_d, grid=grid, num_warps=4), arch))
     state = torch.zeros(64, 2 * dim, dtype=torch.float32)

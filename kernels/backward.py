@@ -84,6 +84,10 @@ def default_config(block_d: int) -> BackwardConfig:
 
 # Windows a program of hot_row_update_kernel looks at (one in ~20 owns a hot run on Criteo).
 HOT_WINDOWS = 4 if INTERPRETING else 16
+# Windows a program of hot_window_sums_kernel looks at, and its warps: 8 over 2 warps against one
+# over 4 took the big-table backward from 1.048 to 1.013 ms at uniform lookups (the programs mostly
+# find no pure window) and from 0.739 to 0.706 at Zipf 1.05 (RESULTS.md, 2026-12-02).
+SUM_WINDOWS, SUM_WARPS = (2, 4) if INTERPRETING else (8, 2)
 # Windows per group of the second level of hot-row sums (a power of two).
 HOT_GROUP = 4 if INTERPRETING else 32
 # Lookups before a hot run's first pure window (and after its last) summed per step: a whole
@@ -334,8 +338,9 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
 
     num_windows = triton.cdiv(num_lookups, chunk)
     window_sums = torch.empty(num_windows, block_d, dtype=torch.float32, device=device)
-    hot_window_sums_kernel[(num_windows,)](
-        window_sums, s.run_count, *gradient_args, num_lookups, plan.batch_size, **common, num_warps=4)
+    hot_window_sums_kernel[(triton.cdiv(num_windows, SUM_WINDOWS),)](
+        window_sums, s.run_count, *gradient_args, num_lookups, plan.batch_size, **common, WINDOWS=SUM_WINDOWS,
+        num_warps=SUM_WARPS)
     group = HOT_GROUP
     num_groups = triton.cdiv(num_windows, group)
     group_sums = torch.empty(num_groups, block_d, dtype=torch.float32, device=device)

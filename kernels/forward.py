@@ -32,9 +32,9 @@ from .addressing import (
     POOLING_NONE_CONSTEXPR,
     bag_length_class,
     bag_tile_bounds,
+    lookup_bag_rows,
     lookup_rows,
     pooling_code,
-    sum_lanes,
     table_row_zero,
 )
 from .rows import Lookups, RowStores, check_lookups
@@ -42,29 +42,32 @@ from .rows import Lookups, RowStores, check_lookups
 # Tiles of more than this many elements spill registers: the autotuner never tries them.
 MAX_TILE_ELEMENTS = 8192
 
-# (BLOCK_B, BLOCK_L, num_warps, GROUPS) the autotuner tries, by bag-length class (log2 of the mean
-# bag length): many bags of one lookup, or few bags walked many lookups at a time; GROUPS tiles of
-# bags one after another in a program.
+# (BLOCK_B, BLOCK_L, num_warps, GROUPS, STAGES) the autotuner tries, by bag-length class (log2 of
+# the mean bag length): many bags of one lookup, or few bags walked many lookups at a time; GROUPS
+# tiles of bags one after another in a program; STAGES steps of the bags' loop in flight at once.
 _SHAPES_BY_CLASS = {
-    0: [(16, 1, 4, 1), (32, 1, 4, 1), (32, 1, 8, 1), (8, 1, 2, 1), (16, 1, 4, 4), (32, 1, 4, 2), (8, 1, 2, 4)],
-    1: [(16, 1, 4, 1), (8, 1, 2, 1), (32, 1, 8, 1), (8, 2, 4, 1), (16, 1, 4, 4), (8, 1, 2, 4)],
-    2: [(4, 4, 4, 1), (4, 4, 2, 1), (8, 4, 4, 1), (16, 1, 4, 1), (8, 1, 2, 1), (4, 4, 2, 4), (16, 1, 4, 4)],
+    0: [(16, 1, 4, 1, 1), (32, 1, 4, 1, 1), (32, 1, 8, 1, 1), (8, 1, 2, 1, 1), (16, 1, 4, 4, 1), (32, 1, 4, 2, 1),
+        (8, 1, 2, 4, 1)],
+    1: [(16, 1, 4, 1, 1), (8, 1, 2, 1, 1), (32, 1, 8, 1, 1), (8, 2, 4, 1, 1), (16, 1, 4, 4, 1), (8, 1, 2, 4, 1)],
+    2: [(4, 4, 4, 1, 1), (4, 4, 2, 1, 1), (8, 4, 4, 1, 1), (16, 1, 4, 1, 1), (8, 1, 2, 1, 1), (4, 4, 2, 4, 1),
+        (16, 1, 4, 4, 1)],
 }
-# Long bags: a whole bag per step (a reduction across the tile's rows), or one lookup of many bags
-# per step (no reduction, a longer loop).
-_LONG_BAG_SHAPES = [(1, 32, 4, 1), (2, 16, 4, 1), (4, 8, 4, 1), (2, 32, 8, 1), (1, 64, 8, 1), (1, 32, 2, 1),
-                    (16, 1, 4, 1), (32, 1, 8, 1), (8, 1, 2, 1), (8, 2, 4, 1), (4, 4, 2, 1), (1, 32, 2, 4),
-                    (1, 32, 4, 4), (2, 16, 4, 4), (1, 32, 2, 8), (16, 1, 4, 4)]
+# Long bags: a few lookups of a few bags per step (at bags of 32 on an H200, Zipf 1.05: 0.120 ms
+# against 0.150 for one lookup of many bags a step), one lookup of many bags per step with the loop
+# pipelined (3-4 stages: 0.344 -> 0.274 ms at uniform lookups), or a whole bag per step for the
+# longest bags (RESULTS.md, 2026-12-02).
+_LONG_BAG_SHAPES = [(2, 8, 2, 1, 1), (4, 8, 4, 1, 1), (4, 4, 2, 1, 1), (8, 4, 4, 1, 1), (16, 1, 4, 1, 4),
+                    (8, 1, 2, 1, 4), (1, 32, 4, 1, 1), (2, 16, 4, 1, 1), (1, 64, 8, 1, 1)]
 
 
 def _forward_configs() -> list[triton.Config]:
     """Candidate tiles; a single one when interpreting (no timer there, and small tiles make the
     tests walk several steps of a bag, several tiles of a program and several programs of a table)."""
     if INTERPRETING:
-        return [triton.Config({"BLOCK_B": 2, "BLOCK_L": 2, "GROUPS": 2}, num_warps=4)]
+        return [triton.Config({"BLOCK_B": 2, "BLOCK_L": 2, "GROUPS": 2, "STAGES": 1}, num_warps=4)]
     shapes = {shape for shapes in _SHAPES_BY_CLASS.values() for shape in shapes} | set(_LONG_BAG_SHAPES)
-    return [triton.Config({"BLOCK_B": b, "BLOCK_L": lanes, "GROUPS": g}, num_warps=w)
-            for b, lanes, w, g in sorted(shapes)]
+    return [triton.Config({"BLOCK_B": b, "BLOCK_L": lanes, "GROUPS": g, "STAGES": stages}, num_warps=w)
+            for b, lanes, w, g, stages in sorted(shapes)]
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -73,8 +76,8 @@ def _prune_configs(configs, named_args, **kwargs):
         return configs
     block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
     wanted = set(_SHAPES_BY_CLASS.get(named_args["bag_length_class"], _LONG_BAG_SHAPES))
-    chosen = [c for c in configs
-              if (c.kwargs["BLOCK_B"], c.kwargs["BLOCK_L"], c.num_warps, c.kwargs["GROUPS"]) in wanted]
+    chosen = [c for c in configs if (c.kwargs["BLOCK_B"], c.kwargs["BLOCK_L"], c.num_warps, c.kwargs["GROUPS"],
+                                     c.kwargs["STAGES"]) in wanted]
     fitting = [c for c in chosen if c.kwargs["BLOCK_B"] * c.kwargs["BLOCK_L"] * block_d <= MAX_TILE_ELEMENTS]
     return fitting or [min(chosen, key=lambda c: c.kwargs["BLOCK_B"] * c.kwargs["BLOCK_L"])]
 
@@ -109,6 +112,7 @@ def _pooled_forward_kernel(
     BLOCK_B: tl.constexpr,  # bags per program
     BLOCK_L: tl.constexpr,  # lookups of each bag per step
     GROUPS: tl.constexpr,  # tiles of BLOCK_B bags per program
+    STAGES: tl.constexpr,  # steps of a bag whose loads are in flight at once (Triton's loop pipeliner)
     BLOCK_D: tl.constexpr,  # columns per tile: next power of two of the largest embedding_dim
 ):
     table = tl.program_id(1)
@@ -125,22 +129,31 @@ def _pooled_forward_kernel(
     # short programs more slowly than it runs them).
     for group in range(GROUPS):
         first_bag = (tl.program_id(0) * GROUPS + group) * BLOCK_B
-        # The tile's rows are (bag, lane) pairs: BLOCK_L lookups of each of BLOCK_B bags per step.
-        _, _, starts, ends = bag_tile_bounds(offsets_ptr, table, first_bag, batch_size, BLOCK_B, BLOCK_L)
         accumulator = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-        for step_start in range(0, tl.max(ends - starts, axis=0), BLOCK_L):
-            positions = starts + step_start + lanes  # int64 [BLOCK_B * BLOCK_L]
-            in_bag = positions < ends
-            tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
-                               row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
-            if HAS_PER_SAMPLE_WEIGHTS:
-                tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, None]
-            if POOLING == POOLING_NONE_CONSTEXPR:  # every lookup is its own output row
+        if POOLING != POOLING_NONE_CONSTEXPR:
+            # A [bags, lanes, columns] tile a step, summed over its lanes in registers.
+            _, _, starts, ends = bag_tile_bounds(offsets_ptr, table, first_bag, batch_size, BLOCK_B, 1)
+            for step_start in tl.range(0, tl.max(ends - starts, axis=0), BLOCK_L, num_stages=STAGES):
+                positions = starts[:, None] + step_start + tl.arange(0, BLOCK_L)[None, :]  # int64 [BLOCK_B, BLOCK_L]
+                in_bag = positions < ends[:, None]
+                tile = lookup_bag_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
+                                       row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
+                if HAS_PER_SAMPLE_WEIGHTS:
+                    tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, :, None]
+                accumulator += tl.sum(tile, axis=1)
+        else:  # every lookup is its own output row
+            # The tile's rows are (bag, lane) pairs: BLOCK_L lookups of each of BLOCK_B bags per step.
+            _, _, starts, ends = bag_tile_bounds(offsets_ptr, table, first_bag, batch_size, BLOCK_B, BLOCK_L)
+            for step_start in tl.range(0, tl.max(ends - starts, axis=0), BLOCK_L, num_stages=STAGES):
+                positions = starts + step_start + lanes  # int64 [BLOCK_B * BLOCK_L]
+                in_bag = positions < ends
+                tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
+                                   row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
+                if HAS_PER_SAMPLE_WEIGHTS:
+                    tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, None]
                 # Columns past the table's dim are written as zeros, so no output element is left unset.
                 out_ptrs = output_ptr + positions[:, None] * output_stride + columns[None, :]
                 tl.store(out_ptrs, tile, mask=in_bag[:, None] & (columns < output_width)[None, :])
-            else:
-                accumulator += sum_lanes(tile, BLOCK_B, BLOCK_L, BLOCK_D)
 
         if POOLING != POOLING_NONE_CONSTEXPR:
             bags = first_bag + tl.arange(0, BLOCK_B)

@@ -1,6 +1,6 @@
 """The hot rows of the backward: runs holding a whole window of ``CHUNK`` sorted positions.
 
-``hot_window_sums_kernel`` sums each pure window (one program per window),
+``hot_window_sums_kernel`` sums each pure window (``WINDOWS`` windows a program),
 ``hot_group_sums_kernel`` each pure group of ``GROUP`` windows, and ``hot_row_update_kernel``
 (``WINDOWS`` windows a program; a run's first pure window owns the run) adds its run's group and window
 sums and the lookups before its first and after its last pure window, then applies the optimizer
@@ -34,20 +34,28 @@ def hot_window_sums_kernel(
     ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
     GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
     CHUNK: tl.constexpr,  # sorted positions per window: runs holding a whole one are hot
+    WINDOWS: tl.constexpr,  # windows per program
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
 ):
-    window = tl.program_id(0).to(tl.int64)
-    first = window * CHUNK
-    if first + CHUNK <= num_lookups:
-        if tl.load(run_count_ptr + first) == tl.load(run_count_ptr + first + CHUNK - 1):  # a pure window
-            columns = tl.arange(0, BLOCK_D)
-            positions = first + tl.arange(0, CHUNK)
-            grad_output_ptr = grad_output_of_step(step_args_ptr)
-            tile = lookup_gradients(
-                positions, positions >= 0, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
-                grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns,
-                POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
-            tl.store(window_sums_ptr + window * BLOCK_D + columns, tl.sum(tile, axis=0))
+    # WINDOWS windows a program, their purity read at once: most windows are not pure (nearly all
+    # at uniform lookups), and a program per window spent its time starting programs.
+    lanes = tl.arange(0, WINDOWS)
+    windows = tl.program_id(0).to(tl.int64) * WINDOWS + lanes
+    inside = (windows + 1) * CHUNK <= num_lookups
+    pure = inside & (tl.load(run_count_ptr + windows * CHUNK, mask=inside, other=0)
+                     == tl.load(run_count_ptr + windows * CHUNK + CHUNK - 1, mask=inside, other=-1))
+    if tl.max(pure.to(tl.int32), axis=0) > 0:
+        columns = tl.arange(0, BLOCK_D)
+        grad_output_ptr = grad_output_of_step(step_args_ptr)
+        for lane in range(0, WINDOWS):
+            if tl.sum(tl.where(pure & (lanes == lane), 1, 0), axis=0) > 0:
+                window = tl.program_id(0).to(tl.int64) * WINDOWS + lane
+                positions = window * CHUNK + tl.arange(0, CHUNK)
+                tile = lookup_gradients(
+                    positions, positions >= 0, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
+                    grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns,
+                    POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
+                tl.store(window_sums_ptr + window * BLOCK_D + columns, tl.sum(tile, axis=0))
 
 
 @triton.jit(do_not_specialize=["num_lookups"])
