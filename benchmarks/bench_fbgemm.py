@@ -304,8 +304,8 @@ def measure_ours(config: Config, batches, grad, args) -> dict:
             lambda: backward_update(grad, emb.row_stores, lookups, None, "sum", emb.optimizer, 1,
                                     sorted_lookups=grouped), rep_ms=100)
         best = getattr(forward._pooled_forward_kernel, "best_config", None)
-        result["forward_tile"] = (f"B{best.kwargs['BLOCK_B']} L{best.kwargs['BLOCK_L']} w{best.num_warps}"
-                                  if best is not None else "-")
+        result["forward_tile"] = (f"B{best.kwargs['BLOCK_B']} L{best.kwargs['BLOCK_L']} w{best.num_warps} "
+                                  f"G{best.kwargs['GROUPS']} S{best.kwargs['STAGES']}" if best is not None else "-")
     return result  # the module goes with this frame: the caller frees its memory
 
 

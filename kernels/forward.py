@@ -21,6 +21,8 @@ Example (CPU simulation, one table of 10 rows of 4 columns, one bag of rows 1 an
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -58,6 +60,21 @@ _SHAPES_BY_CLASS = {
 # longest bags (RESULTS.md, 2026-12-02).
 _LONG_BAG_SHAPES = [(2, 8, 2, 1, 1), (4, 8, 4, 1, 1), (4, 4, 2, 1, 1), (8, 4, 4, 1, 1), (16, 1, 4, 1, 4),
                     (8, 1, 2, 1, 4), (1, 32, 4, 1, 1), (2, 16, 4, 1, 1), (1, 64, 8, 1, 1)]
+
+
+class ForwardTile(NamedTuple):
+    """One tile shape of the forward kernel (``pooled_forward(..., tile=)`` bypasses the autotuner)."""
+
+    bags: int  # BLOCK_B: bags per tile
+    lanes: int  # BLOCK_L: lookups of each bag per step
+    warps: int  # num_warps
+    groups: int = 1  # GROUPS: tiles per program
+    stages: int = 1  # STAGES: steps of the bags' loop in flight
+
+
+# Every tile the autotuner may pick on a GPU, whatever the batch.
+FORWARD_TILES = sorted({ForwardTile(*shape) for shapes in (*_SHAPES_BY_CLASS.values(), _LONG_BAG_SHAPES)
+                        for shape in shapes})
 
 
 def _forward_configs() -> list[triton.Config]:
@@ -167,7 +184,8 @@ def _pooled_forward_kernel(
 
 
 def pooled_forward(
-    stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None, pooling: str
+    stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None, pooling: str,
+    tile: ForwardTile | None = None,
 ) -> torch.Tensor:
     """Pool the rows of every bag of every table in one launch.
 
@@ -177,6 +195,7 @@ def pooled_forward(
         slot_of_index: int32 [N]: slot of ``stores.cache_weights`` holding each lookup's row, or -1
             to read the row from its table's backing store; ``None``: no lookup has a slot.
         pooling: ``"sum"``, ``"mean"`` (an empty bag gives zeros) or ``"none"``.
+        tile: run this tile shape instead of the autotuner's (tests of every shape, tuning sweeps).
 
     Returns:
         fp32 ``[B, stores.total_dim]`` for sum and mean: table ``t``'s bag ``b`` at columns
@@ -200,7 +219,12 @@ def pooled_forward(
     def grid(meta):
         return triton.cdiv(batch_size, meta["BLOCK_B"] * meta["GROUPS"]), num_tables
 
-    _pooled_forward_kernel[grid](
+    kernel, shape = _pooled_forward_kernel, {}
+    if tile is not None:
+        kernel = _pooled_forward_kernel.fn
+        shape = dict(BLOCK_B=tile.bags, BLOCK_L=tile.lanes, GROUPS=tile.groups, STAGES=tile.stages,
+                     num_warps=tile.warps)
+    kernel[grid](
         output, output.stride(0), output.shape[1],
         stores.table_weights_address, stores.table_weights_stride, stores.table_dim, stores.table_output_offset,
         stores.cache_weights, stores.cache_weights.stride(0),
@@ -213,5 +237,6 @@ def pooled_forward(
         ALIGN=stores.alignment,
         ALIGN_BYTES=stores.alignment * element_bytes,
         BLOCK_D=triton.next_power_of_2(stores.max_dim),
+        **shape,
     )
     return output

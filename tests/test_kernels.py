@@ -150,6 +150,18 @@ def test_pooled_forward_matches_reference(pooling, weighted, dtype, device):
     torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("pooling", ["sum", "mean", "none"])
+def test_every_forward_tile_matches_reference(pooling, device):
+    """Each tile shape the GPU autotuner may pick (the interpreter runs a single one otherwise):
+    bags shorter and longer than a step, more bags than a tile, weighted lookups, slots beside
+    backing rows."""
+    stores, lookups, slot_of_index = make_batch(batch_size=9, max_bag=11, weighted=True, device=device)
+    expected = reference_forward(stores, lookups, slot_of_index, pooling)
+    for tile in forward_module.FORWARD_TILES:
+        output = pooled_forward(stores, lookups, slot_of_index, pooling, tile=tile)
+        torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-5, msg=lambda m, t=tile: f"{t}: {m}")
+
+
 @pytest.mark.parametrize("bag_size", [1, 3, 8])
 def test_pooled_forward_fixed_bag_sizes_and_int32_inputs(bag_size, device):
     """Bags of one lookup (many bags a tile), and longer fixed bags; int32 indices and offsets
