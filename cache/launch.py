@@ -30,9 +30,15 @@ class KernelLauncher:
 
     def array(self, tensor: torch.Tensor):
         """What a Numba kernel takes for ``tensor``: a device array view on the GPU (see
-        :func:`device_array`), a numpy view (same memory) in the CUDA simulator."""
+        :func:`device_array`), a simulator device array over a numpy view (same memory) in the
+        CUDA simulator."""
         if SIMULATION:
-            return tensor.detach().numpy()
+            # A simulator device array over the numpy view: a plain numpy argument is copied in
+            # and written back after the launch, so two arguments over the same memory (a row's
+            # weights and its state in one buffer: state_layout="with_rows") would lose writes.
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+            return FakeCUDAArray(tensor.detach().numpy())
         return device_array(tensor)
 
     def launch(self, kernel, num_items: int, *args) -> None:

@@ -58,10 +58,17 @@ def test_cached_training_without_bounds_checks_equals_uncached(mover, device, on
     _train_cached_and_plain("lru", RowwiseAdagrad(lr=0.1), torch.float32, mover, device, "off")
 
 
-def _train_cached_and_plain(policy, optimizer, weights_dtype, mover, device, bounds_check):
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.float16], ids=str)
+def test_cached_training_with_state_beside_rows_equals_uncached(weights_dtype, mover, device, one_simulated_thread):
+    """The backing stores hold each row's state right after its weights (state_layout="with_rows"):
+    the movers copy rows and state through the longer row strides."""
+    _train_cached_and_plain("lru", Adam(lr=0.02), weights_dtype, mover, device, "off", state_layout="with_rows")
+
+
+def _train_cached_and_plain(policy, optimizer, weights_dtype, mover, device, bounds_check, state_layout="separate"):
     config = CacheConfig(slots=8, associativity=4, policy=policy, lfu_decay_interval=7, mover=mover, staging_rows=2)
     cached = TieredEmbeddingBags(tables(True), optimizer=optimizer, weights_dtype=weights_dtype, cache=config,
-                                 device=device, backend="torch", bounds_check=bounds_check)
+                                 device=device, backend="torch", bounds_check=bounds_check, state_layout=state_layout)
     plain = TieredEmbeddingBags(tables(False), optimizer=optimizer, weights_dtype=weights_dtype, device=device,
                                 backend="torch")
     assert cached.cache.mover.name == mover

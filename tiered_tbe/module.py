@@ -128,6 +128,11 @@ class TieredEmbeddingBags(nn.Module):
             update (every row stays as it was, the batch's locks are released) with a ValueError
             naming the tensor, the position and the table. Costs a pass over the gradient and one
             host sync per backward. Off, a NaN reaches the rows it touches.
+        state_layout: where each row's optimizer state lives in its backing store: ``"separate"``
+            (a state buffer beside the weights buffer, as FBGEMM's TBE) or ``"with_rows"`` (right
+            after the row's weights, rows padded to 16 bytes, as FBGEMM's SSD TBE offloads
+            optimizer state): a row moved by the cache is then one stretch of host memory. The
+            same training either way, bit for bit (``tiered_tbe/storage.py``).
         cuda_graphs: on a GPU, replay each batch shape's backward (and the cache's prefetch, with
             the zero-copy mover) as one CUDA graph (captured on the shape's second batch, without
             waiting for the device; bit-identical to running its launches one by one;
@@ -152,6 +157,7 @@ class TieredEmbeddingBags(nn.Module):
         backend: str = "triton",
         nan_check: str = "off",
         cuda_graphs: bool = True,
+        state_layout: str = "separate",
     ):
         super().__init__()
         if not tables:
@@ -192,7 +198,8 @@ class TieredEmbeddingBags(nn.Module):
         state_width = [optimizer.state_width(s.embedding_dim) if optimizer else 0 for s in tables]
         generator = torch.Generator(device=self.device).manual_seed(seed)
         initial_state = optimizer.initial_state() if optimizer is not None else 0.0
-        self.storage = lay_out(tables, state_width, weights_dtype, self.device, generator, initial_state)
+        self.storage = lay_out(tables, state_width, weights_dtype, self.device, generator, initial_state,
+                               state_layout)
 
         cached = [t for t, s in enumerate(tables) if s.placement.is_cached]
         self.cache: SlotCache | None = None

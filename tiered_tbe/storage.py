@@ -1,9 +1,10 @@
 """Lay the tables of a module out in their memory tiers and describe them to the kernels.
 
 Every tier (DEVICE, HOST, MANAGED) holds one flat weights buffer and one flat fp32
-optimizer-state buffer; table ``t`` occupies a contiguous run of each, at element offsets
-computed here. ``*_CACHED`` tables live in the buffer of their backing tier; the slot cache
-(``tiered_tbe.cache``) keeps copies of their hot rows.
+optimizer-state buffer (``state_layout="separate"``), or one buffer of rows each followed by its
+state (``"with_rows"``); table ``t`` occupies a contiguous run of each. ``*_CACHED`` tables live
+in the buffer of their backing tier; the slot cache (``tiered_tbe.cache``) keeps copies of their
+hot rows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ import torch
 from tiered_tbe.cache.slot_cache import CachedTable
 from tiered_tbe.cache.tiers import TierBuffer, allocate
 from tiered_tbe.kernels.rows import RowStores
-from tiered_tbe.specs import Placement, TableSpec
+from tiered_tbe.specs import TableSpec
+
+STATE_LAYOUTS = ("separate", "with_rows")
+# Row starts (and, with the state beside the rows, each row's bytes) are multiples of this, so the
+# kernels load rows as 16-byte vectors.
+_ROW_ALIGN_BYTES = 16
 
 
 @dataclass
@@ -24,31 +30,19 @@ class TableStorage:
     """Where the rows of every table of a module are (one per module)."""
 
     tables: list[TableSpec]
-    weight_buffers: dict[Placement, TierBuffer]  # keyed by backing placement
-    state_buffers: dict[Placement, TierBuffer]
-    weight_offset: list[int]  # element offset of row 0 of table t in its tier's weights
-    state_offset: list[int]
-    state_width: list[int]  # fp32 optimizer-state values per row of table t
+    buffers: list[TierBuffer]  # every buffer the views below point into (kept alive here)
+    table_weights: list[torch.Tensor]  # [num_embeddings, embedding_dim] view of table t's rows
+    table_state: list[torch.Tensor | None]  # fp32 [num_embeddings, state_width] view, or None
     row_offset: list[int]  # global row id of row 0 of table t
+    state_layout: str = "separate"
 
     def weights(self, t: int) -> torch.Tensor:
         """[num_embeddings, embedding_dim] view of table t's backing rows."""
-        spec = self.tables[t]
-        flat = self.weight_buffers[spec.placement.backing].tensor
-        start = self.weight_offset[t]
-        return flat[start : start + spec.num_embeddings * spec.embedding_dim].view(
-            spec.num_embeddings, spec.embedding_dim
-        )
+        return self.table_weights[t]
 
     def state(self, t: int) -> torch.Tensor | None:
         """[num_embeddings, state_width] fp32 view of table t's optimizer state, or None."""
-        width = self.state_width[t]
-        if width == 0:
-            return None
-        spec = self.tables[t]
-        flat = self.state_buffers[spec.placement.backing].tensor
-        start = self.state_offset[t]
-        return flat[start : start + spec.num_embeddings * width].view(spec.num_embeddings, width)
+        return self.table_state[t]
 
     def cached_tables(self) -> list[CachedTable]:
         """The ``*_CACHED`` tables, as the slot cache sees them."""
@@ -61,8 +55,11 @@ class TableStorage:
     def row_stores(self, cache_weights: torch.Tensor, cache_state: torch.Tensor) -> RowStores:
         """The kernels' view of every table: its rows and state wherever they live (one table of
         row stores; the kernels never see tiers)."""
-        return RowStores(tuple(self.weights(t) for t in range(len(self.tables))),
-                         tuple(self.state(t) for t in range(len(self.tables))), cache_weights, cache_state)
+        return RowStores(tuple(self.table_weights), tuple(self.table_state), cache_weights, cache_state)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def lay_out(
@@ -72,29 +69,51 @@ def lay_out(
     device: torch.device,
     generator: torch.Generator | None = None,
     initial_state: float = 0.0,
+    state_layout: str = "separate",
 ) -> TableStorage:
     """Allocate every tier's buffers and initialise the weights.
+
+    ``state_layout``: ``"separate"`` gives each tier one flat weights buffer and one flat fp32
+    state buffer, table ``t`` a contiguous run of each. ``"with_rows"`` gives each tier one
+    buffer where each row's optimizer state follows its weights (rows padded to 16 bytes), so
+    a row moved between a backing store and the cache is one stretch of memory (one host page)
+    instead of two; the kernels see the same views with longer row strides.
 
     Weights start uniform in ``[-1/sqrt(num_embeddings), 1/sqrt(num_embeddings)]`` (TorchRec's
     default for embedding bags); optimizer state starts at ``initial_state``.
     """
-    weight_offset, state_offset = [], []
-    weight_numel: dict[Placement, int] = {}
-    state_numel: dict[Placement, int] = {}
-    for spec, width in zip(tables, state_width):
-        backing = spec.placement.backing
-        weight_offset.append(weight_numel.get(backing, 0))
-        weight_numel[backing] = weight_offset[-1] + spec.num_embeddings * spec.embedding_dim
-        state_offset.append(state_numel.get(backing, 0))
-        state_numel[backing] = state_offset[-1] + spec.num_embeddings * width
+    if state_layout not in STATE_LAYOUTS:
+        raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
+    element = torch.empty(0, dtype=weights_dtype).element_size()
+    placements = list(dict.fromkeys(spec.placement.backing for spec in tables))
+    table_weights: list[torch.Tensor | None] = [None] * len(tables)
+    table_state: list[torch.Tensor | None] = [None] * len(tables)
+    buffers = []
+    for placement in placements:
+        members = [t for t, spec in enumerate(tables) if spec.placement.backing is placement]
+        if state_layout == "with_rows":
+            buffers.append(_lay_out_with_rows(tables, state_width, members, placement, weights_dtype, element,
+                                              device, table_weights, table_state))
+            continue
+        weight_numel = sum(tables[t].num_embeddings * tables[t].embedding_dim for t in members)
+        state_numel = sum(tables[t].num_embeddings * state_width[t] for t in members)
+        weights = allocate(placement, weight_numel, weights_dtype, device)
+        state = allocate(placement, state_numel, torch.float32, device) if state_numel else None
+        buffers += [b for b in (weights, state) if b is not None]
+        weight_at = state_at = 0
+        for t in members:
+            rows, dim, width = tables[t].num_embeddings, tables[t].embedding_dim, state_width[t]
+            table_weights[t] = weights.tensor[weight_at : weight_at + rows * dim].view(rows, dim)
+            if width:
+                table_state[t] = state.tensor[state_at : state_at + rows * width].view(rows, width)
+            weight_at, state_at = weight_at + rows * dim, state_at + rows * width
     storage = TableStorage(
         tables=list(tables),
-        weight_buffers={p: allocate(p, n, weights_dtype, device) for p, n in weight_numel.items()},
-        state_buffers={p: allocate(p, n, torch.float32, device) for p, n in state_numel.items() if n > 0},
-        weight_offset=weight_offset,
-        state_offset=state_offset,
-        state_width=list(state_width),
+        buffers=buffers,
+        table_weights=table_weights,
+        table_state=table_state,
         row_offset=[sum(s.num_embeddings for s in tables[:t]) for t in range(len(tables))],
+        state_layout=state_layout,
     )
     for t, spec in enumerate(tables):
         bound = 1.0 / math.sqrt(spec.num_embeddings)
@@ -103,6 +122,26 @@ def lay_out(
         if state is not None:
             state.fill_(initial_state)
     return storage
+
+
+def _lay_out_with_rows(tables, state_width, members, placement, weights_dtype, element, device, table_weights,
+                       table_state) -> TierBuffer:
+    """One buffer of ``placement`` for the tables ``members``, each row's state after its weights;
+    fills in their views."""
+    row_bytes, weight_bytes = {}, {}
+    for t in members:
+        weight_bytes[t] = _round_up(tables[t].embedding_dim * element, 4)
+        row_bytes[t] = _round_up(weight_bytes[t] + 4 * state_width[t], _ROW_ALIGN_BYTES)
+    buffer = allocate(placement, sum(tables[t].num_embeddings * row_bytes[t] for t in members), torch.uint8, device)
+    at = 0
+    for t in members:
+        rows, dim, width = tables[t].num_embeddings, tables[t].embedding_dim, state_width[t]
+        table_rows = buffer.tensor[at : at + rows * row_bytes[t]].view(rows, row_bytes[t])
+        table_weights[t] = table_rows[:, : dim * element].view(weights_dtype)
+        if width:
+            table_state[t] = table_rows[:, weight_bytes[t] : weight_bytes[t] + 4 * width].view(torch.float32)
+        at += rows * row_bytes[t]
+    return buffer
 
 
 def _fill_uniform(rows: torch.Tensor, bound: float, generator: torch.Generator | None) -> None:
