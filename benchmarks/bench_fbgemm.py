@@ -131,6 +131,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "holds); a cached configuration gets a new batch every step")
     parser.add_argument("--ours-only", action="store_true", help="time our side only (no FBGEMM)")
     parser.add_argument("--mover", default=None, help="our cache's row mover (CacheConfig.mover), when it has one")
+    parser.add_argument("--state-layout", default="separate", choices=("separate", "with_rows"),
+                        help="where our backing stores keep each row's optimizer state (TieredEmbeddingBags "
+                             "state_layout; default separate)")
     parser.add_argument("--backward-configs", nargs="+", default=None, metavar="R,L,W,CHUNK",
                         help="also time our HBM steps with these backward tile shapes (rows, lanes, warps, chunk): "
                              "a tuning sweep")
@@ -254,10 +257,15 @@ def ours_module(config: Config, args) -> TieredEmbeddingBags:
         cache = CacheConfig(fraction=config.cache_fraction, policy=config.policy, **extra)
     return TieredEmbeddingBags(tables, optimizer=optimizer_named(config.optimizer, **HYPER[config.optimizer]),
                                weights_dtype=common.DTYPES[config.dtype], device=default_device(), cache=cache,
-                               bounds_check="off", stochastic_rounding=config.dtype != "fp32", seed=args.seed)
+                               bounds_check="off", stochastic_rounding=config.dtype != "fp32", seed=args.seed,
+                               state_layout=getattr(args, "state_layout", "separate"))
 
 
 def measure_ours(config: Config, batches, grad, args) -> dict:
+    # Each configuration tunes the forward on its own batches, as a user's training would: the
+    # autotuner keeps one choice per bag-length class, and the uniform big-table batches chose a
+    # tile ~8% slower on the Zipf ones that followed (RESULTS.md, 2026-12-02).
+    forward._pooled_forward_kernel.cache.clear()
     emb = ours_module(config, args)
     count = args.warmup + args.steps
 
@@ -394,7 +402,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                                                                  if SIMULATION else ""))
     print("settings: no bounds checks on either side (FBGEMM BoundsCheckMode.NONE, ours bounds_check='off'); "
           "fp32 output; stochastic rounding for fp16 weights on both sides; cached: FBGEMM MANAGED_CACHING, "
-          f"ours HOST_CACHED/MANAGED_CACHED{'' if not args.mover else f' mover={args.mover}'}, same cache fraction")
+          f"ours HOST_CACHED/MANAGED_CACHED{'' if not args.mover else f' mover={args.mover}'}, same cache fraction; "
+          f"ours state_layout={args.state_layout!r}; our forward tuned on each configuration's own batches")
     configs = [c for c in CONFIGS if args.configs is None or c.name in args.configs]
     copy_gbs = kernel_profile.copy_bandwidth_gbs() if args.profile else None
     if copy_gbs is not None:

@@ -12,6 +12,7 @@
 #   PYTEST_ARGS    extra pytest flags (default -x); TESTS_TIMEOUT seconds for the tests (default 240)
 #   STEPS, WARMUP  timed and warm-up steps per side (default 20, 8)
 #   MOVER          our cache's row mover for the cached configurations (default: CacheConfig's)
+#   STATE_LAYOUT   where our backing stores keep the optimizer state: separate (default) or with_rows
 #   PROFILE=1      also profile each configuration (bench_fbgemm --profile: kernels, copy-bandwidth fractions)
 #   SKIP_INSTALL=1 the project and wheels are installed already
 set -uo pipefail
@@ -42,7 +43,7 @@ CONFIGS=${CONFIGS:-criteo-adagrad criteo-adagrad-z1.2 criteo-adagrad-fp16 criteo
 big-uniform-adagrad big-zipf-sgd big-zipf-adagrad cached-lru cached-lfu}
 # shellcheck disable=SC2086
 python3 benchmarks/bench_fbgemm.py --configs $CONFIGS --steps "${STEPS:-20}" --warmup "${WARMUP:-8}" \
-    ${MOVER:+--mover "$MOVER"} ${PROFILE:+--profile} --json "$OUT/bench_fbgemm.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 | tee "$OUT/bench_fbgemm.log" \
+    ${MOVER:+--mover "$MOVER"} ${STATE_LAYOUT:+--state-layout "$STATE_LAYOUT"} ${PROFILE:+--profile} --json "$OUT/bench_fbgemm.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 | tee "$OUT/bench_fbgemm.log" \
     | grep -v -i "warn"
 if [[ -n ${SWEEP_CONFIGS:-} ]]; then
     SWEEP=${SWEEP:-16,1,4,32 8,1,4,32 32,1,8,32 8,1,2,32 16,2,4,32 16,1,4,64 16,1,4,16}

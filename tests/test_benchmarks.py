@@ -302,10 +302,11 @@ def test_cli_bench_fbgemm_without_fbgemm_times_our_side(capsys, tmp_path):
     assert "criteo-adagrad " in listed and "cached-lru-pipelined" in listed
     json_file = tmp_path / "fbgemm.json"
     code = cli_main(["bench", "fbgemm", "--configs", "criteo-sgd", "cached-lru", "cached-lru-pipelined", "--steps", "1",
-                     "--json", str(json_file)])
+                     "--state-layout", "with_rows", "--json", str(json_file)])
     assert code == 0
     out = capsys.readouterr().out
     assert "FBGEMM_GPU: no CUDA device (simulation mode); timing our side only" in out
+    assert "ours state_layout='with_rows'" in out
     assert "| criteo-sgd | forward |" in out and "| cached-lru-pipelined | step |" in out
     results = {r["config"]: r for r in json.loads(json_file.read_text())["results"]}
     assert results["criteo-sgd"]["ours"]["step"] > 0 and results["criteo-sgd"]["fbgemm"] == {}
