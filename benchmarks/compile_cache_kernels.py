@@ -40,6 +40,7 @@ def record_launches() -> list[dict]:
     def describe(arg):
         if isinstance(arg, torch.Tensor):
             return ["array", str(arg.dtype).removeprefix("torch."), arg.dim(), "C" if arg.is_contiguous() else "A"]
+        arg = getattr(arg, "_ary", arg)  # a simulator device array: its numpy view
         if isinstance(arg, np.ndarray):  # a kernel view made once (the cache's per-slot tensors)
             return ["array", arg.dtype.name, arg.ndim, "C" if arg.flags.c_contiguous else "A"]
         if isinstance(arg, bool | np.bool_):
@@ -55,24 +56,27 @@ def record_launches() -> list[dict]:
         return launch_configured(self, kernel, grid, block, *args)
 
     launch.KernelLauncher.launch_configured = recording
-    for policy in ("lru", "lfu", "lookahead"):
-        for mover in ("zero_copy", "staged"):
-            tables = [CachedTable(0, 40, 4, torch.randn(40, 4), torch.randn(40, 2)),
-                      CachedTable(50, 30, 6, torch.randn(30, 6), None)]
-            cache = SlotCache(tables, num_slots=8, associativity=4, policy=policy, mover=mover)
-            if policy == "lookahead":
-                cache.add_upcoming(torch.tensor([1, 2, 55]), cache.step + 2)
-            first = cache.prefetch(torch.tensor([1, 2, 2, 55, 45, 79, 3, 4, 5, 6, 7]))
-            cache.wait_filled(first)
-            second = cache.prefetch(torch.tensor([9, 10, 11, 12, 13, 60], dtype=torch.int32))
-            cache.wait_filled(second)
-            cache.mark_dirty(first)
-            cache.unlock(first)
-            cache.unlock(second, mark_dirty=True)
-            cache.lookup(torch.tensor([1, 60]))
-            cache.write_back(torch.tensor([0, 1, -1], dtype=torch.int32))
-            cache.flush()
-            cache.close()
+    try:
+        for policy in ("lru", "lfu", "lookahead"):
+            for mover in ("zero_copy", "staged"):
+                tables = [CachedTable(0, 40, 4, torch.randn(40, 4), torch.randn(40, 2)),
+                          CachedTable(50, 30, 6, torch.randn(30, 6), None)]
+                cache = SlotCache(tables, num_slots=8, associativity=4, policy=policy, mover=mover)
+                if policy == "lookahead":
+                    cache.add_upcoming(torch.tensor([1, 2, 55]), cache.step + 2)
+                first = cache.prefetch(torch.tensor([1, 2, 2, 55, 45, 79, 3, 4, 5, 6, 7]))
+                cache.wait_filled(first)
+                second = cache.prefetch(torch.tensor([9, 10, 11, 12, 13, 60], dtype=torch.int32))
+                cache.wait_filled(second)
+                cache.mark_dirty(first)
+                cache.unlock(first)
+                cache.unlock(second, mark_dirty=True)
+                cache.lookup(torch.tensor([1, 60]))
+                cache.write_back(torch.tensor([0, 1, -1], dtype=torch.int32))
+                cache.flush()
+                cache.close()
+    finally:  # the recording is for this drive only, not for whoever launches next in the process
+        launch.KernelLauncher.launch_configured = launch_configured
     return list(seen.values())
 
 
