@@ -75,6 +75,7 @@ class Config:
     policy: str = "lru"
     pipelined: bool = False
     cache_fraction: float = 0.05
+    state_layout: str = "separate"  # ours: TieredEmbeddingBags(state_layout=...); FBGEMM has one layout
 
     @property
     def cached(self) -> bool:
@@ -110,6 +111,8 @@ CONFIGS = [
     Config("cached-managed-lru-z1.2", CRITEO, placement="managed_cached", alpha=1.2),
     Config("cached-managed-lfu-z1.2", CRITEO, placement="managed_cached", policy="lfu", alpha=1.2),
     Config("cached-managed-lru-pipelined", CRITEO, placement="managed_cached", pipelined=True),
+    Config("cached-managed-lru-with-rows", CRITEO, placement="managed_cached", state_layout="with_rows"),
+    Config("criteo-adagrad-with-rows", CRITEO, state_layout="with_rows"),
     Config("cached-lru-pipelined", CRITEO, placement="host_cached", pipelined=True),
 ]
 CONFIG_NAMES = [c.name for c in CONFIGS]
@@ -131,9 +134,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "holds); a cached configuration gets a new batch every step")
     parser.add_argument("--ours-only", action="store_true", help="time our side only (no FBGEMM)")
     parser.add_argument("--mover", default=None, help="our cache's row mover (CacheConfig.mover), when it has one")
-    parser.add_argument("--state-layout", default="separate", choices=("separate", "with_rows"),
+    parser.add_argument("--state-layout", default=None, choices=("separate", "with_rows"),
                         help="where our backing stores keep each row's optimizer state (TieredEmbeddingBags "
-                             "state_layout; default separate)")
+                             "state_layout), for every configuration (default: each configuration's, separate "
+                             "but for the *-with-rows ones)")
     parser.add_argument("--backward-configs", nargs="+", default=None, metavar="R,L,W,CHUNK",
                         help="also time our HBM steps with these backward tile shapes (rows, lanes, warps, chunk): "
                              "a tuning sweep")
@@ -258,7 +262,7 @@ def ours_module(config: Config, args) -> TieredEmbeddingBags:
     return TieredEmbeddingBags(tables, optimizer=optimizer_named(config.optimizer, **HYPER[config.optimizer]),
                                weights_dtype=common.DTYPES[config.dtype], device=default_device(), cache=cache,
                                bounds_check="off", stochastic_rounding=config.dtype != "fp32", seed=args.seed,
-                               state_layout=getattr(args, "state_layout", "separate"))
+                               state_layout=getattr(args, "state_layout", None) or config.state_layout)
 
 
 def measure_ours(config: Config, batches, grad, args) -> dict:
@@ -403,7 +407,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     print("settings: no bounds checks on either side (FBGEMM BoundsCheckMode.NONE, ours bounds_check='off'); "
           "fp32 output; stochastic rounding for fp16 weights on both sides; cached: FBGEMM MANAGED_CACHING, "
           f"ours HOST_CACHED/MANAGED_CACHED{'' if not args.mover else f' mover={args.mover}'}, same cache fraction; "
-          f"ours state_layout={args.state_layout!r}; our forward tuned on each configuration's own batches")
+          f"ours state_layout={args.state_layout or 'separate (with_rows in *-with-rows)'}; our forward tuned on "
+          "each configuration's own batches")
     configs = [c for c in CONFIGS if args.configs is None or c.name in args.configs]
     copy_gbs = kernel_profile.copy_bandwidth_gbs() if args.profile else None
     if copy_gbs is not None:

@@ -40,7 +40,8 @@ if [[ -n $TESTS ]]; then
     echo "gpu tests: rc=$? $(tail -n 1 "$OUT/gpu-tests.log")"
 fi
 CONFIGS=${CONFIGS:-criteo-adagrad criteo-adagrad-z1.2 criteo-adagrad-fp16 criteo-sgd criteo-adam big-uniform-sgd \
-big-uniform-adagrad big-zipf-sgd big-zipf-adagrad cached-lru cached-lfu}
+big-uniform-adagrad big-zipf-sgd big-zipf-adagrad cached-lru cached-lfu cached-managed-lru \
+cached-managed-lru-with-rows}
 # shellcheck disable=SC2086
 python3 benchmarks/bench_fbgemm.py --configs $CONFIGS --steps "${STEPS:-20}" --warmup "${WARMUP:-8}" \
     ${MOVER:+--mover "$MOVER"} ${STATE_LAYOUT:+--state-layout "$STATE_LAYOUT"} ${PROFILE:+--profile} --json "$OUT/bench_fbgemm.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 | tee "$OUT/bench_fbgemm.log" \

@@ -306,7 +306,7 @@ def test_cli_bench_fbgemm_without_fbgemm_times_our_side(capsys, tmp_path):
     assert code == 0
     out = capsys.readouterr().out
     assert "FBGEMM_GPU: no CUDA device (simulation mode); timing our side only" in out
-    assert "ours state_layout='with_rows'" in out
+    assert "ours state_layout=with_rows" in out
     assert "| criteo-sgd | forward |" in out and "| cached-lru-pipelined | step |" in out
     results = {r["config"]: r for r in json.loads(json_file.read_text())["results"]}
     assert results["criteo-sgd"]["ours"]["step"] > 0 and results["criteo-sgd"]["fbgemm"] == {}
