@@ -116,6 +116,8 @@ CONFIGS = [
     Config("cached-lru-pipelined", CRITEO, placement="host_cached", pipelined=True),
 ]
 CONFIG_NAMES = [c.name for c in CONFIGS]
+# Keys of a result row holding a tuning sweep's measurement (--backward-configs, --forward-tiles).
+SWEEP_PREFIXES = ("ours backward ", "ours forward ")
 SIMULATION_SHAPE = dict(tables=(50, 7, 300), dim=8, batch_size=8)
 
 
@@ -141,6 +143,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--backward-configs", nargs="+", default=None, metavar="R,L,W,CHUNK",
                         help="also time our HBM steps with these backward tile shapes (rows, lanes, warps, chunk): "
                              "a tuning sweep")
+    parser.add_argument("--forward-tiles", nargs="+", default=None, metavar="B,L,W[,G,S]",
+                        help="also time our HBM steps with each of these forward tiles (bags, lanes, warps, "
+                             "groups, stages: kernels.forward.ForwardTile) in place of the autotuner's: a tuning sweep")
     parser.add_argument("--profile", action="store_true",
                         help="also profile a few steps of each side: device ms per step of each kernel, and each "
                              "phase's fraction of the copy bandwidth measured in the same run")
@@ -315,9 +320,11 @@ def measure_ours(config: Config, batches, grad, args) -> dict:
         result["kernel_update"] = common.time_ms(
             lambda: backward_update(grad, emb.row_stores, lookups, None, "sum", emb.optimizer, 1,
                                     sorted_lookups=grouped), rep_ms=100)
-        best = getattr(forward._pooled_forward_kernel, "best_config", None)
+        override = os.environ.get("TIERED_TBE_FORWARD_TILE")
+        best = None if override else getattr(forward._pooled_forward_kernel, "best_config", None)
         result["forward_tile"] = (f"B{best.kwargs['BLOCK_B']} L{best.kwargs['BLOCK_L']} w{best.num_warps} "
-                                  f"G{best.kwargs['GROUPS']} S{best.kwargs['STAGES']}" if best is not None else "-")
+                                  f"G{best.kwargs['GROUPS']} S{best.kwargs['STAGES']}" if best is not None
+                                  else f"tile {override}" if override else "-")
     return result  # the module goes with this frame: the caller frees its memory
 
 
@@ -429,13 +436,15 @@ def run(args: argparse.Namespace) -> list[dict]:
         batches, grad = batches_of(config)
         row = {"config": base.name, "ours": measure_ours(config, batches, grad, args), "copy_gbs": copy_gbs}
         free()
-        for spec in (args.backward_configs or []) if not config.cached else []:
-            os.environ["TIERED_TBE_BACKWARD"] = spec
+        sweeps = [("backward", "TIERED_TBE_BACKWARD", spec) for spec in args.backward_configs or []]
+        sweeps += [("forward", "TIERED_TBE_FORWARD_TILE", spec) for spec in args.forward_tiles or []]
+        for kernel, variable, spec in sweeps if not config.cached else []:
+            os.environ[variable] = spec
             try:
-                row[f"ours backward {spec}"] = measure_ours(config, batches, grad, args)
+                row[f"ours {kernel} {spec}"] = measure_ours(config, batches, grad, args)
                 free()
             finally:
-                del os.environ["TIERED_TBE_BACKWARD"]
+                del os.environ[variable]
         results.append(row)
         print(f"  {base.name}: ours " + ", ".join(f"{k} {common.fmt(v)}" for k, v in row["ours"].items()
                                                   if not isinstance(v, (list, dict))), flush=True)
@@ -482,8 +491,8 @@ def table_of(results: list[dict]) -> list[str]:
             rows.append([config.name, "backward, bare: update kernels", "-",
                          common.fmt(row["ours"]["kernel_update"]), "-", "-", "-"])
         for key, value in row.items():
-            if key.startswith("ours backward "):
-                for phase in ("backward", "step"):
+            if key.startswith(SWEEP_PREFIXES):
+                for phase in (key.split()[1], "step"):
                     theirs = row["fbgemm"].get(phase)
                     rows.append([config.name, f"{phase}, {key[5:]}", common.fmt(theirs), common.fmt(value.get(phase)),
                                  common.fmt(value[phase] / theirs if theirs else None, ".2f"), "-", "-"])
@@ -540,7 +549,7 @@ def profile_table_of(results: list[dict]) -> list[str]:
             rows.append([row["config"], "all kernels of a step (the GPU's busy time)", common.fmt(totals[0]),
                          common.fmt(totals[1])])
         sides = [(theirs, "FBGEMM", 1), (ours, "ours", 2)]
-        sides += [(value, key[5:], 2) for key, value in row.items() if key.startswith("ours backward ")]
+        sides += [(value, key[5:], 2) for key, value in row.items() if key.startswith(SWEEP_PREFIXES)]
         for side, name, column in sides:
             for kernel, ms in side.get("profile", [])[:PROFILED_KERNELS]:
                 cells = ["-", "-"]

@@ -21,6 +21,7 @@ Example (CPU simulation, one table of 10 rows of 4 columns, one bag of rows 1 an
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -195,7 +196,8 @@ def pooled_forward(
         slot_of_index: int32 [N]: slot of ``stores.cache_weights`` holding each lookup's row, or -1
             to read the row from its table's backing store; ``None``: no lookup has a slot.
         pooling: ``"sum"``, ``"mean"`` (an empty bag gives zeros) or ``"none"``.
-        tile: run this tile shape instead of the autotuner's (tests of every shape, tuning sweeps).
+        tile: run this tile shape instead of the autotuner's (tests of every shape, tuning sweeps;
+            ``TIERED_TBE_FORWARD_TILE=bags,lanes,warps[,groups,stages]`` sets it for every call).
 
     Returns:
         fp32 ``[B, stores.total_dim]`` for sum and mean: table ``t``'s bag ``b`` at columns
@@ -220,6 +222,9 @@ def pooled_forward(
         return triton.cdiv(batch_size, meta["BLOCK_B"] * meta["GROUPS"]), num_tables
 
     kernel, shape = _pooled_forward_kernel, {}
+    override = os.environ.get("TIERED_TBE_FORWARD_TILE")  # a tuning run's tile for every forward
+    if tile is None and override:
+        tile = ForwardTile(*(int(value) for value in override.split(",")))
     if tile is not None:
         kernel = _pooled_forward_kernel.fn
         shape = dict(BLOCK_B=tile.bags, BLOCK_L=tile.lanes, GROUPS=tile.groups, STAGES=tile.stages,

@@ -316,6 +316,16 @@ def test_cli_bench_fbgemm_without_fbgemm_times_our_side(capsys, tmp_path):
     assert "| cached-lru-pipelined | step |" in out
 
 
+def test_bench_fbgemm_tuning_sweeps_print_a_row_each(capsys):
+    """--forward-tiles and --backward-configs time our HBM step again with each shape."""
+    code = cli_main(["bench", "fbgemm", "--configs", "criteo-sgd", "--steps", "1", "--forward-tiles", "2,2,4",
+                     "--backward-configs", "2,2,4,4"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| criteo-sgd | forward, forward 2,2,4 |" in out and "| criteo-sgd | step, forward 2,2,4 |" in out
+    assert "| criteo-sgd | backward, backward 2,2,4,4 |" in out
+
+
 def test_bench_fbgemm_gives_a_cached_configuration_a_new_batch_every_step():
     """A cache that saw the batches before misses nothing: cached configurations never repeat a
     batch (warm-up, timed and profiled steps); the all-HBM ones cycle --distinct-batches."""

@@ -162,6 +162,32 @@ def test_every_forward_tile_matches_reference(pooling, device):
         torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-5, msg=lambda m, t=tile: f"{t}: {m}")
 
 
+def test_forward_tile_override_replaces_the_autotuner(monkeypatch, device):
+    """TIERED_TBE_FORWARD_TILE (tuning sweeps: bench_fbgemm --forward-tiles) runs its tile, bypassing
+    the autotuner, with the same result."""
+    stores, lookups, slot_of_index = make_batch(device=device)
+    launched = []
+    tuned = forward_module._pooled_forward_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            raise AssertionError("the autotuner ran despite the override")
+
+        class fn:  # noqa: N801  (stands in for the autotuner's JITFunction attribute)
+            def __class_getitem__(cls, grid):
+                def launch(*args, **kwargs):
+                    launched.append({k: kwargs[k] for k in ("BLOCK_B", "BLOCK_L", "num_warps", "GROUPS", "STAGES")})
+                    return tuned.fn[grid](*args, **kwargs)
+                return launch
+
+    monkeypatch.setattr(forward_module, "_pooled_forward_kernel", Recorder())
+    monkeypatch.setenv("TIERED_TBE_FORWARD_TILE", "4,1,2")
+    output = pooled_forward(stores, lookups, slot_of_index, "sum")
+    assert launched == [dict(BLOCK_B=4, BLOCK_L=1, num_warps=2, GROUPS=1, STAGES=1)]
+    torch.testing.assert_close(output.double(), reference_forward(stores, lookups, slot_of_index, "sum"),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bag_size", [1, 3, 8])
 def test_pooled_forward_fixed_bag_sizes_and_int32_inputs(bag_size, device):
     """Bags of one lookup (many bags a tile), and longer fixed bags; int32 indices and offsets
