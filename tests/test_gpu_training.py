@@ -32,10 +32,12 @@ def zipf_batches(steps: int, num_tables: int, seed: int = 0):
     return batches
 
 
-def make(placement: Placement, optimizer, policy: str = "lru", mover: str = "zero_copy") -> TieredEmbeddingBags:
+def make(placement: Placement, optimizer, policy: str = "lru", mover: str = "zero_copy",
+         state_layout: str = "separate") -> TieredEmbeddingBags:
     tables = [TableSpec(ROWS, DIM, name=f"t{i}", placement=placement) for i in range(2)]
     cache = CacheConfig(fraction=0.02, policy=policy, mover=mover) if placement.is_cached else None
-    return TieredEmbeddingBags(tables, optimizer=optimizer, cache=cache, device="cuda", seed=3, bounds_check="off")
+    return TieredEmbeddingBags(tables, optimizer=optimizer, cache=cache, device="cuda", seed=3, bounds_check="off",
+                               state_layout=state_layout)
 
 
 def train(module, batches, depth: int = 0):
@@ -58,6 +60,21 @@ def test_every_placement_trains_identically(optimizer):
         got = train(make(placement, optimizer, mover=mover), batches)
         for key in expected:
             assert torch.equal(got[key], expected[key]), f"{placement.value}, {mover}: {key}"
+
+
+@pytest.mark.parametrize("optimizer", [RowwiseAdagrad(lr=0.05), Adam(lr=0.01)], ids=lambda o: type(o).__name__)
+def test_state_beside_rows_trains_identically(optimizer):
+    """state_layout="with_rows" (each row's state right after its weights) in every tier, with
+    both movers, serial and pipelined: bit for bit the separate layout's training in HBM."""
+    batches = zipf_batches(20, 2, seed=4)
+    expected = train(make(Placement.DEVICE, optimizer), batches)
+    runs = [(Placement.DEVICE, "zero_copy", 0), (Placement.MANAGED, "zero_copy", 0),
+            (Placement.HOST_CACHED, "zero_copy", 0), (Placement.MANAGED_CACHED, "zero_copy", 2),
+            (Placement.HOST_CACHED, "staged", 2), (Placement.MANAGED_CACHED, "staged", 0)]
+    for placement, mover, depth in runs:
+        got = train(make(placement, optimizer, mover=mover, state_layout="with_rows"), batches, depth)
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), f"{placement.value}, {mover}, depth {depth}: {key}"
 
 
 @pytest.mark.parametrize("mover", ["zero_copy", "staged"])
