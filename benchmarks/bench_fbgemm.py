@@ -267,7 +267,7 @@ def ours_module(config: Config, args) -> TieredEmbeddingBags:
     return TieredEmbeddingBags(tables, optimizer=optimizer_named(config.optimizer, **HYPER[config.optimizer]),
                                weights_dtype=common.DTYPES[config.dtype], device=default_device(), cache=cache,
                                bounds_check="off", stochastic_rounding=config.dtype != "fp32", seed=args.seed,
-                               state_layout=getattr(args, "state_layout", None) or config.state_layout)
+                               state_layout=args.state_layout or config.state_layout)
 
 
 def measure_ours(config: Config, batches, grad, args) -> dict:

@@ -142,7 +142,6 @@ def _pooled_forward_kernel(
     output_column = tl.multiple_of(tl.load(table_output_offset_ptr + table), ALIGN)
     columns = tl.arange(0, BLOCK_D)
     in_row = columns < dim
-    lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
     # GROUPS tiles a program, one after the other: fewer, longer programs (the H200 launches
     # short programs more slowly than it runs them).
     for group in range(GROUPS):
@@ -162,6 +161,7 @@ def _pooled_forward_kernel(
         else:  # every lookup is its own output row
             # The tile's rows are (bag, lane) pairs: BLOCK_L lookups of each of BLOCK_B bags per step.
             _, _, starts, ends = bag_tile_bounds(offsets_ptr, table, first_bag, batch_size, BLOCK_B, BLOCK_L)
+            lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
             for step_start in tl.range(0, tl.max(ends - starts, axis=0), BLOCK_L, num_stages=STAGES):
                 positions = starts + step_start + lanes  # int64 [BLOCK_B * BLOCK_L]
                 in_bag = positions < ends

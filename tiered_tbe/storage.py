@@ -20,8 +20,8 @@ from tiered_tbe.kernels.rows import RowStores
 from tiered_tbe.specs import TableSpec
 
 STATE_LAYOUTS = ("separate", "with_rows")
-# Row starts (and, with the state beside the rows, each row's bytes) are multiples of this, so the
-# kernels load rows as 16-byte vectors.
+# With the state beside the rows, each row's bytes (so each table's and row's start) are padded
+# to a multiple of this, so the kernels load rows as 16-byte vectors.
 _ROW_ALIGN_BYTES = 16
 
 
@@ -34,7 +34,6 @@ class TableStorage:
     table_weights: list[torch.Tensor]  # [num_embeddings, embedding_dim] view of table t's rows
     table_state: list[torch.Tensor | None]  # fp32 [num_embeddings, state_width] view, or None
     row_offset: list[int]  # global row id of row 0 of table t
-    state_layout: str = "separate"
 
     def weights(self, t: int) -> torch.Tensor:
         """[num_embeddings, embedding_dim] view of table t's backing rows."""
@@ -113,7 +112,6 @@ def lay_out(
         table_weights=table_weights,
         table_state=table_state,
         row_offset=[sum(s.num_embeddings for s in tables[:t]) for t in range(len(tables))],
-        state_layout=state_layout,
     )
     for t, spec in enumerate(tables):
         bound = 1.0 / math.sqrt(spec.num_embeddings)
