@@ -159,16 +159,3 @@ def bag_tile_bounds(
     starts = tl.load(offsets_ptr + bag_ids, mask=in_batch, other=0).to(tl.int64)
     ends = tl.load(offsets_ptr + bag_ids + 1, mask=in_batch, other=0).to(tl.int64)
     return bags, in_batch, starts, ends
-
-
-@triton.jit
-def sum_lanes(
-    tile,  # fp32 [ROWS * BLOCK_L, BLOCK_D]: rows grouped BLOCK_L by BLOCK_L
-    ROWS: tl.constexpr,  # groups
-    BLOCK_L: tl.constexpr,  # rows per group
-    BLOCK_D: tl.constexpr,  # columns
-):
-    """fp32 [ROWS, BLOCK_D]: the sum of each group of BLOCK_L consecutive rows."""
-    if BLOCK_L == 1:
-        return tile
-    return tl.sum(tl.reshape(tile, (ROWS, BLOCK_L, BLOCK_D)), axis=1)

@@ -49,12 +49,19 @@ import triton.language as tl
 
 from tiered_tbe.base.graphs import to_device
 
-from .addressing import INTERPRETING, POOLING_NONE, pooling_code, sum_lanes
+from .addressing import INTERPRETING, POOLING_NONE, pooling_code
 from .grouping import SortedLookups, sort_lookups
 from .hot_rows import hot_group_sums_kernel, hot_row_update_kernel, hot_window_sums_kernel
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
-from .update_rows import grad_output_of_step, hyper_view, lookup_gradients, step_arguments, update_rows
+from .update_rows import (
+    grad_output_of_step,
+    hyper_view,
+    lookup_gradients,
+    lookup_run_gradients,
+    step_arguments,
+    update_rows,
+)
 
 
 class BackwardConfig(NamedTuple):
@@ -150,24 +157,24 @@ def _row_update_kernel(
         starts, ends, row_mask = _runs_of_tile(runs, run_end_ptr, num_lookups, CHUNK)
         if tl.max(row_mask.to(tl.int32), axis=0) > 0:  # not a tile of hot runs only
             columns = tl.arange(0, BLOCK_D)
-            # Gradient tiles have ROWS * BLOCK_L rows, (run, lane) pairs: BLOCK_L lookups of each run per step.
-            lanes = tl.arange(0, ROWS * BLOCK_L) % BLOCK_L
-            if BLOCK_L == 1:
-                lane_starts, lane_ends, lane_mask = starts, ends, row_mask
-            else:
-                lane_runs = tile * ROWS + tl.arange(0, ROWS * BLOCK_L) // BLOCK_L
-                lane_starts, lane_ends, lane_mask = _runs_of_tile(lane_runs, run_end_ptr, num_lookups, CHUNK)
-
+            lanes = tl.arange(0, BLOCK_L)
             grad_output_ptr = grad_output_of_step(step_args_ptr)
             grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
             for step_start in range(0, tl.max(tl.where(row_mask, ends - starts, 0), axis=0), BLOCK_L):
-                positions = lane_starts + step_start + lanes
-                valid = (positions < lane_ends) & lane_mask
-                tile_grads = lookup_gradients(
-                    positions, valid, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
-                    grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns, POOLING,
-                    HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
-                grad += sum_lanes(tile_grads, ROWS, BLOCK_L, BLOCK_D)
+                if BLOCK_L == 1:
+                    positions = starts + step_start
+                    grad += lookup_gradients(
+                        positions, (positions < ends) & row_mask, order_ptr, sorted_bags_ptr, offsets_ptr,
+                        sorted_weights_ptr, grad_output_ptr, grad_output_stride, table_dim_ptr,
+                        table_output_offset_ptr, batch_size, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN,
+                        GRAD_ALIGN_BYTES)
+                else:  # a [ROWS, BLOCK_L, BLOCK_D] tile summed over its lanes in registers
+                    positions = starts[:, None] + step_start + lanes[None, :]
+                    grad += lookup_run_gradients(
+                        positions, (positions < ends[:, None]) & row_mask[:, None], order_ptr, sorted_bags_ptr,
+                        offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, table_dim_ptr,
+                        table_output_offset_ptr, batch_size, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN,
+                        GRAD_ALIGN_BYTES)
             tables = tl.load(sorted_bags_ptr + starts, mask=row_mask, other=0) // batch_size
             dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=row_mask, other=0), ALIGN)
             mask = row_mask[:, None] & (columns[None, :] < dims[:, None])

@@ -357,6 +357,25 @@ def test_backward_update_matches_reference(pooling, name, device):
     assert_stores_close(stores, expected, torch.float32)
 
 
+@pytest.mark.parametrize("lanes", [1, 4])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_backward_row_update_lanes(pooling, lanes, device):
+    """The row-update kernel walks each run one lookup a step (lanes=1, a 2-D tile) or several
+    (a [rows, lanes, columns] tile summed over its lanes): both match the reference, with
+    per-sample weights, slots and runs longer than a step."""
+    optimizer = ALL_OPTIMIZERS["rowwise_adagrad"]
+    stores, lookups, slot_of_index = make_batch(optimizer=optimizer, weighted=pooling == "sum", device=device)
+    grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
+    expected = stores.clone()
+
+    reference_backward_update(grad_output, expected, lookups, slot_of_index, pooling, optimizer, STEP)
+    # A chunk wider than every run: all rows go through the row-update kernel.
+    backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, STEP,
+                    config=BackwardConfig(rows=2, lanes=lanes, num_warps=4, chunk=1024))
+
+    assert_stores_close(stores, expected, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "adam"])
 def test_backward_update_low_precision_weights(name, dtype, device):
