@@ -147,8 +147,8 @@ def lookup_gradients(
 
 @triton.jit
 def lookup_run_gradients(
-    positions,  # int64 [ROWS, LANES]: sorted positions, a row of lanes per run
-    valid,  # bool [ROWS, LANES]: which positions count
+    positions,  # int64 [LANES, ROWS]: sorted positions, a column of lanes per run
+    valid,  # bool [LANES, ROWS]: which positions count
     order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries (mean pooling's bag lengths)
@@ -164,9 +164,13 @@ def lookup_run_gradients(
     ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
     GRAD_ALIGN_BYTES: tl.constexpr,  # every grad_output row slice starts at a multiple of this
 ):
-    """fp32 [ROWS, BLOCK_D]: the gradient of each run's lanes, summed over the lanes in registers
-    (``lookup_gradients`` of a flattened [ROWS * LANES] tile, reshaped to sum, goes through shared
-    memory: the forward's 3-D tile, kernels/addressing.py ``lookup_bag_rows``, measured that 2-5x)."""
+    """fp32 [ROWS, BLOCK_D]: the gradient of each run's lanes, summed over the lanes in registers.
+
+    Lanes come first: Triton spreads a tile's warps over its second-fastest dimension, so a
+    [ROWS, LANES, BLOCK_D] tile put the warps across the lanes and the sum went through shared
+    memory with a barrier every step (2-10x slower on an H200, RESULTS.md 2026-12-02); here each
+    thread holds all lanes of its columns. A flattened [ROWS * LANES] tile reshaped to sum also goes
+    through shared memory (the forward measured that, kernels/addressing.py ``lookup_bag_rows``)."""
     bags, dims, pointers = _gradient_sources(positions, valid, order_ptr, sorted_bags_ptr, grad_output_ptr,
                                              grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size,
                                              POOLING)
@@ -178,7 +182,7 @@ def lookup_run_gradients(
         tile = tile * tl.load(sorted_weights_ptr + positions, mask=valid, other=0.0)[:, :, None]
     if POOLING == POOLING_MEAN_CONSTEXPR:
         tile = tile / bag_lengths(offsets_ptr, bags, valid)[:, :, None]
-    return tl.sum(tile, axis=1)
+    return tl.sum(tile, axis=0)
 
 
 @triton.jit
