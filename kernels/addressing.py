@@ -111,8 +111,8 @@ def lookup_rows(
 
 @triton.jit
 def lookup_bag_rows(
-    positions,  # int64 [LANES, BAGS]: lookup positions of the tile, a column of lanes per bag
-    in_bag,  # bool [LANES, BAGS]: which positions are real lookups
+    positions,  # int64 [BAGS, LANES]: lookup positions of the tile, a row of lanes per bag
+    in_bag,  # bool [BAGS, LANES]: which positions are real lookups
     in_row,  # bool [BLOCK_D]: the table's columns
     columns,  # int32 [BLOCK_D]
     indices_ptr,  # int32/int64 [N]: row within its table of each lookup
@@ -124,12 +124,9 @@ def lookup_bag_rows(
     USE_CACHE: tl.constexpr,  # False: every row comes from its backing store
     ALIGN_BYTES: tl.constexpr,  # every row start is a multiple of this many bytes
 ):
-    """fp32 [LANES, BAGS, BLOCK_D]: ``lookup_rows`` for a 2-D tile of positions, so that a bag's
-    lanes are summed in registers (``tl.sum(axis=0)``). Flattened to [BAGS * LANES, BLOCK_D] and
-    reshaped to sum, the same tile went through shared memory and ran 2-5x slower on an H200.
-    Lanes come first because Triton spreads a tile's warps over its second-fastest dimension: in a
-    [BAGS, LANES, BLOCK_D] tile they split the lanes, and the sum crossed warps (shared memory and
-    a barrier every step)."""
+    """fp32 [BAGS, LANES, BLOCK_D]: ``lookup_rows`` for a 2-D tile of positions, so that a bag's
+    lanes are summed in registers (``tl.sum(axis=1)``). Flattened to [BAGS * LANES, BLOCK_D] and
+    reshaped to sum, the same tile went through shared memory and ran 2-5x slower on an H200."""
     rows = tl.load(indices_ptr + positions, mask=in_bag, other=0)
     pointers = table_rows + rows.to(tl.int64) * row_stride
     if USE_CACHE:

@@ -60,8 +60,7 @@ _SHAPES_BY_CLASS = {
 # pipelined (3-4 stages: 0.344 -> 0.274 ms at uniform lookups), or a whole bag per step for the
 # longest bags (RESULTS.md, 2026-12-02).
 _LONG_BAG_SHAPES = [(2, 8, 2, 1, 1), (4, 8, 4, 1, 1), (4, 4, 2, 1, 1), (8, 4, 4, 1, 1), (16, 1, 4, 1, 4),
-                    (8, 1, 2, 1, 4), (1, 32, 4, 1, 1), (2, 16, 4, 1, 1), (1, 64, 8, 1, 1), (4, 8, 2, 1, 1),
-                    (8, 8, 4, 1, 1), (2, 16, 2, 1, 1), (8, 4, 2, 1, 1)]
+                    (8, 1, 2, 1, 4), (1, 32, 4, 1, 1), (2, 16, 4, 1, 1), (1, 64, 8, 1, 1)]
 
 
 class ForwardTile(NamedTuple):
@@ -149,16 +148,16 @@ def _pooled_forward_kernel(
         first_bag = (tl.program_id(0) * GROUPS + group) * BLOCK_B
         accumulator = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
         if POOLING != POOLING_NONE_CONSTEXPR:
-            # A [lanes, bags, columns] tile a step, summed over its lanes in registers.
+            # A [bags, lanes, columns] tile a step, summed over its lanes in registers.
             _, _, starts, ends = bag_tile_bounds(offsets_ptr, table, first_bag, batch_size, BLOCK_B, 1)
             for step_start in tl.range(0, tl.max(ends - starts, axis=0), BLOCK_L, num_stages=STAGES):
-                positions = starts[None, :] + step_start + tl.arange(0, BLOCK_L)[:, None]  # int64 [BLOCK_L, BLOCK_B]
-                in_bag = positions < ends[None, :]
+                positions = starts[:, None] + step_start + tl.arange(0, BLOCK_L)[None, :]  # int64 [BLOCK_B, BLOCK_L]
+                in_bag = positions < ends[:, None]
                 tile = lookup_bag_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
                                        row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
                 if HAS_PER_SAMPLE_WEIGHTS:
                     tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, :, None]
-                accumulator += tl.sum(tile, axis=0)
+                accumulator += tl.sum(tile, axis=1)
         else:  # every lookup is its own output row
             # The tile's rows are (bag, lane) pairs: BLOCK_L lookups of each of BLOCK_B bags per step.
             _, _, starts, ends = bag_tile_bounds(offsets_ptr, table, first_bag, batch_size, BLOCK_B, BLOCK_L)
