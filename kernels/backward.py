@@ -168,10 +168,10 @@ def _row_update_kernel(
                         sorted_weights_ptr, grad_output_ptr, grad_output_stride, table_dim_ptr,
                         table_output_offset_ptr, batch_size, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN,
                         GRAD_ALIGN_BYTES)
-                else:  # a [BLOCK_L, ROWS, BLOCK_D] tile summed over its lanes in registers
-                    positions = starts[None, :] + step_start + lanes[:, None]
+                else:  # a [ROWS, BLOCK_L, BLOCK_D] tile summed over its lanes in registers
+                    positions = starts[:, None] + step_start + lanes[None, :]
                     grad += lookup_run_gradients(
-                        positions, (positions < ends[None, :]) & row_mask[None, :], order_ptr, sorted_bags_ptr,
+                        positions, (positions < ends[:, None]) & row_mask[:, None], order_ptr, sorted_bags_ptr,
                         offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, table_dim_ptr,
                         table_output_offset_ptr, batch_size, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN,
                         GRAD_ALIGN_BYTES)

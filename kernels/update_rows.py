@@ -74,7 +74,7 @@ def load_hyper(
 
 @triton.jit
 def _gradient_sources(
-    positions,  # int64 tensor (any shape): sorted positions
+    positions,  # int64 [F] or [ROWS, LANES]: sorted positions
     valid,  # bool, same shape: which positions count
     order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
@@ -84,18 +84,38 @@ def _gradient_sources(
     table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code (kernels/addressing.py)
+    ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
+    GRAD_ALIGN_BYTES: tl.constexpr,  # every grad_output row slice starts at a multiple of this
+    TWO_D: tl.constexpr,  # whether positions is 2-D (the alignment hints take one value per dimension)
 ):
     """``(bags, dims, pointers)`` of each position, same shape: its bag, its table's dim and the
-    first column of its gradient row in grad_output (callers add the alignment hint: Triton 3.6
-    drops one on a returned value)."""
+    first column of its gradient row in grad_output.
+
+    The alignment hints are given here, where the values are made: Triton 3.6 drops a
+    ``tl.multiple_of`` that a caller applies to a value a ``@triton.jit`` function returned, and
+    without them the gradient rows load 4 bytes at a time (``compile_kernels.py`` under Triton 3.6:
+    the row-update kernel's 16-byte loads went from 4 to 2, and the backward 0.47 -> 0.56 ms at
+    Zipf 1.05 on the H200, RESULTS.md 2026-12-02)."""
     bags = tl.load(sorted_bags_ptr + positions, mask=valid, other=0)
     tables = bags // batch_size
     dims = tl.load(table_dim_ptr + tables, mask=valid, other=0)
+    if TWO_D:
+        dims = tl.multiple_of(dims, [ALIGN, ALIGN])
+    else:
+        dims = tl.multiple_of(dims, ALIGN)
     if POOLING == POOLING_NONE_CONSTEXPR:
         pointers = grad_output_ptr + tl.load(order_ptr + positions, mask=valid, other=0) * grad_output_stride
     else:
         first_columns = tl.load(table_output_offset_ptr + tables, mask=valid, other=0)
+        if TWO_D:
+            first_columns = tl.multiple_of(first_columns, [ALIGN, ALIGN])
+        else:
+            first_columns = tl.multiple_of(first_columns, ALIGN)
         pointers = grad_output_ptr + (bags % batch_size).to(tl.int64) * grad_output_stride + first_columns
+    if TWO_D:
+        pointers = tl.multiple_of(pointers, [GRAD_ALIGN_BYTES, GRAD_ALIGN_BYTES])
+    else:
+        pointers = tl.multiple_of(pointers, GRAD_ALIGN_BYTES)
     return bags, dims, pointers
 
 
@@ -133,9 +153,7 @@ def lookup_gradients(
     valid or past its table's dim)."""
     bags, dims, pointers = _gradient_sources(positions, valid, order_ptr, sorted_bags_ptr, grad_output_ptr,
                                              grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size,
-                                             POOLING)
-    dims = tl.multiple_of(dims, ALIGN)
-    pointers = tl.multiple_of(pointers, GRAD_ALIGN_BYTES)
+                                             POOLING, ALIGN, GRAD_ALIGN_BYTES, False)
     tile = tl.load(pointers[:, None] + columns[None, :], mask=valid[:, None] & (columns[None, :] < dims[:, None]),
                    other=0.0)
     if HAS_PER_SAMPLE_WEIGHTS:
@@ -147,8 +165,8 @@ def lookup_gradients(
 
 @triton.jit
 def lookup_run_gradients(
-    positions,  # int64 [LANES, ROWS]: sorted positions, a column of lanes per run
-    valid,  # bool [LANES, ROWS]: which positions count
+    positions,  # int64 [ROWS, LANES]: sorted positions, a row of lanes per run
+    valid,  # bool [ROWS, LANES]: which positions count
     order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries (mean pooling's bag lengths)
@@ -164,25 +182,19 @@ def lookup_run_gradients(
     ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
     GRAD_ALIGN_BYTES: tl.constexpr,  # every grad_output row slice starts at a multiple of this
 ):
-    """fp32 [ROWS, BLOCK_D]: the gradient of each run's lanes, summed over the lanes in registers.
-
-    Lanes come first: Triton spreads a tile's warps over its second-fastest dimension, so a
-    [ROWS, LANES, BLOCK_D] tile put the warps across the lanes and the sum went through shared
-    memory with a barrier every step (2-10x slower on an H200, RESULTS.md 2026-12-02); here each
-    thread holds all lanes of its columns. A flattened [ROWS * LANES] tile reshaped to sum also goes
-    through shared memory (the forward measured that, kernels/addressing.py ``lookup_bag_rows``)."""
+    """fp32 [ROWS, BLOCK_D]: the gradient of each run's lanes, summed over the lanes in registers
+    (a flattened [ROWS * LANES] tile reshaped to sum goes through shared memory: the forward
+    measured that 2-5x slower, kernels/addressing.py ``lookup_bag_rows``, which this mirrors)."""
     bags, dims, pointers = _gradient_sources(positions, valid, order_ptr, sorted_bags_ptr, grad_output_ptr,
                                              grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size,
-                                             POOLING)
-    dims = tl.multiple_of(dims, [ALIGN, ALIGN])
-    pointers = tl.multiple_of(pointers, [GRAD_ALIGN_BYTES, GRAD_ALIGN_BYTES])
+                                             POOLING, ALIGN, GRAD_ALIGN_BYTES, True)
     tile = tl.load(pointers[:, :, None] + columns[None, None, :],
                    mask=valid[:, :, None] & (columns[None, None, :] < dims[:, :, None]), other=0.0)
     if HAS_PER_SAMPLE_WEIGHTS:
         tile = tile * tl.load(sorted_weights_ptr + positions, mask=valid, other=0.0)[:, :, None]
     if POOLING == POOLING_MEAN_CONSTEXPR:
         tile = tile / bag_lengths(offsets_ptr, bags, valid)[:, :, None]
-    return tl.sum(tile, axis=0)
+    return tl.sum(tile, axis=1)
 
 
 @triton.jit
