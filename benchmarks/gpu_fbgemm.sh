@@ -47,7 +47,7 @@ python3 benchmarks/bench_fbgemm.py --configs $CONFIGS --steps "${STEPS:-20}" --w
     ${MOVER:+--mover "$MOVER"} ${STATE_LAYOUT:+--state-layout "$STATE_LAYOUT"} ${PROFILE:+--profile} --json "$OUT/bench_fbgemm.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 | tee "$OUT/bench_fbgemm.log" \
     | grep -v -i "warn"
 if [[ -n ${SWEEP_CONFIGS:-} ]]; then
-    SWEEP=${SWEEP:-16,1,4,32 8,1,4,32 32,1,8,32 8,1,2,32 16,2,4,32 16,1,4,64 16,1,4,16}
+    SWEEP=${SWEEP:-4,1,2,32 4,2,2,32 4,4,2,32 2,8,2,32 4,8,4,32 8,4,4,32}
     # shellcheck disable=SC2086
     python3 benchmarks/bench_fbgemm.py --configs $SWEEP_CONFIGS --steps "${STEPS:-20}" --warmup "${WARMUP:-8}" \
         --backward-configs $SWEEP --json "$OUT/bench_sweep.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 \

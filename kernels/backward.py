@@ -146,7 +146,7 @@ def _row_update_kernel(
     ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
     STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
     ROWS: tl.constexpr,  # runs per program
-    BLOCK_L: tl.constexpr,  # lookups of each run per step
+    BLOCK_L: tl.constexpr,  # lookups of each run per step in tiles whose longest run has more than one
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
 ):
     # Tiles of runs, a grid's stride apart, up to the batch's count of runs (read here, on the device):
@@ -157,24 +157,24 @@ def _row_update_kernel(
         starts, ends, row_mask = _runs_of_tile(runs, run_end_ptr, num_lookups, CHUNK)
         if tl.max(row_mask.to(tl.int32), axis=0) > 0:  # not a tile of hot runs only
             columns = tl.arange(0, BLOCK_D)
-            lanes = tl.arange(0, BLOCK_L)
             grad_output_ptr = grad_output_of_step(step_args_ptr)
-            grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-            for step_start in range(0, tl.max(tl.where(row_mask, ends - starts, 0), axis=0), BLOCK_L):
-                if BLOCK_L == 1:
-                    positions = starts + step_start
-                    grad += lookup_gradients(
-                        positions, (positions < ends) & row_mask, order_ptr, sorted_bags_ptr, offsets_ptr,
-                        sorted_weights_ptr, grad_output_ptr, grad_output_stride, table_dim_ptr,
-                        table_output_offset_ptr, batch_size, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN,
-                        GRAD_ALIGN_BYTES)
-                else:  # a [ROWS, BLOCK_L, BLOCK_D] tile summed over its lanes in registers
+            longest = tl.max(tl.where(row_mask, ends - starts, 0), axis=0)
+            gradient_args = (order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
+                             grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns)
+            if BLOCK_L == 1:
+                grad = _sum_runs_one_lane(starts, ends, row_mask, longest, gradient_args, ROWS, POOLING,
+                                          HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES, BLOCK_D)
+            elif longest == 1:  # runs of one lookup (most tiles at uniform lookups): no idle lanes
+                grad = _sum_runs_one_lane(starts, ends, row_mask, longest, gradient_args, ROWS, POOLING,
+                                          HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES, BLOCK_D)
+            else:  # [ROWS, BLOCK_L, BLOCK_D] tiles, summed over their lanes in registers
+                lanes = tl.arange(0, BLOCK_L)
+                grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+                for step_start in range(0, longest, BLOCK_L):
                     positions = starts[:, None] + step_start + lanes[None, :]
-                    grad += lookup_run_gradients(
-                        positions, (positions < ends[:, None]) & row_mask[:, None], order_ptr, sorted_bags_ptr,
-                        offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, table_dim_ptr,
-                        table_output_offset_ptr, batch_size, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN,
-                        GRAD_ALIGN_BYTES)
+                    grad += lookup_run_gradients(positions, (positions < ends[:, None]) & row_mask[:, None],
+                                                 *gradient_args, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN,
+                                                 GRAD_ALIGN_BYTES)
             tables = tl.load(sorted_bags_ptr + starts, mask=row_mask, other=0) // batch_size
             dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=row_mask, other=0), ALIGN)
             mask = row_mask[:, None] & (columns[None, :] < dims[:, None])
@@ -188,6 +188,25 @@ def _row_update_kernel(
                          cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr, hyper_ptr, NUM_HYPER,
                          OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
                          ALIGN_BYTES, STATE_ALIGN_BYTES)
+
+
+@triton.jit
+def _sum_runs_one_lane(
+    starts,  # int64 [ROWS]: first sorted position of each run
+    ends,  # int64 [ROWS]: one past its last
+    row_mask,  # bool [ROWS]: which runs count
+    longest,  # scalar: the longest run of the tile
+    gradient_args,  # lookup_gradients' pointer and size arguments, as _row_update_kernel passes them
+    ROWS: tl.constexpr, POOLING: tl.constexpr, HAS_PER_SAMPLE_WEIGHTS: tl.constexpr, ALIGN: tl.constexpr,
+    GRAD_ALIGN_BYTES: tl.constexpr, BLOCK_D: tl.constexpr,  # as _row_update_kernel's
+):
+    """fp32 [ROWS, BLOCK_D]: each run's gradient, one lookup of every run a step."""
+    grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for step_start in range(0, longest):
+        positions = starts + step_start
+        grad += lookup_gradients(positions, (positions < ends) & row_mask, *gradient_args, POOLING,
+                                 HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
+    return grad
 
 
 @triton.jit
