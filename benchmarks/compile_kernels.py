@@ -11,6 +11,12 @@ rejects, and lost vector loads, at no GPU time.
     python benchmarks/compile_kernels.py                # dim 128, fp32, every optimizer
     python benchmarks/compile_kernels.py --dim 64 --dtype bf16 --arch 90
     python benchmarks/compile_kernels.py --count-compilations   # compiles over batches of varying sizes
+    python benchmarks/compile_kernels.py --compare benchmarks/compiled_triton36.json   # against a saved report
+
+``benchmarks/compile_like_device.sh`` runs it with the GPU machine's Triton (3.6); its report of
+the last measured commit is ``benchmarks/compiled_triton36.json`` (``--save`` writes one), so
+``bash benchmarks/compile_like_device.sh --compare benchmarks/compiled_triton36.json`` says in a
+minute whether a change lost 16-byte loads on the device's compiler.
 
 ``--count-compilations`` runs the real host functions (``pooled_forward``, ``backward_update``)
 over batches whose sizes, steps and seeds vary, every launch compiled and none run, and prints
@@ -23,9 +29,11 @@ Run it as its own process (it must set TRITON_INTERPRET before triton is importe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"
 os.environ["TIERED_TBE_COMPILE_ONLY"] = "1"
@@ -74,7 +82,6 @@ def _resource_usage(cubin: bytes) -> dict:
     (the cuobjdump Triton ships)."""
     import subprocess
     import tempfile
-    from pathlib import Path
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as folder:
@@ -255,6 +262,10 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizers", nargs="+", help="optimizer names (default: all)")
     parser.add_argument("--count-compilations", action="store_true",
                         help="count the kernels compiled over batches of varying sizes instead")
+    parser.add_argument("--save", metavar="JSON", help="also write the report (one dict per kernel) to this file")
+    parser.add_argument("--compare", metavar="JSON",
+                        help="compare with a report saved by --save (same Triton, dim, dtype): print each kernel "
+                             "that changed, exit 1 if one lost 16-byte loads or stores or gained spills")
     args = parser.parse_args(argv)
     if args.count_compilations:
         for name, count in sorted(count_compilations().items()):
@@ -262,7 +273,15 @@ def main(argv=None) -> int:
         return 0
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     print(f"triton {triton.__version__}: compiling for sm_{args.arch}, dim {args.dim}, {args.dtype} (nothing runs)")
-    compile_all(args.dim, dtype, args.arch, args.optimizers)
+    results = compile_all(args.dim, dtype, args.arch, args.optimizers)
+    report = {"triton": triton.__version__, "dim": args.dim, "dtype": args.dtype, "arch": args.arch,
+              "kernels": results}
+    if args.save:
+        Path(args.save).write_text(json.dumps(report, indent=1) + "\n")
+    if args.compare:
+        from compile_reports import compare_reports  # beside this script
+
+        return compare_reports(json.loads(Path(args.compare).read_text()), report)
     return 0
 
 

@@ -9,14 +9,20 @@ other), so a per-batch count that is not marked ``do_not_specialize`` would comp
 again for batch after batch (the slow first steps of a new model shape).
 """
 
+import copy
+import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from background import run_in_background
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_kernels.py"
+REPORT = Path(tempfile.gettempdir()) / f"tiered_tbe_compile_report_{os.getpid()}.json"
+sys.path.insert(0, str(SCRIPT.parent))
+from compile_reports import compare_reports  # noqa: E402  (benchmarks/, no side effects)
 
 
 def _start(*flags: str):
@@ -27,7 +33,7 @@ def _start(*flags: str):
 
 
 # Both compile runs start as this module is collected.
-_RUNS = {"vector loads": _start("--optimizers", "sgd", "rowwise_adagrad", "lamb"),
+_RUNS = {"vector loads": _start("--optimizers", "sgd", "rowwise_adagrad", "lamb", "--save", str(REPORT)),
          "compilations": _start("--count-compilations")}
 
 
@@ -44,6 +50,30 @@ def test_every_kernel_compiles_for_sm90_with_vector_loads():
     for line in lines:
         if line.startswith(("forward", "row update", "hot row update", "hot window sums", "per-sample")):
             assert "v4 ld   0" not in line, f"lost 16-byte vector loads: {line}"
+
+
+def test_saved_report_compares_and_flags_lost_vector_loads(capsys):
+    """``--save`` writes the report that ``--compare`` (benchmarks/compile_reports.py) checks a
+    change against: the same report passes; one kernel with fewer 16-byte loads, or with spills,
+    fails and is named."""
+    _run("vector loads")
+    report = json.loads(REPORT.read_text())
+    assert report["triton"] and len(report["kernels"]) >= 10
+    assert compare_reports(report, report) == 0
+
+    fewer = copy.deepcopy(report)
+    victim = next(k for k in fewer["kernels"] if k["kernel"].startswith("row update") and k["v4_loads"] > 0)
+    victim["v4_loads"] -= 1
+    assert compare_reports(report, fewer) == 1
+    assert victim["kernel"] in capsys.readouterr().out
+
+    spilled = copy.deepcopy(report)
+    spilled["kernels"][0]["local_bytes"] += 8
+    assert compare_reports(report, spilled) == 1
+    more_registers = copy.deepcopy(report)
+    more_registers["kernels"][0]["registers"] += 8  # reported, not a failure
+    assert compare_reports(report, more_registers) == 0
+    REPORT.unlink()
 
 
 def test_each_kernel_compiles_once_per_model_shape():
