@@ -364,14 +364,24 @@ def test_backward_row_update_lanes(pooling, lanes, device):
     (a [rows, lanes, columns] tile summed over its lanes): both match the reference, with
     per-sample weights, slots and runs longer than a step."""
     optimizer = ALL_OPTIMIZERS["rowwise_adagrad"]
-    stores, lookups, slot_of_index = make_batch(optimizer=optimizer, weighted=pooling == "sum", device=device)
+    # A table of 400 rows and 12 bags a table: runs of one lookup (the uniform rows) beside long
+    # runs (the hot rows); with make_batch's default sizes ~5% of batches had no tile of single lookups.
+    stores, lookups, slot_of_index = make_batch(num_rows=(7, 1, 400, 5), batch_size=12, optimizer=optimizer,
+                                                weighted=pooling == "sum", device=device)
     grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
     expected = stores.clone()
+    sorted_lookups = sort_lookups(stores, lookups)
+    ends = sorted_lookups.run_end[: int(sorted_lookups.num_runs)].long()
+    run_lengths = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+    longest_of_tile = torch.nn.functional.pad(run_lengths, (0, run_lengths.numel() % 2)).view(-1, 2).amax(1)
+    assert (longest_of_tile == 1).any() and (longest_of_tile > lanes).any(), \
+        "the batch must have tiles of single lookups (walked one lane) and runs longer than a step"
 
     reference_backward_update(grad_output, expected, lookups, slot_of_index, pooling, optimizer, STEP)
     # A chunk wider than every run: all rows go through the row-update kernel.
     backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, STEP,
-                    config=BackwardConfig(rows=2, lanes=lanes, num_warps=4, chunk=1024))
+                    config=BackwardConfig(rows=2, lanes=lanes, num_warps=4, chunk=1024),
+                    sorted_lookups=sorted_lookups)
 
     assert_stores_close(stores, expected, torch.float32)
 
