@@ -22,9 +22,10 @@ How, without atomics and without a host synchronization (``sort_lookups``, then 
    ``ROWS`` consecutive runs, up to the batch's count of runs (read on the device), a grid's
    stride apart (at most ``BackwardConfig.tiles`` a program: the grid is sized by lookups, and
    a program per tile of possible runs was ~90% programs that found none on Criteo). It sums
-   each run's lookups ``BLOCK_L`` at a time and applies the optimizer to the tile's rows at once
-   (a slice of a warp per row, as FBGEMM's warp-per-row kernels, with every load of the tile
-   issued together).
+   each run's lookups ``BLOCK_L`` at a time (a ``[ROWS, BLOCK_L, BLOCK_D]`` tile summed over its
+   lanes; one at a time in a tile whose runs are all single lookups) and applies the optimizer
+   to the tile's rows at once (a slice of a warp per row, as FBGEMM's warp-per-row kernels, with
+   every load of the tile issued together).
 
 The gradient of a lookup and the optimizer's update of a tile of rows are shared by both
 (``kernels/update_rows.py``, with the step's arguments the kernels read from one device tensor,
