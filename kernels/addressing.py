@@ -72,7 +72,7 @@ def row_pointers(
     USE_CACHE: tl.constexpr,  # False: every row comes from its backing store
     ALIGN_BYTES: tl.constexpr,  # every row start is a multiple of this many bytes
 ):
-    """Pointer to column 0 of the newest copy of each row (1-D): its slot, else its backing row.
+    """Pointer to column 0 of the newest copy of each row (1-D or 2-D): its slot, else its backing row.
 
     The alignment hint lets the loads of a row be 16-byte vectors (Triton knows nothing of
     pointers formed from loaded addresses). It must be given here: Triton 3.6 drops a
@@ -81,13 +81,17 @@ def row_pointers(
     pointers = table_rows + rows.to(tl.int64) * row_stride
     if USE_CACHE:
         pointers = tl.where(slots >= 0, cache_ptr + slots.to(tl.int64) * cache_stride, pointers)
-    return tl.multiple_of(pointers, ALIGN_BYTES)
+    if len(pointers.shape) == 2:  # tl.multiple_of takes one value per dimension
+        pointers = tl.multiple_of(pointers, [ALIGN_BYTES, ALIGN_BYTES])
+    else:
+        pointers = tl.multiple_of(pointers, ALIGN_BYTES)
+    return pointers
 
 
 @triton.jit
 def lookup_rows(
-    positions,  # int64 [F]: lookup positions of the tile
-    in_bag,  # bool [F]: which positions are real lookups
+    positions,  # int64 [F] or [BAGS, LANES]: lookup positions of the tile
+    in_bag,  # bool, same shape: which positions are real lookups
     in_row,  # bool [BLOCK_D]: the table's columns
     columns,  # int32 [BLOCK_D]
     indices_ptr,  # int32/int64 [N]: row within its table of each lookup
@@ -99,41 +103,18 @@ def lookup_rows(
     USE_CACHE: tl.constexpr,  # False: every row comes from its backing store
     ALIGN_BYTES: tl.constexpr,  # every row start is a multiple of this many bytes
 ):
-    """fp32 [F, BLOCK_D]: the newest copy of each lookup's row (zeros outside the tile and the table)."""
+    """fp32 [*positions.shape, BLOCK_D]: the newest copy of each lookup's row (zeros outside the
+    tile and the table).
+
+    A 2-D tile of positions (a row of lanes per bag) lets a bag's lanes be summed in registers
+    (``tl.sum(axis=1)``); flattened to [BAGS * LANES, BLOCK_D] and reshaped to sum, the same tile
+    went through shared memory and ran 2-5x slower on an H200."""
     rows = tl.load(indices_ptr + positions, mask=in_bag, other=0)
     slots = tl.zeros_like(rows)
     if USE_CACHE:
         slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
     pointers = row_pointers(table_rows, rows, row_stride, slots, cache_ptr, cache_stride, USE_CACHE, ALIGN_BYTES)
-    return tl.load(pointers[:, None] + columns[None, :], mask=in_bag[:, None] & in_row[None, :],
-                   other=0.0).to(tl.float32)
-
-
-@triton.jit
-def lookup_bag_rows(
-    positions,  # int64 [BAGS, LANES]: lookup positions of the tile, a row of lanes per bag
-    in_bag,  # bool [BAGS, LANES]: which positions are real lookups
-    in_row,  # bool [BLOCK_D]: the table's columns
-    columns,  # int32 [BLOCK_D]
-    indices_ptr,  # int32/int64 [N]: row within its table of each lookup
-    slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1 (read only if USE_CACHE)
-    table_rows,  # pointer: row 0 of the table in its backing store
-    row_stride,  # int64: elements between rows of the table
-    cache_ptr,  # [num_slots, width] slot rows, same element type as the table rows
-    cache_stride,  # elements between consecutive slots
-    USE_CACHE: tl.constexpr,  # False: every row comes from its backing store
-    ALIGN_BYTES: tl.constexpr,  # every row start is a multiple of this many bytes
-):
-    """fp32 [BAGS, LANES, BLOCK_D]: ``lookup_rows`` for a 2-D tile of positions, so that a bag's
-    lanes are summed in registers (``tl.sum(axis=1)``). Flattened to [BAGS * LANES, BLOCK_D] and
-    reshaped to sum, the same tile went through shared memory and ran 2-5x slower on an H200."""
-    rows = tl.load(indices_ptr + positions, mask=in_bag, other=0)
-    pointers = table_rows + rows.to(tl.int64) * row_stride
-    if USE_CACHE:
-        slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
-        pointers = tl.where(slots >= 0, cache_ptr + slots.to(tl.int64) * cache_stride, pointers)
-    pointers = tl.multiple_of(pointers, [ALIGN_BYTES, ALIGN_BYTES])
-    return tl.load(pointers[:, :, None] + columns[None, None, :], mask=in_bag[:, :, None] & in_row[None, None, :],
+    return tl.load(tl.expand_dims(pointers, -1) + columns, mask=tl.expand_dims(in_bag, -1) & in_row,
                    other=0.0).to(tl.float32)
 
 

@@ -59,7 +59,6 @@ from .update_rows import (
     grad_output_of_step,
     hyper_view,
     lookup_gradients,
-    lookup_run_gradients,
     step_arguments,
     update_rows,
 )
@@ -173,9 +172,9 @@ def _row_update_kernel(
                 grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
                 for step_start in range(0, longest, BLOCK_L):
                     positions = starts[:, None] + step_start + lanes[None, :]
-                    grad += lookup_run_gradients(positions, (positions < ends[:, None]) & row_mask[:, None],
-                                                 *gradient_args, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN,
-                                                 GRAD_ALIGN_BYTES)
+                    grad += tl.sum(lookup_gradients(positions, (positions < ends[:, None]) & row_mask[:, None],
+                                                    *gradient_args, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN,
+                                                    GRAD_ALIGN_BYTES), axis=1)
             tables = tl.load(sorted_bags_ptr + starts, mask=row_mask, other=0) // batch_size
             dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=row_mask, other=0), ALIGN)
             mask = row_mask[:, None] & (columns[None, :] < dims[:, None])

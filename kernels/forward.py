@@ -35,7 +35,6 @@ from .addressing import (
     POOLING_NONE_CONSTEXPR,
     bag_length_class,
     bag_tile_bounds,
-    lookup_bag_rows,
     lookup_rows,
     pooling_code,
     table_row_zero,
@@ -153,8 +152,8 @@ def _pooled_forward_kernel(
             for step_start in tl.range(0, tl.max(ends - starts, axis=0), BLOCK_L, num_stages=STAGES):
                 positions = starts[:, None] + step_start + tl.arange(0, BLOCK_L)[None, :]  # int64 [BLOCK_B, BLOCK_L]
                 in_bag = positions < ends[:, None]
-                tile = lookup_bag_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
-                                       row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
+                tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
+                                   row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
                 if HAS_PER_SAMPLE_WEIGHTS:
                     tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, :, None]
                 accumulator += tl.sum(tile, axis=1)

@@ -73,33 +73,36 @@ def load_hyper(
 
 
 @triton.jit
-def _gradient_sources(
+def lookup_gradients(
     positions,  # int64 [F] or [ROWS, LANES]: sorted positions
     valid,  # bool, same shape: which positions count
     order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
+    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries (mean pooling's bag lengths)
+    sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
     grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
     grad_output_stride,  # elements between consecutive rows of grad_output
     table_dim_ptr,  # int32 [T]: embedding_dim of each table
     table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
     batch_size,  # B
+    columns,  # int32 [BLOCK_D]
     POOLING: tl.constexpr,  # pooling code (kernels/addressing.py)
+    HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
     ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
     GRAD_ALIGN_BYTES: tl.constexpr,  # every grad_output row slice starts at a multiple of this
-    TWO_D: tl.constexpr,  # whether positions is 2-D (the alignment hints take one value per dimension)
 ):
-    """``(bags, dims, pointers)`` of each position, same shape: its bag, its table's dim and the
-    first column of its gradient row in grad_output.
+    """fp32 [*positions.shape, BLOCK_D]: d loss / d row of the lookup at each sorted position
+    (zeros where not valid or past its table's dim).
 
-    The alignment hints are given here, where the values are made: Triton 3.6 drops a
-    ``tl.multiple_of`` that a caller applies to a value a ``@triton.jit`` function returned, and
-    without them the gradient rows load 4 bytes at a time (``compile_kernels.py`` under Triton 3.6:
-    the row-update kernel's 16-byte loads went from 4 to 2, and the backward 0.47 -> 0.56 ms at
-    Zipf 1.05 on the H200, RESULTS.md 2026-12-02)."""
+    A 2-D tile of positions (a row of lanes per run) lets a run's lanes be summed in registers
+    (``tl.sum(axis=1)``), as the forward's tiles (kernels/addressing.py ``lookup_rows``). The
+    alignment hints are given here, where the values are loaded: moved into the callers, Triton
+    3.6 dropped them and the backward's 16-byte loads halved (0.47 -> 0.56 ms of update kernels
+    at Zipf 1.05 on the H200, RESULTS.md 2026-12-02)."""
     bags = tl.load(sorted_bags_ptr + positions, mask=valid, other=0)
     tables = bags // batch_size
     dims = tl.load(table_dim_ptr + tables, mask=valid, other=0)
-    if TWO_D:
+    if len(positions.shape) == 2:  # tl.multiple_of takes one value per dimension
         dims = tl.multiple_of(dims, [ALIGN, ALIGN])
     else:
         dims = tl.multiple_of(dims, ALIGN)
@@ -107,94 +110,24 @@ def _gradient_sources(
         pointers = grad_output_ptr + tl.load(order_ptr + positions, mask=valid, other=0) * grad_output_stride
     else:
         first_columns = tl.load(table_output_offset_ptr + tables, mask=valid, other=0)
-        if TWO_D:
+        if len(positions.shape) == 2:
             first_columns = tl.multiple_of(first_columns, [ALIGN, ALIGN])
         else:
             first_columns = tl.multiple_of(first_columns, ALIGN)
         pointers = grad_output_ptr + (bags % batch_size).to(tl.int64) * grad_output_stride + first_columns
-    if TWO_D:
+    if len(positions.shape) == 2:
         pointers = tl.multiple_of(pointers, [GRAD_ALIGN_BYTES, GRAD_ALIGN_BYTES])
     else:
         pointers = tl.multiple_of(pointers, GRAD_ALIGN_BYTES)
-    return bags, dims, pointers
-
-
-@triton.jit
-def bag_lengths(
-    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
-    bags,  # int32 tensor (any shape): bags t*B+b
-    valid,  # bool, same shape: which bags to read
-):
-    """fp32, same shape: each bag's length, at least 1 (what mean pooling divides by)."""
-    return tl.maximum(tl.load(offsets_ptr + bags + 1, mask=valid, other=1)
-                      - tl.load(offsets_ptr + bags, mask=valid, other=0), 1).to(tl.float32)
-
-
-@triton.jit
-def lookup_gradients(
-    positions,  # int64 [F]: sorted positions
-    valid,  # bool [F]: which positions count
-    order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
-    sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
-    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries (mean pooling's bag lengths)
-    sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
-    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
-    grad_output_stride,  # elements between consecutive rows of grad_output
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
-    batch_size,  # B
-    columns,  # int32 [BLOCK_D]
-    POOLING: tl.constexpr,  # pooling code (kernels/addressing.py)
-    HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
-    ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
-    GRAD_ALIGN_BYTES: tl.constexpr,  # every grad_output row slice starts at a multiple of this
-):
-    """fp32 [F, BLOCK_D]: d loss / d row of the lookup at each sorted position (zeros where not
-    valid or past its table's dim)."""
-    bags, dims, pointers = _gradient_sources(positions, valid, order_ptr, sorted_bags_ptr, grad_output_ptr,
-                                             grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size,
-                                             POOLING, ALIGN, GRAD_ALIGN_BYTES, False)
-    tile = tl.load(pointers[:, None] + columns[None, :], mask=valid[:, None] & (columns[None, :] < dims[:, None]),
-                   other=0.0)
+    tile = tl.load(tl.expand_dims(pointers, -1) + columns,
+                   mask=tl.expand_dims(valid, -1) & (columns < tl.expand_dims(dims, -1)), other=0.0)
     if HAS_PER_SAMPLE_WEIGHTS:
-        tile = tile * tl.load(sorted_weights_ptr + positions, mask=valid, other=0.0)[:, None]
+        tile = tile * tl.expand_dims(tl.load(sorted_weights_ptr + positions, mask=valid, other=0.0), -1)
     if POOLING == POOLING_MEAN_CONSTEXPR:
-        tile = tile / bag_lengths(offsets_ptr, bags, valid)[:, None]
+        lengths = (tl.load(offsets_ptr + bags + 1, mask=valid, other=1)
+                   - tl.load(offsets_ptr + bags, mask=valid, other=0))
+        tile = tile / tl.expand_dims(tl.maximum(lengths, 1).to(tl.float32), -1)
     return tile
-
-
-@triton.jit
-def lookup_run_gradients(
-    positions,  # int64 [ROWS, LANES]: sorted positions, a row of lanes per run
-    valid,  # bool [ROWS, LANES]: which positions count
-    order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
-    sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
-    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries (mean pooling's bag lengths)
-    sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
-    grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
-    grad_output_stride,  # elements between consecutive rows of grad_output
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
-    batch_size,  # B
-    columns,  # int32 [BLOCK_D]
-    POOLING: tl.constexpr,  # pooling code (kernels/addressing.py)
-    HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
-    ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
-    GRAD_ALIGN_BYTES: tl.constexpr,  # every grad_output row slice starts at a multiple of this
-):
-    """fp32 [ROWS, BLOCK_D]: the gradient of each run's lanes, summed over the lanes in registers
-    (a flattened [ROWS * LANES] tile reshaped to sum goes through shared memory: the forward
-    measured that 2-5x slower, kernels/addressing.py ``lookup_bag_rows``, which this mirrors)."""
-    bags, dims, pointers = _gradient_sources(positions, valid, order_ptr, sorted_bags_ptr, grad_output_ptr,
-                                             grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size,
-                                             POOLING, ALIGN, GRAD_ALIGN_BYTES, True)
-    tile = tl.load(pointers[:, :, None] + columns[None, None, :],
-                   mask=valid[:, :, None] & (columns[None, None, :] < dims[:, :, None]), other=0.0)
-    if HAS_PER_SAMPLE_WEIGHTS:
-        tile = tile * tl.load(sorted_weights_ptr + positions, mask=valid, other=0.0)[:, :, None]
-    if POOLING == POOLING_MEAN_CONSTEXPR:
-        tile = tile / bag_lengths(offsets_ptr, bags, valid)[:, :, None]
-    return tl.sum(tile, axis=1)
 
 
 @triton.jit
