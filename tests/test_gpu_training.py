@@ -124,7 +124,7 @@ def test_pipelined_equals_serial_at_benchmark_size(policy, mover):
     assert pipelined.cache.num_locked() == 0 and pipelined.cache_stats().evictions > 0
     for t in range(len(CRITEO_KAGGLE_TABLE_ROWS)):
         assert torch.equal(pipelined.table(t), serial.table(t)), f"table {t}"
-        assert torch.equal(pipelined.storage.state(t), serial.storage.state(t)), f"table {t} state"
+        assert torch.equal(pipelined.storage.table_state[t], serial.storage.table_state[t]), f"table {t} state"
 
 
 def test_staged_mover_memory_stays_flat_over_2000_steps():

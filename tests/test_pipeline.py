@@ -215,12 +215,12 @@ def test_a_row_left_in_the_backing_store_stays_there_while_its_batch_is_in_fligh
     module(*a).backward(torch.ones(2, 12))
     module.prefetch(*c, defer_unlock=defer_unlock)  # A's rows are free now, but B is in flight
     assert module._prefetched[1][2].slot_of_index.tolist() == [-1], "row 0 must stay in the backing store"
-    row_before = module.storage.weights(0)[0].clone()
+    row_before = module.storage.table_weights[0][0].clone()
     out_b = module(*b)
     torch.testing.assert_close(out_b[0, :4], row_before)
     out_b.backward(torch.ones(2, 12))
     updated = row_before - 0.3
-    torch.testing.assert_close(module.storage.weights(0)[0], updated)
+    torch.testing.assert_close(module.storage.table_weights[0][0], updated)
     out_c = module(*c)  # reads the backing store, updated
     torch.testing.assert_close(out_c[0, :4], updated)
     out_c.backward(torch.zeros(2, 12))

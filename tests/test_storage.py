@@ -21,7 +21,7 @@ def test_state_beside_rows_layout(weights_dtype, device):
     element = torch.empty(0, dtype=weights_dtype).element_size()
     ends = []
     for t, (spec, width) in enumerate(zip(tables, widths)):
-        weights, state = storage.weights(t), storage.state(t)
+        weights, state = storage.table_weights[t], storage.table_state[t]
         assert weights.shape == (spec.num_embeddings, spec.embedding_dim) and weights.dtype == weights_dtype
         row_bytes = weights.stride(0) * element
         assert row_bytes % 16 == 0 and weights.data_ptr() % 16 == 0 and weights.stride(1) == 1
@@ -37,10 +37,10 @@ def test_state_beside_rows_layout(weights_dtype, device):
             assert bool((state == 0.5).all())
             ends.append(state.data_ptr() + state.shape[0] * row_bytes)
     # Writing a row's state leaves its weights (and every other row) as they were.
-    before = [storage.weights(t).clone() for t in range(3)]
-    storage.state(0).fill_(-7.0)
-    storage.state(2).fill_(3.0)
-    assert all(torch.equal(storage.weights(t), before[t]) for t in range(3))
+    before = [storage.table_weights[t].clone() for t in range(3)]
+    storage.table_state[0].fill_(-7.0)
+    storage.table_state[2].fill_(3.0)
+    assert all(torch.equal(storage.table_weights[t], before[t]) for t in range(3))
 
 
 def test_bad_state_layout_is_refused(device):

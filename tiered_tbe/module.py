@@ -459,7 +459,7 @@ class TieredEmbeddingBags(nn.Module):
         """The full weights of table t, ``[num_embeddings, embedding_dim]``: a view of its
         backing store after a flush (every update included)."""
         self.flush()
-        return self.storage.weights(t)
+        return self.storage.table_weights[t]
 
     def cache_stats(self) -> CacheStats:
         return self.cache.stats() if self.cache is not None else CacheStats()
@@ -472,8 +472,8 @@ class TieredEmbeddingBags(nn.Module):
         """The state_dict entries of table t, as views of the backing store: its weights, and
         its optimizer state under the optimizer's names (a width-1 entry is 1-D)."""
         name = self.table_names[t]
-        views = {f"{name}.weight": self.storage.weights(t)}
-        state = self.storage.state(t)
+        views = {f"{name}.weight": self.storage.table_weights[t]}
+        state = self.storage.table_state[t]
         if self.optimizer is not None and state is not None:
             column = 0
             for state_name, width in self.optimizer.state_columns(self.tables[t].embedding_dim):

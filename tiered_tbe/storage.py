@@ -31,22 +31,15 @@ class TableStorage:
 
     tables: list[TableSpec]
     buffers: list[TierBuffer]  # every buffer the views below point into (kept alive here)
-    table_weights: list[torch.Tensor]  # [num_embeddings, embedding_dim] view of table t's rows
-    table_state: list[torch.Tensor | None]  # fp32 [num_embeddings, state_width] view, or None
+    table_weights: list[torch.Tensor]  # [num_embeddings, embedding_dim] view of table t's backing rows
+    table_state: list[torch.Tensor | None]  # fp32 [num_embeddings, state_width] view of its state, or None
     row_offset: list[int]  # global row id of row 0 of table t
-
-    def weights(self, t: int) -> torch.Tensor:
-        """[num_embeddings, embedding_dim] view of table t's backing rows."""
-        return self.table_weights[t]
-
-    def state(self, t: int) -> torch.Tensor | None:
-        """[num_embeddings, state_width] fp32 view of table t's optimizer state, or None."""
-        return self.table_state[t]
 
     def cached_tables(self) -> list[CachedTable]:
         """The ``*_CACHED`` tables, as the slot cache sees them."""
         return [
-            CachedTable(self.row_offset[t], spec.num_embeddings, spec.embedding_dim, self.weights(t), self.state(t))
+            CachedTable(self.row_offset[t], spec.num_embeddings, spec.embedding_dim, self.table_weights[t],
+                        self.table_state[t])
             for t, spec in enumerate(self.tables)
             if spec.placement.is_cached
         ]
@@ -115,8 +108,8 @@ def lay_out(
     )
     for t, spec in enumerate(tables):
         bound = 1.0 / math.sqrt(spec.num_embeddings)
-        _fill_uniform(storage.weights(t), bound, generator)
-        state = storage.state(t)
+        _fill_uniform(storage.table_weights[t], bound, generator)
+        state = storage.table_state[t]
         if state is not None:
             state.fill_(initial_state)
     return storage
