@@ -129,10 +129,8 @@ def bag_tile_bounds(
 ):
     """``(bags, in_batch, starts, ends)`` of the tile's ``BLOCK_B * BLOCK_L`` rows: int32 bag
     number within the table of each row, whether that bag exists, int64 first lookup and one
-    past the last lookup of the bag.
-
-    Tiles stay 2-D (rows x columns) and each row's pointer 1-D: Triton (3.6) then keeps the
-    loads of a row 16-byte vectors; a [bags, lanes, columns] tile would lose them.
+    past the last lookup of the bag (``BLOCK_L=1``: one row per bag, the bags of a
+    [bags, lanes, columns] tile).
     """
     bags = first_bag + tl.arange(0, BLOCK_B * BLOCK_L) // BLOCK_L
     in_batch = bags < batch_size
