@@ -59,6 +59,7 @@ from .update_rows import (
     grad_output_of_step,
     hyper_view,
     lookup_gradients,
+    run_columns,
     step_arguments,
     update_rows,
 )
@@ -158,26 +159,27 @@ def _row_update_kernel(
         if tl.max(row_mask.to(tl.int32), axis=0) > 0:  # not a tile of hot runs only
             columns = tl.arange(0, BLOCK_D)
             grad_output_ptr = grad_output_of_step(step_args_ptr)
+            tables, dims, first_columns = run_columns(starts, row_mask, sorted_bags_ptr, table_dim_ptr,
+                                                      table_output_offset_ptr, batch_size, ALIGN)
+            mask = row_mask[:, None] & (columns[None, :] < dims[:, None])
             longest = tl.max(tl.where(row_mask, ends - starts, 0), axis=0)
             gradient_args = (order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
-                             grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns)
+                             grad_output_stride, batch_size, columns)
             if BLOCK_L == 1:
-                grad = _sum_runs_one_lane(starts, ends, row_mask, longest, gradient_args, ROWS, POOLING,
-                                          HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES, BLOCK_D)
+                grad = _sum_runs_one_lane(starts, ends, row_mask, tables, first_columns, mask, longest, gradient_args,
+                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, BLOCK_D)
             elif longest == 1:  # runs of one lookup (most tiles at uniform lookups): no idle lanes
-                grad = _sum_runs_one_lane(starts, ends, row_mask, longest, gradient_args, ROWS, POOLING,
-                                          HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES, BLOCK_D)
+                grad = _sum_runs_one_lane(starts, ends, row_mask, tables, first_columns, mask, longest, gradient_args,
+                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, BLOCK_D)
             else:  # [ROWS, BLOCK_L, BLOCK_D] tiles, summed over their lanes in registers
                 lanes = tl.arange(0, BLOCK_L)
                 grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
                 for step_start in range(0, longest, BLOCK_L):
                     positions = starts[:, None] + step_start + lanes[None, :]
                     grad += tl.sum(lookup_gradients(positions, (positions < ends[:, None]) & row_mask[:, None],
-                                                    *gradient_args, POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN,
+                                                    tables[:, None], first_columns[:, None], mask[:, None, :],
+                                                    *gradient_args, POOLING, HAS_PER_SAMPLE_WEIGHTS,
                                                     GRAD_ALIGN_BYTES), axis=1)
-            tables = tl.load(sorted_bags_ptr + starts, mask=row_mask, other=0) // batch_size
-            dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=row_mask, other=0), ALIGN)
-            mask = row_mask[:, None] & (columns[None, :] < dims[:, None])
             global_rows = tl.load(sorted_rows_ptr + starts, mask=row_mask, other=0).to(tl.int64)
             slots = tl.zeros_like(tables)
             if USE_CACHE:
@@ -195,17 +197,20 @@ def _sum_runs_one_lane(
     starts,  # int64 [ROWS]: first sorted position of each run
     ends,  # int64 [ROWS]: one past its last
     row_mask,  # bool [ROWS]: which runs count
+    tables,  # int32 [ROWS]: each run's table
+    first_columns,  # int32 [ROWS]: its first column in a grad_output row
+    in_row,  # bool [ROWS, BLOCK_D]: its columns
     longest,  # scalar: the longest run of the tile
     gradient_args,  # lookup_gradients' pointer and size arguments, as _row_update_kernel passes them
-    ROWS: tl.constexpr, POOLING: tl.constexpr, HAS_PER_SAMPLE_WEIGHTS: tl.constexpr, ALIGN: tl.constexpr,
+    ROWS: tl.constexpr, POOLING: tl.constexpr, HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,
     GRAD_ALIGN_BYTES: tl.constexpr, BLOCK_D: tl.constexpr,  # as _row_update_kernel's
 ):
     """fp32 [ROWS, BLOCK_D]: each run's gradient, one lookup of every run a step."""
     grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     for step_start in range(0, longest):
         positions = starts + step_start
-        grad += lookup_gradients(positions, (positions < ends) & row_mask, *gradient_args, POOLING,
-                                 HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
+        grad += lookup_gradients(positions, (positions < ends) & row_mask, tables, first_columns, in_row,
+                                 *gradient_args, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES)
     return grad
 
 

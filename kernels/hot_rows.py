@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .update_rows import grad_output_of_step, lookup_gradients, update_rows
+from .update_rows import grad_output_of_step, lookup_gradients, run_columns, update_rows
 
 
 @triton.jit(do_not_specialize=["num_lookups", "batch_size"])
@@ -51,10 +51,13 @@ def hot_window_sums_kernel(
             if tl.sum(tl.where(pure & (lanes == lane), 1, 0), axis=0) > 0:
                 window = tl.program_id(0).to(tl.int64) * WINDOWS + lane
                 positions = window * CHUNK + tl.arange(0, CHUNK)
+                # A pure window lies in one run: one table, read once.
+                table, dims, first_column = run_columns(window * CHUNK, window >= 0, sorted_bags_ptr, table_dim_ptr,
+                                                        table_output_offset_ptr, batch_size, ALIGN)
                 tile = lookup_gradients(
-                    positions, positions >= 0, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
-                    grad_output_ptr, grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns,
-                    POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES)
+                    positions, positions >= 0, table, first_column, (columns < dims)[None, :], order_ptr,
+                    sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size,
+                    columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES)
                 tl.store(window_sums_ptr + window * BLOCK_D + columns, tl.sum(tile, axis=0))
 
 
@@ -195,10 +198,11 @@ def _update_hot_run(
     windows, its windows outside them, then its lookups before the first and after the last pure
     window."""
     last_window = end // CHUNK - 1
-    table = tl.load(sorted_bags_ptr + start) // batch_size
+    table, dim, first_column = run_columns(start, start >= 0, sorted_bags_ptr, table_dim_ptr, table_output_offset_ptr,
+                                           batch_size, ALIGN)
     columns = tl.arange(0, BLOCK_D)
     one = tl.zeros([1], dtype=tl.int32)
-    dims = one + tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
+    dims = one + dim
     in_row = columns[None, :] < dims[:, None]
     first_group = (first_window + GROUP - 1) // GROUP
     last_group = (last_window + 1) // GROUP - 1
@@ -216,13 +220,13 @@ def _update_hot_run(
         head = start + offset + lanes
         tail = tail_start + offset + lanes
         grad += tl.sum(lookup_gradients(
-            head, head < head_end, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
-            grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns, POOLING,
-            HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES), axis=0)
+            head, head < head_end, table, first_column, in_row, order_ptr, sorted_bags_ptr, offsets_ptr,
+            sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size, columns, POOLING,
+            HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES), axis=0)
         grad += tl.sum(lookup_gradients(
-            tail, tail < end, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
-            grad_output_stride, table_dim_ptr, table_output_offset_ptr, batch_size, columns, POOLING,
-            HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES), axis=0)
+            tail, tail < end, table, first_column, in_row, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
+            grad_output_ptr, grad_output_stride, batch_size, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS,
+            GRAD_ALIGN_BYTES), axis=0)
     slots = one
     if USE_CACHE:
         slots = one + tl.load(sorted_slots_ptr + start)

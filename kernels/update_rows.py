@@ -73,54 +73,66 @@ def load_hyper(
 
 
 @triton.jit
+def run_columns(
+    first_positions,  # int64, scalar or [ROWS]: the first sorted position of each run
+    valid,  # bool, same shape: which runs exist
+    sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
+    table_dim_ptr,  # int32 [T]: embedding_dim of each table
+    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    batch_size,  # B
+    ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
+):
+    """``(tables, dims, first_columns)``, int32 of ``first_positions``' shape: each run's table,
+    its embedding_dim and its first column in a grad_output row (0 where not valid). The hints
+    are given here, where the values are loaded (Triton 3.6 drops them given by a caller)."""
+    tables = tl.load(sorted_bags_ptr + first_positions, mask=valid, other=0) // batch_size
+    dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=valid, other=0), ALIGN)
+    first_columns = tl.multiple_of(tl.load(table_output_offset_ptr + tables, mask=valid, other=0), ALIGN)
+    return tables, dims, first_columns
+
+
+@triton.jit
 def lookup_gradients(
-    positions,  # int64 [F] or [ROWS, LANES]: sorted positions
+    positions,  # int64 [F] or [ROWS, LANES]: sorted positions, each run's positions in one row of the tile
     valid,  # bool, same shape: which positions count
+    tables,  # int32, broadcastable to positions: the table of each position's run (scalar, [F] or [ROWS, 1])
+    first_columns,  # int32, as tables: that table's first column in a grad_output row
+    in_row,  # bool, broadcastable to [*positions.shape, BLOCK_D]: the columns of that table
     order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries (mean pooling's bag lengths)
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
     grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
     grad_output_stride,  # elements between consecutive rows of grad_output
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
     batch_size,  # B
     columns,  # int32 [BLOCK_D]
     POOLING: tl.constexpr,  # pooling code (kernels/addressing.py)
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
-    ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
     GRAD_ALIGN_BYTES: tl.constexpr,  # every grad_output row slice starts at a multiple of this
 ):
     """fp32 [*positions.shape, BLOCK_D]: d loss / d row of the lookup at each sorted position
-    (zeros where not valid or past its table's dim).
+    (zeros where not valid or outside ``in_row``).
+
+    The lookups of a run share its row, so its table: the caller reads the table, its dim and its
+    first column once per run (``run_columns``), and a lookup costs one dependent load (its bag)
+    before its gradient row, not three (bag, then the table's dim and first column).
 
     A 2-D tile of positions (a row of lanes per run) lets a run's lanes be summed in registers
     (``tl.sum(axis=1)``), as the forward's tiles (kernels/addressing.py ``lookup_rows``). The
-    alignment hints are given here, where the values are loaded: moved into the callers, Triton
-    3.6 dropped them and the backward's 16-byte loads halved (0.47 -> 0.56 ms of update kernels
-    at Zipf 1.05 on the H200, RESULTS.md 2026-12-02)."""
-    bags = tl.load(sorted_bags_ptr + positions, mask=valid, other=0)
-    tables = bags // batch_size
-    dims = tl.load(table_dim_ptr + tables, mask=valid, other=0)
-    if len(positions.shape) == 2:  # tl.multiple_of takes one value per dimension
-        dims = tl.multiple_of(dims, [ALIGN, ALIGN])
-    else:
-        dims = tl.multiple_of(dims, ALIGN)
+    pointers' alignment hint is given here, where they are made: applied in the callers, Triton
+    3.6 dropped it and the backward's 16-byte loads halved (0.47 -> 0.56 ms of update kernels at
+    Zipf 1.05 on the H200, RESULTS.md 2026-12-02)."""
     if POOLING == POOLING_NONE_CONSTEXPR:
         pointers = grad_output_ptr + tl.load(order_ptr + positions, mask=valid, other=0) * grad_output_stride
     else:
-        first_columns = tl.load(table_output_offset_ptr + tables, mask=valid, other=0)
-        if len(positions.shape) == 2:
-            first_columns = tl.multiple_of(first_columns, [ALIGN, ALIGN])
-        else:
-            first_columns = tl.multiple_of(first_columns, ALIGN)
-        pointers = grad_output_ptr + (bags % batch_size).to(tl.int64) * grad_output_stride + first_columns
-    if len(positions.shape) == 2:
+        bags = tl.load(sorted_bags_ptr + positions, mask=valid, other=0)
+        samples = bags - tables * batch_size
+        pointers = grad_output_ptr + samples.to(tl.int64) * grad_output_stride + first_columns
+    if len(positions.shape) == 2:  # tl.multiple_of takes one value per dimension
         pointers = tl.multiple_of(pointers, [GRAD_ALIGN_BYTES, GRAD_ALIGN_BYTES])
     else:
         pointers = tl.multiple_of(pointers, GRAD_ALIGN_BYTES)
-    tile = tl.load(tl.expand_dims(pointers, -1) + columns,
-                   mask=tl.expand_dims(valid, -1) & (columns < tl.expand_dims(dims, -1)), other=0.0)
+    tile = tl.load(tl.expand_dims(pointers, -1) + columns, mask=tl.expand_dims(valid, -1) & in_row, other=0.0)
     if HAS_PER_SAMPLE_WEIGHTS:
         tile = tile * tl.expand_dims(tl.load(sorted_weights_ptr + positions, mask=valid, other=0.0), -1)
     if POOLING == POOLING_MEAN_CONSTEXPR:
