@@ -84,9 +84,11 @@ def default_config(block_d: int) -> BackwardConfig:
         return BackwardConfig(*(int(value) for value in override.split(",")))
     if INTERPRETING:
         return BackwardConfig(rows=2, lanes=2, num_warps=4, chunk=4)
-    # Small tiles (4 rows of 128 over 2 warps) beat 16 rows over 4 warps once the kernel strides
-    # over the batch's runs: Criteo step 0.90 -> 0.81 of FBGEMM's, big Zipf 1.35 -> 1.12 (RESULTS.md).
-    return BackwardConfig(rows=max(1, min(16, 512 // block_d)), lanes=1, num_warps=2 if block_d <= 256 else 4,
+    # Small tiles beat 16 rows over 4 warps once the kernel strides over the batch's runs (Criteo
+    # step 0.90 -> 0.81 of FBGEMM's, big Zipf 1.35 -> 1.12), and a warp per row of 128 (2 rows over
+    # 2 warps) beats 4 rows over 2 warps: big uniform backward 1.062 -> 1.026 ms, Zipf 0.681 -> 0.650
+    # (RESULTS.md, 2026-12-02, tenth session). More lanes than one lost at every count measured.
+    return BackwardConfig(rows=max(1, min(16, 256 // block_d)), lanes=1, num_warps=2 if block_d <= 256 else 4,
                           chunk=32)
 
 
