@@ -58,11 +58,10 @@ from .rows import Lookups, RowStores, check_lookups
 from .update_rows import (
     grad_output_of_step,
     hyper_view,
-    load_rows,
     lookup_gradients,
     run_columns,
     step_arguments,
-    update_loaded_rows,
+    update_rows,
 )
 
 
@@ -165,16 +164,6 @@ def _row_update_kernel(
             tables, dims, first_columns = run_columns(starts, row_mask, sorted_bags_ptr, table_dim_ptr,
                                                       table_output_offset_ptr, batch_size, ALIGN)
             mask = row_mask[:, None] & (columns[None, :] < dims[:, None])
-            global_rows = tl.load(sorted_rows_ptr + starts, mask=row_mask, other=0).to(tl.int64)
-            slots = tl.zeros_like(tables)
-            if USE_CACHE:
-                slots = tl.load(sorted_slots_ptr + starts, mask=row_mask, other=-1)
-            row_args = (global_rows, tables, slots, row_mask, dims, columns, mask, table_weights_address_ptr,
-                        table_weights_stride_ptr, table_state_address_ptr, table_state_stride_ptr,
-                        table_row_offset_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr,
-                        cache_state_stride)
-            # The rows and their state first: their loads are in flight while the gradients arrive.
-            weights, state = load_rows(*row_args, OPTIMIZER_LOAD_STATE, USE_CACHE, ALIGN_BYTES, STATE_ALIGN_BYTES)
             longest = tl.max(tl.where(row_mask, ends - starts, 0), axis=0)
             gradient_args = (order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
                              grad_output_stride, batch_size, columns)
@@ -193,9 +182,16 @@ def _row_update_kernel(
                                                     tables[:, None], first_columns[:, None], mask[:, None, :],
                                                     *gradient_args, POOLING, HAS_PER_SAMPLE_WEIGHTS,
                                                     GRAD_ALIGN_BYTES), axis=1)
-            update_loaded_rows(weights, state, grad, *row_args, step_args_ptr, hyper_ptr, NUM_HYPER,
-                               OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING, ALIGN_BYTES,
-                               STATE_ALIGN_BYTES)
+            global_rows = tl.load(sorted_rows_ptr + starts, mask=row_mask, other=0).to(tl.int64)
+            slots = tl.zeros_like(tables)
+            if USE_CACHE:
+                slots = tl.load(sorted_slots_ptr + starts, mask=row_mask, other=-1)
+            update_rows(global_rows, tables, slots, grad, row_mask, dims, columns, mask,
+                         table_weights_address_ptr, table_weights_stride_ptr,
+                         table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
+                         cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr, hyper_ptr, NUM_HYPER,
+                         OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
+                         ALIGN_BYTES, STATE_ALIGN_BYTES)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .update_rows import grad_output_of_step, load_rows, lookup_gradients, run_columns, update_loaded_rows
+from .update_rows import grad_output_of_step, lookup_gradients, run_columns, update_rows
 
 
 @triton.jit(do_not_specialize=["num_lookups", "batch_size"])
@@ -204,15 +204,6 @@ def _update_hot_run(
     one = tl.zeros([1], dtype=tl.int32)
     dims = one + dim
     in_row = columns[None, :] < dims[:, None]
-    slots = one
-    if USE_CACHE:
-        slots = one + tl.load(sorted_slots_ptr + start)
-    global_rows = one.to(tl.int64) + tl.load(sorted_rows_ptr + start).to(tl.int64)
-    row_args = (global_rows, one + table, slots, one == 0, dims, columns, in_row, table_weights_address_ptr,
-                table_weights_stride_ptr, table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr,
-                cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride)
-    # The row and its state first: their loads are in flight while the sums arrive.
-    weights, state = load_rows(*row_args, OPTIMIZER_LOAD_STATE, USE_CACHE, ALIGN_BYTES, STATE_ALIGN_BYTES)
     first_group = (first_window + GROUP - 1) // GROUP
     last_group = (last_window + 1) // GROUP - 1
     if first_group <= last_group:
@@ -236,6 +227,12 @@ def _update_hot_run(
             tail, tail < end, table, first_column, in_row, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
             grad_output_ptr, grad_output_stride, batch_size, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS,
             GRAD_ALIGN_BYTES), axis=0)
-    update_loaded_rows(weights, state, grad[None, :], *row_args, step_args_ptr, hyper_ptr, NUM_HYPER,
-                       OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING, ALIGN_BYTES,
-                       STATE_ALIGN_BYTES)
+    slots = one
+    if USE_CACHE:
+        slots = one + tl.load(sorted_slots_ptr + start)
+    global_rows = one.to(tl.int64) + tl.load(sorted_rows_ptr + start).to(tl.int64)
+    update_rows(global_rows, one + table, slots, grad[None, :], one == 0, dims, columns, in_row,
+                table_weights_address_ptr, table_weights_stride_ptr, table_state_address_ptr, table_state_stride_ptr,
+                table_row_offset_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride,
+                step_args_ptr, hyper_ptr, NUM_HYPER, OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE,
+                USE_CACHE, STOCHASTIC_ROUNDING, ALIGN_BYTES, STATE_ALIGN_BYTES)

@@ -169,31 +169,11 @@ def stochastic_round(
 
 
 @triton.jit
-def _row_addresses(
-    global_rows, tables, slots, row_mask, table_weights_address_ptr, table_weights_stride_ptr,
-    table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr, cache_weights_stride,
-    cache_state_ptr, cache_state_stride, USE_CACHE: tl.constexpr, ALIGN_BYTES: tl.constexpr,
-    STATE_ALIGN_BYTES: tl.constexpr,  # all as load_rows'
-):
-    """``(weight_rows, state_rows)``: pointers [R] to column 0 of each row's newest copy and its
-    state (hinted in ``row_pointers``; a caller that needs them gets them from here, one helper
-    deep, because Triton 3.6 drops hints passed up through two)."""
-    element = cache_weights_ptr.dtype.element_ty
-    table_rows = global_rows - tl.load(table_row_offset_ptr + tables, mask=row_mask, other=0)
-    weight_rows = row_pointers(table_row_zero(table_weights_address_ptr, tables, element), table_rows,
-                               tl.load(table_weights_stride_ptr + tables, mask=row_mask, other=0), slots,
-                               cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
-    state_rows = row_pointers(table_row_zero(table_state_address_ptr, tables, tl.float32), table_rows,
-                              tl.load(table_state_stride_ptr + tables, mask=row_mask, other=0), slots,
-                              cache_state_ptr, cache_state_stride, USE_CACHE, STATE_ALIGN_BYTES)
-    return weight_rows, state_rows
-
-
-@triton.jit
-def load_rows(
+def update_rows(
     global_rows,  # int64 [R]: the rows to update
     tables,  # int32 [R]: their tables
     slots,  # int32 [R]: the slot of each row, or -1 (ignored unless USE_CACHE)
+    grad,  # fp32 [R, BLOCK_D]: each row's summed gradient (zeros outside mask)
     row_mask,  # bool [R]: which rows to update
     dims,  # int32 [R]: embedding_dim of each row's table
     columns,  # int32 [BLOCK_D]
@@ -207,42 +187,33 @@ def load_rows(
     cache_weights_stride,  # elements between consecutive slots of cache_weights
     cache_state_ptr,  # fp32 [num_slots, state_width]: optimizer state of cached rows
     cache_state_stride,  # elements between consecutive slots of cache_state
-    OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's load_state (kernels/optimizers/base.py)
-    USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
-    ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
-    STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
-):
-    """``(weights, state)``: fp32 [R, BLOCK_D] rows (their newest copies: slot or backing store)
-    and the optimizer's state of each, for ``update_loaded_rows``. A kernel calls it before it
-    sums the rows' gradients, so that these loads are in flight while the gradients arrive."""
-    weight_rows, state_rows = _row_addresses(
-        global_rows, tables, slots, row_mask, table_weights_address_ptr, table_weights_stride_ptr,
-        table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
-        cache_weights_stride, cache_state_ptr, cache_state_stride, USE_CACHE, ALIGN_BYTES, STATE_ALIGN_BYTES)
-    weights = tl.load(weight_rows[:, None] + columns[None, :], mask=mask, other=0.0).to(tl.float32)
-    return weights, OPTIMIZER_LOAD_STATE(state_rows, columns, row_mask, mask, dims)
-
-
-@triton.jit
-def update_loaded_rows(
-    weights,  # fp32 [R, BLOCK_D]: the rows, from load_rows
-    state,  # their optimizer state, from load_rows
-    grad,  # fp32 [R, BLOCK_D]: each row's summed gradient (zeros outside mask)
-    global_rows, tables, slots, row_mask, dims, columns, mask, table_weights_address_ptr, table_weights_stride_ptr,
-    table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr, cache_weights_stride,
-    cache_state_ptr, cache_state_stride,  # as load_rows was given
     step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: the philox key and step)
     hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters (FusedOptimizer.kernel_hyper)
     NUM_HYPER: tl.constexpr,  # how many
-    OPTIMIZER_UPDATE: tl.constexpr,  # the optimizer's update and store_state (kernels/optimizers/base.py)
+    OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
+    OPTIMIZER_UPDATE: tl.constexpr,
     OPTIMIZER_STORE_STATE: tl.constexpr,
     USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
     STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically (else to nearest)
     ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
     STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
 ):
-    """Apply the optimizer to ``R`` rows loaded by ``load_rows`` and store them where they were read."""
+    """Apply the optimizer to ``R`` rows in their slot or backing store, and store them."""
     element = cache_weights_ptr.dtype.element_ty
+    table_rows = global_rows - tl.load(table_row_offset_ptr + tables, mask=row_mask, other=0)
+    weight_rows = row_pointers(table_row_zero(table_weights_address_ptr, tables, element), table_rows,
+                               tl.load(table_weights_stride_ptr + tables, mask=row_mask, other=0), slots,
+                               cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
+    state_rows = row_pointers(table_row_zero(table_state_address_ptr, tables, tl.float32), table_rows,
+                              tl.load(table_state_stride_ptr + tables, mask=row_mask, other=0), slots,
+                              cache_state_ptr, cache_state_stride, USE_CACHE, STATE_ALIGN_BYTES)
+
+    # Every load of the rows and their state comes before the barrier below, every store after it.
+    # Threads of a program may hold copies of the same values (a row-wise accumulator in every
+    # thread of its row): a thread that stored before another one loaded would make that one
+    # apply the update twice.
+    weights = tl.load(weight_rows[:, None] + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+    state = OPTIMIZER_LOAD_STATE(state_rows, columns, row_mask, mask, dims)
     weights, state = OPTIMIZER_UPDATE(weights, grad, state, mask, dims, load_hyper(hyper_ptr, NUM_HYPER))
     if STOCHASTIC_ROUNDING:
         seed = tl.load(step_args_ptr + 1).to(tl.int32)
@@ -253,16 +224,6 @@ def update_loaded_rows(
                                          (global_rows & 0xFFFFFFFF).to(tl.int32)[:, None] + zeros,
                                          (global_rows >> 32).to(tl.int32)[:, None] + zeros, zeros + step)
         weights = stochastic_round(weights, random_bits, element)
-    # The addresses again (a few cached loads of the tables' arrays): pointers returned through
-    # load_rows would lose their alignment hint under Triton 3.6, and with it the 16-byte stores.
-    weight_rows, state_rows = _row_addresses(
-        global_rows, tables, slots, row_mask, table_weights_address_ptr, table_weights_stride_ptr,
-        table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
-        cache_weights_stride, cache_state_ptr, cache_state_stride, USE_CACHE, ALIGN_BYTES, STATE_ALIGN_BYTES)
-    # Every load of the rows and their state came before this barrier, every store after it.
-    # Threads of a program may hold copies of the same values (a row-wise accumulator in every
-    # thread of its row): a thread that stored before another one loaded would make that one
-    # apply the update twice.
     tl.debug_barrier()
     OPTIMIZER_STORE_STATE(state_rows, state, columns, row_mask, mask, dims)
     tl.store(weight_rows[:, None] + columns[None, :], weights.to(element), mask=mask)
