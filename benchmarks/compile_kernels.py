@@ -151,8 +151,8 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     # order, bags, weights, offsets, step arguments, grad stride, table dims and output offsets
     gradient_args = (i64, i32, f32, i64, i64, 3328, i32, i32)
     results.append(_report("hot window sums", backward.hot_window_sums_kernel.warmup(
-        f32, i32, *gradient_args, n, 65536, **common, WINDOWS=backward.SUM_WINDOWS, grid=grid,
-        num_warps=backward.SUM_WARPS), arch))
+        f32, i32, *gradient_args, n, 65536, **common, WINDOWS=config.sum_windows, grid=grid,
+        num_warps=config.sum_warps), arch))
     results.append(_report("hot group sums", backward.hot_group_sums_kernel.warmup(
         f32, f32, i32, n, CHUNK=config.chunk, GROUP=32, BLOCK_D=block_d, grid=grid, num_warps=4), arch))
     state = torch.zeros(64, 2 * dim, dtype=torch.float32)
@@ -172,8 +172,8 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
             i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, ROWS=config.rows,
             BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
         results.append(_report(f"hot row update ({name})", backward.hot_row_update_kernel.warmup(
-            f32, f32, i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, GROUP=32, WINDOWS=16,
-            BLOCK_P=32, BLOCK_L=backward.HOT_LANES, grid=grid, num_warps=4), arch))
+            f32, f32, i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, GROUP=32,
+            WINDOWS=config.hot_windows, BLOCK_P=32, BLOCK_L=backward.HOT_LANES, grid=grid, num_warps=4), arch))
     import tiered_tbe.kernels.per_sample_weights as per_sample_weights
 
     results.append(_report("per-sample-weight grad", per_sample_weights._per_sample_weights_grad_kernel.warmup(

@@ -14,9 +14,9 @@ How, without atomics and without a host synchronization (``sort_lookups``, then 
    position of run ``u``); the number of runs stays on the device.
 2. Hot rows (``kernels/hot_rows.py``). The sorted positions fall into windows of ``CHUNK``; a
    window inside one run is *pure*. A run holding a pure window is *hot*:
-   ``hot_window_sums_kernel`` sums each pure window (one program per window) into
-   ``window_sums``, and ``hot_row_update_kernel`` (``HOT_WINDOWS`` windows a program; the first
-   pure window of a run owns it) adds its run's window sums, the lookups before its first and
+   ``hot_window_sums_kernel`` sums each pure window into ``window_sums``, and
+   ``hot_row_update_kernel`` (``BackwardConfig.hot_windows`` windows a program; the first pure
+   window of a run owns it) adds its run's window sums, the lookups before its first and
    after its last pure window, and applies the optimizer.
 3. Other rows (fewer than ``2 * CHUNK - 1`` lookups): ``_row_update_kernel`` (here), tiles of
    ``ROWS`` consecutive runs, up to the batch's count of runs (read on the device), a grid's
@@ -66,14 +66,21 @@ from .update_rows import (
 
 
 class BackwardConfig(NamedTuple):
-    """Tile shapes of the backward kernels (``TIERED_TBE_BACKWARD=rows,lanes,warps,chunk[,tiles]``
-    overrides the defaults, for tuning runs)."""
+    """Tile shapes of the backward kernels (``TIERED_TBE_BACKWARD=rows,lanes,warps,chunk[,tiles,...]``,
+    the fields in order, overrides the defaults, for tuning runs)."""
 
     rows: int  # runs per program of _row_update_kernel
     lanes: int  # lookups of each run per step
     num_warps: int
     chunk: int  # CHUNK: window of sorted positions; runs holding a whole window are hot
     tiles: int = 2 if INTERPRETING else 16  # tiles of runs a program of _row_update_kernel takes at most
+    # Windows a program of hot_row_update_kernel looks at (one in ~20 owns a hot run on Criteo).
+    hot_windows: int = 4 if INTERPRETING else 16
+    # Windows a program of hot_window_sums_kernel looks at, and its warps: 8 over 2 warps against one
+    # over 4 took the big-table backward from 1.048 to 1.013 ms at uniform lookups (the programs mostly
+    # find no pure window) and from 0.739 to 0.706 at Zipf 1.05 (RESULTS.md, 2026-12-02).
+    sum_windows: int = 2 if INTERPRETING else 8
+    sum_warps: int = 4 if INTERPRETING else 2
 
 
 def default_config(block_d: int) -> BackwardConfig:
@@ -92,12 +99,6 @@ def default_config(block_d: int) -> BackwardConfig:
                           chunk=32)
 
 
-# Windows a program of hot_row_update_kernel looks at (one in ~20 owns a hot run on Criteo).
-HOT_WINDOWS = 4 if INTERPRETING else 16
-# Windows a program of hot_window_sums_kernel looks at, and its warps: 8 over 2 warps against one
-# over 4 took the big-table backward from 1.048 to 1.013 ms at uniform lookups (the programs mostly
-# find no pure window) and from 0.739 to 0.706 at Zipf 1.05 (RESULTS.md, 2026-12-02).
-SUM_WINDOWS, SUM_WARPS = (2, 4) if INTERPRETING else (8, 2)
 # Windows per group of the second level of hot-row sums (a power of two).
 HOT_GROUP = 4 if INTERPRETING else 32
 # Lookups before a hot run's first pure window (and after its last) summed per step: a whole
@@ -371,18 +372,18 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
 
     num_windows = triton.cdiv(num_lookups, chunk)
     window_sums = torch.empty(num_windows, block_d, dtype=torch.float32, device=device)
-    hot_window_sums_kernel[(triton.cdiv(num_windows, SUM_WINDOWS),)](
-        window_sums, s.run_count, *gradient_args, num_lookups, plan.batch_size, **common, WINDOWS=SUM_WINDOWS,
-        num_warps=SUM_WARPS)
+    hot_window_sums_kernel[(triton.cdiv(num_windows, config.sum_windows),)](
+        window_sums, s.run_count, *gradient_args, num_lookups, plan.batch_size, **common, WINDOWS=config.sum_windows,
+        num_warps=config.sum_warps)
     group = HOT_GROUP
     num_groups = triton.cdiv(num_windows, group)
     group_sums = torch.empty(num_groups, block_d, dtype=torch.float32, device=device)
     hot_group_sums_kernel[(num_groups,)](group_sums, window_sums, s.run_count, num_lookups, CHUNK=chunk, GROUP=group,
                                           BLOCK_D=block_d, num_warps=4)
-    hot_row_update_kernel[(triton.cdiv(num_windows, HOT_WINDOWS),)](
+    hot_row_update_kernel[(triton.cdiv(num_windows, config.hot_windows),)](
         window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups,
-        plan.batch_size, **common, **updating, GROUP=group, WINDOWS=HOT_WINDOWS, BLOCK_P=8 if INTERPRETING else 32,
-        BLOCK_L=HOT_LANES, num_warps=4)
+        plan.batch_size, **common, **updating, GROUP=group, WINDOWS=config.hot_windows,
+        BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES, num_warps=4)
     _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, config.rows), config.tiles),)](
         s.num_runs, s.run_end, *gradient_args, *update_args, num_lookups, plan.batch_size,
         **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
