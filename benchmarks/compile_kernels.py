@@ -142,8 +142,9 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
         shape = config.kwargs
         results.append(_report(f"forward B{shape['BLOCK_B']} L{shape['BLOCK_L']} w{config.num_warps} "
                                f"G{shape['GROUPS']} S{shape['STAGES']}", kernel, arch))
-    results.append(_report("linearize", linearize._linearize_kernel.warmup(
-        i32, i32, addresses, i64, i64, n, 65536, BLOCK_B=32, BLOCK_L=4, grid=grid, num_warps=4), arch))
+    for block_b, block_l in ((128, 1), (4, 32)):  # bags of one (Criteo) and of 32 (linearize_tile)
+        results.append(_report(f"linearize B{block_b} L{block_l}", linearize._linearize_kernel.warmup(
+            i32, i32, addresses, i64, i64, n, 65536, BLOCK_B=block_b, BLOCK_L=block_l, grid=grid, num_warps=4), arch))
     config = backward.default_config(block_d)
     align = 16 // weights.element_size()
     common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, ALIGN=align, GRAD_ALIGN_BYTES=16, CHUNK=config.chunk,

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from tiered_tbe.base.codes import INT32_MAX
 
-from .addressing import INTERPRETING, bag_tile_bounds
+from .addressing import INTERPRETING, bag_length_class, bag_tile_bounds
 from .rows import Lookups, RowStores
 
 
@@ -44,12 +44,23 @@ def _linearize_kernel(
         tl.store(bag_of_index_ptr + positions, bag_ids, mask=in_bag)
 
 
-def linearize(stores: RowStores, lookups: Lookups, key_dtype: torch.dtype = torch.int64) -> Lookups:
+def linearize_tile(num_lookups: int, num_bags: int) -> tuple[int, int]:
+    """``(BLOCK_B, BLOCK_L)`` of a batch: as many lanes a bag as its bag-length class's mean length
+    (up to a warp), 128 positions a tile. A warp then reads and writes consecutive positions (one
+    bag of 32, or 32 bags of one) rather than 8 runs of 4, which is what FBGEMM's linearize does;
+    the class is the forward autotuner's, so a model shape compiles one tile."""
+    block_l = min(32, 1 << bag_length_class(num_lookups, num_bags))
+    return 128 // block_l, block_l
+
+
+def linearize(stores: RowStores, lookups: Lookups, key_dtype: torch.dtype = torch.int64,
+              tile: tuple[int, int] | None = None) -> Lookups:
     """``lookups`` with ``global_rows`` (``key_dtype`` [N]) and ``bag_of_index`` (int32 [N]) filled in.
 
     ``key_dtype=torch.int32`` (sort keys) needs every global row id below 2^31. Lookups that
     come with both already are returned as they are. Indices are not checked here: an index out
     of its table's range gives a global row of another table (the module validates first).
+    ``tile``: ``(BLOCK_B, BLOCK_L)`` instead of ``linearize_tile``'s (tests).
     """
     if lookups.global_rows is not None and lookups.bag_of_index is not None:
         return lookups
@@ -60,7 +71,9 @@ def linearize(stores: RowStores, lookups: Lookups, key_dtype: torch.dtype = torc
     global_rows = torch.empty(num_lookups, dtype=key_dtype, device=device)
     bag_of_index = torch.empty(num_lookups, dtype=torch.int32, device=device)
     if num_lookups > 0 and lookups.batch_size > 0:
-        block_b, block_l = (2, 2) if INTERPRETING else (32, 4)
+        if tile is None:
+            tile = (2, 2) if INTERPRETING else linearize_tile(num_lookups, stores.num_tables * lookups.batch_size)
+        block_b, block_l = tile
         grid = (triton.cdiv(lookups.batch_size, block_b), stores.num_tables)
         _linearize_kernel[grid](global_rows, bag_of_index, stores.table_row_offset, lookups.indices,
                                 lookups.offsets, num_lookups, lookups.batch_size, BLOCK_B=block_b, BLOCK_L=block_l,

@@ -18,6 +18,7 @@ from tiered_tbe.kernels import backward as backward_module
 from tiered_tbe.kernels import forward as forward_module
 from tiered_tbe.kernels.backward import BackwardConfig, backward_update, sort_lookups
 from tiered_tbe.kernels.forward import pooled_forward
+from tiered_tbe.kernels.linearize import linearize, linearize_tile
 from tiered_tbe.kernels.optimizers import LAMB, OPTIMIZERS, SGD, Adagrad, Adam, PartialRowwiseAdam, RowwiseAdagrad
 from tiered_tbe.kernels.per_sample_weights import per_sample_weights_grad
 from tiered_tbe.kernels.reference import (
@@ -449,6 +450,29 @@ def _segments_batch(lengths, dim, device, optimizer):
     slot_of_row = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
     slot_of_row[torch.randperm(num_rows, device=device)[:3]] = torch.arange(3, dtype=torch.int32, device=device)
     return stores, Lookups(indices, offsets, bag_lengths.numel()), slot_of_row[indices]
+
+
+@pytest.mark.parametrize("tile", [(2, 2), (128, 1), (16, 8), (4, 32)])
+def test_linearize_every_tile_matches_torch(tile, device):
+    """Each lookup's global row and bag, for the tiles linearize_tile picks (one lane a bag up to
+    a warp a bag), over bags of 0 to 70 lookups (several steps of 32 lanes) and int32 indices."""
+    stores, lookups, _ = make_batch(batch_size=9, max_bag=70, index_dtype=torch.int32, device=device)
+    lengths = lookups.offsets[1:] - lookups.offsets[:-1]
+    bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths.long())
+    expected_rows = stores.table_row_offset[bags // lookups.batch_size] + lookups.indices.long()
+    for key_dtype in (torch.int32, torch.int64):
+        result = linearize(stores, lookups, key_dtype=key_dtype, tile=tile)
+        assert result.global_rows.dtype == key_dtype and result.bag_of_index.dtype == torch.int32
+        assert torch.equal(result.global_rows.long(), expected_rows)
+        assert torch.equal(result.bag_of_index.long(), bags)
+
+
+def test_linearize_tile_follows_the_mean_bag_length():
+    assert linearize_tile(65536 * 26, 65536 * 26) == (128, 1)  # Criteo: one lookup a bag
+    assert linearize_tile(65536 * 32, 65536) == (4, 32)  # bags of 32: a warp a bag
+    assert linearize_tile(65536 * 300, 65536) == (4, 32)  # longer bags loop over 32 lanes
+    assert linearize_tile(10, 4) == (64, 2)
+    assert linearize_tile(0, 0) == (128, 1)
 
 
 def test_sort_lookups_matches_torch(device):
