@@ -502,17 +502,22 @@ def test_sort_lookups_matches_torch(device):
     assert torch.equal(sorted_lookups.run_end.long(), expected_end)
 
 
-@pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
-def test_hot_rows_at_every_segment_length_around_the_split(name, device):
+@pytest.mark.parametrize("name, hot_shape", [("rowwise_adagrad", (4, 2, 4)), ("adam", (4, 2, 4)),
+                                             ("rowwise_adagrad", (1, 1, 1)), ("adam", (8, 16, 2))])
+def test_hot_rows_at_every_segment_length_around_the_split(name, hot_shape, device):
     """Rows looked up 1, 2, CHUNK - 1 .. CHUNK + 1, 2 CHUNK - 2 .. 2 CHUNK (where runs start holding
     a whole window of sorted positions and go to the hot kernels), 5 CHUNK + 3 times, and over
-    3 HOT_GROUP windows (where whole groups of windows are summed first)."""
+    3 HOT_GROUP windows (where whole groups of windows are summed first); with the hot kernels
+    looking at one window a program and at more windows than a run holds
+    (``hot_shape``: BackwardConfig's hot_windows, sum_windows, sum_warps)."""
     optimizer = ALL_OPTIMIZERS[name]
     c = CHUNK
     lengths = [1, 2, c - 1, c, c + 1, 2 * c - 2, 2 * c - 1, 2 * c, 5 * c + 3, 1, 2 * c - 1,
                3 * backward_module.HOT_GROUP * c + 5]
     stores, lookups, slot_of_index = _segments_batch(lengths, 12, device, optimizer)
-    config = BackwardConfig(rows=2, lanes=2, num_warps=4, chunk=c)
+    hot_windows, sum_windows, sum_warps = hot_shape
+    config = BackwardConfig(rows=2, lanes=2, num_warps=4, chunk=c, hot_windows=hot_windows, sum_windows=sum_windows,
+                            sum_warps=sum_warps)
     sorted_lookups = sort_lookups(stores, lookups)
     ends = sorted_lookups.run_end[: int(sorted_lookups.num_runs)].long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
