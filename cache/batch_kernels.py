@@ -9,7 +9,7 @@ cached Criteo step on the H200, benchmarks/RESULTS.md, 2026-12-01 sixth session)
 pass over the batch is one kernel::
 
     sort_keys_kernel         rows -> sort keys (rows outside every cached table -> the "none" key)
-    torch.sort               keys ascending, and their order
+    torch.sort (stable)      keys ascending, and their order (the backward's too: kernels/grouping.py)
     run_heads_kernel         1 at the first sorted position of each cached row, else 0
     torch.cumsum             the unique number (1-based) of every sorted position
     unique_rows_kernel       the unique rows (ascending, then NOT_CACHED padding), their sets,
@@ -219,7 +219,8 @@ def unique_rows_of_batch(launcher, rows: torch.Tensor, table_starts: torch.Tenso
     key_dtype, none_key = (torch.int32, INT32_MAX) if rows_end <= INT32_MAX else (torch.int64, INT64_MAX)
     keys = torch.empty(n, dtype=key_dtype, **on)
     launcher.launch(sort_keys_kernel, n, rows, table_starts, table_ends, none_key, keys)
-    sorted_keys, order = torch.sort(keys)
+    # Stable: equal keys keep the lookups' order, so the backward can take this sort as its own.
+    sorted_keys, order = torch.sort(keys, stable=True)
     is_head = torch.empty(n, dtype=torch.int32, **on)
     launcher.launch(run_heads_kernel, n, sorted_keys, none_key, is_head)
     unique_number = torch.cumsum(is_head, 0, dtype=torch.int32)

@@ -38,6 +38,7 @@ from dataclasses import fields
 
 import torch
 
+from tiered_tbe.base.codes import INT32_MAX
 from tiered_tbe.base.graphs import StepGraphs, to_device
 from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.cache import _kernels, batch_kernels
@@ -72,19 +73,24 @@ class CacheBatch:
     the backing store); read it only after :meth:`SlotCache.wait_filled`. ``locked_slots``
     int32 [N]: the distinct slots the prefetch locked (one per unique row, NO_SLOT padding).
     ``bypassed_rows`` int64 [N]: the rows it gave no slot (once each, NOT_CACHED padding),
-    which no prefetch caches until this batch is unlocked. ``step``: the prefetch's cache step,
+    which no prefetch caches until this batch is unlocked. ``sorted_rows`` (int32 when the
+    cached rows fit, else int64) and ``order`` (int64) [N]: the prefetch's stable sort of the
+    lookups by row, rows outside every cached table last (as the largest value of the dtype);
+    when every table is cached it is the backward's grouping sort too. ``step``: the prefetch's cache step,
     which names the batch: :meth:`SlotCache.unlock` finds it by its step, so a copy of the
     handle (or of its tensors) releases exactly what the prefetch took, once.
     """
 
-    __slots__ = ("step", "slot_of_index", "locked_slots", "bypassed_rows", "ticket")
+    __slots__ = ("step", "slot_of_index", "locked_slots", "bypassed_rows", "sorted_rows", "order", "ticket")
 
     def __init__(self, step: int, slot_of_index: torch.Tensor, locked_slots: torch.Tensor,
-                 bypassed_rows: torch.Tensor, ticket=None):
+                 bypassed_rows: torch.Tensor, sorted_rows: torch.Tensor, order: torch.Tensor, ticket=None):
         self.step = step
         self.slot_of_index = slot_of_index
         self.locked_slots = locked_slots
         self.bypassed_rows = bypassed_rows
+        self.sorted_rows = sorted_rows
+        self.order = order
         self.ticket = ticket  # the row mover's, for wait_filled
 
     def __repr__(self) -> str:
@@ -277,13 +283,15 @@ class SlotCache:
         self._upcoming.forget(through=self._step)  # this batch's own hint, if any, leaves the window
         ticket = None
         if rows.numel() > 0:
-            slot_of_index, locked_slots, bypassed_rows, ticket = self._assign_and_move(rows)
+            slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, ticket = self._assign_and_move(rows)
         else:
             slot_of_index = locked_slots = torch.empty(0, dtype=torch.int32, device=self.device)
-            bypassed_rows = torch.empty(0, dtype=torch.int64, device=self.device)
+            bypassed_rows = order = torch.empty(0, dtype=torch.int64, device=self.device)
+            sorted_rows = torch.empty(0, dtype=torch.int32 if self._rows_end <= INT32_MAX else torch.int64,
+                                      device=self.device)
         if self._step % self.lfu_decay_interval == 0:
             self.use_count >>= 1  # LFU aging, after every lfu_decay_interval-th prefetch
-        batch = CacheBatch(self._step, slot_of_index, locked_slots, bypassed_rows, ticket)
+        batch = CacheBatch(self._step, slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, ticket)
         self._unreleased[batch.step] = batch
         self._metadata_done()
         return batch
@@ -459,28 +467,29 @@ class SlotCache:
     # ------------------------------------------------------------------ prefetch
 
     def _assign_and_move(self, rows: torch.Tensor):
-        """(slot_of_index, locked_slots, bypassed_rows, the mover's ticket) of a batch: :meth:`_assign`,
-        then the mover's start. With the zero-copy mover (device work only) both replay as one
-        CUDA graph per batch shape (``base/graphs.py``; the step reaches the kernels in a tensor)."""
+        """(slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, the mover's ticket) of a
+        batch: :meth:`_assign`, then the mover's start. With the zero-copy mover (device work only)
+        both replay as one CUDA graph per batch shape (``base/graphs.py``; the step reaches the
+        kernels in a tensor)."""
         step = torch.tensor([self._step], dtype=torch.int64)
         if self.mover.name != ZeroCopyMover.name:  # the staged mover's start hands work to host threads
-            slot_of_index, locked_slots, bypassed_rows, moves = self._assign(*to_device((rows, step), self.device))
-            return slot_of_index, locked_slots, bypassed_rows, self.mover.start(moves, self._step)
+            *outputs, moves = self._assign(*to_device((rows, step), self.device))
+            return *outputs, self.mover.start(moves, self._step)
 
         def enqueue(tensors):
-            slot_of_index, locked_slots, bypassed_rows, moves = self._assign(*tensors)
+            *outputs, moves = self._assign(*tensors)
             self.mover.start(moves, self._step)  # the zero-copy mover's start ignores the step
-            return slot_of_index, locked_slots, bypassed_rows
+            return tuple(outputs)
 
         window_bits = self._upcoming.window_bits
         key = (self._policy_code == POLICY_LOOKAHEAD and window_bits is not None,
                None if window_bits is None else window_bits.data_ptr())
         return *self._prefetch_graphs.run(key, (rows, step), enqueue, self.device), None
 
-    def _assign(self, rows: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Moves]:
-        """(slot_of_index int32 [N], locked_slots int32 [N], bypassed_rows int64 [N], the moves) of the
-        batch ``rows`` (int64 [N]) at ``step`` (int64 [1], on the device): the kernels and sorts of
-        :mod:`tiered_tbe.cache.batch_kernels`, in its order."""
+    def _assign(self, rows: torch.Tensor, step: torch.Tensor) -> tuple:
+        """(slot_of_index int32 [N], locked_slots int32 [N], bypassed_rows int64 [N], sorted_rows [N],
+        order int64 [N], the moves) of the batch ``rows`` (int64 [N]) at ``step`` (int64 [1], on the
+        device): the kernels and sorts of :mod:`tiered_tbe.cache.batch_kernels`, in its order."""
         # 1. Deduplicate by sorting: the unique rows ascending, padded to N with NOT_CACHED, and their sets.
         u = batch_kernels.unique_rows_of_batch(self._launcher, rows, self._table_starts, self._table_ends,
                                                self._rows_end, self.num_sets)
@@ -499,7 +508,7 @@ class SlotCache:
         self._counters += counters
         moves = Moves(u.unique_rows, u.slot_of_unique, u.outcome, u.victim_row, u.victim_was_dirty, write_back_keys,
                       u.unique_number[-1:])
-        return slot_of_index, u.slot_of_unique, bypassed_rows, moves
+        return slot_of_index, u.slot_of_unique, bypassed_rows, u.sorted_keys, u.order, moves
 
     def _write_rows_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy slot ``slots[i]`` to the backing row ``rows[i]`` (int64 [M]; EMPTY skips; a row named

@@ -9,9 +9,10 @@ lookup's slot is ``>= 0``, else in its table's backing store.
 How, without atomics and without a host synchronization (``sort_lookups``, then three kernels):
 
 1. Sort the lookups by global row (``kernels/linearize.py`` then a radix sort on 32-bit keys
-   when the rows fit) and run-length encode the sorted rows on the device: ``run_count[i]`` (runs
-   begun up to sorted position ``i``, a cumulative sum) and ``run_end[u]`` (one past the last
-   position of run ``u``); the number of runs stays on the device.
+   when the rows fit; or start from the cache prefetch's stable sort, ``presorted``) and
+   run-length encode the sorted rows on the device: ``run_count[i]`` (runs begun up to sorted
+   position ``i``, a cumulative sum) and ``run_end[u]`` (one past the last position of run
+   ``u``); the number of runs stays on the device.
 2. Hot rows (``kernels/hot_rows.py``). The sorted positions fall into windows of ``CHUNK``; a
    window inside one run is *pure*. A run holding a pure window is *hot*:
    ``hot_window_sums_kernel`` sums each pure window into ``window_sums``, and
@@ -283,6 +284,7 @@ def backward_update(
     sorted_lookups: SortedLookups | None = None,
     config: BackwardConfig | None = None,
     graphs=None,
+    presorted: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Sum the gradient of each unique row of the batch and apply the optimizer to it, in place.
 
@@ -303,6 +305,9 @@ def backward_update(
         config: tile shapes (default :func:`default_config`).
         graphs: a :class:`~tiered_tbe.base.graphs.StepGraphs` of this ``stores``: the launches
             run as a CUDA graph of the batch's shape (bit-identical to running them one by one).
+        presorted: ``(sorted_rows, order)``, a stable sort of the batch's global rows made already
+            (the cache's prefetch): the grouping starts from it instead of sorting again
+            (``sort_lookups``; the same result). Unlike ``sorted_lookups`` it runs in the graph.
     """
     if not isinstance(optimizer, FusedOptimizer):
         raise TypeError(f"optimizer must be a FusedOptimizer (tiered_tbe.optimizers), got {type(optimizer).__name__}")
@@ -328,7 +333,7 @@ def backward_update(
         stochastic_rounding=bool(stochastic_rounding) and stores.weights_dtype != torch.float32)
     inputs = (lookups.indices, lookups.offsets, lookups.per_sample_weights, lookups.global_rows,
               lookups.bag_of_index, slot_of_index if plan.use_cache else None,
-              step_arguments(grad_output, hyper, seed, step))
+              step_arguments(grad_output, hyper, seed, step), *(presorted or (None, None)))
 
     def enqueue(tensors):
         _enqueue_update(plan, stores, *tensors, sorted_lookups=sorted_lookups)
@@ -340,7 +345,8 @@ def backward_update(
 
 
 def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_sample_weights, global_rows,
-                    bag_of_index, slot_of_index, step_args, sorted_lookups: SortedLookups | None = None) -> None:
+                    bag_of_index, slot_of_index, step_args, sorted_rows=None, order=None,
+                    sorted_lookups: SortedLookups | None = None) -> None:
     """Enqueue the backward's launches. Reads the batch only through its arguments (``step_args``:
     grad_output's address, the step, the hyper-parameters), so a CUDA graph of it serves every
     batch of its shape."""
@@ -349,7 +355,7 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     device = indices.device
     config, block_d = plan.config, plan.block_d
     chunk = config.chunk
-    s = sorted_lookups or sort_lookups(stores, lookups)
+    s = sorted_lookups or sort_lookups(stores, lookups, None if sorted_rows is None else (sorted_rows, order))
     has_per_sample_weights = per_sample_weights is not None
     hyper = hyper_view(step_args, plan.num_hyper)
     load_state, update, store_state = plan.optimizer_triton

@@ -78,18 +78,29 @@ def _run_ends_kernel(
     tl.store(num_runs_ptr + tl.zeros_like(runs), runs + 1, mask=inside & last)
 
 
-def sort_lookups(stores: RowStores, lookups: Lookups) -> SortedLookups:
-    """Group a batch's lookups by global row (step 1 of the module docstring). No host sync."""
+def sort_lookups(stores: RowStores, lookups: Lookups,
+                 presorted: tuple[torch.Tensor, torch.Tensor] | None = None) -> SortedLookups:
+    """Group a batch's lookups by global row (step 1 of the module docstring). No host sync.
+
+    ``presorted``: ``(sorted_rows, order)`` of a stable sort of the batch's global rows made
+    already (int32/int64 [N], int64 [N]: the cache's prefetch when every table is cached), used
+    instead of sorting again; ``lookups`` must then carry ``bag_of_index``."""
     num_lookups = lookups.num_lookups
     if num_lookups >= INT32_MAX:
         raise ValueError(f"a batch holds at most 2^31 - 1 lookups, got {num_lookups}")
     device = lookups.indices.device
     small = stores.num_rows <= INT32_MAX
-    lookups = linearize(stores, lookups, key_dtype=torch.int32 if small else torch.int64)
-    if lookups.global_rows.dtype == torch.int32 or not small:
-        sorted_rows, order = torch.sort(lookups.global_rows, stable=True)
-    else:  # int64 rows computed by the caller (the cache's prefetch): sort them on int32 keys
-        sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows, stable=True)
+    if presorted is not None:
+        sorted_rows, order = presorted
+        if lookups.bag_of_index is None or sorted_rows.numel() != num_lookups or order.numel() != num_lookups:
+            raise ValueError(f"presorted needs the batch's bag_of_index and {num_lookups} sorted rows and positions, "
+                             f"got {sorted_rows.numel()} and {order.numel()}")
+    else:
+        lookups = linearize(stores, lookups, key_dtype=torch.int32 if small else torch.int64)
+        if lookups.global_rows.dtype == torch.int32 or not small:
+            sorted_rows, order = torch.sort(lookups.global_rows, stable=True)
+        else:  # int64 rows computed by the caller (the module's checked path): sort them on int32 keys
+            sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows, stable=True)
     run_starts = torch.empty(num_lookups, dtype=torch.int32, device=device)
     run_end = torch.empty(num_lookups, dtype=torch.int32, device=device)
     num_runs = torch.empty(1, dtype=torch.int32, device=device)

@@ -133,3 +133,54 @@ def test_the_mover_comes_from_the_config_or_the_placement_table(device, monkeypa
     monkeypatch.setitem(mover.DEFAULT_MOVER, Placement.MANAGED_CACHED, "staged")
     assert module().cache.mover.name == "staged"
     assert module(mover="zero_copy").cache.mover.name == "zero_copy"
+
+
+@pytest.mark.parametrize("bounds_check", ["raise", "off"])
+def test_every_table_cached_backward_takes_the_prefetch_sort(bounds_check, device, one_simulated_thread, monkeypatch):
+    """With every table cached, the prefetch's stable sort of the lookups is the backward's: the
+    backward groups the lookups from it instead of sorting again, and trains bit for bit as it
+    does with its own sort (Triton kernels, heavy eviction, rows repeated within and across bags).
+    With a table outside the cache, the prefetch's keys are not the rows, and the backward sorts."""
+    from tiered_tbe.kernels import backward
+
+    given = []
+    sort_lookups = backward.sort_lookups
+
+    def recording(stores, lookups, presorted=None):
+        given.append(presorted is not None)
+        return sort_lookups(stores, lookups, presorted)
+
+    monkeypatch.setattr(backward, "sort_lookups", recording)
+    specs = [TableSpec(40, 5, name="a", placement=Placement.HOST_CACHED),
+             TableSpec(6, 3, name="b", placement=Placement.MANAGED_CACHED)]
+
+    def module():
+        return TieredEmbeddingBags(specs, optimizer=Adam(lr=0.05), device=device, bounds_check=bounds_check,
+                                   cache=CacheConfig(slots=8, associativity=4, policy="lru"))
+
+    reusing, sorting = module(), module()
+    sorting._every_table_cached = False  # the backward's own sort
+    generator = torch.Generator().manual_seed(3)
+    for step in range(6):
+        lengths = torch.randint(0, 7, (2 * BATCH_SIZE,), generator=generator)
+        lengths[step % 6] = 0  # an empty bag
+        indices = torch.cat([torch.randint(0, (40, 6)[bag // BATCH_SIZE], (int(n),), generator=generator)
+                             for bag, n in enumerate(lengths)])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        indices, offsets = indices.to(device), offsets.to(device)
+        given.clear()
+        a, b = reusing(indices, offsets), sorting(indices, offsets)
+        assert torch.equal(a, b)
+        grad = torch.randn(a.shape, generator=generator).to(device)
+        a.backward(grad)
+        b.backward(grad)
+        assert given == [True, False]
+    assert reusing.cache_stats().evictions > 0
+    reusing_state, sorting_state = reusing.state_dict(), sorting.state_dict()
+    assert all(torch.equal(reusing_state[k], sorting_state[k]) for k in sorting_state)
+
+    mixed = TieredEmbeddingBags([specs[0], TableSpec(6, 3, name="b")], optimizer=SGD(lr=0.1), device=device,
+                                bounds_check=bounds_check, cache=CacheConfig(slots=8, associativity=4))
+    given.clear()
+    mixed(torch.tensor([1, 2, 3], device=device), torch.tensor([0, 1, 2, 2, 3, 3, 3], device=device)).sum().backward()
+    assert given == [False]

@@ -475,6 +475,19 @@ def test_linearize_tile_follows_the_mean_bag_length():
     assert linearize_tile(0, 0) == (128, 1)
 
 
+def test_sort_lookups_from_a_sort_made_already(device):
+    """Given the stable sort of the batch's rows (the cache's prefetch makes one), the grouping is
+    the one it makes itself; a sort of another size is refused."""
+    stores, lookups, _ = make_batch(batch_size=7, max_bag=9, device=device)
+    lookups = linearize(stores, lookups, key_dtype=torch.int32)
+    own = sort_lookups(stores, lookups)
+    given = sort_lookups(stores, lookups, torch.sort(lookups.global_rows, stable=True))
+    for name, expected, got in zip(own._fields, own, given):
+        assert torch.equal(expected, got), name
+    with pytest.raises(ValueError, match="presorted needs"):
+        sort_lookups(stores, lookups, (own.sorted_rows[1:], own.order[1:]))
+
+
 def test_sort_lookups_matches_torch(device):
     """Sorted rows, bags by sorted position, run counts and run ends (N past the last run: the
     kernels read those as empty runs) against plain torch, with memory just freed full of garbage

@@ -22,6 +22,7 @@ class KernelBackend:
     name: str
     forward: Callable  # (stores, lookups, slot_of_index, pooling) -> fp32 output
     backward_update: Callable  # (grad_output, stores, lookups, slot_of_index, pooling, optimizer, step, ...) -> None
+    #                            (graphs=, presorted=: used by the triton kernels, ignored by the reference)
     per_sample_weights_grad: Callable  # (grad_output, stores, lookups, slot_of_index, pooling) -> fp32 [N]
 
 
@@ -30,7 +31,7 @@ def _reference_forward(stores, lookups, slot_of_index, pooling):
 
 
 def _reference_backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, step=1,
-                               stochastic_rounding: bool = False, seed: int = 0, graphs=None):
+                               stochastic_rounding: bool = False, seed: int = 0, graphs=None, presorted=None):
     if stochastic_rounding:
         raise ValueError("backend='torch' rounds to nearest only: use backend='triton' for stochastic rounding")
     reference.reference_backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, step)

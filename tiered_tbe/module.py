@@ -63,6 +63,9 @@ class PreparedBatch:
     cache_batch: CacheBatch | None = None  # the prefetch's hold on the cache (None without a cache)
     ready: torch.cuda.Event | None = None  # recorded after its prefetch, on the stream that ran it
     value_check: validation.ValueCheck | None = None  # verdict still to read (prefetched ahead)
+    # (sorted_rows, order): the prefetch's stable sort of the lookups by global row, when every table
+    # is cached (its keys are then the rows): the backward groups the lookups from it, without a sort.
+    presorted: tuple[torch.Tensor, torch.Tensor] | None = None
     deferred: DeferredUnlocks | None = None  # where release() queues the unlock, while open
     _released: bool = field(default=False, repr=False)
     _rows_arrived: bool = field(default=False, repr=False)
@@ -79,7 +82,7 @@ class PreparedBatch:
 
     def tensors(self) -> list[torch.Tensor]:
         held = [self.remap] if self.cache_batch is None else [self.remap, self.cache_batch.locked_slots,
-                                                              self.cache_batch.bypassed_rows]
+                                                              self.cache_batch.bypassed_rows, *(self.presorted or ())]
         return [t for t in (*self.lookups, *held) if isinstance(t, torch.Tensor)]
 
     def release(self, updated: bool = False) -> None:
@@ -202,6 +205,8 @@ class TieredEmbeddingBags(nn.Module):
                                state_layout)
 
         cached = [t for t, s in enumerate(tables) if s.placement.is_cached]
+        # The prefetch then sorts every lookup by its row, as the backward would (PreparedBatch.presorted).
+        self._every_table_cached = len(cached) == len(tables)
         self.cache: SlotCache | None = None
         if cached:
             config = cache if cache is not None else CacheConfig()
@@ -282,7 +287,9 @@ class TieredEmbeddingBags(nn.Module):
             if self.cache is None:
                 return PreparedBatch(lookups, None, None, value_check=value_check)
         cache_batch = self.cache.prefetch(lookups.global_rows)
-        return PreparedBatch(lookups, cache_batch.slot_of_index, self.cache, cache_batch, value_check=value_check)
+        presorted = (cache_batch.sorted_rows, cache_batch.order) if self._every_table_cached else None
+        return PreparedBatch(lookups, cache_batch.slot_of_index, self.cache, cache_batch, value_check=value_check,
+                             presorted=presorted)
 
     def run_deferred_unlocks(self) -> None:
         """Unlock, on the current stream, the batches a pipeline's training loop has released
@@ -445,7 +452,7 @@ class TieredEmbeddingBags(nn.Module):
             self.optimizer_step += 1
             self.backend.backward_update(grad_output, self.row_stores, batch.lookups, slot_of_index, self.pooling,
                                          optimizer, self.optimizer_step, stochastic_rounding=self.stochastic_rounding,
-                                         seed=self.seed, graphs=self._backward_graphs)
+                                         seed=self.seed, graphs=self._backward_graphs, presorted=batch.presorted)
         batch.release(updated=optimizer is not None)
 
     # ---------------------------------------------------------------- tables and state
