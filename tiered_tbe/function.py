@@ -16,7 +16,7 @@ from tiered_tbe import validation
 class TieredEmbeddingBagsFunction(torch.autograd.Function):
     """``apply(module, batch, grad_anchor, per_sample_weights) -> output``.
 
-    ``batch`` (a :class:`tiered_tbe.module.PreparedBatch`) carries the lookups and the slot
+    ``batch`` (a :class:`tiered_tbe.batch.PreparedBatch`) carries the lookups and the slot
     remap of its prefetch; ``grad_anchor`` is an empty tensor that requires grad, so that
     backward runs even when nothing else does.
     """

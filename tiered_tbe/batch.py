@@ -1,0 +1,100 @@
+"""A batch on its way through a training step: validated, prefetched, and holding its rows.
+
+:class:`PreparedBatch` is what ``TieredEmbeddingBags`` makes of ``(indices, offsets)`` before
+its forward and keeps until its backward has run (the cache's locks live as long as it does);
+:class:`DeferredUnlocks` is where a pipeline's released batches wait to be unlocked on the
+prefetch stream.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tiered_tbe import validation
+from tiered_tbe.cache.slot_cache import CacheBatch, SlotCache
+from tiered_tbe.kernels.rows import Lookups
+
+
+class DeferredUnlocks:
+    """Batches released by a pipeline's training loop, ``(event after the batch's last kernel,
+    batch)``, for the module's next prefetch to unlock on its own stream. Once closed (the
+    pipeline is done), a release unlocks at once."""
+
+    def __init__(self):
+        self.queue: deque[tuple[torch.cuda.Event | None, PreparedBatch]] = deque()
+        self.open = True
+
+
+@dataclass(eq=False)
+class PreparedBatch:
+    """A validated batch and the slots its rows were given by its prefetch.
+
+    While it lives, the slots in ``slot_of_index`` stay locked in the cache (its rows cannot
+    be evicted), and the rows it got no slot for stay out of the cache (a later prefetch does
+    not copy them in while this batch may update them in their backing stores). Both go when
+    its backward has run, after its forward under no_grad, or when autograd drops the graph
+    without a backward (``release`` is then called from a finalizer), so no path leaks a lock.
+
+    Its rows may still be on their way when it is made (the staged mover copies them behind
+    the step): reading :attr:`slot_of_index` orders the current stream after them first, so no
+    kernel reads a slot before its row is there.
+
+    A batch prefetched by a :class:`~tiered_tbe.PrefetchPipeline` on its side stream is not
+    unlocked on the training stream, where the unlock would race with a prefetch running
+    beside it: ``release`` queues it (``deferred``) behind an event, and the module's next
+    prefetch, on the side stream, runs it first (:meth:`TieredEmbeddingBags.run_deferred_unlocks`).
+    """
+
+    lookups: Lookups
+    remap: torch.Tensor | None  # int32 [N]: slot of each lookup's row, -1 = backing store; None: no cache
+    cache: SlotCache | None
+    cache_batch: CacheBatch | None = None  # the prefetch's hold on the cache (None without a cache)
+    ready: torch.cuda.Event | None = None  # recorded after its prefetch, on the stream that ran it
+    value_check: validation.ValueCheck | None = None  # verdict still to read (prefetched ahead)
+    # (sorted_rows, order): the prefetch's stable sort of the lookups by global row, when every table
+    # is cached (its keys are then the rows): the backward groups the lookups from it, without a sort.
+    presorted: tuple[torch.Tensor, torch.Tensor] | None = None
+    deferred: DeferredUnlocks | None = None  # where release() queues the unlock, while open
+    _released: bool = field(default=False, repr=False)
+    _rows_arrived: bool = field(default=False, repr=False)
+
+    @property
+    def slot_of_index(self) -> torch.Tensor | None:
+        """int32 [N]: the slot of each lookup's row, -1 = backing store (None without a cache). The
+        first read waits, on the current stream, for the batch's rows to reach their slots
+        (``SlotCache.wait_filled``)."""
+        if not self._rows_arrived and self.cache_batch is not None:
+            self.cache.wait_filled(self.cache_batch)
+            self._rows_arrived = True
+        return self.remap
+
+    def tensors(self) -> list[torch.Tensor]:
+        held = [self.remap] if self.cache_batch is None else [self.remap, self.cache_batch.locked_slots,
+                                                              self.cache_batch.bypassed_rows, *(self.presorted or ())]
+        return [t for t in (*self.lookups, *held) if isinstance(t, torch.Tensor)]
+
+    def release(self, updated: bool = False) -> None:
+        """The batch is done with its rows: unlock them now, or queue the unlock (``deferred``).
+        ``updated``: its backward updated them in their slots, which become dirty (in the unlock's
+        launch when it unlocks now; else now, on the current stream, before the unlock is queued)."""
+        if self._released or self.cache is None:
+            return
+        self._released = True
+        if self.deferred is None or not self.deferred.open:
+            self.unlock(mark_dirty=updated)
+            return
+        if updated:
+            self.cache.mark_dirty(self.cache_batch)
+        done = None
+        if self.remap is not None and self.remap.is_cuda:
+            done = torch.cuda.Event()
+            done.record()  # on the stream that ran the batch's last kernel
+        self.deferred.queue.append((done, self))
+
+    def unlock(self, mark_dirty: bool = False) -> None:
+        """Release the batch's locks, and the rows it left in their backing stores, on the current
+        stream (``mark_dirty``: its slots become dirty in the same launch)."""
+        self.cache.unlock(self.cache_batch, mark_dirty=mark_dirty)
