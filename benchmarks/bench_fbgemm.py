@@ -37,10 +37,18 @@ import time
 
 import torch
 
-from tiered_tbe import records
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common, kernel_profile
 from tiered_tbe.benchmarks.bench_cache import free
+from tiered_tbe.benchmarks.fbgemm_configs import (
+    CONFIG_NAMES,
+    CONFIGS,
+    HYPER,
+    PROFILED_STEPS,
+    SIMULATION_SHAPE,
+    Config,
+)
+from tiered_tbe.benchmarks.fbgemm_tables import table_of
 from tiered_tbe.kernels import forward
 from tiered_tbe.kernels.backward import backward_update, sort_lookups
 from tiered_tbe.kernels.linearize import linearize
@@ -49,76 +57,8 @@ from tiered_tbe.module import TieredEmbeddingBags
 from tiered_tbe.optimizers import optimizer_named
 from tiered_tbe.pipeline import PrefetchPipeline
 from tiered_tbe.specs import CacheConfig, Placement, TableSpec
-from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
 
 SCRIPT = "bench_fbgemm.py"
-HYPER = {"sgd": dict(lr=0.01), "rowwise_adagrad": dict(lr=0.01, eps=1e-8), "adam": dict(lr=0.001, eps=1e-8)}
-# ours / FBGEMM at most (issue 10, 11): steps and backwards 0.9, forwards 1.0, Adam 0.7, cached steps 0.8.
-TARGETS = {"forward": 1.0, "backward": 0.9, "step": 0.9}
-PROFILED_STEPS = 5  # steps run under torch.profiler with --profile (after the timed ones)
-PROFILED_KERNELS = 8  # kernels listed per side
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One side-by-side measurement."""
-
-    name: str
-    tables: tuple[int, ...]  # rows of each table
-    dim: int = 128
-    batch_size: int = 65536
-    bag_size: int = 1
-    alpha: float = 1.05  # Zipf exponent, 0 = uniform
-    optimizer: str = "rowwise_adagrad"
-    dtype: str = "fp32"
-    placement: str = "device"  # device, host_cached, managed_cached
-    policy: str = "lru"
-    pipelined: bool = False
-    cache_fraction: float = 0.05
-    state_layout: str = "separate"  # ours: TieredEmbeddingBags(state_layout=...); FBGEMM has one layout
-
-    @property
-    def cached(self) -> bool:
-        return self.placement != "device"
-
-    def target(self, phase: str) -> float:
-        if self.cached:  # the cached targets are against other rows' steps (cached_targets_of)
-            return float("nan")
-        if self.optimizer == "adam" and phase != "forward":
-            return 0.7
-        return TARGETS[phase]
-
-
-CRITEO = tuple(CRITEO_KAGGLE_TABLE_ROWS)
-BIG = (20_000_000,)
-CONFIGS = [
-    Config("criteo-adagrad", CRITEO),
-    Config("criteo-adagrad-z1.2", CRITEO, alpha=1.2),
-    Config("criteo-adagrad-fp16", CRITEO, dtype="fp16"),
-    Config("criteo-sgd", CRITEO, optimizer="sgd"),
-    Config("criteo-adam", CRITEO, optimizer="adam"),
-    Config("big-uniform-sgd", BIG, bag_size=32, alpha=0.0, optimizer="sgd"),
-    Config("big-uniform-adagrad", BIG, bag_size=32, alpha=0.0),
-    Config("big-zipf-sgd", BIG, bag_size=32, optimizer="sgd"),
-    Config("big-zipf-adagrad", BIG, bag_size=32),
-    Config("big-zipf-adagrad-fp16", BIG, bag_size=32, dtype="fp16"),
-    Config("cached-lru", CRITEO, placement="host_cached"),
-    Config("cached-lfu", CRITEO, placement="host_cached", policy="lfu"),
-    Config("cached-lru-z1.2", CRITEO, placement="host_cached", alpha=1.2),
-    Config("cached-lfu-z1.2", CRITEO, placement="host_cached", policy="lfu", alpha=1.2),
-    Config("cached-managed-lru", CRITEO, placement="managed_cached"),
-    Config("cached-managed-lfu", CRITEO, placement="managed_cached", policy="lfu"),
-    Config("cached-managed-lru-z1.2", CRITEO, placement="managed_cached", alpha=1.2),
-    Config("cached-managed-lfu-z1.2", CRITEO, placement="managed_cached", policy="lfu", alpha=1.2),
-    Config("cached-managed-lru-pipelined", CRITEO, placement="managed_cached", pipelined=True),
-    Config("cached-managed-lru-with-rows", CRITEO, placement="managed_cached", state_layout="with_rows"),
-    Config("criteo-adagrad-with-rows", CRITEO, state_layout="with_rows"),
-    Config("cached-lru-pipelined", CRITEO, placement="host_cached", pipelined=True),
-]
-CONFIG_NAMES = [c.name for c in CONFIGS]
-# Keys of a result row holding a tuning sweep's measurement (--backward-configs, --forward-tiles).
-SWEEP_PREFIXES = ("ours backward ", "ours forward ")
-SIMULATION_SHAPE = dict(tables=(50, 7, 300), dim=8, batch_size=8)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -462,103 +402,6 @@ def run(args: argparse.Namespace) -> list[dict]:
             free()
     common.report(args, SCRIPT, sys.argv[1:], results, table_of(results))
     return results
-
-
-def table_of(results: list[dict]) -> list[str]:
-    by_name = {c.name: c for c in CONFIGS}
-    rows = []
-    for row in results:
-        config = by_name[row["config"]]
-        phases = ("prefetch", "forward", "backward", "step") if config.cached else ("forward", "backward", "step")
-        for phase in phases:
-            ours, theirs = row["ours"].get(phase), row["fbgemm"].get(phase)
-            ratio = ours / theirs if ours is not None and theirs else None
-            target = config.target(phase) if phase != "prefetch" else float("nan")
-            verdict = "-" if ratio is None or target != target else ("met" if ratio <= target else "MISSED")
-            rows.append([config.name, phase, common.fmt(theirs), common.fmt(ours), common.fmt(ratio, ".2f"),
-                         common.fmt(target, ".1f") if target == target else "-", verdict])
-        if "rows_in_per_batch" in row["ours"]:
-            rows.append([config.name, f"rows copied in per timed batch, ours (hit rate by lookup "
-                                      f"{common.fmt(row['ours']['hit_rate'], '.3f')})", "-",
-                         common.fmt(row["ours"]["rows_in_per_batch"], ".0f"), "-", "-", "-"])
-        if "kernel_forward" in row["ours"]:
-            rows.append([config.name, f"forward, bare kernel ({row['ours']['forward_tile']})", "-",
-                         common.fmt(row["ours"]["kernel_forward"]), "-", "-", "-"])
-            rows.append([config.name, "backward, bare: sort + run-length encode", "-",
-                         common.fmt(row["ours"]["kernel_sort"]), "-", "-", "-"])
-            rows.append([config.name, "backward, bare: of which torch.sort", "-",
-                         common.fmt(row["ours"]["kernel_torch_sort"]), "-", "-", "-"])
-            rows.append([config.name, "backward, bare: update kernels", "-",
-                         common.fmt(row["ours"]["kernel_update"]), "-", "-", "-"])
-        for key, value in row.items():
-            if key.startswith(SWEEP_PREFIXES):
-                for phase in (key.split()[1], "step"):
-                    theirs = row["fbgemm"].get(phase)
-                    rows.append([config.name, f"{phase}, {key[5:]}", common.fmt(theirs), common.fmt(value.get(phase)),
-                                 common.fmt(value[phase] / theirs if theirs else None, ".2f"), "-", "-"])
-    rows += cached_targets_of(results)
-    header = ["configuration", "phase", "FBGEMM ms", "ours ms", "ours / FBGEMM", "target", ""]
-    return records.markdown_table(header, rows) + profile_table_of(results)
-
-
-def cached_targets_of(results: list[dict]) -> list[list[str]]:
-    """The cached steps against the host-tables issue's targets, one row each with its baseline in
-    the FBGEMM ms column: a serial step at most 0.8 of FBGEMM's best serial cached step (the
-    faster of its LRU and LFU on the same batches); a pipelined step at most 0.5 of that and at
-    most 1.2 of our own all-HBM step. Rows only for what this run measured."""
-    by_name = {c.name: c for c in CONFIGS}
-    configs = [(by_name[row["config"]], row) for row in results]
-    rows = []
-    for config, row in configs:
-        ours = row["ours"].get("step")
-        if not config.cached or ours is None:
-            continue
-        shape = (config.tables, config.alpha, config.optimizer, config.dtype, config.bag_size)
-        same = [(c, r) for c, r in configs if (c.tables, c.alpha, c.optimizer, c.dtype, c.bag_size) == shape]
-        serial = [(r["fbgemm"]["step"], c.name) for c, r in same
-                  if c.cached and not c.pipelined and r["fbgemm"].get("step")]
-        hbm = [(r["ours"]["step"], c.name) for c, r in same if not c.cached and r["ours"].get("step")]
-        targets = (((serial, "FBGEMM's best serial cached step", 0.5), (hbm, "our all-HBM step", 1.2))
-                   if config.pipelined else ((serial, "FBGEMM's best serial cached step", 0.8),))
-        for baselines, what, target in targets:
-            if baselines:
-                baseline, name = min(baselines)
-                ratio = ours / baseline
-                rows.append([config.name, f"step / {what} ({name}, in the FBGEMM ms column)", common.fmt(baseline),
-                             common.fmt(ours), common.fmt(ratio, ".2f"), common.fmt(target, ".1f"),
-                             "met" if ratio <= target else "MISSED"])
-    return rows
-
-
-def profile_table_of(results: list[dict]) -> list[str]:
-    """With --profile: each phase's fraction of the copy bandwidth, and the longest kernels of each side."""
-    rows = []
-    for row in results:
-        ours, theirs, copy_gbs = row["ours"], row["fbgemm"], row.get("copy_gbs")
-        for phase, floor in ours.get("bytes", {}).items():
-            fractions = [floor / (side[phase] * 1e6) / copy_gbs if side.get(phase) and copy_gbs else None
-                         for side in (theirs, ours)]
-            rows.append([row["config"], f"{phase}: {floor / 1e6:.0f} MB at least, fraction of copy bandwidth",
-                         common.fmt(fractions[0], ".2f"), common.fmt(fractions[1], ".2f")])
-        for phase in ("prefetch", "forward", "backward"):
-            if f"host_{phase}" in ours:
-                rows.append([row["config"], f"{phase}: host ms to enqueue", common.fmt(theirs.get(f"host_{phase}")),
-                             common.fmt(ours[f"host_{phase}"])])
-        if ours.get("profile"):
-            totals = [sum(ms for _, ms in side["profile"]) if side.get("profile") else None for side in (theirs, ours)]
-            rows.append([row["config"], "all kernels of a step (the GPU's busy time)", common.fmt(totals[0]),
-                         common.fmt(totals[1])])
-        sides = [(theirs, "FBGEMM", 1), (ours, "ours", 2)]
-        sides += [(value, key[5:], 2) for key, value in row.items() if key.startswith(SWEEP_PREFIXES)]
-        for side, name, column in sides:
-            for kernel, ms in side.get("profile", [])[:PROFILED_KERNELS]:
-                cells = ["-", "-"]
-                cells[column - 1] = common.fmt(ms)
-                rows.append([row["config"], f"{name} kernel {kernel}", *cells])
-    if not rows:
-        return []
-    header = ["configuration", "profile (device ms per step, all streams)", "FBGEMM", "ours"]
-    return ["", *records.markdown_table(header, rows)]
 
 
 def run_command(args: argparse.Namespace) -> list[dict]:

@@ -30,11 +30,12 @@ import torch
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import bench_fbgemm, common
 from tiered_tbe.benchmarks.bench_cache import free
+from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS, Config
 from tiered_tbe.kernels.backward import backward_update, sort_lookups
 from tiered_tbe.kernels.forward import pooled_forward
 from tiered_tbe.kernels.rows import Lookups
 
-HBM_CONFIGS = [c.name for c in bench_fbgemm.CONFIGS if not c.cached]
+HBM_CONFIGS = [c.name for c in CONFIGS if not c.cached]
 DEFAULT_CONFIGS = ["big-zipf-sgd", "big-uniform-sgd", "criteo-sgd", "criteo-adagrad"]
 
 
@@ -71,7 +72,7 @@ def median_ms(fn, reps: int) -> float:
     return common.median(times)
 
 
-def measure(config: bench_fbgemm.Config, args) -> dict[str, float]:
+def measure(config: Config, args) -> dict[str, float]:
     device = default_device()
     emb = bench_fbgemm.ours_module(config, args)
     sampler = common.ZipfBatches(config.tables, config.alpha, config.batch_size, config.bag_size, device,
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
     args.mover, args.state_layout = None, None  # bench_fbgemm.ours_module's other flags: the defaults
     print("configuration | forward | sort | update | serial | overlapped (ms, CUDA-graph replays)")
     for name in args.configs:
-        config = next(c for c in bench_fbgemm.CONFIGS if c.name == name)
+        config = next(c for c in CONFIGS if c.name == name)
         times = measure(config, args)
         print(f"{name} | " + " | ".join(f"{times[key]:.3f}" for key in
                                          ("forward", "sort", "update", "serial", "overlapped")), flush=True)
