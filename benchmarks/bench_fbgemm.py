@@ -80,9 +80,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="where our backing stores keep each row's optimizer state (TieredEmbeddingBags "
                              "state_layout), for every configuration (default: each configuration's, separate "
                              "but for the *-with-rows ones)")
-    parser.add_argument("--backward-configs", nargs="+", default=None, metavar="R,L,W,CHUNK",
-                        help="also time our HBM steps with these backward tile shapes (rows, lanes, warps, chunk): "
-                             "a tuning sweep")
+    parser.add_argument("--backward-configs", nargs="+", default=None, metavar="R,L,W,CHUNK[,...]",
+                        help="also time our HBM steps with these backward tile shapes (rows, lanes, warps, chunk, "
+                             "then optionally tiles, hot_windows, sum_windows, sum_warps: kernels.backward."
+                             "BackwardConfig): a tuning sweep")
     parser.add_argument("--forward-tiles", nargs="+", default=None, metavar="B,L,W[,G,S]",
                         help="also time our HBM steps with each of these forward tiles (bags, lanes, warps, "
                              "groups, stages: kernels.forward.ForwardTile) in place of the autotuner's: a tuning sweep")

@@ -7,7 +7,8 @@
 # Environment (all optional):
 #   CONFIGS        bench_fbgemm configurations (default: the HBM ones and two cached ones)
 #   SWEEP_CONFIGS  configurations also timed with each backward tile shape of SWEEP (default: none)
-#   SWEEP          backward tile shapes "rows,lanes,warps,chunk ..." (default: a few)
+#   SWEEP          backward tile shapes "rows,lanes,warps,chunk[,tiles,hot_windows,sum_windows,sum_warps] ..."
+#                  (kernels/backward.BackwardConfig; default: a few)
 #   TESTS          pytest targets run first (default: the kernel and compile gpu tests); "" skips
 #   PYTEST_ARGS    extra pytest flags (default -x); TESTS_TIMEOUT seconds for the tests (default 240)
 #   STEPS, WARMUP  timed and warm-up steps per side (default 20, 8)
