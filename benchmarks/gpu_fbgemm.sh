@@ -48,7 +48,7 @@ python3 benchmarks/bench_fbgemm.py --configs $CONFIGS --steps "${STEPS:-20}" --w
     ${MOVER:+--mover "$MOVER"} ${STATE_LAYOUT:+--state-layout "$STATE_LAYOUT"} ${PROFILE:+--profile} --json "$OUT/bench_fbgemm.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 | tee "$OUT/bench_fbgemm.log" \
     | grep -v -i "warn"
 if [[ -n ${SWEEP_CONFIGS:-} ]]; then
-    SWEEP=${SWEEP:-4,1,2,32 4,2,2,32 4,4,2,32 2,8,2,32 4,8,4,32 8,4,4,32}
+    SWEEP=${SWEEP:-2,1,2,32 4,1,2,32 2,1,1,32 2,2,2,32 2,1,2,64 2,1,2,32,16,16,4,2}
     # shellcheck disable=SC2086
     python3 benchmarks/bench_fbgemm.py --configs $SWEEP_CONFIGS --steps "${STEPS:-20}" --warmup "${WARMUP:-8}" \
         --backward-configs $SWEEP --json "$OUT/bench_sweep.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 \
