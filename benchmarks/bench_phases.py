@@ -57,7 +57,9 @@ def capture(fn, device: torch.device):
 
 
 def median_ms(fn, reps: int) -> float:
-    """Median ms of ``fn()`` between two CUDA events on the current stream, after 5 warm-up calls."""
+    """Median ms of ``fn()`` between two CUDA events on the current stream, after 5 warm-up calls
+    (not ``common.time_ms``: its ``do_bench`` empties the L2 before each call, and the phases of a
+    step run one after the other with it warm)."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()

@@ -209,6 +209,12 @@ class UniqueRows(NamedTuple):
     victim_was_dirty: torch.Tensor  # uint8 0: 1 when that row must be written back
 
 
+def sort_keys_dtype(rows_end: int) -> tuple[torch.dtype, int]:
+    """``(dtype, none_key)`` of a batch's sort keys when the cached tables' rows end at ``rows_end``:
+    int32 when they fit (half the bytes to sort), the key of no row the dtype's largest value."""
+    return (torch.int32, INT32_MAX) if rows_end <= INT32_MAX else (torch.int64, INT64_MAX)
+
+
 def unique_rows_of_batch(launcher, rows: torch.Tensor, table_starts: torch.Tensor, table_ends: torch.Tensor,
                          rows_end: int, num_sets: int) -> UniqueRows:
     """Deduplicate ``rows`` (int32 or int64 [N], N >= 1; rows outside the cached tables, given by
@@ -216,7 +222,7 @@ def unique_rows_of_batch(launcher, rows: torch.Tensor, table_starts: torch.Tenso
     rows of those tables (int32 keys below INT32_MAX). ``launcher``: a ``KernelLauncher``."""
     n = rows.numel()
     on = dict(device=rows.device)
-    key_dtype, none_key = (torch.int32, INT32_MAX) if rows_end <= INT32_MAX else (torch.int64, INT64_MAX)
+    key_dtype, none_key = sort_keys_dtype(rows_end)
     keys = torch.empty(n, dtype=key_dtype, **on)
     launcher.launch(sort_keys_kernel, n, rows, table_starts, table_ends, none_key, keys)
     # Stable: equal keys keep the lookups' order, so the backward can take this sort as its own.

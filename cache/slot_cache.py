@@ -38,7 +38,6 @@ from dataclasses import fields
 
 import torch
 
-from tiered_tbe.base.codes import INT32_MAX
 from tiered_tbe.base.graphs import StepGraphs, to_device
 from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.cache import _kernels, batch_kernels
@@ -287,8 +286,7 @@ class SlotCache:
         else:
             slot_of_index = locked_slots = torch.empty(0, dtype=torch.int32, device=self.device)
             bypassed_rows = order = torch.empty(0, dtype=torch.int64, device=self.device)
-            sorted_rows = torch.empty(0, dtype=torch.int32 if self._rows_end <= INT32_MAX else torch.int64,
-                                      device=self.device)
+            sorted_rows = torch.empty(0, dtype=batch_kernels.sort_keys_dtype(self._rows_end)[0], device=self.device)
         if self._step % self.lfu_decay_interval == 0:
             self.use_count >>= 1  # LFU aging, after every lfu_decay_interval-th prefetch
         batch = CacheBatch(self._step, slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, ticket)

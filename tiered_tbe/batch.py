@@ -54,9 +54,6 @@ class PreparedBatch:
     cache_batch: CacheBatch | None = None  # the prefetch's hold on the cache (None without a cache)
     ready: torch.cuda.Event | None = None  # recorded after its prefetch, on the stream that ran it
     value_check: validation.ValueCheck | None = None  # verdict still to read (prefetched ahead)
-    # (sorted_rows, order): the prefetch's stable sort of the lookups by global row, when every table
-    # is cached (its keys are then the rows): the backward groups the lookups from it, without a sort.
-    presorted: tuple[torch.Tensor, torch.Tensor] | None = None
     deferred: DeferredUnlocks | None = None  # where release() queues the unlock, while open
     _released: bool = field(default=False, repr=False)
     _rows_arrived: bool = field(default=False, repr=False)
@@ -72,8 +69,10 @@ class PreparedBatch:
         return self.remap
 
     def tensors(self) -> list[torch.Tensor]:
-        held = [self.remap] if self.cache_batch is None else [self.remap, self.cache_batch.locked_slots,
-                                                              self.cache_batch.bypassed_rows, *(self.presorted or ())]
+        held = [self.remap]
+        if self.cache_batch is not None:
+            held += [self.cache_batch.locked_slots, self.cache_batch.bypassed_rows, self.cache_batch.sorted_rows,
+                     self.cache_batch.order]
         return [t for t in (*self.lookups, *held) if isinstance(t, torch.Tensor)]
 
     def release(self, updated: bool = False) -> None:

@@ -123,7 +123,7 @@ class TieredEmbeddingBags(nn.Module):
                                state_layout)
 
         cached = [t for t, s in enumerate(tables) if s.placement.is_cached]
-        # The prefetch then sorts every lookup by its row, as the backward would (PreparedBatch.presorted).
+        # The prefetch then sorts every lookup by its row, as the backward would (_apply_update).
         self._every_table_cached = len(cached) == len(tables)
         self.cache: SlotCache | None = None
         if cached:
@@ -205,9 +205,7 @@ class TieredEmbeddingBags(nn.Module):
             if self.cache is None:
                 return PreparedBatch(lookups, None, None, value_check=value_check)
         cache_batch = self.cache.prefetch(lookups.global_rows)
-        presorted = (cache_batch.sorted_rows, cache_batch.order) if self._every_table_cached else None
-        return PreparedBatch(lookups, cache_batch.slot_of_index, self.cache, cache_batch, value_check=value_check,
-                             presorted=presorted)
+        return PreparedBatch(lookups, cache_batch.slot_of_index, self.cache, cache_batch, value_check=value_check)
 
     def run_deferred_unlocks(self) -> None:
         """Unlock, on the current stream, the batches a pipeline's training loop has released
@@ -368,9 +366,14 @@ class TieredEmbeddingBags(nn.Module):
         slot_of_index = batch.slot_of_index
         if optimizer is not None:
             self.optimizer_step += 1
+            # With every table cached the prefetch's stable sort of the lookups has the backward's
+            # keys (the rows): the backward groups the lookups from it instead of sorting again.
+            cache_batch = batch.cache_batch
+            presorted = (cache_batch.sorted_rows, cache_batch.order) \
+                if self._every_table_cached and cache_batch is not None else None
             self.backend.backward_update(grad_output, self.row_stores, batch.lookups, slot_of_index, self.pooling,
                                          optimizer, self.optimizer_step, stochastic_rounding=self.stochastic_rounding,
-                                         seed=self.seed, graphs=self._backward_graphs, presorted=batch.presorted)
+                                         seed=self.seed, graphs=self._backward_graphs, presorted=presorted)
         batch.release(updated=optimizer is not None)
 
     # ---------------------------------------------------------------- tables and state
