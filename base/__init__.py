@@ -4,7 +4,8 @@
 API: every other module may import it, it imports none of them.
 
 - :mod:`~tiered_tbe.base.mode`: picks CPU simulation or GPU mode before triton / numba load.
-- :mod:`~tiered_tbe.base.sorting`: ``sort_ids``, sorting row ids on int32 keys when they fit.
+- :mod:`~tiered_tbe.base.sorting`: ``stable_sort`` and ``sort_ids``, stable sorts of row ids (CUB's radix
+  sort where ``cuda.compute`` imports, else ``torch.sort``), on int32 keys when they fit.
 - :mod:`~tiered_tbe.base.codes`: ``Placement`` (the memory tiers) and the shared sentinels.
 - :mod:`~tiered_tbe.base.graphs`: ``StepGraphs``, CUDA graphs of a step's launches per batch shape.
 """

@@ -22,6 +22,10 @@ cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
+    # numpy 2.4 and cuda-cccl (CUB's sorts), when their archive was carried (benchmarks/pack_gpu_site.sh)
+    if [[ -f .gpusite/site.tar.xz ]]; then
+        mkdir -p /tmp/site && tar -xJf .gpusite/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+    fi
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
         || { cat "$OUT/install.log"; exit 1; }
     if [[ -d .peer ]]; then
@@ -30,10 +34,11 @@ if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
     fi
 fi
 python3 -c "import tiered_tbe, tiered_tbe.kernels, tiered_tbe.cache, torch, triton; print(tiered_tbe.describe_mode(), \
-torch.__version__, triton.__version__)" || exit 1
+torch.__version__, triton.__version__); from tiered_tbe.base.sorting import sort_backend; print('sort:', sort_backend('cuda'))" \
+    || exit 1
 python3 -c "import fbgemm_gpu; print('fbgemm_gpu', fbgemm_gpu.__version__)" 2>&1 | tail -1
 
-TESTS=${TESTS-tests/test_kernels.py tests/test_compile_once.py}
+TESTS=${TESTS-tests/test_kernels.py tests/test_compile_once.py tests/test_sorting.py}
 if [[ -n $TESTS ]]; then
     # shellcheck disable=SC2086
     timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu -q ${PYTEST_ARGS--x} -p no:cacheprovider $TESTS \

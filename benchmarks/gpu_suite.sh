@@ -78,6 +78,10 @@ if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
         echo "install failed: stopping"
         exit 1
     }
+    # numpy 2.4 and cuda-cccl, when their archive was carried (benchmarks/pack_gpu_site.sh).
+    if [[ -f .gpusite/site.tar.xz ]]; then
+        mkdir -p /tmp/site && tar -xJf .gpusite/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+    fi
     # FBGEMM_GPU beside ours, when its peer archive was carried (../shared/peer/README.md).
     if [[ -d .peer ]]; then
         run_step fbgemm-install 120 "$WORK/fbgemm-install.log" 20 bash .peer/install-on-device.sh .peer \
@@ -90,7 +94,7 @@ import tiered_tbe, tiered_tbe.cache, tiered_tbe.kernels  # noqa: F401  (the chec
 import numba, numpy, torch, triton
 env = {"python": sys.version.split()[0], "torch": torch.__version__, "triton": triton.__version__,
        "numba": numba.__version__, "numpy": numpy.__version__, "mode": tiered_tbe.describe_mode()}
-for name in ("numba_cuda", "cupy", "cuda.bindings"):
+for name in ("numba_cuda", "cupy", "cuda.bindings", "cuda.compute"):
     try:
         module = __import__(name, fromlist=["_"])
         env[name] = getattr(module, "__version__", "?")

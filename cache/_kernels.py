@@ -42,7 +42,7 @@ WINDOW_BITS = 64
 @cuda.jit
 def assign_slots_kernel(
     set_of_position,  # int64 [N]: sets of the unique rows, sorted (stable: rows ascending within a set)
-    unique_of_position,  # int64 [N]: index into unique_rows of each sorted position
+    unique_of_position,  # int32 [N]: index into unique_rows of each sorted position
     unique_rows,  # int64 [N]: the batch's unique rows, ascending; NOT_CACHED past the last
     num_sets,  # int64
     associativity,  # int64: ways per set

@@ -9,12 +9,12 @@ cached Criteo step on the H200, benchmarks/RESULTS.md, 2026-12-01 sixth session)
 pass over the batch is one kernel::
 
     sort_keys_kernel         rows -> sort keys (rows outside every cached table -> the "none" key)
-    torch.sort (stable)      keys ascending, and their order (the backward's too: kernels/grouping.py)
+    stable_sort              keys ascending, and their order (the backward's too: kernels/grouping.py)
     run_heads_kernel         1 at the first sorted position of each cached row, else 0
     torch.cumsum             the unique number (1-based) of every sorted position
     unique_rows_kernel       the unique rows (ascending, then NOT_CACHED padding), their sets,
                              and the policy kernel's outputs initialised
-    torch.sort (stable)      the unique rows grouped by set
+    stable_sort              the unique rows grouped by set
     assign_slots_kernel      hits, victims, fills (``_kernels.py``)
     batch_outcomes_kernel    each lookup's slot, the rows given no slot, the dirty victims'
                              write-back keys, and each thread's counts
@@ -36,6 +36,7 @@ import torch
 from numba import cuda
 
 from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
+from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.cache._kernels import (
     NOT_CACHED,
     OUTCOME_FILLED,
@@ -127,7 +128,7 @@ def unique_rows_kernel(
 @cuda.jit
 def batch_outcomes_kernel(
     sorted_keys,  # int32 or int64 [N]: the sort keys, ascending
-    order,  # int64 [N]: the lookup at each sorted position
+    order,  # int32 [N]: the lookup at each sorted position
     unique_number,  # int32 [N]: 1-based unique number of each sorted position (see unique_rows_kernel)
     none_key,  # int64: the key of no row
     unique_rows,  # int64 [N]: the unique rows, then NOT_CACHED
@@ -198,7 +199,7 @@ class UniqueRows(NamedTuple):
     and the policy kernel's outputs, initialised (``assign_slots_kernel`` fills them in)."""
 
     sorted_keys: torch.Tensor  # int32 when the rows fit, else int64: the sort keys, ascending
-    order: torch.Tensor  # int64: the lookup at each sorted position
+    order: torch.Tensor  # int32: the lookup at each sorted position
     unique_number: torch.Tensor  # int32: the 1-based unique number of each sorted position
     none_key: int  # the key of no row: the largest value of sorted_keys' dtype
     unique_rows: torch.Tensor  # int64: the unique rows, ascending, then NOT_CACHED
@@ -226,7 +227,7 @@ def unique_rows_of_batch(launcher, rows: torch.Tensor, table_starts: torch.Tenso
     keys = torch.empty(n, dtype=key_dtype, **on)
     launcher.launch(sort_keys_kernel, n, rows, table_starts, table_ends, none_key, keys)
     # Stable: equal keys keep the lookups' order, so the backward can take this sort as its own.
-    sorted_keys, order = torch.sort(keys, stable=True)
+    sorted_keys, order = stable_sort(keys, none_key)
     is_head = torch.empty(n, dtype=torch.int32, **on)
     launcher.launch(run_heads_kernel, n, sorted_keys, none_key, is_head)
     unique_number = torch.cumsum(is_head, 0, dtype=torch.int32)

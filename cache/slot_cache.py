@@ -40,6 +40,7 @@ import torch
 
 from tiered_tbe.base.graphs import StepGraphs, to_device
 from tiered_tbe.base.mode import SIMULATION, default_device
+from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.cache import _kernels, batch_kernels
 from tiered_tbe.cache._kernels import NOT_CACHED
 from tiered_tbe.cache.hints import MAX_LOOKAHEAD, UpcomingBatches
@@ -73,7 +74,7 @@ class CacheBatch:
     int32 [N]: the distinct slots the prefetch locked (one per unique row, NO_SLOT padding).
     ``bypassed_rows`` int64 [N]: the rows it gave no slot (once each, NOT_CACHED padding),
     which no prefetch caches until this batch is unlocked. ``sorted_rows`` (int32 when the
-    cached rows fit, else int64) and ``order`` (int64) [N]: the prefetch's stable sort of the
+    cached rows fit, else int64) and ``order`` (int32) [N]: the prefetch's stable sort of the
     lookups by row, rows outside every cached table last (as the largest value of the dtype);
     when every table is cached it is the backward's grouping sort too. ``step``: the prefetch's cache step,
     which names the batch: :meth:`SlotCache.unlock` finds it by its step, so a copy of the
@@ -285,7 +286,8 @@ class SlotCache:
             slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, ticket = self._assign_and_move(rows)
         else:
             slot_of_index = locked_slots = torch.empty(0, dtype=torch.int32, device=self.device)
-            bypassed_rows = order = torch.empty(0, dtype=torch.int64, device=self.device)
+            bypassed_rows = torch.empty(0, dtype=torch.int64, device=self.device)
+            order = torch.empty(0, dtype=torch.int32, device=self.device)
             sorted_rows = torch.empty(0, dtype=batch_kernels.sort_keys_dtype(self._rows_end)[0], device=self.device)
         if self._step % self.lfu_decay_interval == 0:
             self.use_count >>= 1  # LFU aging, after every lfu_decay_interval-th prefetch
@@ -486,13 +488,13 @@ class SlotCache:
 
     def _assign(self, rows: torch.Tensor, step: torch.Tensor) -> tuple:
         """(slot_of_index int32 [N], locked_slots int32 [N], bypassed_rows int64 [N], sorted_rows [N],
-        order int64 [N], the moves) of the batch ``rows`` (int64 [N]) at ``step`` (int64 [1], on the
+        order int32 [N], the moves) of the batch ``rows`` (int64 [N]) at ``step`` (int64 [1], on the
         device): the kernels and sorts of :mod:`tiered_tbe.cache.batch_kernels`, in its order."""
         # 1. Deduplicate by sorting: the unique rows ascending, padded to N with NOT_CACHED, and their sets.
         u = batch_kernels.unique_rows_of_batch(self._launcher, rows, self._table_starts, self._table_ends,
                                                self._rows_end, self.num_sets)
         # 2. The unique rows grouped by set (stable: ascending rows within a set).
-        set_of_position, unique_of_position = torch.sort(u.set_of_unique, stable=True)
+        set_of_position, unique_of_position = stable_sort(u.set_of_unique, self.num_sets)
         # 3. Hits, victims, fills: the policy, one thread per set.
         read_window_bits = self._policy_code == POLICY_LOOKAHEAD and self.window_bits is not None
         self._launcher.launch(

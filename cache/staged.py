@@ -58,6 +58,7 @@ from collections.abc import Callable
 
 import torch
 
+from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.cache._kernels import OUTCOME_FILLED
 from tiered_tbe.cache.host_rows import HostRows, set_copy_threads
 from tiered_tbe.cache.mover import Moves, RowMover
@@ -158,7 +159,7 @@ class StagedMover(RowMover):
         filled = moves.outcome == OUTCOME_FILLED
         fill_rows, fill_slots = _compact(filled, moves.unique_rows, moves.slot_of_unique.long())
         # The dirty victims are distinct rows (Moves.write_back_keys): sorted, they are the prefix.
-        back_keys, order = torch.sort(moves.write_back_keys)
+        back_keys, order = stable_sort(moves.write_back_keys)
         counts = torch.stack([filled.sum(), moves.victim_was_dirty.sum(dtype=torch.int64)])
         job = _Job(fill_rows, fill_slots, back_keys.long(), moves.slot_of_unique[order].long(), counts)
         if self.is_cuda:

@@ -13,6 +13,7 @@ import os
 import torch
 
 from tiered_tbe.base.mode import SIMULATION
+from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.cache import _kernels
 from tiered_tbe.cache._kernels import OUTCOME_FILLED
 from tiered_tbe.cache.launch import KernelLauncher, flat_view
@@ -51,7 +52,7 @@ class ZeroCopyMover(RowMover):
         # dirty victims are distinct rows, written in ascending order (the GPU writes host memory
         # ~2.5x faster in row order); the padding keys sort last and lie outside every table.
         # Both lie among the batch's unique rows, a count the device knows (moves.num_unique).
-        sorted_rows, order = torch.sort(moves.write_back_keys)
+        sorted_rows, order = stable_sort(moves.write_back_keys)
         self.copy_rows(sorted_rows, _kernels.COPY_EVERY_ROW, sorted_rows, moves.slot_of_unique[order],
                        to_backing=True, num_entries=moves.num_unique)
         self.copy_rows(moves.outcome, OUTCOME_FILLED, moves.unique_rows, moves.slot_of_unique, to_backing=False,

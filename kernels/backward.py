@@ -115,7 +115,7 @@ __all__ = ["BackwardConfig", "HOT_GROUP", "SortedLookups", "backward_update", "d
 def _row_update_kernel(
     num_runs_ptr,  # int32 [1]: runs of the batch
     run_end_ptr,  # int32 [N]: one past the last position of each run; N past the last run
-    order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
+    order_ptr,  # int32 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries

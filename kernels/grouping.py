@@ -1,7 +1,7 @@
 """Group a batch's lookups by global row, on the device: the backward's first step.
 
 ``sort_lookups`` linearizes the batch (``kernels/linearize.py``), sorts the lookups by global row
-(a stable radix sort, on int32 keys when the rows fit), gathers each sorted position's bag (in
+(a stable radix sort, on int32 keys when the rows fit: ``base/sorting.py``), gathers each sorted position's bag (in
 the run-start kernel), and run-length encodes the sorted rows: ``run_count`` (runs begun up to
 each position, a cumulative sum) and ``run_end`` (one past the last position of each run, N past
 the last run). The number of runs stays on the device, so nothing waits for the GPU; every
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from tiered_tbe.base.codes import INT32_MAX
-from tiered_tbe.base.sorting import sort_ids
+from tiered_tbe.base.sorting import sort_ids, stable_sort
 
 from .addressing import INTERPRETING
 from .linearize import linearize
@@ -28,7 +28,7 @@ class SortedLookups(NamedTuple):
     """A batch's lookups grouped by global row (all on the device, nothing read back)."""
 
     sorted_rows: torch.Tensor  # int32/int64 [N]: global rows, ascending
-    order: torch.Tensor  # int64 [N]: lookup at each sorted position
+    order: torch.Tensor  # int32 [N]: lookup at each sorted position
     sorted_bags: torch.Tensor  # int32 [N]: bag t*B+b of the lookup at each sorted position
     run_count: torch.Tensor  # int32 [N]: runs (distinct rows) begun up to and including each position
     run_end: torch.Tensor  # int32 [N]: one past the last sorted position of run u; N past the last run
@@ -40,7 +40,7 @@ def _run_starts_kernel(
     run_starts_ptr,  # int32 [N] out: 1 where a sorted position begins a run (its row differs from the previous)
     sorted_bags_ptr,  # int32 [N] out: bag of the lookup at each sorted position
     sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
-    order_ptr,  # int64 [N]: lookup at each sorted position
+    order_ptr,  # int32 [N]: lookup at each sorted position
     bag_of_index_ptr,  # int32 [N]: bag t*B+b of each lookup
     num_lookups,  # N
     BLOCK: tl.constexpr,  # positions per program
@@ -83,7 +83,7 @@ def sort_lookups(stores: RowStores, lookups: Lookups,
     """Group a batch's lookups by global row (step 1 of the module docstring). No host sync.
 
     ``presorted``: ``(sorted_rows, order)`` of a stable sort of the batch's global rows made
-    already (int32/int64 [N], int64 [N]: the cache's prefetch when every table is cached), used
+    already (int32/int64 [N], int32 [N]: the cache's prefetch when every table is cached), used
     instead of sorting again; ``lookups`` must then carry ``bag_of_index``."""
     num_lookups = lookups.num_lookups
     if num_lookups >= INT32_MAX:
@@ -98,9 +98,9 @@ def sort_lookups(stores: RowStores, lookups: Lookups,
     else:
         lookups = linearize(stores, lookups, key_dtype=torch.int32 if small else torch.int64)
         if lookups.global_rows.dtype == torch.int32 or not small:
-            sorted_rows, order = torch.sort(lookups.global_rows, stable=True)
+            sorted_rows, order = stable_sort(lookups.global_rows, max(stores.num_rows - 1, 0))
         else:  # int64 rows computed by the caller (the module's checked path): sort them on int32 keys
-            sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows, stable=True)
+            sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows)
     run_starts = torch.empty(num_lookups, dtype=torch.int32, device=device)
     run_end = torch.empty(num_lookups, dtype=torch.int32, device=device)
     num_runs = torch.empty(1, dtype=torch.int32, device=device)

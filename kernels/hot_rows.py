@@ -19,7 +19,7 @@ from .update_rows import grad_output_of_step, lookup_gradients, run_columns, upd
 def hot_window_sums_kernel(
     window_sums_ptr,  # fp32 [cdiv(N, CHUNK), BLOCK_D] out: gradient sum of each pure window
     run_count_ptr,  # int32 [N]: runs begun up to each sorted position
-    order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
+    order_ptr,  # int32 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
@@ -109,7 +109,7 @@ def hot_row_update_kernel(
     group_sums_ptr,  # fp32 [cdiv(cdiv(N, CHUNK), GROUP), BLOCK_D]: sum of each pure group of windows
     run_count_ptr,  # int32 [N]: runs begun up to each sorted position
     run_end_ptr,  # int32 [N]: one past the last position of each run
-    order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
+    order_ptr,  # int32 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries

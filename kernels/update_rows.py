@@ -98,7 +98,7 @@ def lookup_gradients(
     tables,  # int32, broadcastable to positions: the table of each position's run (scalar, [F] or [ROWS, 1])
     first_columns,  # int32, as tables: that table's first column in a grad_output row
     in_row,  # bool, broadcastable to [*positions.shape, BLOCK_D]: the columns of that table
-    order_ptr,  # int64 [N]: lookup at each sorted position (read for pooling none only)
+    order_ptr,  # int32 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries (mean pooling's bag lengths)
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
@@ -123,7 +123,8 @@ def lookup_gradients(
     3.6 dropped it and the backward's 16-byte loads halved (0.47 -> 0.56 ms of update kernels at
     Zipf 1.05 on the H200, RESULTS.md 2026-12-02)."""
     if POOLING == POOLING_NONE_CONSTEXPR:
-        pointers = grad_output_ptr + tl.load(order_ptr + positions, mask=valid, other=0) * grad_output_stride
+        lookups = tl.load(order_ptr + positions, mask=valid, other=0).to(tl.int64)  # int32: 64-bit addresses
+        pointers = grad_output_ptr + lookups * grad_output_stride
     else:
         bags = tl.load(sorted_bags_ptr + positions, mask=valid, other=0)
         samples = bags - tables * batch_size

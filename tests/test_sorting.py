@@ -1,0 +1,88 @@
+"""base/sorting.py: the stable sorts of row ids against ``torch.sort`` (the reference), on the
+CPU (its torch path) and on the GPU (CUB's radix sort through ``cuda.compute`` when it imports)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
+from tiered_tbe.base.sorting import sort_backend, sort_ids, stable_sort
+
+
+def _keys(n: int, high: int, dtype: torch.dtype, device, seed: int) -> torch.Tensor:
+    """``n`` keys in ``[0, high]``, every 7th equal to ``high`` (the bound, as a "none" marker is)."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randint(0, min(high, 1 << 62) + 1, (n,), generator=generator, dtype=torch.int64)
+    keys[::7] = high
+    return keys.to(dtype).to(device)
+
+
+def _check_against_torch(keys: torch.Tensor, upper_bound: int | None) -> None:
+    expected_keys, expected_order = torch.sort(keys.cpu(), stable=True)
+    sorted_keys, order = stable_sort(keys, upper_bound)
+    assert sorted_keys.dtype == keys.dtype and order.dtype == torch.int32
+    assert torch.equal(sorted_keys.cpu(), expected_keys)
+    assert torch.equal(order.cpu().long(), expected_order)
+
+
+CASES = [
+    (0, 5, torch.int32), (1, 0, torch.int32), (2, 1, torch.int32), (17, 3, torch.int32),
+    (1000, 1, torch.int32),  # a key repeated hundreds of times: stability shows
+    (4099, 20_000_000, torch.int32), (3001, INT32_MAX, torch.int32), (2500, 3_000_000_000, torch.int64),
+    (1500, INT64_MAX, torch.int64),
+]
+
+
+@pytest.mark.parametrize("n,high,dtype", CASES)
+def test_stable_sort_equals_torch_sort(n, high, dtype, device):
+    _check_against_torch(_keys(n, high, dtype, device, seed=n), high)
+
+
+def test_stable_sort_refuses_keys_it_cannot_number(device):
+    class Huge:
+        is_cuda = False
+
+        def numel(self):
+            return INT32_MAX
+
+    with pytest.raises(ValueError, match="at most 2"):
+        stable_sort(Huge())
+
+
+def test_sort_ids_puts_the_none_marker_last(device):
+    ids = torch.tensor([5, INT64_MAX, 0, 5, 2, INT64_MAX, 0], device=device)
+    sorted_ids, order = sort_ids(ids, 6)
+    assert sorted_ids.tolist() == [0, 0, 2, 5, 5, INT64_MAX, INT64_MAX]
+    assert order.tolist() == [2, 6, 4, 0, 3, 1, 5]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 31, 4096, 4097, 1 << 20, (1 << 21) + 5])
+def test_cub_sort_equals_torch_sort_on_the_gpu(n, device):
+    """The backend the GPU uses (CUB where ``cuda.compute`` imports) sorts as ``torch.sort``, bit
+    for bit, at the sizes of a batch and with a few distinct keys (long runs of ties)."""
+    if sort_backend(device) != "cub":
+        pytest.skip("cuda.compute does not import here: the GPU sorts with torch.sort")
+    for high, dtype in ((20_000_000, torch.int32), (7, torch.int32), (INT32_MAX, torch.int32),
+                        (3_000_000_000, torch.int64)):
+        _check_against_torch(_keys(n, high, dtype, device, seed=n + high), high)
+
+
+@pytest.mark.gpu
+def test_cub_sort_replays_in_a_cuda_graph(device):
+    keys = _keys(300_000, 1_000_000, torch.int32, device, seed=3)
+    stable_sort(keys, 1_000_000)  # builds the sort (JIT) outside the capture, as the first eager batch does
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        sorted_keys, order = stable_sort(keys, 1_000_000)
+        graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    for seed in (4, 5):
+        keys.copy_(_keys(keys.numel(), 1_000_000, torch.int32, device, seed=seed))
+        graph.replay()
+        expected_keys, expected_order = torch.sort(keys, stable=True)
+        assert torch.equal(sorted_keys, expected_keys) and torch.equal(order.long(), expected_order)
