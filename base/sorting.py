@@ -62,25 +62,27 @@ class _CudaStream:
         return (0, self.handle)
 
 
-def _cub_sort(cuda_compute, keys: torch.Tensor, end_bit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = keys.numel()
-    positions = torch.arange(n, dtype=torch.int32, device=keys.device)
-    sorted_keys, order = torch.empty_like(keys), torch.empty_like(positions)
-    arrays = dict(d_in_keys=keys, d_out_keys=sorted_keys, d_in_values=positions, d_out_values=order)
-    sorter = _sorters.get(keys.dtype)
+def _cub_sort(cuda_compute, keys: torch.Tensor, values: torch.Tensor | None,
+              end_bit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if values is None:
+        values = torch.arange(keys.numel(), dtype=torch.int32, device=keys.device)
+    sorted_keys, sorted_values = torch.empty_like(keys), torch.empty_like(values)
+    arrays = dict(d_in_keys=keys, d_out_keys=sorted_keys, d_in_values=values, d_out_values=sorted_values)
+    sorter = _sorters.get((keys.dtype, values.dtype))
     if sorter is None:
-        sorter = _sorters[keys.dtype] = cuda_compute.make_radix_sort(**arrays,
-                                                                     order=cuda_compute.SortOrder.ASCENDING)
-    call = dict(arrays, num_items=n, begin_bit=0, end_bit=end_bit,
+        sorter = _sorters[keys.dtype, values.dtype] = cuda_compute.make_radix_sort(
+            **arrays, order=cuda_compute.SortOrder.ASCENDING)
+    call = dict(arrays, num_items=keys.numel(), begin_bit=0, end_bit=end_bit,
                 stream=_CudaStream(torch.cuda.current_stream(keys.device)))
     # The first call only sizes the scratch space (no launch); the caching allocator gives it
     # back to this stream, so a CUDA graph captures the sort like any torch op.
     scratch_bytes = sorter(temp_storage=None, **call)
     sorter(temp_storage=torch.empty(max(scratch_bytes, 1), dtype=torch.uint8, device=keys.device), **call)
-    return sorted_keys, order
+    return sorted_keys, sorted_values
 
 
-def stable_sort(keys: torch.Tensor, upper_bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def stable_sort(keys: torch.Tensor, upper_bound: int | None = None,
+                values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable ascending sort of non-negative integer keys. No host sync.
 
     Args:
@@ -88,21 +90,25 @@ def stable_sort(keys: torch.Tensor, upper_bound: int | None = None) -> tuple[tor
             marker may equal the bound).
         upper_bound: the largest key there can be (default: the dtype's largest); CUB sorts
             only the bits that hold it.
+        values: int32 [N] carried with the keys instead of their positions (the backward's bags:
+            one gather less when it needs no positions).
 
     Returns:
         ``(sorted_keys, order)``: the keys ascending (``keys``' dtype [N]) and the input position
-        of each (int32 [N]); equal keys keep their input order.
+        of each (int32 [N]), or ``values`` in that order; equal keys keep their input order.
     """
     n = keys.numel()
     if n >= INT32_MAX:
         raise ValueError(f"stable_sort sorts at most 2^31 - 1 keys, got {n}")
+    if values is not None and (values.numel() != n or values.dtype != torch.int32):
+        raise ValueError(f"values must be int32 [{n}], got {values.dtype} [{values.numel()}]")
     if upper_bound is None:
         upper_bound = INT32_MAX if keys.dtype == torch.int32 else INT64_MAX
     cuda_compute = _cub() if keys.is_cuda and n > 0 else None
     if cuda_compute is not None:
-        return _cub_sort(cuda_compute, keys, max(1, int(upper_bound).bit_length()))
+        return _cub_sort(cuda_compute, keys, values, max(1, int(upper_bound).bit_length()))
     sorted_keys, order = torch.sort(keys, stable=True)
-    return sorted_keys, order.to(torch.int32)
+    return sorted_keys, order.to(torch.int32) if values is None else values[order]
 
 
 def sort_ids(ids: torch.Tensor, upper_bound: int) -> tuple[torch.Tensor, torch.Tensor]:

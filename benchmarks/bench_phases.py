@@ -84,7 +84,7 @@ def measure(config: Config, args) -> dict[str, float]:
     lookups = Lookups(indices, offsets, config.batch_size)
     stores = emb.row_stores
     forward_graph, _ = capture(lambda: pooled_forward(stores, lookups, None, "sum"), device)
-    sort_graph, grouped = capture(lambda: sort_lookups(stores, lookups), device)
+    sort_graph, grouped = capture(lambda: sort_lookups(stores, lookups, need_order=False), device)
     update_graph, _ = capture(lambda: backward_update(grad, stores, lookups, None, "sum", emb.optimizer, 1,
                                                       sorted_lookups=grouped), device)
     main = torch.cuda.current_stream(device)

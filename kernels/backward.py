@@ -355,8 +355,10 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     device = indices.device
     config, block_d = plan.config, plan.block_d
     chunk = config.chunk
-    s = sorted_lookups or sort_lookups(stores, lookups, None if sorted_rows is None else (sorted_rows, order))
     has_per_sample_weights = per_sample_weights is not None
+    need_order = has_per_sample_weights or plan.use_cache or plan.mode == POOLING_NONE
+    s = sorted_lookups or sort_lookups(stores, lookups, None if sorted_rows is None else (sorted_rows, order),
+                                       need_order=need_order)
     hyper = hyper_view(step_args, plan.num_hyper)
     load_state, update, store_state = plan.optimizer_triton
     common = dict(POOLING=plan.mode, HAS_PER_SAMPLE_WEIGHTS=has_per_sample_weights, ALIGN=stores.alignment,
@@ -365,7 +367,7 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
                     OPTIMIZER_STORE_STATE=store_state, STOCHASTIC_ROUNDING=plan.stochastic_rounding,
                     NUM_HYPER=plan.num_hyper, ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
                     STATE_ALIGN_BYTES=4 * stores.state_alignment)
-    order = s.order
+    order = s.order if s.order is not None else s.sorted_bags  # then never read: pooled, no weights, no slots
     # Per-sample weights and slots by sorted position, gathered once (no dependent load in the kernels).
     sorted_weights = per_sample_weights[order] if has_per_sample_weights else hyper
     sorted_slots = slot_of_index[order] if plan.use_cache else s.run_end

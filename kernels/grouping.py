@@ -28,7 +28,7 @@ class SortedLookups(NamedTuple):
     """A batch's lookups grouped by global row (all on the device, nothing read back)."""
 
     sorted_rows: torch.Tensor  # int32/int64 [N]: global rows, ascending
-    order: torch.Tensor  # int32 [N]: lookup at each sorted position
+    order: torch.Tensor | None  # int32 [N]: lookup at each sorted position (None: sort_lookups' need_order)
     sorted_bags: torch.Tensor  # int32 [N]: bag t*B+b of the lookup at each sorted position
     run_count: torch.Tensor  # int32 [N]: runs (distinct rows) begun up to and including each position
     run_end: torch.Tensor  # int32 [N]: one past the last sorted position of run u; N past the last run
@@ -38,11 +38,12 @@ class SortedLookups(NamedTuple):
 @triton.jit(do_not_specialize=["num_lookups"])
 def _run_starts_kernel(
     run_starts_ptr,  # int32 [N] out: 1 where a sorted position begins a run (its row differs from the previous)
-    sorted_bags_ptr,  # int32 [N] out: bag of the lookup at each sorted position
+    sorted_bags_ptr,  # int32 [N] out (if GATHER_BAGS): bag of the lookup at each sorted position
     sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
-    order_ptr,  # int32 [N]: lookup at each sorted position
-    bag_of_index_ptr,  # int32 [N]: bag t*B+b of each lookup
+    order_ptr,  # int32 [N]: lookup at each sorted position (read if GATHER_BAGS)
+    bag_of_index_ptr,  # int32 [N]: bag t*B+b of each lookup (read if GATHER_BAGS)
     num_lookups,  # N
+    GATHER_BAGS: tl.constexpr,  # False when the sort carried the bags (sorted_bags is filled already)
     BLOCK: tl.constexpr,  # positions per program
 ):
     positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -50,8 +51,9 @@ def _run_starts_kernel(
     rows = tl.load(sorted_rows_ptr + positions, mask=inside)
     previous = tl.load(sorted_rows_ptr + positions - 1, mask=inside & (positions > 0))
     tl.store(run_starts_ptr + positions, ((positions == 0) | (rows != previous)).to(tl.int32), mask=inside)
-    lookups = tl.load(order_ptr + positions, mask=inside, other=0)
-    tl.store(sorted_bags_ptr + positions, tl.load(bag_of_index_ptr + lookups, mask=inside), mask=inside)
+    if GATHER_BAGS:
+        lookups = tl.load(order_ptr + positions, mask=inside, other=0)
+        tl.store(sorted_bags_ptr + positions, tl.load(bag_of_index_ptr + lookups, mask=inside), mask=inside)
 
 
 @triton.jit(do_not_specialize=["num_lookups"])
@@ -78,9 +80,13 @@ def _run_ends_kernel(
     tl.store(num_runs_ptr + tl.zeros_like(runs), runs + 1, mask=inside & last)
 
 
-def sort_lookups(stores: RowStores, lookups: Lookups,
-                 presorted: tuple[torch.Tensor, torch.Tensor] | None = None) -> SortedLookups:
+def sort_lookups(stores: RowStores, lookups: Lookups, presorted: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 need_order: bool = True) -> SortedLookups:
     """Group a batch's lookups by global row (step 1 of the module docstring). No host sync.
+
+    ``need_order=False``: the caller reads no lookup by sorted position (no per-sample weights,
+    no slots, pooled output), so the sort carries each lookup's bag instead of its position
+    (``order`` is None) and no kernel gathers the bags.
 
     ``presorted``: ``(sorted_rows, order)`` of a stable sort of the batch's global rows made
     already (int32/int64 [N], int32 [N]: the cache's prefetch when every table is cached), used
@@ -98,7 +104,12 @@ def sort_lookups(stores: RowStores, lookups: Lookups,
     else:
         lookups = linearize(stores, lookups, key_dtype=torch.int32 if small else torch.int64)
         if lookups.global_rows.dtype == torch.int32 or not small:
-            sorted_rows, order = stable_sort(lookups.global_rows, max(stores.num_rows - 1, 0))
+            bound = max(stores.num_rows - 1, 0)
+            if need_order:
+                sorted_rows, order = stable_sort(lookups.global_rows, bound)
+            else:
+                sorted_rows, sorted_bags = stable_sort(lookups.global_rows, bound, values=lookups.bag_of_index)
+                order = None
         else:  # int64 rows computed by the caller (the module's checked path): sort them on int32 keys
             sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows)
     run_starts = torch.empty(num_lookups, dtype=torch.int32, device=device)
@@ -106,12 +117,15 @@ def sort_lookups(stores: RowStores, lookups: Lookups,
     num_runs = torch.empty(1, dtype=torch.int32, device=device)
     if num_lookups == 0:
         return SortedLookups(sorted_rows, order, lookups.bag_of_index, run_starts, run_end, num_runs.zero_())
-    # The bag of each sorted position, gathered once (a dependent load less per lookup in the kernels).
-    sorted_bags = torch.empty(num_lookups, dtype=torch.int32, device=device)
+    # The bag of each sorted position, gathered once (a dependent load less per lookup in the kernels),
+    # unless the sort carried the bags.
+    gather_bags = order is not None
+    if gather_bags:
+        sorted_bags = torch.empty(num_lookups, dtype=torch.int32, device=device)
     block = 256 if INTERPRETING else 1024
     grid = (triton.cdiv(num_lookups, block),)
-    _run_starts_kernel[grid](run_starts, sorted_bags, sorted_rows, order, lookups.bag_of_index, num_lookups,
-                             BLOCK=block)
+    _run_starts_kernel[grid](run_starts, sorted_bags, sorted_rows, order if gather_bags else sorted_bags,
+                             lookups.bag_of_index, num_lookups, GATHER_BAGS=gather_bags, BLOCK=block)
     run_count = torch.cumsum(run_starts, 0, dtype=torch.int32)
     _run_ends_kernel[grid](run_end, num_runs, run_count, sorted_rows, num_lookups, BLOCK=block)
     return SortedLookups(sorted_rows, order, sorted_bags, run_count, run_end, num_runs)

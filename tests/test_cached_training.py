@@ -146,9 +146,9 @@ def test_every_table_cached_backward_takes_the_prefetch_sort(bounds_check, devic
     given = []
     sort_lookups = backward.sort_lookups
 
-    def recording(stores, lookups, presorted=None):
+    def recording(stores, lookups, presorted=None, need_order=True):
         given.append(presorted is not None)
-        return sort_lookups(stores, lookups, presorted)
+        return sort_lookups(stores, lookups, presorted, need_order)
 
     monkeypatch.setattr(backward, "sort_lookups", recording)
     specs = [TableSpec(40, 5, name="a", placement=Placement.HOST_CACHED),

@@ -489,6 +489,19 @@ def test_sort_lookups_from_a_sort_made_already(device):
         sort_lookups(stores, lookups, (own.sorted_rows[1:], own.order[1:]))
 
 
+def test_sort_lookups_carrying_the_bags_groups_as_with_positions(device):
+    """need_order=False (the sort carries each lookup's bag, no gather) groups the lookups as the
+    sort by position does, in every field but the positions it does not make."""
+    stores, lookups, _ = make_batch(batch_size=9, max_bag=12, device=device)
+    lookups = linearize(stores, lookups, key_dtype=torch.int32)
+    with_order = sort_lookups(stores, lookups)
+    without = sort_lookups(stores, lookups, need_order=False)
+    assert without.order is None
+    for name, expected, got in zip(with_order._fields, with_order, without):
+        if name != "order":
+            assert torch.equal(expected, got), name
+
+
 def test_sort_lookups_matches_torch(device):
     """Sorted rows, bags by sorted position, run counts and run ends (N past the last run: the
     kernels read those as empty runs) against plain torch, with memory just freed full of garbage
