@@ -256,9 +256,19 @@ def test_zipf_batches_are_tbe_batches_and_seeded(scripts):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_gpu_suite_is_valid_bash():
-    result = subprocess.run(["bash", "-n", str(BENCHMARKS / "gpu_suite.sh")], capture_output=True, text=True)
+@pytest.mark.parametrize("script", ["gpu_suite.sh", "gpu_fbgemm.sh", "pack_gpu_site.sh"])
+def test_device_scripts_are_valid_bash(script):
+    result = subprocess.run(["bash", "-n", str(BENCHMARKS / script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_bench_sort_says_what_it_needs_without_a_gpu(capsys):
+    from tiered_tbe.benchmarks import bench_sort
+
+    if not tiered_tbe.SIMULATION:
+        pytest.skip("times sorts on the GPU (run by hand on the lent H200)")
+    assert bench_sort.main(["--configs", "big-zipf-sgd"]) == 0
+    assert "nothing to do in CPU simulation" in capsys.readouterr().out
 
 
 def test_profile_step_reports_host_and_device_time_per_phase(capsys):
