@@ -16,6 +16,7 @@ key costs about twice an int32 one.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -45,6 +46,13 @@ def _cub():
     return _cuda_compute or None
 
 
+def _disable_cub(error: Exception) -> None:
+    global _cuda_compute
+    _cuda_compute = False
+    warnings.warn(f"tiered_tbe: cuda-cccl imports but its radix sort does not build here ({type(error).__name__}: "
+                  f"{error}); sorting with torch.sort (the same results, slower)", RuntimeWarning, stacklevel=3)
+
+
 def sort_backend(device: torch.device | str) -> str:
     """``"cub"`` or ``"torch"``: which sort :func:`stable_sort` runs for tensors on ``device``."""
     return "cub" if torch.device(device).type == "cuda" and _cub() is not None else "torch"
@@ -71,7 +79,7 @@ def _cub_sort(cuda_compute, keys: torch.Tensor, values: torch.Tensor | None,
     sorter = _sorters.get((keys.dtype, values.dtype))
     if sorter is None:
         sorter = _sorters[keys.dtype, values.dtype] = cuda_compute.make_radix_sort(
-            **arrays, order=cuda_compute.SortOrder.ASCENDING)
+            **arrays, order=cuda_compute.SortOrder.ASCENDING)  # JIT-compiles CUB (NVRTC) once a process
     call = dict(arrays, num_items=keys.numel(), begin_bit=0, end_bit=end_bit,
                 stream=_CudaStream(torch.cuda.current_stream(keys.device)))
     # The first call only sizes the scratch space (no launch); the caching allocator gives it
@@ -106,7 +114,12 @@ def stable_sort(keys: torch.Tensor, upper_bound: int | None = None,
         upper_bound = INT32_MAX if keys.dtype == torch.int32 else INT64_MAX
     cuda_compute = _cub() if keys.is_cuda and n > 0 else None
     if cuda_compute is not None:
-        return _cub_sort(cuda_compute, keys, values, max(1, int(upper_bound).bit_length()))
+        try:
+            return _cub_sort(cuda_compute, keys, values, max(1, int(upper_bound).bit_length()))
+        except Exception as error:  # noqa: BLE001 - cuda-cccl imports but cannot build here (no NVRTC, old driver)
+            if (keys.dtype, values.dtype if values is not None else torch.int32) in _sorters:
+                raise  # it built and ran before: a real error, not a missing toolkit
+            _disable_cub(error)
     sorted_keys, order = torch.sort(keys, stable=True)
     return sorted_keys, order.to(torch.int32) if values is None else values[order]
 

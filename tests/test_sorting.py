@@ -86,3 +86,27 @@ def test_cub_sort_replays_in_a_cuda_graph(device):
         graph.replay()
         expected_keys, expected_order = torch.sort(keys, stable=True)
         assert torch.equal(sorted_keys, expected_keys) and torch.equal(order.long(), expected_order)
+
+
+@pytest.mark.gpu
+def test_a_cub_that_cannot_build_falls_back_to_torch_sort(device, monkeypatch):
+    """cuda-cccl importing but unable to compile (no NVRTC, an old driver) costs a warning and
+    speed, never a result: the sort falls back to torch.sort."""
+    from tiered_tbe.base import sorting
+
+    if sorting.sort_backend(device) != "cub":
+        pytest.skip("cuda.compute does not import here")
+
+    class Unbuildable:
+        SortOrder = sorting._cub().SortOrder
+
+        @staticmethod
+        def make_radix_sort(**_):
+            raise RuntimeError("NVRTC not found")
+
+    monkeypatch.setattr(sorting, "_cuda_compute", Unbuildable)
+    monkeypatch.setattr(sorting, "_sorters", {})
+    keys = _keys(5000, 300, torch.int64, device, seed=9)  # int64: a dtype pair no earlier test built
+    with pytest.warns(RuntimeWarning, match="torch.sort"):
+        _check_against_torch(keys, 300)
+    assert sorting.sort_backend(device) == "torch"
