@@ -28,7 +28,7 @@ if _BACKEND not in ("cub", "torch"):
     raise ValueError(f"TIERED_TBE_SORT must be 'cub' or 'torch', got {_BACKEND!r}")
 
 _cuda_compute = None  # the cuda.compute module once imported; False when it cannot be used
-_sorters: dict[torch.dtype, object] = {}  # CUB radix sorts built (JIT-compiled) by key dtype
+_sorters: dict[tuple[torch.dtype, torch.dtype], object] = {}  # CUB radix sorts built, by (key, value) dtype
 
 
 def _cub():
