@@ -71,15 +71,20 @@ class _CudaStream:
 
 
 def _cub_sort(cuda_compute, keys: torch.Tensor, values: torch.Tensor | None,
-              end_bit: int) -> tuple[torch.Tensor, torch.Tensor]:
+              end_bit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`stable_sort` through CUB; None when CUB's sort cannot be built (then disabled)."""
     if values is None:
         values = torch.arange(keys.numel(), dtype=torch.int32, device=keys.device)
     sorted_keys, sorted_values = torch.empty_like(keys), torch.empty_like(values)
     arrays = dict(d_in_keys=keys, d_out_keys=sorted_keys, d_in_values=values, d_out_values=sorted_values)
     sorter = _sorters.get((keys.dtype, values.dtype))
     if sorter is None:
-        sorter = _sorters[keys.dtype, values.dtype] = cuda_compute.make_radix_sort(
-            **arrays, order=cuda_compute.SortOrder.ASCENDING)  # JIT-compiles CUB (NVRTC) once a process
+        try:  # JIT-compiles CUB (NVRTC), once a process for each dtype pair
+            sorter = cuda_compute.make_radix_sort(**arrays, order=cuda_compute.SortOrder.ASCENDING)
+        except Exception as error:  # noqa: BLE001 - cuda-cccl imports but cannot build here (no NVRTC, old driver)
+            _disable_cub(error)
+            return None
+        _sorters[keys.dtype, values.dtype] = sorter
     call = dict(arrays, num_items=keys.numel(), begin_bit=0, end_bit=end_bit,
                 stream=_CudaStream(torch.cuda.current_stream(keys.device)))
     # The first call only sizes the scratch space (no launch); the caching allocator gives it
@@ -114,12 +119,9 @@ def stable_sort(keys: torch.Tensor, upper_bound: int | None = None,
         upper_bound = INT32_MAX if keys.dtype == torch.int32 else INT64_MAX
     cuda_compute = _cub() if keys.is_cuda and n > 0 else None
     if cuda_compute is not None:
-        try:
-            return _cub_sort(cuda_compute, keys, values, max(1, int(upper_bound).bit_length()))
-        except Exception as error:  # noqa: BLE001 - cuda-cccl imports but cannot build here (no NVRTC, old driver)
-            if (keys.dtype, values.dtype if values is not None else torch.int32) in _sorters:
-                raise  # it built and ran before: a real error, not a missing toolkit
-            _disable_cub(error)
+        result = _cub_sort(cuda_compute, keys, values, max(1, int(upper_bound).bit_length()))
+        if result is not None:
+            return result
     sorted_keys, order = torch.sort(keys, stable=True)
     return sorted_keys, order.to(torch.int32) if values is None else values[order]
 

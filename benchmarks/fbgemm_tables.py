@@ -31,7 +31,7 @@ def table_of(results: list[dict]) -> list[str]:
             rows.append([config.name, "backward, bare: sort + run-length encode", "-",
                          common.fmt(row["ours"]["kernel_sort"]), "-", "-", "-"])
             rows.append([config.name, "backward, bare: of which the sort (base/sorting.stable_sort)", "-",
-                         common.fmt(row["ours"]["kernel_torch_sort"]), "-", "-", "-"])
+                         common.fmt(row["ours"]["kernel_sort_alone"]), "-", "-", "-"])
             rows.append([config.name, "backward, bare: update kernels", "-",
                          common.fmt(row["ours"]["kernel_update"]), "-", "-", "-"])
         for key, value in row.items():

@@ -1,8 +1,9 @@
 """Group a batch's lookups by global row, on the device: the backward's first step.
 
 ``sort_lookups`` linearizes the batch (``kernels/linearize.py``), sorts the lookups by global row
-(a stable radix sort, on int32 keys when the rows fit: ``base/sorting.py``), gathers each sorted position's bag (in
-the run-start kernel), and run-length encodes the sorted rows: ``run_count`` (runs begun up to
+(a stable radix sort, on int32 keys when the rows fit: ``base/sorting.py``), gathers each sorted
+position's bag (in the run-start kernel; or the sort carries the bags, when no caller reads a
+lookup by sorted position), and run-length encodes the sorted rows: ``run_count`` (runs begun up to
 each position, a cumulative sum) and ``run_end`` (one past the last position of each run, N past
 the last run). The number of runs stays on the device, so nothing waits for the GPU; every
 launch is sized from the number of lookups.
