@@ -425,3 +425,19 @@ def test_compile_cache_kernels_records_a_launch_of_every_cache_kernel():
 
     assert compile_cache_kernels.numba_type(["array", "uint8", 2, "A"]) == types.Array(types.uint8, 2, "A")
     assert compile_cache_kernels.numba_type(["boolean"]) == types.boolean
+
+
+def test_bench_bus_times_every_way_rows_cross_the_bus(tmp_path, capsys):
+    """bench_bus in simulation: every measurement gets a row, the table is recorded and written as JSON."""
+    from tiered_tbe.benchmarks import bench_bus
+
+    results_file, json_file = tmp_path / "RESULTS.md", tmp_path / "bus.json"
+    assert bench_bus.main(["--placement", "host", "--record", "--results-file", str(results_file),
+                           "--json", str(json_file)]) == 0
+    out = capsys.readouterr().out
+    for what in ("fill in place", "write-back in place", "fill, then write-back", "fill and write-back on two streams",
+                 "DMA of staged rows to pinned memory", "DMA beside the fill", "host scatter, fresh rows, 2 threads",
+                 "host scatter beside two fills, 2 threads"):
+        assert f"| {what}" in out, what
+    assert "| host scatter, fresh rows, 2 threads | - | 30 |" in results_file.read_text()
+    assert len(json.loads(json_file.read_text())["results"]) == 8
