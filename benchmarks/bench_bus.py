@@ -15,7 +15,8 @@ slots at random), each way those bytes can move and which of them overlap:
   first host touch of a page is what a training step pays), alone and beside two fills.
 
 The table is written by the GPU first, as a module initialises it, so the host has not touched
-its pages. Medians of ``--repeats`` (CUDA events for device work, wall clock for host work).
+its pages (``--host-touch``: the host writes every page too, first). Medians of ``--repeats``
+(CUDA events for device work, wall clock for host work).
 
     python benchmarks/bench_bus.py --placement managed --gb 17 --record
 """
@@ -92,6 +93,11 @@ def measure(args) -> list[tuple[str, int, int, float, int]]:
     state = tiers.allocate(placement, num_rows, torch.float32, device).tensor.view(num_rows, 1)
     weights.zero_()  # written by the device, as a module initialises its tables
     state.zero_()
+    if args.host_touch:  # then written by the host too: does a page the host has touched scatter faster?
+        common.synchronize()
+        for view in (tiers.host_view(weights), tiers.host_view(state)):
+            for begin in range(0, view.shape[0], 1 << 20):
+                view[begin: begin + (1 << 20)].zero_()
     slots = args.fill_rows + args.back_rows
     cache_weights, cache_state = torch.randn(slots, DIM, device=device), torch.randn(slots, 1, device=device)
     table = CachedTable(0, num_rows, DIM, weights, state)
@@ -191,6 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", type=int, nargs="+", default=None,
                         help="grid caps of the copy kernel (default 16384 528 132 66; 16384 in simulation)")
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="host scatter threads (default 16 8)")
+    parser.add_argument("--host-touch", action="store_true",
+                        help="write every page of the table from the host too, before measuring")
     parser.add_argument("--repeats", type=int, default=None,
                         help="repeats per measurement (default 10; 2 in simulation)")
     common.add_output_flags(parser)
@@ -204,8 +212,9 @@ def main(argv=None) -> int:
     args.repeats = args.repeats or (2 if SIMULATION else 10)
     print(describe_mode())
     results = measure(args)
+    written = "the device, then the host" if args.host_touch else "the device"
     lines = [f"Backing table: {args.placement}, {args.gb:g} GB of 516-byte rows (128 fp32 + 1 fp32 state), written "
-             f"by the device first; distinct random rows ascending; medians of {args.repeats}.", "",
+             f"by {written} first; distinct random rows ascending; medians of {args.repeats}.", "",
              "| what | copy blocks (most) | rows | ms | GB/s |", "| --- | ---: | ---: | ---: | ---: |"]
     for what, blocks, rows, ms, nbytes in results:
         lines.append(f"| {what} | {blocks or '-'} | {rows:,} | {ms:.3f} | {nbytes / ms / 1e6:.1f} |")
