@@ -131,19 +131,21 @@ def shape_of(config: Config) -> Config:
 # ------------------------------------------------------------------------------------ timing
 
 
-def time_steps(step, batches, grad, warmup: int, before=None, after_warmup=None) -> dict[str, float]:
+def time_steps(step, batches, grad, warmup: int, before=None, after_warmup=None,
+               count: int | None = None) -> dict[str, float]:
     """Median ms of forward, backward and the whole step over the batches after the first ``warmup``
     (CUDA events on the current stream).
 
     ``batches`` yields ``(indices, offsets)`` (taking the next one is part of the step: a
     PrefetchPipeline prefetches the batches ahead then); ``step(i, indices, offsets) -> output``;
     ``before(i, indices, offsets)`` runs first each step, outside the forward (a prefetch), and
-    is timed as ``prefetch``; ``after_warmup()`` runs once, before the first timed step."""
+    is timed as ``prefetch``; ``after_warmup()`` runs once, before the first timed step; ``count``
+    steps at most (default: every batch)."""
     timer = common.StepTimer()
     host: dict[str, list[float]] = {}
     prefetching = before is not None or not isinstance(batches, list)  # a prefetch, or a pipeline's
     batches = iter(batches)
-    for i in itertools.count():
+    for i in itertools.count() if count is None else range(count):
         timed = i >= warmup
         if i == warmup and after_warmup is not None:
             after_warmup()
@@ -194,7 +196,9 @@ def batches_needed(config: Config, args) -> int:
     on batches that do not repeat)."""
     if not config.cached:
         return args.distinct_batches
-    return args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0)
+    # A lookahead cache is told the batches after the last one stepped too, as in a longer run.
+    window = config.lookahead if config.uses_lookahead else 0
+    return args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0) + window
 
 
 def ours_module(config: Config, args) -> TieredEmbeddingBags:
@@ -224,16 +228,18 @@ def measure_ours(config: Config, batches, grad, args) -> dict:
         return emb(indices, offsets)
 
     def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
-        batches_run = cycle(batches, count, first)
+        window = config.lookahead if config.uses_lookahead else 0
+        batches_run = cycle(batches, count + window, first)  # the last steps see a whole window too
         reset = emb.reset_cache_stats if config.cached else None  # the counters of the timed steps
         if config.pipelined:
-            pipeline = PrefetchPipeline(emb, batches_run, depth=2)
-            result = time_steps(forward_of, pipeline, grad, warmup, after_warmup=reset)
+            pipeline = PrefetchPipeline(emb, batches_run, depth=2, lookahead=window if window else None)
+            result = time_steps(forward_of, pipeline, grad, warmup, after_warmup=reset, count=count)
             pipeline.close()
             return result
         if config.cached:
-            return time_steps(forward_of, batches_run, grad, warmup, after_warmup=reset,
-                              before=lambda i, indices, offsets: emb.prefetch(indices, offsets))
+            before = lookahead_prefetch(emb, batches_run, window) if window \
+                else lambda i, indices, offsets: emb.prefetch(indices, offsets)
+            return time_steps(forward_of, batches_run, grad, warmup, after_warmup=reset, before=before, count=count)
         return time_steps(forward_of, batches_run, grad, warmup)
 
     result = run_steps(count, args.warmup)
@@ -270,6 +276,24 @@ def measure_ours(config: Config, batches, grad, args) -> dict:
                                   f"G{best.kwargs['GROUPS']} S{best.kwargs['STAGES']}" if best is not None
                                   else f"tile {override}" if override else "-")
     return result  # the module goes with this frame: the caller frees its memory
+
+
+def lookahead_prefetch(emb: TieredEmbeddingBags, batches: list, window: int):
+    """``before(i, indices, offsets)`` for a serial step of a lookahead cache: tell it the rows of
+    batches ``i + 1 .. i + window`` (each batch's distinct rows found once, when it enters the
+    window: part of the timed prefetch, as a pipeline would do on its side stream), then prefetch."""
+    hints: dict[int, torch.Tensor] = {}
+
+    def before(i, indices, offsets):
+        upcoming = range(i + 1, min(i + 1 + window, len(batches)))
+        for j in upcoming:
+            if j not in hints:
+                hints[j] = emb.rows_for_hint(*batches[j])[0]
+        hints.pop(i, None)
+        emb.hint_upcoming([hints[j] for j in upcoming])
+        emb.prefetch(indices, offsets)
+
+    return before
 
 
 def fbgemm_module(config: Config):

@@ -56,24 +56,6 @@ def capture(fn, device: torch.device):
     return graph, outputs
 
 
-def median_ms(fn, reps: int) -> float:
-    """Median ms of ``fn()`` between two CUDA events on the current stream, after 5 warm-up calls
-    (not ``common.time_ms``: its ``do_bench`` empties the L2 before each call, and the phases of a
-    step run one after the other with it warm)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return common.median(times)
-
-
 def measure(config: Config, args) -> dict[str, float]:
     device = default_device()
     emb = bench_fbgemm.ours_module(config, args)
@@ -106,7 +88,7 @@ def measure(config: Config, args) -> dict[str, float]:
         main.wait_event(sorted_ready)
         update_graph.replay()
 
-    return {name: median_ms(fn, args.reps) for name, fn in (
+    return {name: common.event_ms(fn, args.reps, warmup=5) for name, fn in (
         ("forward", forward_graph.replay), ("sort", sort_graph.replay), ("update", update_graph.replay),
         ("serial", serial), ("overlapped", overlapped))}
 

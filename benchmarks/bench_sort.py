@@ -21,7 +21,7 @@ import torch
 
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
-from tiered_tbe.benchmarks.bench_phases import capture, median_ms
+from tiered_tbe.benchmarks.bench_phases import capture
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS
 
 HBM_CONFIGS = [c.name for c in CONFIGS if not c.cached]
@@ -86,10 +86,10 @@ def measure(config, reps: int, cc) -> None:
                       (f"CUB radix sort, {end_bit} bits, int32 positions", cub_sort),
                       ("CUB radix sort, 32 bits, int32 positions", cub_sort_32),
                       (f"iota + CUB radix sort, {end_bit} bits", iota_and_cub_sort)):
-        eager = median_ms(fn, reps)
+        eager = common.event_ms(fn, reps, warmup=5)
         try:
             graph, _ = capture(fn, device)
-            replay = median_ms(graph.replay, reps)
+            replay = common.event_ms(graph.replay, reps, warmup=5)
         except Exception as error:  # noqa: BLE001 - report what broke the capture
             replay = float("nan")
             print(f"  {label}: graph capture failed: {type(error).__name__}: {error}")

@@ -70,6 +70,29 @@ def time_ms(fn: Callable[[], object], rep_ms: float = 200.0) -> float:
     return triton.testing.do_bench(fn, warmup=max(25.0, rep_ms / 4), rep=rep_ms, quantiles=[0.5, 0.2, 0.8])[0]
 
 
+def event_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median ms of ``fn()`` between two CUDA events on the current stream, after ``warmup``
+    calls, the L2 left warm (``time_ms``'s ``do_bench`` empties it before each call); a wall
+    clock in simulation."""
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    times = []
+    for _ in range(repeats):
+        if SIMULATION:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times)
+
+
 def wall_ms(fn: Callable[[], object], repeats: int = 5) -> float:
     """Median wall-clock milliseconds of ``fn()`` with the device synchronized before and after
     each call (for work that mixes host threads and the GPU), after one warm-up call."""

@@ -34,6 +34,11 @@ class Config:
     pipelined: bool = False
     cache_fraction: float = 0.05
     state_layout: str = "separate"  # ours: TieredEmbeddingBags(state_layout=...); FBGEMM has one layout
+    lookahead: int = 64  # policy "lookahead": batches after the one prefetched whose rows the cache is told
+
+    @property
+    def uses_lookahead(self) -> bool:
+        return self.cached and self.policy == "lookahead"
 
     @property
     def cached(self) -> bool:
@@ -69,10 +74,16 @@ CONFIGS = [
     Config("cached-managed-lru-z1.2", CRITEO, placement="managed_cached", alpha=1.2),
     Config("cached-managed-lfu-z1.2", CRITEO, placement="managed_cached", policy="lfu", alpha=1.2),
     Config("cached-managed-lru-pipelined", CRITEO, placement="managed_cached", pipelined=True),
-    # The pipeline tells a lookahead cache the batches ahead: it moves ~0.64 of LRU's rows (RESULTS.md),
-    # and the prefetch is bound by the bytes it moves. FBGEMM has no lookahead: its side runs LRU.
+    # A lookahead cache is told the rows of the batches ahead (by the pipeline, or serially by
+    # hint_upcoming before each prefetch): it moves ~0.64 of LRU's rows (RESULTS.md), and the
+    # cached prefetch is bound by the bytes it moves. FBGEMM has no lookahead: its side runs LRU.
+    Config("cached-managed-lookahead", CRITEO, placement="managed_cached", policy="lookahead"),
+    Config("cached-managed-lookahead-z1.2", CRITEO, placement="managed_cached", policy="lookahead", alpha=1.2),
     Config("cached-managed-lookahead-pipelined", CRITEO, placement="managed_cached", policy="lookahead",
            pipelined=True),
+    Config("cached-managed-lookahead-pipelined-z1.2", CRITEO, placement="managed_cached", policy="lookahead",
+           pipelined=True, alpha=1.2),
+    Config("cached-managed-lru-pipelined-z1.2", CRITEO, placement="managed_cached", pipelined=True, alpha=1.2),
     Config("cached-managed-lru-with-rows", CRITEO, placement="managed_cached", state_layout="with_rows"),
     Config("criteo-adagrad-with-rows", CRITEO, state_layout="with_rows"),
     Config("cached-lru-pipelined", CRITEO, placement="host_cached", pipelined=True),
