@@ -33,6 +33,7 @@ import dataclasses
 import itertools
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -91,6 +92,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--profile", action="store_true",
                         help="also profile a few steps of each side: device ms per step of each kernel, and each "
                              "phase's fraction of the copy bandwidth measured in the same run")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help=f"cProfile {PROFILED_STEPS} of our steps after the timed ones and print the N functions "
+                             "taking the most host time (own, then cumulative)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the lookups")
     common.add_output_flags(parser)
     return parser
@@ -183,6 +187,48 @@ def time_steps(step, batches, grad, warmup: int, before=None, after_warmup=None,
     return result
 
 
+def host_profile(run, top: int) -> str:
+    """cProfile of ``run()`` (our steps): the ``top`` functions by their own host time, then by
+    cumulative time (where a launch-bound step's host time goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    from tiered_tbe.function import TieredEmbeddingBagsFunction
+
+    # On a GPU autograd runs backward on its own device thread, which a profiler enabled on this
+    # thread does not see: the backward gets a profiler of its own, enabled in that thread.
+    profiler, backward_profiler = cProfile.Profile(), cProfile.Profile()
+    backward = TieredEmbeddingBagsFunction.backward
+
+    profiled_thread = threading.get_ident()
+
+    def profiled_backward(ctx, grad_output):
+        if threading.get_ident() == profiled_thread:  # (a CPU run: this thread's profiler sees it)
+            return backward(ctx, grad_output)
+        backward_profiler.enable()
+        try:
+            return backward(ctx, grad_output)
+        finally:
+            backward_profiler.disable()
+
+    TieredEmbeddingBagsFunction.backward = staticmethod(profiled_backward)
+    try:
+        profiler.enable()
+        run()
+        common.synchronize()
+        profiler.disable()
+    finally:
+        TieredEmbeddingBagsFunction.backward = staticmethod(backward)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    if backward_profiler.getstats():
+        stats.add(backward_profiler)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
+
+
 def cycle(batches, count: int, first: int = 0) -> list:
     """``count`` batches, cycling through ``batches`` from the one at ``first``."""
     return [batches[(first + i) % len(batches)] for i in range(count)]
@@ -250,6 +296,8 @@ def measure_ours(config: Config, batches, grad, args) -> dict:
     if args.profile and not config.pipelined:  # on the batches after the timed ones
         result["profile"] = kernel_profile.kernel_ms_per_step(lambda: run_steps(PROFILED_STEPS, 0, first=count),
                                                               PROFILED_STEPS)
+    if args.host_profile:
+        result["host_profile"] = host_profile(lambda: run_steps(PROFILED_STEPS, 0, first=count), args.host_profile)
     if not config.cached:
         lookups = Lookups(*batches[0], config.batch_size)
         if args.profile:
@@ -415,7 +463,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                 del os.environ[variable]
         results.append(row)
         print(f"  {base.name}: ours " + ", ".join(f"{k} {common.fmt(v)}" for k, v in row["ours"].items()
-                                                  if not isinstance(v, (list, dict))), flush=True)
+                                                  if not isinstance(v, (list, dict, str))), flush=True)
+        if "host_profile" in row["ours"]:
+            print(f"host profile of {base.name}, {PROFILED_STEPS} steps:\n{row['ours'].pop('host_profile')}")
         del batches, grad
         free()
     for base, row in zip(configs, results):
