@@ -197,14 +197,15 @@ def host_profile(run, top: int) -> str:
     from tiered_tbe.function import TieredEmbeddingBagsFunction
 
     # On a GPU autograd runs backward on its own device thread, which a profiler enabled on this
-    # thread does not see: the backward gets a profiler of its own, enabled in that thread.
+    # thread does not see before Python 3.12: the backward gets a profiler of its own there.
     profiler, backward_profiler = cProfile.Profile(), cProfile.Profile()
     backward = TieredEmbeddingBagsFunction.backward
 
     profiled_thread = threading.get_ident()
 
     def profiled_backward(ctx, grad_output):
-        if threading.get_ident() == profiled_thread:  # (a CPU run: this thread's profiler sees it)
+        # A CPU run (this thread), or Python >= 3.12, whose cProfile (sys.monitoring) sees every thread.
+        if threading.get_ident() == profiled_thread or sys.version_info >= (3, 12):
             return backward(ctx, grad_output)
         backward_profiler.enable()
         try:

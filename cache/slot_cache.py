@@ -118,8 +118,8 @@ class SlotCache:
         mover: ``"zero_copy"`` or ``"staged"`` (:mod:`tiered_tbe.cache.mover`).
         mover_threads, staging_rows: the staged mover's host threads per copy and rows per
             staging buffer (:class:`~tiered_tbe.cache.staged.StagedMover`).
-        cuda_graphs: on a GPU with the zero-copy mover, replay each batch shape's prefetch as one
-            CUDA graph (``base/graphs.py``; bit-identical to its launches one by one).
+        cuda_graphs: on a GPU, replay each batch shape's prefetch (with the zero-copy mover), unlock
+            and mark_dirty as CUDA graphs (``base/graphs.py``; bit-identical to their launches one by one).
 
     Per-slot tensors (``S = num_slots``; slot ``s`` is way ``s % associativity`` of set
     ``s // associativity``):
@@ -238,6 +238,10 @@ class SlotCache:
                                 self._rows_end, threads=mover_threads, staging_rows=staging_rows)
         # CUDA graphs of the prefetch (assign and move), per batch shape.
         self._prefetch_graphs = StepGraphs(enabled=None if cuda_graphs else False)
+        # ... and of the unlock and mark_dirty launches: a Numba launch costs ~0.3 ms of host time on
+        # the H200 machine (the cached backward's host time was 1.0 ms against 0.7 without a cache;
+        # benchmarks/RESULTS.md, thirteenth session), a replay a fraction of that.
+        self._release_graphs = StepGraphs(enabled=None if cuda_graphs else False)
         # Prefetches not yet unlocked, by step -> the batch as its prefetch made it.
         self._unreleased: dict[int, CacheBatch] = {}
         # (stream, event) after the latest operation on the metadata, on CUDA: an operation on
@@ -380,9 +384,15 @@ class SlotCache:
                                "or not prefetched by this cache")
         self._order_metadata()
         if entry.locked_slots.numel():  # as long as bypassed_rows
-            self._launcher.launch(_kernels.release_kernel, entry.locked_slots.numel(), entry.locked_slots,
-                                  entry.bypassed_rows, bool(mark_dirty), self._k_locks, self._k_dirty,
-                                  self._k_bypass_count)
+            mark = bool(mark_dirty)
+
+            def enqueue(tensors):
+                locked_slots, bypassed_rows = tensors
+                self._launcher.launch(_kernels.release_kernel, locked_slots.numel(), locked_slots, bypassed_rows,
+                                      mark, self._k_locks, self._k_dirty, self._k_bypass_count)
+
+            self._release_graphs.run(("unlock", mark), (entry.locked_slots, entry.bypassed_rows), enqueue,
+                                     self.device)
         self._metadata_done()
 
     def mark_dirty(self, slots: CacheBatch | torch.Tensor) -> None:
@@ -390,7 +400,10 @@ class SlotCache:
         ``slots``: a batch (its ``slot_of_index``), or int32/int64 [N] slots, -1 skipped."""
         slot_of_index = slots.slot_of_index if isinstance(slots, CacheBatch) else self._check_slots(slots)
         if slot_of_index.numel():
-            self._launcher.launch(_kernels.mark_dirty_kernel, slot_of_index.numel(), slot_of_index, self._k_dirty)
+            def enqueue(tensors):
+                self._launcher.launch(_kernels.mark_dirty_kernel, tensors[0].numel(), tensors[0], self._k_dirty)
+
+            self._release_graphs.run(("mark_dirty",), (slot_of_index,), enqueue, self.device)
 
     def write_back(self, slot_of_index: torch.Tensor) -> None:
         """Copy the rows of these slots (int32/int64 [N]; -1 skipped, repeats fine) to their backing

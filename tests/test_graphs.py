@@ -91,7 +91,9 @@ def test_graphed_training_equals_eager_bitwise(case):
     batches = _batches(12, 3, shapes)
     _, expected = _train(False, batches, **CASES[case])
     module, got = _train(True, batches, **CASES[case])
-    every_graphs = [module._backward_graphs] + ([module.cache._prefetch_graphs] if module.cache else [])
+    every_graphs = [module._backward_graphs]
+    if module.cache:
+        every_graphs += [module.cache._prefetch_graphs, module.cache._release_graphs]  # (unlock with mark_dirty)
     for graphs in every_graphs:
         assert graphs.captures == len(shapes), "each repeating shape is captured once"
         assert graphs.replays == len(batches) - len(shapes), "every later batch of a shape replays its graph"
