@@ -22,7 +22,7 @@ pinned tables in place; ``staged``: host threads gather into pinned buffers and 
 engines carry them; see ``tiered_tbe.cache.mover``).
 
 Reported: step time (wall clock over ``--batches`` steps after ``--warmup``, synchronized at both
-ends), throughput against all-HBM (target for the pipeline: >= 0.8), and the rows moved into the
+ends), throughput against all-HBM (target for the pipeline: >= 0.95), and the rows moved into the
 cache per batch (``cache_stats().rows_copied_in / batches``) of each policy against LRU's
 (target for lookahead: <= 0.7 at Zipf 1.05).
 Lookahead ranks rows by next-use hints that the pipeline writes; if none are seen during the
@@ -60,7 +60,7 @@ GPU_DEFAULTS = dict(tables=26, row_cap=0, dim=128, batch_size=65536, bag_size=1,
 SIMULATION_DEFAULTS = dict(tables=3, row_cap=1000, dim=16, batch_size=8, bag_size=1, warmup=2, batches=2)
 MODES = ("hbm", "managed", "serial", "pipelined")
 BASELINE_POLICY = "lru"  # the serial run's policy, and what every policy's rows moved are divided by
-THROUGHPUT_TARGET = 0.8  # pipelined throughput / all-HBM throughput, at least
+THROUGHPUT_TARGET = 0.95  # pipelined throughput / all-HBM throughput, at least (the host-tables issue)
 LOOKAHEAD_TARGET = 0.7  # rows moved by lookahead / by LRU at Zipf 1.05, at most
 NUM_DENSE = 13
 
