@@ -45,27 +45,6 @@ ROW_BYTES = 4 * (DIM + 1)
 SCRIPT = "bench_bus"
 
 
-def device_ms(fn, repeats: int) -> float:
-    """Median ms of ``fn()`` between CUDA events (wall clock in simulation), after one warm-up call."""
-    fn()
-    common.synchronize()
-    times = []
-    for _ in range(repeats):
-        if SIMULATION:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-            continue
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return common.median(times)
-
-
 def on_two_streams(first, second):
     """Run ``first()`` and ``second()`` on two side streams after the current one, joined back."""
     if SIMULATION:
@@ -128,7 +107,7 @@ def measure(args) -> list[tuple[str, int, int, float, int]]:
                                  ("fill and write-back on two streams", on_two_streams(write_back, fill),
                                   fill_bytes + back_bytes)):
             results.append((what, blocks, args.fill_rows if "fill" in what else args.back_rows,
-                            device_ms(fn, args.repeats), nbytes))
+                            common.event_ms(fn, args.repeats), nbytes))
     mover.copy_blocks = max(args.blocks)
 
     # The write-back staged: its rows in HBM, a DMA to pinned memory, a host scatter.
@@ -140,9 +119,10 @@ def measure(args) -> list[tuple[str, int, int, float, int]]:
         pinned_weights.copy_(staged_weights, non_blocking=True)
         pinned_state.copy_(staged_state, non_blocking=True)
 
-    results.append(("DMA of staged rows to pinned memory", 0, args.back_rows, device_ms(dma, args.repeats), back_bytes))
+    results.append(("DMA of staged rows to pinned memory", 0, args.back_rows, common.event_ms(dma, args.repeats),
+                    back_bytes))
     results.append(("DMA beside the fill, on two streams", 0, args.fill_rows + args.back_rows,
-                    device_ms(on_two_streams(dma, fill), args.repeats), fill_bytes + back_bytes))
+                    common.event_ms(on_two_streams(dma, fill), args.repeats), fill_bytes + back_bytes))
 
     host = HostRows([table], "numba")
     unwritten = rows[slots:]  # rows neither copy above touched, a fresh set for every scatter
