@@ -197,15 +197,14 @@ def host_profile(run, top: int) -> str:
     from tiered_tbe.function import TieredEmbeddingBagsFunction
 
     # On a GPU autograd runs backward on its own device thread, which a profiler enabled on this
-    # thread does not see before Python 3.12: the backward gets a profiler of its own there.
+    # thread does not see before Python 3.12 (from 3.12 cProfile, built on sys.monitoring, sees
+    # every thread): there the backward gets a profiler of its own, enabled in its thread.
     profiler, backward_profiler = cProfile.Profile(), cProfile.Profile()
     backward = TieredEmbeddingBagsFunction.backward
-
     profiled_thread = threading.get_ident()
 
     def profiled_backward(ctx, grad_output):
-        # A CPU run (this thread), or Python >= 3.12, whose cProfile (sys.monitoring) sees every thread.
-        if threading.get_ident() == profiled_thread or sys.version_info >= (3, 12):
+        if threading.get_ident() == profiled_thread:  # a CPU run: this thread's profiler sees it
             return backward(ctx, grad_output)
         backward_profiler.enable()
         try:
@@ -213,14 +212,17 @@ def host_profile(run, top: int) -> str:
         finally:
             backward_profiler.disable()
 
-    TieredEmbeddingBagsFunction.backward = staticmethod(profiled_backward)
+    patch = sys.version_info < (3, 12)
+    if patch:
+        TieredEmbeddingBagsFunction.backward = staticmethod(profiled_backward)
     try:
         profiler.enable()
         run()
         common.synchronize()
         profiler.disable()
     finally:
-        TieredEmbeddingBagsFunction.backward = staticmethod(backward)
+        if patch:
+            TieredEmbeddingBagsFunction.backward = staticmethod(backward)
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     if backward_profiler.getstats():
@@ -244,8 +246,7 @@ def batches_needed(config: Config, args) -> int:
     if not config.cached:
         return args.distinct_batches
     # A lookahead cache is told the batches after the last one stepped too, as in a longer run.
-    window = config.lookahead if config.uses_lookahead else 0
-    return args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0) + window
+    return args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0) + config.lookahead_window
 
 
 def ours_module(config: Config, args) -> TieredEmbeddingBags:
@@ -275,7 +276,7 @@ def measure_ours(config: Config, batches, grad, args) -> dict:
         return emb(indices, offsets)
 
     def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
-        window = config.lookahead if config.uses_lookahead else 0
+        window = config.lookahead_window
         batches_run = cycle(batches, count + window, first)  # the last steps see a whole window too
         reset = emb.reset_cache_stats if config.cached else None  # the counters of the timed steps
         if config.pipelined:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD
 from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
 
 HYPER = {"sgd": dict(lr=0.01), "rowwise_adagrad": dict(lr=0.01, eps=1e-8), "adam": dict(lr=0.001, eps=1e-8)}
@@ -34,11 +35,12 @@ class Config:
     pipelined: bool = False
     cache_fraction: float = 0.05
     state_layout: str = "separate"  # ours: TieredEmbeddingBags(state_layout=...); FBGEMM has one layout
-    lookahead: int = 64  # policy "lookahead": batches after the one prefetched whose rows the cache is told
 
     @property
-    def uses_lookahead(self) -> bool:
-        return self.cached and self.policy == "lookahead"
+    def lookahead_window(self) -> int:
+        """Batches after the one prefetched whose rows a lookahead cache is told (the pipeline's
+        default); 0 for the other policies."""
+        return DEFAULT_LOOKAHEAD if self.cached and self.policy == "lookahead" else 0
 
     @property
     def cached(self) -> bool:
