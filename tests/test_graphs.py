@@ -131,3 +131,28 @@ def test_graphed_steps_never_wait_for_the_device(placement):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert module._backward_graphs.captures == 1 and module._backward_graphs.replays == 3
+
+
+@pytest.mark.gpu
+def test_graphed_hint_rows_equal_eager_and_never_wait_for_the_device():
+    """rows_for_hint (a lookahead pipeline's per-batch hint) replays a graph from a shape's third
+    batch: the same rows and count as its launches one by one, and no host sync once captured."""
+    tables = [TableSpec(ROWS, DIM, name=f"t{i}", placement=Placement.HOST_CACHED) for i in range(3)]
+
+    def module(graphs: bool) -> TieredEmbeddingBags:
+        return TieredEmbeddingBags(tables, optimizer=SGD(lr=0.1), device="cuda", bounds_check="off",
+                                   cache=CacheConfig(fraction=0.05, policy="lookahead"), cuda_graphs=graphs)
+
+    eager, graphed = module(False), module(True)
+    batches = _batches(6, 3, [(64, 3), (32, 1)])
+    for step, (indices, offsets, _, _) in enumerate(batches):
+        want_rows, want_count = eager.rows_for_hint(indices, offsets)
+        if step >= 4:  # both shapes captured: replays only
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got_rows, got_count = graphed.rows_for_hint(indices, offsets)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got_rows, want_rows) and torch.equal(got_count, want_count), step
+    assert graphed._hint_graphs.captures == 2 and graphed._hint_graphs.replays == 4
