@@ -63,6 +63,7 @@ BASELINE_POLICY = "lru"  # the serial run's policy, and what every policy's rows
 THROUGHPUT_TARGET = 0.95  # pipelined throughput / all-HBM throughput, at least (the host-tables issue)
 LOOKAHEAD_TARGET = 0.7  # rows moved by lookahead / by LRU at Zipf 1.05, at most
 NUM_DENSE = 13
+CACHED_PLACEMENTS = tuple(p.value for p in Placement if p.is_cached)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -77,6 +78,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run.add_argument("--mover", nargs="+", default=["zero_copy"], choices=MOVERS,
                      help="row movers of the cached runs, each a model of its own (default zero_copy; "
                           "--mover zero_copy staged measures both)")
+    run.add_argument("--placement", nargs="+", default=["host_cached"], choices=CACHED_PLACEMENTS,
+                     help="backing stores of the cached runs, each a model of its own (default host_cached: "
+                          "pinned memory; managed_cached: CUDA managed memory kept on the host, as FBGEMM's "
+                          "MANAGED_CACHING)")
     run.add_argument("--mover-threads", type=int,
                      help="staged mover: torch intra-op threads per host copy (default: torch's)")
     run.add_argument("--staging-rows", type=int, help="staged mover: rows per staging buffer (default: the mover's)")
@@ -240,13 +245,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         models.append(("all HBM", Placement.DEVICE, None, None, ["serial"]))
     if "managed" in args.modes:
         models.append(("managed, no cache", Placement.MANAGED, None, None, ["serial"]))
-    for mover in args.mover:
-        for policy in args.policies:
-            # Pipelined first: every policy's pipelined runs then start from the same (empty) cache.
-            runs = (["pipelined"] if "pipelined" in args.modes else []) + \
-                   (["serial"] if policy == BASELINE_POLICY and "serial" in args.modes else [])
-            if runs:
-                models.append((f"host_cached {policy}", Placement.HOST_CACHED, policy, mover, runs))
+    for placement in map(Placement, args.placement):
+        for mover in args.mover:
+            for policy in args.policies:
+                # Pipelined first: every policy's pipelined runs then start from the same (empty) cache.
+                runs = (["pipelined"] if "pipelined" in args.modes else []) + \
+                       (["serial"] if policy == BASELINE_POLICY and "serial" in args.modes else [])
+                if runs:
+                    models.append((f"{placement.value} {policy}", placement, policy, mover, runs))
 
     results = []
     for label, placement, policy, mover, runs in models:
@@ -260,7 +266,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         for run_mode in runs:
             for alpha in args.alpha:
                 measured = train(model, batches[alpha], args, pipelined=run_mode == "pipelined")
-                results.append(dict(model=label, policy=policy, mover=mover, run=run_mode, alpha=alpha, **measured))
+                results.append(dict(model=label, placement=placement.value, policy=policy, mover=mover, run=run_mode,
+                                    alpha=alpha, **measured))
                 print(f"  {run_mode} zipf {alpha:g}: step {measured['step_ms']:.3f} ms", flush=True)
         if emb.cache is not None:
             emb.cache.close()
@@ -269,7 +276,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     for r in results:
         hbm = find(results, "all HBM", "serial", r["alpha"])
-        lru = find(results, f"host_cached {BASELINE_POLICY}", r["run"], r["alpha"], r["mover"])
+        lru = find(results, f"{r['placement']} {BASELINE_POLICY}", r["run"], r["alpha"], r["mover"])
         r["throughput_vs_hbm"] = r["samples_per_s"] / hbm["samples_per_s"] if hbm else None
         r["rows_vs_lru"] = (r["rows_in_per_batch"] / lru["rows_in_per_batch"]
                             if lru and r["rows_in_per_batch"] is not None and lru["rows_in_per_batch"] else None)
@@ -314,14 +321,14 @@ def format_table(results: list[dict], args) -> list[str]:
                 lines.append(f"- zipf {alpha:g}, {r['model']} ({r['mover']} mover) pipelined: throughput / all-HBM "
                              f"{r['throughput_vs_hbm']:.2f} (target >= {THROUGHPUT_TARGET}: "
                              f"{judge(r['throughput_vs_hbm'] >= THROUGHPUT_TARGET)})")
-        for mover in args.mover:
-            lookahead = find(results, "host_cached lookahead", "pipelined", alpha, mover)
+        for placement, mover in ((p, m) for p in args.placement for m in args.mover):
+            lookahead = find(results, f"{placement} lookahead", "pipelined", alpha, mover)
             if lookahead and lookahead["rows_vs_lru"] is not None:
                 verdict = (judge(lookahead["rows_vs_lru"] <= LOOKAHEAD_TARGET) if alpha == 1.05
                            else "target is at zipf 1.05")
                 if lookahead["lookahead_hints"] is False:
                     verdict = "no next-use hints were written: it ran as LRU, so the target is not tested"
-                lines.append(f"- zipf {alpha:g}, {mover} mover: lookahead rows moved / LRU "
+                lines.append(f"- zipf {alpha:g}, {placement}, {mover} mover: lookahead rows moved / LRU "
                              f"{lookahead['rows_vs_lru']:.2f} (target <= {LOOKAHEAD_TARGET}: {verdict})")
     return lines
 

@@ -40,12 +40,12 @@ from tiered_tbe.benchmarks.bench_cache import build_module, free
 from tiered_tbe.pipeline import PrefetchPipeline
 from tiered_tbe.specs import CacheConfig, Placement
 
-RUNS = {  # name: (placement, policy, pipelined)
-    "hbm": (Placement.DEVICE, None, False),
-    "lru-serial": (Placement.HOST_CACHED, "lru", False),
-    "lru-pipelined": (Placement.HOST_CACHED, "lru", True),
-    "lfu-pipelined": (Placement.HOST_CACHED, "lfu", True),
-    "lookahead-pipelined": (Placement.HOST_CACHED, "lookahead", True),
+RUNS = {  # name: (cached, policy, pipelined); cached runs take --placement and --mover (their first)
+    "hbm": (False, None, False),
+    "lru-serial": (True, "lru", False),
+    "lru-pipelined": (True, "lru", True),
+    "lfu-pipelined": (True, "lfu", True),
+    "lookahead-pipelined": (True, "lookahead", True),
 }
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 PHASES = ("pipeline", "forward", "backward", "optimizer")
@@ -182,14 +182,15 @@ def main(argv=None) -> int:
           f"depth {args.depth}; lookahead {args.lookahead}; {args.warmup} warm-up + {args.steps} traced steps",
           flush=True)
     for name in args.runs:
-        placement, policy, pipelined = RUNS[name]
+        cached, policy, pipelined = RUNS[name]
+        placement = Placement(args.placement[0]) if cached else Placement.DEVICE
         cache = CacheConfig(fraction=args.cache_fraction, policy=policy,
-                            associativity=args.associativity) if policy else None
-        emb = build_module(table_rows, args.dim, placement, cache, args)
+                            associativity=args.associativity) if cached else None
+        emb = build_module(table_rows, args.dim, placement, cache, args, mover=args.mover[0] if cached else None)
         model = bench_pipeline.SmallDLRM(emb, len(table_rows), args.dim, args.bottom_mlp, args.top_mlp).to(device)
         trace_path = args.trace_dir / f"trace_{name}.json" if args.trace_dir else None
         events = train_and_trace(model, batches, args, pipelined, trace_path)
-        print(f"== {name}")
+        print(f"== {name}" + (f" ({placement.value}, {args.mover[0]} mover)" if cached else ""))
         for line in summarize(events, args.steps, args.top):
             print(line, flush=True)
         del model, emb

@@ -193,6 +193,25 @@ def test_cli_bench_pipeline(capsys, tmp_path):
     assert "throughput / all-HBM" in out
 
 
+def test_cli_bench_pipeline_on_managed_memory(capsys, tmp_path):
+    """--placement managed_cached builds the cached models on managed memory (FBGEMM's
+    MANAGED_CACHING), beside host_cached, each judged against its own LRU."""
+    code = cli_main(["bench", "pipeline", "--num-tables", "2", "--row-cap", "500", "--dim", "16", "--batch-size", "4",
+                     "--alpha", "1.05", "--warmup", "1", "--batches", "2", "--modes", "hbm", "pipelined",
+                     "--policies", "lru", "lookahead", "--bottom-mlp", "8", "--top-mlp", "8",
+                     "--placement", "host_cached", "managed_cached", "--json", str(tmp_path / "pipeline.json")])
+    assert code == 0
+    out = capsys.readouterr().out
+    for placement in ("host_cached", "managed_cached"):
+        assert f"| {placement} lru, zero_copy mover, pipelined depth 2 | zipf 1.05 |" in out, placement
+        assert f"- zipf 1.05, {placement}, zero_copy mover: lookahead rows moved / LRU" in out, placement
+    results = json.loads((tmp_path / "pipeline.json").read_text())["results"]
+    cached = {(r["placement"], r["policy"]): r for r in results if r["policy"]}
+    assert cached[("managed_cached", "lru")]["rows_vs_lru"] == 1.0
+    # The same batches and decisions whichever store holds the rows.
+    assert cached[("managed_cached", "lru")]["stats"] == cached[("host_cached", "lru")]["stats"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["cache", "--rows", "100", "--row-cap", "10"], "--row-cap caps the Criteo Kaggle tables"),
     (["cache", "--tables", "27"], "--tables must be between 1 and 26"),
@@ -299,9 +318,9 @@ def test_trace_pipeline_measures_busy_overlap_and_idle_time_per_stream(capsys):
     assert "stream 7: busy 4.000 ms / step (80% of the span), idle 1.000 ms / step, 1 kernels / step" in lines
     assert "stream 13: busy 1.000 ms / step" in lines
     assert "streams 7 and 13 both busy: 0.500 ms / step" in lines
-    trace.main([*TINY_MODEL, "--steps", "1", "--runs", "hbm", "lru-pipelined"])
+    trace.main([*TINY_MODEL, "--steps", "1", "--runs", "hbm", "lru-pipelined", "--placement", "managed_cached"])
     out = capsys.readouterr().out
-    assert "== lru-pipelined" in out and "host ms / step: step" in out
+    assert "== lru-pipelined (managed_cached, zero_copy mover)" in out and "host ms / step: step" in out
 
 
 def test_cli_bench_fbgemm_without_fbgemm_times_our_side(capsys, tmp_path):
