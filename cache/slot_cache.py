@@ -38,7 +38,7 @@ from dataclasses import fields
 
 import torch
 
-from tiered_tbe.base.graphs import StepGraphs, to_device
+from tiered_tbe.base.graphs import StepGraphs
 from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.cache import _kernels, batch_kernels
@@ -56,7 +56,6 @@ from tiered_tbe.cache.policy import (
 )
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.cache.tables import CachedTable, check_tables
-from tiered_tbe.cache.zero_copy import ZeroCopyMover
 
 __all__ = ["MAX_LOOKAHEAD", "CacheBatch", "CachedTable", "SlotCache"]
 
@@ -64,6 +63,8 @@ __all__ = ["MAX_LOOKAHEAD", "CacheBatch", "CachedTable", "SlotCache"]
 # prefetch's kernels sum them.
 _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
 assert tuple(_DEVICE_COUNTERS) == batch_kernels.COUNTER_NAMES, "batch_kernels.COUNTER_NAMES must follow CacheStats"
+# Tensors SlotCache._assign returns before its moves (slot_of_index .. order).
+_ASSIGN_OUTPUTS = 5
 
 
 class CacheBatch:
@@ -118,7 +119,7 @@ class SlotCache:
         mover: ``"zero_copy"`` or ``"staged"`` (:mod:`tiered_tbe.cache.mover`).
         mover_threads, staging_rows: the staged mover's host threads per copy and rows per
             staging buffer (:class:`~tiered_tbe.cache.staged.StagedMover`).
-        cuda_graphs: on a GPU, replay each batch shape's prefetch (with the zero-copy mover), unlock
+        cuda_graphs: on a GPU, replay each batch shape's prefetch (its device work, with either mover), unlock
             and mark_dirty as CUDA graphs (``base/graphs.py``; bit-identical to their launches one by one).
 
     Per-slot tensors (``S = num_slots``; slot ``s`` is way ``s % associativity`` of set
@@ -481,23 +482,22 @@ class SlotCache:
 
     def _assign_and_move(self, rows: torch.Tensor):
         """(slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, the mover's ticket) of a
-        batch: :meth:`_assign`, then the mover's start. With the zero-copy mover (device work only)
-        both replay as one CUDA graph per batch shape (``base/graphs.py``; the step reaches the
-        kernels in a tensor)."""
+        batch: :meth:`_assign` and the mover's device work (:meth:`RowMover.enqueue`) replay as one
+        CUDA graph per batch shape (``base/graphs.py``; the step reaches the kernels in a tensor),
+        then the mover's host part (:meth:`RowMover.hand_off`: the staged mover hands the lists to
+        its threads) runs on the host."""
         step = torch.tensor([self._step], dtype=torch.int64)
-        if self.mover.name != ZeroCopyMover.name:  # the staged mover's start hands work to host threads
-            *outputs, moves = self._assign(*to_device((rows, step), self.device))
-            return *outputs, self.mover.start(moves, self._step)
 
         def enqueue(tensors):
             *outputs, moves = self._assign(*tensors)
-            self.mover.start(moves, self._step)  # the zero-copy mover's start ignores the step
-            return tuple(outputs)
+            return (*outputs, *self.mover.enqueue(moves))
 
         window_bits = self._upcoming.window_bits
         key = (self._policy_code == POLICY_LOOKAHEAD and window_bits is not None,
                None if window_bits is None else window_bits.data_ptr())
-        return *self._prefetch_graphs.run(key, (rows, step), enqueue, self.device), None
+        results = self._prefetch_graphs.run(key, (rows, step), enqueue, self.device)
+        outputs, enqueued = results[:_ASSIGN_OUTPUTS], results[_ASSIGN_OUTPUTS:]
+        return *outputs, self.mover.hand_off(enqueued, self._step)
 
     def _assign(self, rows: torch.Tensor, step: torch.Tensor) -> tuple:
         """(slot_of_index int32 [N], locked_slots int32 [N], bypassed_rows int64 [N], sorted_rows [N],

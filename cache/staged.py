@@ -154,14 +154,20 @@ class StagedMover(RowMover):
 
     # ------------------------------------------------------------------ the prefetch's side
 
-    def start(self, moves: Moves, step: int) -> _Job:
-        """Compact the moves on the current stream and hand them to the threads (no host sync)."""
+    def enqueue(self, moves: Moves) -> tuple[torch.Tensor, ...]:
+        """Compact the moves on the current stream (device work only; the slot cache graphs it
+        with the prefetch): ``(fill_rows, fill_slots, back_rows, back_slots, counts)``, int64."""
         filled = moves.outcome == OUTCOME_FILLED
         fill_rows, fill_slots = _compact(filled, moves.unique_rows, moves.slot_of_unique.long())
         # The dirty victims are distinct rows (Moves.write_back_keys): sorted, they are the prefix.
         back_keys, order = stable_sort(moves.write_back_keys)
         counts = torch.stack([filled.sum(), moves.victim_was_dirty.sum(dtype=torch.int64)])
-        job = _Job(fill_rows, fill_slots, back_keys.long(), moves.slot_of_unique[order].long(), counts)
+        return fill_rows, fill_slots, back_keys.long(), moves.slot_of_unique[order].long(), counts
+
+    def hand_off(self, enqueued: tuple[torch.Tensor, ...], step: int) -> _Job:
+        """Hand :meth:`enqueue`'s lists to the threads, their counts behind an event (no host sync)."""
+        job = _Job(*enqueued)
+        counts = job.counts
         if self.is_cuda:
             job.counts = torch.empty(2, dtype=torch.int64, pin_memory=True)
             job.counts.copy_(counts, non_blocking=True)

@@ -47,7 +47,7 @@ class ZeroCopyMover(RowMover):
         self.copy_rows_per_block = DEFAULT_COPY_ROWS_PER_BLOCK  # warps per copy block (GPU only)
         self._copy_groups = self._make_copy_groups(weights, state, tables)
 
-    def start(self, moves: Moves, step: int) -> None:
+    def enqueue(self, moves: Moves) -> tuple[torch.Tensor, ...]:
         # A slot's old row leaves before its new row arrives: write-backs first, then fills. The
         # dirty victims are distinct rows, written in ascending order (the GPU writes host memory
         # ~2.5x faster in row order); the padding keys sort last and lie outside every table.
@@ -57,7 +57,7 @@ class ZeroCopyMover(RowMover):
                        to_backing=True, num_entries=moves.num_unique)
         self.copy_rows(moves.outcome, OUTCOME_FILLED, moves.unique_rows, moves.slot_of_unique, to_backing=False,
                        num_entries=moves.num_unique)
-        return None
+        return ()  # nothing to hand off: the fills are done when the prefetch's stream gets here
 
     def wait_filled(self, ticket) -> None:
         pass  # the fills ran on the prefetch's stream, which the caller already waits for

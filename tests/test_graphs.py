@@ -62,9 +62,9 @@ def _batches(steps: int, num_tables: int, shapes: list[tuple[int, int]], seed: i
 
 
 def _train(graphs: bool, batches, optimizer, placement=Placement.DEVICE, dtype=torch.float32,
-           stochastic_rounding=False, pooling="sum", weighted=False):
+           stochastic_rounding=False, pooling="sum", weighted=False, mover=None):
     tables = [TableSpec(ROWS, DIM, name=f"t{i}", placement=placement) for i in range(3)]
-    cache = CacheConfig(fraction=0.05) if placement.is_cached else None
+    cache = CacheConfig(fraction=0.05, mover=mover) if placement.is_cached else None
     module = TieredEmbeddingBags(tables, pooling=pooling, optimizer=optimizer, weights_dtype=dtype, device="cuda",
                                  cache=cache, bounds_check="off", seed=5, stochastic_rounding=stochastic_rounding,
                                  cuda_graphs=graphs)
@@ -81,6 +81,8 @@ CASES = {
     "fp16_stochastic_rounding": dict(optimizer=RowwiseAdagrad(lr=0.05), dtype=torch.float16,
                                      stochastic_rounding=True),  # the philox counter changes every step
     "cached": dict(optimizer=RowwiseAdagrad(lr=0.05), placement=Placement.HOST_CACHED),
+    # The staged mover's device part (its lists) replays with the prefetch; its hand-off to the threads does not.
+    "cached_staged": dict(optimizer=RowwiseAdagrad(lr=0.05), placement=Placement.HOST_CACHED, mover="staged"),
 }
 
 
@@ -99,6 +101,8 @@ def test_graphed_training_equals_eager_bitwise(case):
         assert graphs.replays == len(batches) - len(shapes), "every later batch of a shape replays its graph"
     for key in expected:
         assert torch.equal(got[key], expected[key]), f"{case}: {key}"
+    if module.cache:
+        module.cache.close()
 
 
 @pytest.mark.gpu
