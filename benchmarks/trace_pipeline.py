@@ -4,7 +4,8 @@ stream sits idle.
 
 The model and batches of ``bench_pipeline.py`` (same flags). For each run (``--runs``: all-HBM,
 serial LRU, pipelined LRU, pipelined lookahead) it trains ``--warmup`` steps, then records
-``--steps`` steps with ``torch.profiler`` and reads the kernels of the trace back:
+``--steps`` steps with ``torch.profiler`` (after one more that settles the profiler's start and is
+left out, ``steady_steps``) and reads the kernels of the trace back:
 
 - per CUDA stream: busy ms per step (the union of its kernel and copy intervals), kernels per
   step, and its top kernels by time;
@@ -52,7 +53,7 @@ PHASES = ("pipeline", "forward", "backward", "optimizer")
 
 
 def train_and_trace(model, batches, args, pipelined: bool, trace_path: Path | None) -> dict:
-    """Train ``warmup`` steps, record ``steps`` more; return the trace's events (chrome JSON)."""
+    """Train ``warmup`` steps, record ``1 + steps`` more; return the trace's events (chrome JSON)."""
     dense_optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
     loss_fn = nn.BCEWithLogitsLoss()
     lookahead = args.lookahead if model.embeddings.uses_lookahead else 0
@@ -61,7 +62,7 @@ def train_and_trace(model, batches, args, pipelined: bool, trace_path: Path | No
     activities = [ProfilerActivity.CPU] + ([] if SIMULATION else [ProfilerActivity.CUDA])
     prof = profile(activities=activities)
     try:
-        for i in range(args.warmup + args.steps):
+        for i in range(args.warmup + 1 + args.steps):  # one settling step first (see steady_steps)
             if i == args.warmup:
                 common.synchronize()
                 prof.start()
@@ -123,6 +124,35 @@ def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> lis
         else:
             j += 1
     return both
+
+
+def steady_steps(events: list[dict]) -> list[dict]:
+    """``events`` less the first traced step's: its host annotations and the GPU work launched
+    before the second ``step`` annotation began (matched to its launch by correlation id).
+
+    The trace starts after a synchronize, so in its first step the GPU waits for the host to
+    queue work again; that start-up gap (9 ms on the H200) is no idle time of training.
+    Traces without two steps or without correlation ids come back whole."""
+    starts = sorted(e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                    and e["name"] == "step")
+    if len(starts) < 2:
+        return events
+    cutoff = starts[1]
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    if not launched:
+        return events
+    kept = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") in GPU_CATEGORIES:
+            if launched.get(e["args"].get("correlation"), cutoff) < cutoff:
+                continue
+        elif e.get("ts", cutoff) < cutoff:
+            continue
+        kept.append(e)
+    return kept
 
 
 def summarize(events: list[dict], steps: int, top: int) -> list[str]:
@@ -191,7 +221,7 @@ def main(argv=None) -> int:
         trace_path = args.trace_dir / f"trace_{name}.json" if args.trace_dir else None
         events = train_and_trace(model, batches, args, pipelined, trace_path)
         print(f"== {name}" + (f" ({placement.value}, {args.mover[0]} mover)" if cached else ""))
-        for line in summarize(events, args.steps, args.top):
+        for line in summarize(steady_steps(events), args.steps, args.top):
             print(line, flush=True)
         del model, emb
         free()

@@ -318,6 +318,19 @@ def test_trace_pipeline_measures_busy_overlap_and_idle_time_per_stream(capsys):
     assert "stream 7: busy 4.000 ms / step (80% of the span), idle 1.000 ms / step, 1 kernels / step" in lines
     assert "stream 13: busy 1.000 ms / step" in lines
     assert "streams 7 and 13 both busy: 0.500 ms / step" in lines
+    # The first traced step is left out: its annotations and the GPU work launched before the second began.
+    def launch(correlation, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5,
+                "args": {"correlation": correlation}}
+
+    def step(ts):
+        return {"ph": "X", "cat": "user_annotation", "name": "step", "ts": ts, "dur": 100}
+
+    late_first = kernel("gemm", 7, 9000, 9500) | {"args": {"stream": 7, "correlation": 1}}
+    second = kernel("gemm", 7, 9600, 9900) | {"args": {"stream": 7, "correlation": 2}}
+    steady = trace.steady_steps([step(0), step(200), launch(1, 50), launch(2, 250), late_first, second])
+    assert [e["name"] for e in steady] == ["step", "cudaLaunchKernel", "gemm"] and steady[2]["ts"] == 9600
+    assert trace.steady_steps(events) == events  # one step, or no correlation ids: whole
     trace.main([*TINY_MODEL, "--steps", "1", "--runs", "hbm", "lru-pipelined", "--placement", "managed_cached"])
     out = capsys.readouterr().out
     assert "== lru-pipelined (managed_cached, zero_copy mover)" in out and "host ms / step: step" in out
