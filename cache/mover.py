@@ -104,21 +104,16 @@ class RowMover:
 
     name = ""
 
-    def start(self, moves: Moves, step: int):
-        """Begin the write-backs and fills one prefetch (its cache ``step``) decided; returns a
-        ticket for :meth:`wait_filled` (or None). Enqueues work on the current stream and
-        never waits for the device: :meth:`enqueue`, then :meth:`hand_off`."""
-        return self.hand_off(self.enqueue(moves), step)
-
     def enqueue(self, moves: Moves) -> tuple[torch.Tensor, ...]:
-        """The device part of :meth:`start`: launches on the current stream only, no host work
-        that must happen per batch, so the slot cache captures it with its prefetch in one CUDA
-        graph. Returns the device tensors :meth:`hand_off` needs (a replay passes copies)."""
+        """Begin the write-backs and fills one prefetch decided, device part: launches on the
+        current stream only, so the slot cache captures it with its prefetch in one CUDA graph.
+        Returns the device tensors :meth:`hand_off` needs (a replay passes copies)."""
         raise NotImplementedError
 
-    def hand_off(self, enqueued: tuple[torch.Tensor, ...], step: int):
-        """The host part of :meth:`start`, after :meth:`enqueue`'s work (run or replayed) on the
-        current stream: hand ``enqueued`` to whatever carries the rows; returns the ticket."""
+    def hand_off(self, enqueued: tuple[torch.Tensor, ...]):
+        """The host part, after :meth:`enqueue`'s work (run or replayed) on the current stream:
+        hand ``enqueued`` to whatever carries the rows; returns a ticket for :meth:`wait_filled`
+        (or None). Never waits for the device."""
         return None
 
     def wait_filled(self, ticket) -> None:

@@ -497,7 +497,7 @@ class SlotCache:
                None if window_bits is None else window_bits.data_ptr())
         results = self._prefetch_graphs.run(key, (rows, step), enqueue, self.device)
         outputs, enqueued = results[:_ASSIGN_OUTPUTS], results[_ASSIGN_OUTPUTS:]
-        return *outputs, self.mover.hand_off(enqueued, self._step)
+        return *outputs, self.mover.hand_off(enqueued)
 
     def _assign(self, rows: torch.Tensor, step: torch.Tensor) -> tuple:
         """(slot_of_index int32 [N], locked_slots int32 [N], bypassed_rows int64 [N], sorted_rows [N],

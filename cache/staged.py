@@ -164,13 +164,12 @@ class StagedMover(RowMover):
         counts = torch.stack([filled.sum(), moves.victim_was_dirty.sum(dtype=torch.int64)])
         return fill_rows, fill_slots, back_keys.long(), moves.slot_of_unique[order].long(), counts
 
-    def hand_off(self, enqueued: tuple[torch.Tensor, ...], step: int) -> _Job:
+    def hand_off(self, enqueued: tuple[torch.Tensor, ...]) -> _Job:
         """Hand :meth:`enqueue`'s lists to the threads, their counts behind an event (no host sync)."""
         job = _Job(*enqueued)
-        counts = job.counts
-        if self.is_cuda:
-            job.counts = torch.empty(2, dtype=torch.int64, pin_memory=True)
-            job.counts.copy_(counts, non_blocking=True)
+        if self.is_cuda:  # the threads read the counts from pinned memory, after its event
+            device_counts, job.counts = job.counts, torch.empty(2, dtype=torch.int64, pin_memory=True)
+            job.counts.copy_(device_counts, non_blocking=True)
             job.counts_ready = torch.cuda.current_stream(self.device).record_event()
         self._submit(job)
         return job

@@ -253,8 +253,7 @@ class TieredEmbeddingBags(nn.Module):
             return distinct, first.sum()
 
         # One graph replay per batch shape (the batch size is part of the key: the kernels bake it in).
-        distinct, count = self._hint_graphs.run(("hint rows", batch_size), (indices, offsets), enqueue, self.device)
-        return distinct, count
+        return self._hint_graphs.run(("hint rows", batch_size), (indices, offsets), enqueue, self.device)
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, defer_unlock: bool = False) -> None:
         """Fill the cache for a batch ahead of its forward.
