@@ -1,0 +1,140 @@
+"""Where a side-by-side step's time goes on the GPU timeline: ours and FBGEMM's, phase by phase.
+
+``bench_fbgemm.py`` times each phase with CUDA events, which count the GPU's idle time as well as
+its work: a phase whose host enqueue is slower than its kernels reads slower than its kernels. For
+the configurations asked for (``bench_fbgemm``'s names, HBM ones), this trains ``--warmup`` steps of
+each side, records ``1 + --steps`` more with ``torch.profiler`` (the first left out: it starts
+after a synchronize), and prints per phase (forward, backward) and side:
+
+- host ms: how long the phase's Python call took (``out.backward`` returns once the autograd
+  thread has enqueued everything);
+- lag ms: from the phase's host start to its first GPU work beginning (the GPU idles there when
+  the previous phase's work has ended);
+- busy ms: the union of the phase's kernels and copies on the GPU (work launched in the phase);
+- span ms: from the previous phase's last GPU end to this phase's (what an event pair measures);
+- idle ms: span less busy.
+
+    python benchmarks/trace_step.py --configs big-zipf-sgd --trace-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks.bench_cache import free
+from tiered_tbe.benchmarks.bench_fbgemm import cycle, fbgemm_available, fbgemm_module, ours_module, shape_of
+from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS
+from tiered_tbe.benchmarks.trace_pipeline import GPU_CATEGORIES, union_ms
+
+PHASES = ("forward", "backward")
+
+
+def trace_steps(emb, batches, grad, warmup: int, steps: int, trace_path: Path | None) -> list[dict]:
+    """Train ``warmup`` steps, record ``1 + steps`` more; the chrome trace's events."""
+    prof = profile(activities=[ProfilerActivity.CPU] + ([] if SIMULATION else [ProfilerActivity.CUDA]))
+    for i, (indices, offsets) in enumerate(cycle(batches, warmup + 1 + steps)):
+        if i == warmup:
+            common.synchronize()
+            prof.start()
+        with record_function("step"):
+            with record_function("forward"):
+                out = emb(indices, offsets)
+            with record_function("backward"):
+                out.backward(grad)
+        del out
+    common.synchronize()
+    prof.stop()
+    path = trace_path or Path(f"/tmp/trace_step_{id(prof)}.json")
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    if trace_path is not None:
+        with gzip.open(f"{path}.gz", "wt") as gz:
+            json.dump({"traceEvents": events}, gz)
+    path.unlink()
+    return events
+
+
+def phase_table(events: list[dict]) -> dict[str, dict[str, float]]:
+    """Per phase, medians over the steps after the first: host, lag, busy, span and idle ms."""
+    marks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"] in PHASES)
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+    work: dict[int, list[tuple[float, float]]] = defaultdict(list)  # mark index -> GPU intervals
+    for e in gpu:
+        launched = launches.get(e["args"].get("correlation"))
+        if launched is None:
+            continue
+        # The phase whose host interval holds the launch (the autograd thread's launches fall inside
+        # the main thread's "backward" mark, which waits for them).
+        for index, (start, stop, _) in enumerate(marks):
+            if start <= launched <= stop:
+                work[index].append((e["ts"], e["ts"] + e["dur"]))
+                break
+    rows: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in PHASES}
+    previous_end = None
+    for index, (start, stop, name) in enumerate(marks):
+        intervals = work.get(index)
+        if not intervals:
+            continue
+        first = min(s for s, _ in intervals)
+        last = max(e for _, e in intervals)
+        busy = union_ms(intervals)
+        if previous_end is not None and index >= len(PHASES):  # leave the first traced step out
+            span = (last - max(previous_end, min(start, first))) / 1e3
+            row = rows[name]
+            row["host"].append((stop - start) / 1e3)
+            row["lag"].append(max(first - max(start, previous_end), 0.0) / 1e3)
+            row["busy"].append(busy)
+            row["span"].append(span)
+            row["idle"].append(span - busy)
+        previous_end = last
+    return {name: {key: common.median(values) for key, values in row.items()} for name, row in rows.items() if row}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=["big-zipf-sgd"], choices=[c.name for c in CONFIGS
+                                                                                  if not c.cached])
+    parser.add_argument("--warmup", type=int, default=10, help="steps before tracing (default 10)")
+    parser.add_argument("--steps", type=int, default=8, help="steps traced (default 8)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ours-only", action="store_true")
+    parser.add_argument("--trace-dir", type=Path, help="write each side's chrome trace here (gzipped)")
+    args = parser.parse_args(argv)
+    args.mover = args.state_layout = None  # what ours_module reads besides the config
+    device = default_device()
+    print(describe_mode(), flush=True)
+    sides = ["ours"] + ([] if args.ours_only or fbgemm_available() else ["fbgemm"])
+    for base in (c for c in CONFIGS if c.name in args.configs):
+        config = shape_of(base)
+        sampler = common.ZipfBatches(config.tables, config.alpha, config.batch_size, config.bag_size, device,
+                                     seed=args.seed)
+        batches = sampler.batches(6)
+        grad = torch.randn(config.batch_size, config.dim * len(config.tables), device=device,
+                           generator=torch.Generator(device).manual_seed(args.seed))
+        for side in sides:
+            emb = ours_module(config, args) if side == "ours" else fbgemm_module(config)
+            path = args.trace_dir / f"trace_{base.name}_{side}.json" if args.trace_dir else None
+            table = phase_table(trace_steps(emb, batches, grad, args.warmup, args.steps, path))
+            print(f"== {base.name}, {side} (ms per step, medians)")
+            for name, row in table.items():
+                print(f"   {name:<9}" + "  ".join(f"{key} {value:.3f}" for key, value in row.items()), flush=True)
+            del emb
+            free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
