@@ -92,6 +92,23 @@ def run_columns(
 
 
 @triton.jit
+def lookup_keys(
+    positions,  # int64 tensor: sorted positions
+    valid,  # bool, same shape: which positions count
+    order_ptr,  # int32 [N]: lookup at each sorted position (read for pooling none only)
+    sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
+    POOLING: tl.constexpr,  # pooling code (kernels/addressing.py)
+):
+    """int32, the shape of ``positions``: what locates each position's gradient row, its bag
+    (pooled) or its lookup (pooling none); 0 where not valid. A load of its own so that a caller
+    walking a run can issue the next position's key before it waits for this one's gradient
+    (``_sum_runs_one_lane``)."""
+    if POOLING == POOLING_NONE_CONSTEXPR:
+        return tl.load(order_ptr + positions, mask=valid, other=0)
+    return tl.load(sorted_bags_ptr + positions, mask=valid, other=0)
+
+
+@triton.jit
 def lookup_gradients(
     positions,  # int64 [F] or [ROWS, LANES]: sorted positions, each run's positions in one row of the tile
     valid,  # bool, same shape: which positions count
@@ -118,16 +135,31 @@ def lookup_gradients(
     before its gradient row, not three (bag, then the table's dim and first column).
 
     A 2-D tile of positions (a row of lanes per run) lets a run's lanes be summed in registers
-    (``tl.sum(axis=1)``), as the forward's tiles (kernels/addressing.py ``lookup_rows``). The
-    pointers' alignment hint is given here, where they are made: applied in the callers, Triton
+    (``tl.sum(axis=1)``), as the forward's tiles (kernels/addressing.py ``lookup_rows``)."""
+    keys = lookup_keys(positions, valid, order_ptr, sorted_bags_ptr, POOLING)
+    return gradients_of_keys(keys, positions, valid, tables, first_columns, in_row, offsets_ptr, sorted_weights_ptr,
+                             grad_output_ptr, grad_output_stride, batch_size, columns, POOLING,
+                             HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES)
+
+
+@triton.jit
+def gradients_of_keys(
+    keys,  # int32, the shape of positions: lookup_keys of the positions
+    positions,  # int64 [F] or [ROWS, LANES]: sorted positions
+    valid,  # bool, same shape: which positions count
+    tables, first_columns, in_row,  # as lookup_gradients'
+    offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size, columns,  # as lookup_gradients'
+    POOLING: tl.constexpr, HAS_PER_SAMPLE_WEIGHTS: tl.constexpr, GRAD_ALIGN_BYTES: tl.constexpr,
+):
+    """``lookup_gradients`` of positions whose keys (``lookup_keys``) are loaded already.
+
+    The pointers' alignment hint is given here, where they are made: applied in the callers, Triton
     3.6 dropped it and the backward's 16-byte loads halved (0.47 -> 0.56 ms of update kernels at
     Zipf 1.05 on the H200, RESULTS.md 2026-12-02)."""
     if POOLING == POOLING_NONE_CONSTEXPR:
-        lookups = tl.load(order_ptr + positions, mask=valid, other=0).to(tl.int64)  # int32: 64-bit addresses
-        pointers = grad_output_ptr + lookups * grad_output_stride
+        pointers = grad_output_ptr + keys.to(tl.int64) * grad_output_stride  # int32 lookups: 64-bit addresses
     else:
-        bags = tl.load(sorted_bags_ptr + positions, mask=valid, other=0)
-        samples = bags - tables * batch_size
+        samples = keys - tables * batch_size
         pointers = grad_output_ptr + samples.to(tl.int64) * grad_output_stride + first_columns
     if len(positions.shape) == 2:  # tl.multiple_of takes one value per dimension
         pointers = tl.multiple_of(pointers, [GRAD_ALIGN_BYTES, GRAD_ALIGN_BYTES])
@@ -137,8 +169,8 @@ def lookup_gradients(
     if HAS_PER_SAMPLE_WEIGHTS:
         tile = tile * tl.expand_dims(tl.load(sorted_weights_ptr + positions, mask=valid, other=0.0), -1)
     if POOLING == POOLING_MEAN_CONSTEXPR:
-        lengths = (tl.load(offsets_ptr + bags + 1, mask=valid, other=1)
-                   - tl.load(offsets_ptr + bags, mask=valid, other=0))
+        lengths = (tl.load(offsets_ptr + keys + 1, mask=valid, other=1)
+                   - tl.load(offsets_ptr + keys, mask=valid, other=0))
         tile = tile / tl.expand_dims(tl.maximum(lengths, 1).to(tl.float32), -1)
     return tile
 
