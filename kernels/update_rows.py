@@ -176,6 +176,36 @@ def gradients_of_keys(
 
 
 @triton.jit
+def random_words(
+    global_rows,  # int64 [R]: the rows being updated
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: the philox key and step)
+    BLOCK_D: tl.constexpr,  # columns of a row tile
+):
+    """uint32 [R, BLOCK_D]: uniform random words, a distinct draw per (row, column, step, seed).
+
+    Philox makes four words a call: each call serves four adjacent columns (its counter: column
+    quad, row low word, row high word, step), as FBGEMM's stochastic rounding draws four values a
+    call. A call per element made fp16 stochastic rounding cost more than the whole row update
+    without it (the row-update kernel 0.52 against 0.31 ms at big Zipf, H200, RESULTS.md 2026-12-03)."""
+    seed = tl.load(step_args_ptr + 1).to(tl.int32)
+    step = tl.load(step_args_ptr + 2).to(tl.int32)
+    low = (global_rows & 0xFFFFFFFF).to(tl.int32)[:, None]
+    high = (global_rows >> 32).to(tl.int32)[:, None]
+    if BLOCK_D >= 4:
+        quads = tl.arange(0, BLOCK_D // 4)[None, :]
+        zeros = tl.zeros([global_rows.shape[0], BLOCK_D // 4], dtype=tl.int32)
+        first, second, third, fourth = tl.philox(seed, quads + zeros, low + zeros, high + zeros, zeros + step)
+        # Column 4q + k takes word k of quad q: [R, Q, 2, 2] indexed [q, k // 2, k % 2], then flattened.
+        words = tl.join(tl.join(first, third), tl.join(second, fourth))
+        return tl.reshape(words, [global_rows.shape[0], BLOCK_D])
+    else:
+        zeros = tl.zeros([global_rows.shape[0], BLOCK_D], dtype=tl.int32)
+        first, _, _, _ = tl.philox(seed, tl.arange(0, BLOCK_D)[None, :] + zeros, low + zeros, high + zeros,
+                                   zeros + step)
+        return first
+
+
+@triton.jit
 def stochastic_round(
     values,  # fp32 tile: the exact new weights
     random_bits,  # uint32, same shape: uniform random bits, one word per value
@@ -249,14 +279,7 @@ def update_rows(
     state = OPTIMIZER_LOAD_STATE(state_rows, columns, row_mask, mask, dims)
     weights, state = OPTIMIZER_UPDATE(weights, grad, state, mask, dims, load_hyper(hyper_ptr, NUM_HYPER))
     if STOCHASTIC_ROUNDING:
-        seed = tl.load(step_args_ptr + 1).to(tl.int32)
-        step = tl.load(step_args_ptr + 2).to(tl.int32)
-        # Philox counter (column, row low word, row high word, step): a distinct draw per element and step.
-        zeros = tl.zeros_like(mask.to(tl.int32))
-        random_bits, _, _, _ = tl.philox(seed, columns[None, :] + zeros,
-                                         (global_rows & 0xFFFFFFFF).to(tl.int32)[:, None] + zeros,
-                                         (global_rows >> 32).to(tl.int32)[:, None] + zeros, zeros + step)
-        weights = stochastic_round(weights, random_bits, element)
+        weights = stochastic_round(weights, random_words(global_rows, step_args_ptr, columns.shape[0]), element)
     tl.debug_barrier()
     OPTIMIZER_STORE_STATE(state_rows, state, columns, row_mask, mask, dims)
     tl.store(weight_rows[:, None] + columns[None, :], weights.to(element), mask=mask)
