@@ -117,12 +117,12 @@ def staging(device: torch.device) -> PinnedRing:
 class _Captured:
     """One key's graph and its static inputs (device tensors the graph reads)."""
 
-    def __init__(self, graph, statics: list[torch.Tensor | None], host_values: list[torch.Tensor | None],
+    def __init__(self, graph, statics: list[torch.Tensor | None], host_values: list[bytes | None],
                  outputs: Outputs):
         self.graph = graph
         self.statics = statics
         self.outputs = outputs  # the graph's outputs (its pool's memory), overwritten by each replay
-        self.host_values = host_values  # the values last copied into each static of a host input
+        self.host_values = host_values  # the bytes last copied into each static of a host input
 
 
 class StepGraphs:
@@ -199,11 +199,13 @@ class StepGraphs:
             if tensor is None:
                 continue
             if tensor.device.type == "cpu":
-                last = captured.host_values[index]
-                if last is not None and torch.equal(last, tensor):
+                # Compared as bytes: a host tensor here is a handful of scalars, and torch.equal and
+                # clone were two more op dispatches on the path to the replay (the GPU idles until it).
+                values = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+                if captured.host_values[index] == values:
                     continue  # the static already holds these values
                 copy_to_device(static, tensor)
-                captured.host_values[index] = tensor.clone()
+                captured.host_values[index] = values
             else:
                 static.copy_(tensor)
         captured.graph.replay()
