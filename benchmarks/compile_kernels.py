@@ -171,8 +171,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
         label = f"row update ({name}) R{config.rows} L{config.lanes} w{config.num_warps}"
         results.append(_report(label, backward._row_update_kernel.warmup(
             i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, ROWS=config.rows,
-            BLOCK_L=config.lanes, PREFETCH_KEYS=bool(config.prefetch_keys), grid=grid, num_warps=config.num_warps),
-            arch))
+            BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
         results.append(_report(f"hot row update ({name})", backward.hot_row_update_kernel.warmup(
             f32, f32, i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, GROUP=32,
             WINDOWS=config.hot_windows, BLOCK_P=32, BLOCK_L=backward.HOT_LANES, grid=grid, num_warps=4), arch))

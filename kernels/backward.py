@@ -84,9 +84,6 @@ class BackwardConfig(NamedTuple):
     # find no pure window) and from 0.739 to 0.706 at Zipf 1.05 (RESULTS.md, 2026-12-02).
     sum_windows: int = 2 if INTERPRETING else 8
     sum_warps: int = 4 if INTERPRETING else 2
-    # Whether _row_update_kernel's one-lookup-a-step walk loads each next bag before it waits for
-    # this step's gradient rows (one round trip a step instead of two).
-    prefetch_keys: int = 1
 
 
 def default_config(block_d: int) -> BackwardConfig:
@@ -158,7 +155,6 @@ def _row_update_kernel(
     ROWS: tl.constexpr,  # runs per program
     BLOCK_L: tl.constexpr,  # lookups of each run per step in tiles whose longest run has more than one
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
-    PREFETCH_KEYS: tl.constexpr,  # runs walked one lookup a step load the next step's bags first
 ):
     # Tiles of runs, a grid's stride apart, up to the batch's count of runs (read here, on the device):
     # a grid sized by lookups would mostly be programs that find no run (90% of them on Criteo).
@@ -177,12 +173,10 @@ def _row_update_kernel(
                              grad_output_stride, batch_size, columns)
             if BLOCK_L == 1:
                 grad = _sum_runs_one_lane(starts, ends, row_mask, tables, first_columns, mask, longest, gradient_args,
-                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, BLOCK_D,
-                                          PREFETCH_KEYS)
+                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, BLOCK_D)
             elif longest == 1:  # runs of one lookup (most tiles at uniform lookups): no idle lanes
                 grad = _sum_runs_one_lane(starts, ends, row_mask, tables, first_columns, mask, longest, gradient_args,
-                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, BLOCK_D,
-                                          PREFETCH_KEYS)
+                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, BLOCK_D)
             else:  # [ROWS, BLOCK_L, BLOCK_D] tiles, summed over their lanes in registers
                 lanes = tl.arange(0, BLOCK_L)
                 grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
@@ -216,34 +210,25 @@ def _sum_runs_one_lane(
     gradient_args,  # lookup_gradients' pointer and size arguments, as _row_update_kernel passes them
     ROWS: tl.constexpr, POOLING: tl.constexpr, HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,
     GRAD_ALIGN_BYTES: tl.constexpr, BLOCK_D: tl.constexpr,  # as _row_update_kernel's
-    PREFETCH_KEYS: tl.constexpr,  # load each next position's key before this one's gradient row
 ):
     """fp32 [ROWS, BLOCK_D]: each run's gradient, one lookup of every run a step.
 
     A step's gradient row is addressed by its key (bag), itself a load: walked plainly, each step
-    waits for two loads one after the other. With ``PREFETCH_KEYS`` the next step's keys are
-    loaded before this step's rows are waited for, so a step waits for one round trip."""
+    would wait for two loads one after the other. The next step's keys are loaded before this
+    step's rows are waited for, so a step waits for one round trip (neutral to 0.07 ms faster on
+    the H200's backwards, fifteenth session)."""
     order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size, \
         columns = gradient_args
     grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    if PREFETCH_KEYS:
-        keys = lookup_keys(starts, (starts < ends) & row_mask, order_ptr, sorted_bags_ptr, POOLING)
-        for step_start in range(0, longest):
-            positions = starts + step_start
-            following = positions + 1
-            next_keys = lookup_keys(following, (following < ends) & row_mask, order_ptr, sorted_bags_ptr, POOLING)
-            grad += gradients_of_keys(keys, positions, (positions < ends) & row_mask, tables, first_columns, in_row,
-                                      offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride,
-                                      batch_size, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES)
-            keys = next_keys
-    else:
-        for step_start in range(0, longest):
-            positions = starts + step_start
-            grad += gradients_of_keys(
-                lookup_keys(positions, (positions < ends) & row_mask, order_ptr, sorted_bags_ptr, POOLING),
-                positions, (positions < ends) & row_mask, tables, first_columns, in_row, offsets_ptr,
-                sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size, columns, POOLING,
-                HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES)
+    keys = lookup_keys(starts, (starts < ends) & row_mask, order_ptr, sorted_bags_ptr, POOLING)
+    for step_start in range(0, longest):
+        positions = starts + step_start
+        following = positions + 1
+        next_keys = lookup_keys(following, (following < ends) & row_mask, order_ptr, sorted_bags_ptr, POOLING)
+        grad += gradients_of_keys(keys, positions, (positions < ends) & row_mask, tables, first_columns, in_row,
+                                  offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size,
+                                  columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES)
+        keys = next_keys
     return grad
 
 
@@ -423,5 +408,5 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
         BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES, num_warps=4)
     _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, config.rows), config.tiles),)](
         s.num_runs, s.run_end, *gradient_args, *update_args, num_lookups, plan.batch_size,
-        **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, PREFETCH_KEYS=bool(config.prefetch_keys),
+        **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes,
         num_warps=config.num_warps)

@@ -358,13 +358,12 @@ def test_backward_update_matches_reference(pooling, name, device):
     assert_stores_close(stores, expected, torch.float32)
 
 
-@pytest.mark.parametrize("prefetch_keys", [0, 1])
 @pytest.mark.parametrize("lanes", [1, 4])
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
-def test_backward_row_update_lanes(pooling, lanes, prefetch_keys, device):
-    """The row-update kernel walks each run one lookup a step (lanes=1, a 2-D tile; with each next
-    bag loaded ahead or not) or several (a [rows, lanes, columns] tile summed over its lanes): each
-    matches the reference, with per-sample weights, slots and runs longer than a step."""
+def test_backward_row_update_lanes(pooling, lanes, device):
+    """The row-update kernel walks each run one lookup a step (lanes=1, a 2-D tile, each next bag
+    loaded ahead) or several (a [rows, lanes, columns] tile summed over its lanes): both match the
+    reference, with per-sample weights, slots and runs longer than a step."""
     optimizer = ALL_OPTIMIZERS["rowwise_adagrad"]
     # A table of 400 rows and 12 bags a table: runs of one lookup (the uniform rows) beside long
     # runs (the hot rows); with make_batch's default sizes ~5% of batches had no tile of single lookups.
@@ -382,7 +381,7 @@ def test_backward_row_update_lanes(pooling, lanes, prefetch_keys, device):
     reference_backward_update(grad_output, expected, lookups, slot_of_index, pooling, optimizer, STEP)
     # A chunk wider than every run: all rows go through the row-update kernel.
     backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, STEP,
-                    config=BackwardConfig(rows=2, lanes=lanes, num_warps=4, chunk=1024, prefetch_keys=prefetch_keys),
+                    config=BackwardConfig(rows=2, lanes=lanes, num_warps=4, chunk=1024),
                     sorted_lookups=sorted_lookups)
 
     assert_stores_close(stores, expected, torch.float32)
