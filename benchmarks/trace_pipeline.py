@@ -81,7 +81,12 @@ def train_and_trace(model, batches, args, pipelined: bool, trace_path: Path | No
     finally:
         if pipelined:
             source.close()
-    path = trace_path or Path(f"/tmp/trace_pipeline_{id(prof)}.json")
+    return trace_events(prof, trace_path)
+
+
+def trace_events(prof, trace_path: Path | None) -> list[dict]:
+    """The chrome-trace events of a stopped profiler; written gzipped to ``trace_path`` if given."""
+    path = trace_path or Path(f"/tmp/trace_{id(prof)}.json")
     prof.export_chrome_trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
     if trace_path is not None:

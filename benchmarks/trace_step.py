@@ -20,8 +20,6 @@ after a synchronize), and prints per phase (forward, backward) and side:
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -34,7 +32,7 @@ from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.bench_cache import free
 from tiered_tbe.benchmarks.bench_fbgemm import cycle, fbgemm_available, fbgemm_module, ours_module, shape_of
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS
-from tiered_tbe.benchmarks.trace_pipeline import GPU_CATEGORIES, union_ms
+from tiered_tbe.benchmarks.trace_pipeline import GPU_CATEGORIES, trace_events, union_ms
 
 PHASES = ("forward", "backward")
 
@@ -54,14 +52,7 @@ def trace_steps(emb, batches, grad, warmup: int, steps: int, trace_path: Path | 
         del out
     common.synchronize()
     prof.stop()
-    path = trace_path or Path(f"/tmp/trace_step_{id(prof)}.json")
-    prof.export_chrome_trace(str(path))
-    events = json.loads(path.read_text())["traceEvents"]
-    if trace_path is not None:
-        with gzip.open(f"{path}.gz", "wt") as gz:
-            json.dump({"traceEvents": events}, gz)
-    path.unlink()
-    return events
+    return trace_events(prof, trace_path)
 
 
 def phase_table(events: list[dict]) -> dict[str, dict[str, float]]:

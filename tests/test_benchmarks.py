@@ -336,6 +336,38 @@ def test_trace_pipeline_measures_busy_overlap_and_idle_time_per_stream(capsys):
     assert "== lru-pipelined (managed_cached, zero_copy mover)" in out and "host ms / step: step" in out
 
 
+def test_trace_step_splits_each_phase_into_lag_busy_and_idle(capsys):
+    trace = importlib.import_module("tiered_tbe.benchmarks.trace_step")
+
+    def mark(name, ts, dur):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
+
+    def launch(correlation, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5,
+                "args": {"correlation": correlation}}
+
+    def kernel(correlation, start, end):
+        return {"ph": "X", "cat": "kernel", "name": "k", "ts": start, "dur": end - start,
+                "args": {"correlation": correlation, "stream": 7}}
+
+    events = []
+    for step in range(3):  # each step 1000 us: forward host 0-100, backward host 100-600 (us after its start)
+        t, c = 1000 * step, 10 * step
+        events += [mark("forward", t, 100), launch(c, t + 50), kernel(c, t + 60, t + 160),
+                   # the backward: its first kernel waits for the host (lag), two kernels with a gap (idle)
+                   mark("backward", t + 100, 500), launch(c + 1, t + 300), kernel(c + 1, t + 310, t + 410),
+                   launch(c + 2, t + 550), kernel(c + 2, t + 560, t + 660)]
+    table = trace.phase_table(events)  # the first step left out
+    # forward: host start to its kernel 60 us; the span runs from its host start (the GPU was idle) to its end.
+    assert table["forward"] == pytest.approx({"host": 0.1, "lag": 0.06, "busy": 0.1, "span": 0.16, "idle": 0.06})
+    backward = table["backward"]
+    assert backward["host"] == 0.5 and backward["busy"] == 0.2
+    assert backward["lag"] == pytest.approx(0.15)  # forward's GPU end (160) to the first backward kernel (310)
+    assert backward["span"] == pytest.approx(0.5) and backward["idle"] == pytest.approx(0.3)  # 160 -> 660
+    trace.main(["--configs", "big-zipf-sgd", "--ours-only", "--warmup", "1", "--steps", "1"])
+    assert "== big-zipf-sgd, ours" in capsys.readouterr().out
+
+
 def test_cli_bench_fbgemm_without_fbgemm_times_our_side(capsys, tmp_path):
     """Without FBGEMM (and without a GPU) the command says so, times our side at a tiny size
     through every path (HBM, cached, pipelined) and writes its JSON; --list names the configurations."""
