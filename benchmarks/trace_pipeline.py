@@ -131,6 +131,13 @@ def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> lis
     return both
 
 
+def launch_times(events: list[dict]) -> dict[int, float]:
+    """Host timestamp (us) of each CUDA launch or copy call, by its correlation id (which its GPU
+    event carries too)."""
+    return {e["args"]["correlation"]: e["ts"] for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+
 def steady_steps(events: list[dict]) -> list[dict]:
     """``events`` less the first traced step's: its host annotations and the GPU work launched
     before the second ``step`` annotation began (matched to its launch by correlation id).
@@ -143,8 +150,7 @@ def steady_steps(events: list[dict]) -> list[dict]:
     if len(starts) < 2:
         return events
     cutoff = starts[1]
-    launched = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launched = launch_times(events)
     if not launched:
         return events
     kept = []

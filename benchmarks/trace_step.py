@@ -32,7 +32,7 @@ from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.bench_cache import free
 from tiered_tbe.benchmarks.bench_fbgemm import cycle, fbgemm_available, fbgemm_module, ours_module, shape_of
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS
-from tiered_tbe.benchmarks.trace_pipeline import GPU_CATEGORIES, trace_events, union_ms
+from tiered_tbe.benchmarks.trace_pipeline import GPU_CATEGORIES, launch_times, trace_events, union_ms
 
 PHASES = ("forward", "backward")
 
@@ -59,8 +59,7 @@ def phase_table(events: list[dict]) -> dict[str, dict[str, float]]:
     """Per phase, medians over the steps after the first: host, lag, busy, span and idle ms."""
     marks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                    if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"] in PHASES)
-    launches = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    launches = launch_times(events)
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
     work: dict[int, list[tuple[float, float]]] = defaultdict(list)  # mark index -> GPU intervals
     for e in gpu:

@@ -408,5 +408,4 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
         BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES, num_warps=4)
     _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, config.rows), config.tiles),)](
         s.num_runs, s.run_end, *gradient_args, *update_args, num_lookups, plan.batch_size,
-        **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes,
-        num_warps=config.num_warps)
+        **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
