@@ -1,15 +1,16 @@
 """Time tiered-tbe against FBGEMM_GPU's TBE side by side, in one process, on the same batches.
 
-FBGEMM_GPU's ``SplitTableBatchedEmbeddingBagsCodegen`` is what our users run today, so it is
-the baseline that counts. Each configuration builds FBGEMM's module and ours on the same table
-shapes, optimizer and weights dtype, trains both on the same batches (``common.ZipfBatches``),
-and times the forward (``module(indices, offsets)``), the backward (``out.backward(grad)``: the
-fused update) and the whole step with CUDA events, medians of ``--steps`` steps after
-``--warmup``. Cached configurations add the prefetch (FBGEMM ``MANAGED_CACHING`` with
-``cache_load_factor`` equal to our cache fraction, ``prefetch`` before each step, or with
-``prefetch_pipeline=True`` and the next batch prefetched on a side stream as TorchRec does;
-ours ``HOST_CACHED`` / ``MANAGED_CACHED``, ``prefetch`` before each step, or a depth-2
-:class:`~tiered_tbe.PrefetchPipeline`).
+FBGEMM_GPU's ``SplitTableBatchedEmbeddingBagsCodegen`` is what our users run today, so it is the
+baseline that counts. Each configuration builds FBGEMM's module and ours on the same table shapes,
+optimizer and weights dtype, trains both on the same batches (``common.ZipfBatches``), and times
+the forward (``module(indices, offsets)``), the backward (``out.backward(grad)``: the fused
+update) and the whole step with CUDA events, medians of ``--steps`` steps after ``--warmup``. With
+the tables in HBM the two sides take turns, four steps each (``time_interleaved``), so that the
+lent machine's host, whose speed wanders within a call, weighs on both alike. Cached
+configurations add the prefetch (FBGEMM ``MANAGED_CACHING`` with ``cache_load_factor`` equal to
+our cache fraction, ``prefetch`` before each step, or with ``prefetch_pipeline=True`` and the next
+batch prefetched on a side stream as TorchRec does; ours ``HOST_CACHED`` / ``MANAGED_CACHED``,
+``prefetch`` before each step, or a depth-2 :class:`~tiered_tbe.PrefetchPipeline`).
 
 Settings: both sides run without bounds checks (FBGEMM ``BoundsCheckMode.NONE``, ours
 ``bounds_check="off"``), fp32 outputs, the same learning rate and epsilon; fp16 weights use
@@ -134,11 +135,25 @@ def shape_of(config: Config) -> Config:
 
 # ------------------------------------------------------------------------------------ timing
 
+ROUND_STEPS = 4  # timed steps a side takes in a row when the sides take turns (time_interleaved)
+
 
 def time_steps(step, batches, grad, warmup: int, before=None, after_warmup=None,
                count: int | None = None) -> dict[str, float]:
     """Median ms of forward, backward and the whole step over the batches after the first ``warmup``
-    (CUDA events on the current stream).
+    (CUDA events on the current stream); the arguments are :func:`step_times`'."""
+    return medians(step_times(step, batches, grad, warmup, before, after_warmup, count))
+
+
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
+    return {phase: common.median(values) for phase, values in times.items()}
+
+
+def step_times(step, batches, grad, warmup: int, before=None, after_warmup=None,
+               count: int | None = None) -> dict[str, list[float]]:
+    """Ms of each phase (forward, backward, the whole step; ``prefetch`` with one) of each step after
+    the first ``warmup`` (CUDA events on the current stream), and the host's ms to enqueue each
+    (``host_*``).
 
     ``batches`` yields ``(indices, offsets)`` (taking the next one is part of the step: a
     PrefetchPipeline prefetches the batches ahead then); ``step(i, indices, offsets) -> output``;
@@ -180,11 +195,30 @@ def time_steps(step, batches, grad, warmup: int, before=None, after_warmup=None,
                               ("backward", done - forwarded)):
                 host.setdefault(f"host_{phase}", []).append(ms * 1e3)
         del out
-    result = {phase: common.median(times) for phase, times in timer.phases().items()}
+    result = timer.phases()
     # Host ms to enqueue each phase: where it nears the device ms, the phase is launch-bound.
-    result.update({phase: common.median(times) for phase, times in host.items()
-                   if prefetching or phase != "host_prefetch"})
+    result.update({phase: times for phase, times in host.items() if prefetching or phase != "host_prefetch"})
     return result
+
+
+def time_interleaved(steps: dict, batches: list, grad, warmup: int, count: int,
+                     round_steps: int = ROUND_STEPS) -> dict[str, dict[str, float]]:
+    """Median ms per phase of each side's steps (``steps``: name -> ``step(i, indices, offsets)``, as
+    in :func:`time_steps`), the sides taking turns: ``warmup`` untimed steps each, then rounds of
+    ``round_steps`` timed steps each, in turn (the order reversed every other round), until each has
+    ``count``. A host that slows down for a while (the lent machine's did, by up to 50%) then slows
+    every side alike, where timing one side after the other skewed their ratio."""
+    times: dict[str, dict[str, list[float]]] = {name: {} for name in steps}
+    for step in steps.values():
+        step_times(step, cycle(batches, warmup), grad, warmup=warmup)
+    order = list(steps)
+    for round_number in range(-(-count // round_steps)):
+        first = warmup + round_number * round_steps
+        for name in order if round_number % 2 == 0 else order[::-1]:
+            taken = min(round_steps, count - round_number * round_steps)
+            for phase, values in step_times(steps[name], cycle(batches, taken, first), grad, warmup=0).items():
+                times[name].setdefault(phase, []).extend(values)
+    return {name: medians(phase_times) for name, phase_times in times.items()}
 
 
 def host_profile(run, top: int) -> str:
@@ -232,6 +266,11 @@ def host_profile(run, top: int) -> str:
     return text.getvalue()
 
 
+def stepper(emb):
+    """``step(i, indices, offsets)`` of a module without a cache: its forward."""
+    return lambda i, indices, offsets: emb(indices, offsets)
+
+
 def cycle(batches, count: int, first: int = 0) -> list:
     """``count`` batches, cycling through ``batches`` from the one at ``first``."""
     return [batches[(first + i) % len(batches)] for i in range(count)]
@@ -264,12 +303,19 @@ def ours_module(config: Config, args) -> TieredEmbeddingBags:
                                state_layout=args.state_layout or config.state_layout)
 
 
-def measure_ours(config: Config, batches, grad, args) -> dict:
+def fresh_ours_module(config: Config, args) -> TieredEmbeddingBags:
     # Each configuration tunes the forward on its own batches, as a user's training would: the
     # autotuner keeps one choice per bag-length class, and the uniform big-table batches chose a
     # tile ~8% slower on the Zipf ones that followed (RESULTS.md, 2026-12-02).
     forward._pooled_forward_kernel.cache.clear()
-    emb = ours_module(config, args)
+    return ours_module(config, args)
+
+
+def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags | None = None,
+                 timed: dict | None = None) -> dict:
+    """Our side of a configuration: its timed steps (``timed``, when they were taken already with
+    ``emb``, interleaved with FBGEMM's), then what is measured of our side alone."""
+    emb = emb or fresh_ours_module(config, args)
     count = args.warmup + args.steps
 
     def forward_of(i, indices, offsets):
@@ -290,7 +336,7 @@ def measure_ours(config: Config, batches, grad, args) -> dict:
             return time_steps(forward_of, batches_run, grad, warmup, after_warmup=reset, before=before, count=count)
         return time_steps(forward_of, batches_run, grad, warmup)
 
-    result = run_steps(count, args.warmup)
+    result = dict(timed) if timed is not None else run_steps(count, args.warmup)
     if config.cached:
         stats = emb.cache_stats()
         result["hit_rate"] = stats.hit_rate_by_lookup if stats.lookups else float("nan")
@@ -376,8 +422,9 @@ def fbgemm_module(config: Config):
     return emb
 
 
-def measure_fbgemm(config: Config, batches, grad, args) -> dict:
-    emb = fbgemm_module(config)
+def measure_fbgemm(config: Config, batches, grad, args, emb=None, timed: dict | None = None) -> dict:
+    """FBGEMM's side of a configuration (``timed``: as in :func:`measure_ours`)."""
+    emb = emb or fbgemm_module(config)
     count = args.warmup + args.steps
 
     def forward_of(i, indices, offsets):
@@ -409,7 +456,7 @@ def measure_fbgemm(config: Config, batches, grad, args) -> dict:
     else:
         def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
             return time_steps(forward_of, cycle(batches, count, first), grad, warmup)
-    result = run_steps(count, args.warmup)
+    result = dict(timed) if timed is not None else run_steps(count, args.warmup)
     if args.profile and not config.pipelined:  # (the pipelined steps' events and batches run on from the timing)
         result["profile"] = kernel_profile.kernel_ms_per_step(lambda: run_steps(PROFILED_STEPS, 0, first=count),
                                                               PROFILED_STEPS)
@@ -433,7 +480,8 @@ def run(args: argparse.Namespace) -> list[dict]:
           "fp32 output; stochastic rounding for fp16 weights on both sides; cached: FBGEMM MANAGED_CACHING, "
           f"ours HOST_CACHED/MANAGED_CACHED{'' if not args.mover else f' mover={args.mover}'}, same cache fraction; "
           f"ours state_layout={args.state_layout or 'separate (with_rows in *-with-rows)'}; our forward tuned on "
-          "each configuration's own batches")
+          "each configuration's own batches; HBM: the sides take turns, "
+          f"{ROUND_STEPS} steps each")
     configs = [c for c in CONFIGS if args.configs is None or c.name in args.configs]
     copy_gbs = kernel_profile.copy_bandwidth_gbs() if args.profile else None
     if copy_gbs is not None:
@@ -445,14 +493,24 @@ def run(args: argparse.Namespace) -> list[dict]:
                            generator=torch.Generator(default_device()).manual_seed(args.seed))
         return sampler.batches(batches_needed(config, args)), grad
 
-    # Every configuration of ours first, then every one of FBGEMM's (the same batches, rebuilt from
-    # the seed): measured right after an FBGEMM module in the same process, our host-bound steps
-    # ran 0.2-0.3 ms slower (RESULTS.md, 2026-12-01), FBGEMM's were the same either way.
+    # The HBM configurations: both sides built at once, their steps taking turns (time_interleaved),
+    # so that a host that slows down for a while slows both. The cached ones: every configuration
+    # of ours first, then every one of FBGEMM's (the same batches, rebuilt from the seed): each
+    # side's cache state runs on from step to step.
     results = []
     for base in configs:
         config = shape_of(base)
         batches, grad = batches_of(config)
-        row = {"config": base.name, "ours": measure_ours(config, batches, grad, args), "copy_gbs": copy_gbs}
+        row = {"config": base.name, "copy_gbs": copy_gbs}
+        if missing or config.cached:
+            row["ours"] = measure_ours(config, batches, grad, args)
+        else:
+            ours, theirs = fresh_ours_module(config, args), fbgemm_module(config)
+            timed = time_interleaved({"ours": stepper(ours), "fbgemm": stepper(theirs)}, batches, grad,
+                                     args.warmup, args.steps)
+            row["ours"] = measure_ours(config, batches, grad, args, ours, timed["ours"])
+            row["fbgemm"] = measure_fbgemm(config, batches, grad, args, theirs, timed["fbgemm"])
+            del ours, theirs
         free()
         sweeps = [("backward", "TIERED_TBE_BACKWARD", spec) for spec in args.backward_configs or []]
         sweeps += [("forward", "TIERED_TBE_FORWARD_TILE", spec) for spec in args.forward_tiles or []]
@@ -471,6 +529,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         del batches, grad
         free()
     for base, row in zip(configs, results):
+        if "fbgemm" in row:
+            print(f"  {base.name}: FBGEMM (interleaved) " + ", ".join(
+                f"{k} {common.fmt(v)}" for k, v in row["fbgemm"].items() if not isinstance(v, (list, dict))))
+            continue
         row["fbgemm"] = {}
         if not missing:
             config = shape_of(base)

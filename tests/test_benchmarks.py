@@ -10,6 +10,7 @@ The GPU suite is only checked for shell syntax here; it runs on the lent H200.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import shutil
@@ -506,3 +507,42 @@ def test_bench_bus_times_every_way_rows_cross_the_bus(tmp_path, capsys):
     recorded = results_file.read_text()
     assert "| host scatter, fresh rows, 2 threads | - | 30 |" in recorded and "by the device, then the host" in recorded
     assert len(json.loads(json_file.read_text())["results"]) == 8
+
+
+def test_bench_fbgemm_sides_take_turns():
+    """time_interleaved: each side warms up, then the sides take turns (the order reversed every
+    other round), each timed on the same batches, until each has its count of steps."""
+    bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
+    calls = []
+
+    def side(name):
+        def step(i, indices, offsets):
+            calls.append((name, int(indices)))
+            return torch.ones(2, requires_grad=True) * 2
+
+        return step
+
+    batches = [(torch.tensor(b), torch.tensor(0)) for b in range(5)]
+    result = bench_fbgemm.time_interleaved({"a": side("a"), "b": side("b")}, batches, torch.ones(2), warmup=2,
+                                           count=6, round_steps=4)
+    warm = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    rounds = [("a", b) for b in (2, 3, 4, 0)] + [("b", b) for b in (2, 3, 4, 0)] + [("b", 1), ("b", 2), ("a", 1),
+                                                                                    ("a", 2)]
+    assert calls == warm + rounds
+    assert set(result) == {"a", "b"}
+    for times in result.values():
+        assert {"forward", "backward", "step"} <= set(times) and all(value >= 0 for value in times.values())
+
+
+def test_bench_fbgemm_interleaves_the_hbm_sides(capsys, monkeypatch):
+    """With FBGEMM there (a stand-in: a second module of ours), an HBM configuration's two sides are
+    built together and timed taking turns; both get their rows."""
+    bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
+    stand_in_args = argparse.Namespace(seed=1, mover=None, state_layout=None)
+    monkeypatch.setattr(bench_fbgemm, "fbgemm_available", lambda: None)
+    monkeypatch.setattr(bench_fbgemm, "fbgemm_module", lambda config: bench_fbgemm.ours_module(config, stand_in_args))
+    args = bench_fbgemm.check_args(bench_fbgemm.build_parser().parse_args(
+        ["--configs", "criteo-sgd", "--steps", "2", "--warmup", "1"]))
+    (row,) = bench_fbgemm.run(args)
+    assert row["ours"]["step"] > 0 and row["fbgemm"]["step"] > 0 and row["ours"]["kernel_forward"] > 0
+    assert "criteo-sgd: FBGEMM (interleaved)" in capsys.readouterr().out
