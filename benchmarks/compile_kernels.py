@@ -77,6 +77,9 @@ class OfflineDriver(DriverBase):
         return divmod(self.target.arch, 10)
 
 
+# A PTX access's qualifiers between its space and its vector width (.L1::evict_first, .nc, ...).
+QUALIFIERS = r"(?:\.[A-Za-z0-9_:]+)*"
+
 def _resource_usage(cubin: bytes) -> dict:
     """Registers, stack frame and local (spill) memory of a cubin, per ``cuobjdump -res-usage``
     (the cuobjdump Triton ships)."""
@@ -104,10 +107,10 @@ def _report(name: str, compiled, arch: int = 90) -> dict:
         **_resource_usage(compiled.asm["cubin"]),
         "shared_bytes": compiled.metadata.shared,
         # 16-byte loads: to registers, or (a pipelined loop's) asynchronous copies to shared memory.
-        "v4_loads": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.v4\.", ptx))
-        + len(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.[a-z0-9]+)* \[[^]]+\], \[[^]]+\], (?:16|0x10)\b", ptx)),
-        "v4_stores": len(re.findall(r"st\.global(?:\.[a-z0-9]+)*\.v4\.", ptx)),
-        "scalar_loads": len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.b32 ", ptx)),
+        "v4_loads": len(re.findall(rf"ld\.global{QUALIFIERS}\.v4\.", ptx))
+        + len(re.findall(rf"cp\.async\.c[ag]\.shared\.global{QUALIFIERS} \[[^]]+\], \[[^]]+\], (?:16|0x10)\b", ptx)),
+        "v4_stores": len(re.findall(rf"st\.global{QUALIFIERS}\.v4\.", ptx)),
+        "scalar_loads": len(re.findall(rf"ld\.global{QUALIFIERS}\.b32 ", ptx)),
     }
     print(f"{name:<44} regs {facts['registers']:>3}  stack {facts['stack_bytes']:>4}  local {facts['local_bytes']:>4} "
           f"shared {facts['shared_bytes']:>6}  v4 ld {facts['v4_loads']:>3}  v4 st {facts['v4_stores']:>3}  "
