@@ -41,6 +41,7 @@ caller computes them first.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import NamedTuple
@@ -89,7 +90,11 @@ class BackwardConfig(NamedTuple):
 def default_config(block_d: int) -> BackwardConfig:
     """Measured on an H200 at dim 128 (benchmarks/RESULTS.md); the interpreter takes small tiles so
     the tests walk several steps, tiles and programs."""
-    override = os.environ.get("TIERED_TBE_BACKWARD")
+    return _config(block_d, os.environ.get("TIERED_TBE_BACKWARD"))
+
+
+@functools.lru_cache(maxsize=64)  # made once per shape and override: it is asked for every backward
+def _config(block_d: int, override: str | None) -> BackwardConfig:
     if override:
         return BackwardConfig(*(int(value) for value in override.split(",")))
     if INTERPRETING:
@@ -332,7 +337,7 @@ def backward_update(
     grad_output = check_grad_output(grad_output, stores, lookups, mode)
     if lookups.num_lookups == 0 or lookups.batch_size == 0:
         return
-    block_d = triton.next_power_of_2(stores.max_dim)
+    block_d = stores.block_d
     config = config or default_config(block_d)
     if not 2 <= config.chunk <= 1024 or config.chunk & (config.chunk - 1):
         raise ValueError(f"config.chunk must be a power of two in [2, 1024], got {config.chunk}")

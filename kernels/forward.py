@@ -241,7 +241,7 @@ def pooled_forward(
         USE_CACHE=use_cache,
         ALIGN=stores.alignment,
         ALIGN_BYTES=stores.alignment * element_bytes,
-        BLOCK_D=triton.next_power_of_2(stores.max_dim),
+        BLOCK_D=stores.block_d,
         **shape,
     )
     return output

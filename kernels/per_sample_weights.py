@@ -99,6 +99,6 @@ def per_sample_weights_grad(
         lookups.indices, lookups.offsets, slot_of_index if use_cache else lookups.indices, lookups.batch_size,
         POOLING=mode, USE_CACHE=use_cache, ALIGN=stores.alignment,
         ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
-        BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=triton.next_power_of_2(stores.max_dim), num_warps=4,
+        BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=stores.block_d, num_warps=4,
     )
     return result
