@@ -546,3 +546,18 @@ def test_bench_fbgemm_interleaves_the_hbm_sides(capsys, monkeypatch):
     (row,) = bench_fbgemm.run(args)
     assert row["ours"]["step"] > 0 and row["fbgemm"]["step"] > 0 and row["ours"]["kernel_forward"] > 0
     assert "criteo-sgd: FBGEMM (interleaved)" in capsys.readouterr().out
+
+
+def test_host_split_marks_our_backward_call(capsys):
+    """host_split: our backward call's parts from perf_counter marks (in simulation no graph is
+    replayed, so the hand-over, our Python's whole and the hand-back are what it can mark)."""
+    host_split = importlib.import_module("tiered_tbe.benchmarks.host_split")
+    assert host_split.main(["--configs", "criteo-sgd", "--ours-only"]) == 0
+    out = capsys.readouterr().out
+    assert "== criteo-sgd, ours (host µs" in out and "== criteo-sgd, FBGEMM: not asked for" in out
+    line = out.split("== criteo-sgd, ours")[1].splitlines()[1]
+    assert "forward call" in line and "backward call" in line and "hand-over" in line and "hand-back" in line
+    # The patches are gone afterwards.
+    from tiered_tbe.base.graphs import StepGraphs
+    from tiered_tbe.function import TieredEmbeddingBagsFunction
+    assert TieredEmbeddingBagsFunction.backward.__name__ == "backward" and StepGraphs._replay.__name__ == "_replay"
