@@ -315,7 +315,8 @@ def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags |
                  timed: dict | None = None) -> dict:
     """Our side of a configuration: its timed steps (``timed``, when they were taken already with
     ``emb``, interleaved with FBGEMM's), then what is measured of our side alone."""
-    emb = emb or fresh_ours_module(config, args)
+    if emb is None:
+        emb = fresh_ours_module(config, args)
     count = args.warmup + args.steps
 
     def forward_of(i, indices, offsets):
@@ -424,7 +425,8 @@ def fbgemm_module(config: Config):
 
 def measure_fbgemm(config: Config, batches, grad, args, emb=None, timed: dict | None = None) -> dict:
     """FBGEMM's side of a configuration (``timed``: as in :func:`measure_ours`)."""
-    emb = emb or fbgemm_module(config)
+    if emb is None:
+        emb = fbgemm_module(config)
     count = args.warmup + args.steps
 
     def forward_of(i, indices, offsets):
