@@ -30,6 +30,7 @@ side at a tiny size to prove it works; its times mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -86,10 +87,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--backward-configs", nargs="+", default=None, metavar="R,L,W,CHUNK[,...]",
                         help="also time our HBM steps with these backward tile shapes (rows, lanes, warps, chunk, "
                              "then optionally tiles, hot_windows, sum_windows, sum_warps: kernels.backward."
-                             "BackwardConfig): a tuning sweep")
+                             "BackwardConfig): a tuning sweep, each shape a module of its own taking turns with "
+                             "the others")
     parser.add_argument("--forward-tiles", nargs="+", default=None, metavar="B,L,W[,G,S]",
                         help="also time our HBM steps with each of these forward tiles (bags, lanes, warps, "
-                             "groups, stages: kernels.forward.ForwardTile) in place of the autotuner's: a tuning sweep")
+                             "groups, stages: kernels.forward.ForwardTile) in place of the autotuner's: a tuning "
+                             "sweep, each tile a module of its own taking turns with the others")
     parser.add_argument("--profile", action="store_true",
                         help="also profile a few steps of each side: device ms per step of each kernel, and each "
                              "phase's fraction of the copy bandwidth measured in the same run")
@@ -201,24 +204,45 @@ def step_times(step, batches, grad, warmup: int, before=None, after_warmup=None,
     return result
 
 
-def time_interleaved(steps: dict, batches: list, grad, warmup: int, count: int,
-                     round_steps: int = ROUND_STEPS) -> dict[str, dict[str, float]]:
+def time_interleaved(steps: dict, batches: list, grad, warmup: int, count: int, round_steps: int = ROUND_STEPS,
+                     environments: dict[str, dict[str, str]] | None = None) -> dict[str, dict[str, float]]:
     """Median ms per phase of each side's steps (``steps``: name -> ``step(i, indices, offsets)``, as
     in :func:`time_steps`), the sides taking turns: ``warmup`` untimed steps each, then rounds of
     ``round_steps`` timed steps each, in turn (the order reversed every other round), until each has
     ``count``. A host that slows down for a while (the lent machine's did, by up to 50%) then slows
-    every side alike, where timing one side after the other skewed their ratio."""
+    every side alike, where timing one side after the other skewed their ratio. ``environments``:
+    variables set during a side's steps only (a tuning variant's tile)."""
+    environments = environments or {}
     times: dict[str, dict[str, list[float]]] = {name: {} for name in steps}
-    for step in steps.values():
-        step_times(step, cycle(batches, warmup), grad, warmup=warmup)
+
+    def take_turn(name: str, turn: list, warm: int) -> None:
+        with environment(environments.get(name, {})):
+            for phase, values in step_times(steps[name], turn, grad, warmup=warm).items():
+                times[name].setdefault(phase, []).extend(values)
+
+    for name in steps:
+        take_turn(name, cycle(batches, warmup), warmup)
     order = list(steps)
     for round_number in range(-(-count // round_steps)):
         first = warmup + round_number * round_steps
         for name in order if round_number % 2 == 0 else order[::-1]:
-            taken = min(round_steps, count - round_number * round_steps)
-            for phase, values in step_times(steps[name], cycle(batches, taken, first), grad, warmup=0).items():
-                times[name].setdefault(phase, []).extend(values)
+            take_turn(name, cycle(batches, min(round_steps, count - round_number * round_steps), first), 0)
     return {name: medians(phase_times) for name, phase_times in times.items()}
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str]):
+    """``variables`` set in os.environ inside, restored after."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def host_profile(run, top: int) -> str:
@@ -495,34 +519,33 @@ def run(args: argparse.Namespace) -> list[dict]:
                            generator=torch.Generator(default_device()).manual_seed(args.seed))
         return sampler.batches(batches_needed(config, args)), grad
 
-    # The HBM configurations: both sides built at once, their steps taking turns (time_interleaved),
-    # so that a host that slows down for a while slows both. The cached ones: every configuration
-    # of ours first, then every one of FBGEMM's (the same batches, rebuilt from the seed): each
-    # side's cache state runs on from step to step.
+    # The HBM configurations: both sides, and each tuning variant of ours (a module of its own, its
+    # setting in the environment during its turns), built at once, their steps taking turns
+    # (time_interleaved), so that a host that slows down for a while slows them all. The cached
+    # ones: every configuration of ours first, then every one of FBGEMM's (the same batches,
+    # rebuilt from the seed): each side's cache state runs on from step to step.
+    variants = {f"ours backward {spec}": {"TIERED_TBE_BACKWARD": spec} for spec in args.backward_configs or []}
+    variants.update({f"ours forward {spec}": {"TIERED_TBE_FORWARD_TILE": spec} for spec in args.forward_tiles or []})
     results = []
     for base in configs:
         config = shape_of(base)
         batches, grad = batches_of(config)
         row = {"config": base.name, "copy_gbs": copy_gbs}
-        if missing or config.cached:
+        if config.cached:
             row["ours"] = measure_ours(config, batches, grad, args)
         else:
-            ours, theirs = fresh_ours_module(config, args), fbgemm_module(config)
-            timed = time_interleaved({"ours": stepper(ours), "fbgemm": stepper(theirs)}, batches, grad,
-                                     args.warmup, args.steps)
-            row["ours"] = measure_ours(config, batches, grad, args, ours, timed["ours"])
-            row["fbgemm"] = measure_fbgemm(config, batches, grad, args, theirs, timed["fbgemm"])
-            del ours, theirs
+            modules = {"ours": fresh_ours_module(config, args)}
+            if not missing:
+                modules["fbgemm"] = fbgemm_module(config)
+            modules.update({name: ours_module(config, args) for name in variants})
+            timed = time_interleaved({name: stepper(emb) for name, emb in modules.items()}, batches, grad,
+                                     args.warmup, args.steps, environments=variants)
+            row["ours"] = measure_ours(config, batches, grad, args, modules["ours"], timed["ours"])
+            if not missing:
+                row["fbgemm"] = measure_fbgemm(config, batches, grad, args, modules["fbgemm"], timed["fbgemm"])
+            row.update({name: timed[name] for name in variants})
+            del modules
         free()
-        sweeps = [("backward", "TIERED_TBE_BACKWARD", spec) for spec in args.backward_configs or []]
-        sweeps += [("forward", "TIERED_TBE_FORWARD_TILE", spec) for spec in args.forward_tiles or []]
-        for kernel, variable, spec in sweeps if not config.cached else []:
-            os.environ[variable] = spec
-            try:
-                row[f"ours {kernel} {spec}"] = measure_ours(config, batches, grad, args)
-                free()
-            finally:
-                del os.environ[variable]
         results.append(row)
         print(f"  {base.name}: ours " + ", ".join(f"{k} {common.fmt(v)}" for k, v in row["ours"].items()
                                                   if not isinstance(v, (list, dict, str))), flush=True)

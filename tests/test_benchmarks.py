@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -561,3 +562,24 @@ def test_host_split_marks_our_backward_call(capsys):
     from tiered_tbe.base.graphs import StepGraphs
     from tiered_tbe.function import TieredEmbeddingBagsFunction
     assert TieredEmbeddingBagsFunction.backward.__name__ == "backward" and StepGraphs._replay.__name__ == "_replay"
+
+
+def test_bench_fbgemm_variants_take_turns_with_their_setting_set():
+    """A tuning variant's environment is set during its own steps only, and restored after."""
+    bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
+    seen = []
+
+    def side(name):
+        def step(i, indices, offsets):
+            seen.append((name, os.environ.get("TIERED_TBE_TEST_TILE")))
+            return torch.ones(2, requires_grad=True) * 2
+
+        return step
+
+    os.environ.pop("TIERED_TBE_TEST_TILE", None)
+    bench_fbgemm.time_interleaved({"default": side("default"), "variant": side("variant")},
+                                  [(torch.tensor(0), torch.tensor(0))], torch.ones(2), warmup=1, count=2,
+                                  environments={"variant": {"TIERED_TBE_TEST_TILE": "4,1,2"}})
+    assert {value for name, value in seen if name == "default"} == {None}
+    assert {value for name, value in seen if name == "variant"} == {"4,1,2"}
+    assert "TIERED_TBE_TEST_TILE" not in os.environ
