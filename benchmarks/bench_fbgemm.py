@@ -300,6 +300,16 @@ def cycle(batches, count: int, first: int = 0) -> list:
     return [batches[(first + i) % len(batches)] for i in range(count)]
 
 
+def batches_of(config: Config, seed: int, count: int) -> tuple[list, torch.Tensor]:
+    """``count`` batches of a configuration (``common.ZipfBatches``) and a gradient of its pooled
+    output (fp32 [B, total dim]), both drawn from ``seed`` on the default device."""
+    device = default_device()
+    sampler = common.ZipfBatches(config.tables, config.alpha, config.batch_size, config.bag_size, device, seed=seed)
+    grad = torch.randn(config.batch_size, config.dim * len(config.tables), device=device,
+                       generator=torch.Generator(device).manual_seed(seed))
+    return sampler.batches(count), grad
+
+
 def batches_needed(config: Config, args) -> int:
     """How many distinct batches a configuration is measured on. A cached one gets a new batch
     every step (warm-up, timed and profiled): a 5% cache holds the rows of ~8 Criteo batches at
@@ -512,13 +522,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     copy_gbs = kernel_profile.copy_bandwidth_gbs() if args.profile else None
     if copy_gbs is not None:
         print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
-    def batches_of(config: Config):
-        sampler = common.ZipfBatches(config.tables, config.alpha, config.batch_size, config.bag_size,
-                                     default_device(), seed=args.seed)
-        grad = torch.randn(config.batch_size, config.dim * len(config.tables), device=default_device(),
-                           generator=torch.Generator(default_device()).manual_seed(args.seed))
-        return sampler.batches(batches_needed(config, args)), grad
-
     # The HBM configurations: both sides, and each tuning variant of ours (a module of its own, its
     # setting in the environment during its turns), built at once, their steps taking turns
     # (time_interleaved), so that a host that slows down for a while slows them all. The cached
@@ -529,7 +532,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     results = []
     for base in configs:
         config = shape_of(base)
-        batches, grad = batches_of(config)
+        batches, grad = batches_of(config, args.seed, batches_needed(config, args))
         row = {"config": base.name, "copy_gbs": copy_gbs}
         if config.cached:
             row["ours"] = measure_ours(config, batches, grad, args)
@@ -561,7 +564,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         row["fbgemm"] = {}
         if not missing:
             config = shape_of(base)
-            batches, grad = batches_of(config)
+            batches, grad = batches_of(config, args.seed, batches_needed(config, args))
             row["fbgemm"] = measure_fbgemm(config, batches, grad, args)
             print(f"  {base.name}: FBGEMM " + ", ".join(f"{k} {common.fmt(v)}" for k, v in row["fbgemm"].items()
                                                         if not isinstance(v, list)), flush=True)

@@ -28,10 +28,10 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from tiered_tbe.base import graphs as graphs_module
-from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.base.mode import SIMULATION, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.bench_cache import free
-from tiered_tbe.benchmarks.bench_fbgemm import fbgemm_available, fbgemm_module, ours_module, shape_of
+from tiered_tbe.benchmarks.bench_fbgemm import batches_of, fbgemm_available, fbgemm_module, ours_module, shape_of
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS
 from tiered_tbe.function import TieredEmbeddingBagsFunction
 
@@ -120,9 +120,7 @@ def main(argv=None) -> int:
     module_args = argparse.Namespace(seed=0, mover=None, state_layout=None)  # what ours_module reads
     for base in (c for c in CONFIGS if c.name in args.configs):
         config = shape_of(base)
-        batches = common.ZipfBatches(config.tables, config.alpha, config.batch_size, config.bag_size,
-                                     default_device(), seed=0).batches(4)
-        grad = torch.randn(config.batch_size, config.dim * len(config.tables), device=default_device())
+        batches, grad = batches_of(config, 0, 4)
         for side in ("ours", "FBGEMM"):
             if side == "FBGEMM" and missing:
                 print(f"== {base.name}, FBGEMM: {missing}")

@@ -24,13 +24,12 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
+from tiered_tbe.base.mode import SIMULATION, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.bench_cache import free
-from tiered_tbe.benchmarks.bench_fbgemm import cycle, fbgemm_available, fbgemm_module, ours_module, shape_of
+from tiered_tbe.benchmarks.bench_fbgemm import batches_of, cycle, fbgemm_available, fbgemm_module, ours_module, shape_of
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS
 from tiered_tbe.benchmarks.trace_pipeline import GPU_CATEGORIES, launch_times, trace_events, union_ms
 
@@ -104,16 +103,11 @@ def main(argv=None) -> int:
     parser.add_argument("--trace-dir", type=Path, help="write each side's chrome trace here (gzipped)")
     args = parser.parse_args(argv)
     args.mover = args.state_layout = None  # what ours_module reads besides the config
-    device = default_device()
     print(describe_mode(), flush=True)
     sides = ["ours"] + ([] if args.ours_only or fbgemm_available() else ["fbgemm"])
     for base in (c for c in CONFIGS if c.name in args.configs):
         config = shape_of(base)
-        sampler = common.ZipfBatches(config.tables, config.alpha, config.batch_size, config.bag_size, device,
-                                     seed=args.seed)
-        batches = sampler.batches(6)
-        grad = torch.randn(config.batch_size, config.dim * len(config.tables), device=device,
-                           generator=torch.Generator(device).manual_seed(args.seed))
+        batches, grad = batches_of(config, args.seed, 6)
         for side in sides:
             emb = ours_module(config, args) if side == "ours" else fbgemm_module(config)
             path = args.trace_dir / f"trace_{base.name}_{side}.json" if args.trace_dir else None
