@@ -6,17 +6,20 @@ on the lent H200 the host took longer to enqueue them (0.8-1.3 ms for the backwa
 the prefetch) than the GPU took to run them (~0.7 ms, ~1.3 ms), so the GPU waited
 (benchmarks/RESULTS.md). A CUDA graph replays the whole sequence
 from one host call. The backward (``kernels/backward.py``) and the slot cache's prefetch
-(``cache/slot_cache.py``) use it.
+(``cache/slot_cache.py``) use it, and the forward (``kernels/forward.py``): one launch, but
+Triton's launch path cost the host 2-3 times what a replay does (its output's address is a host
+input, below).
 
 A graph bakes in every launch's arguments, so what changes from batch to batch reaches it
 through tensors whose addresses do not change:
 
 - device inputs (``indices``, ``offsets``, slots, ...) are copied into static tensors of the
   graph before each replay (device-to-device, a few microseconds);
-- host inputs (a small CPU tensor of scalars: the address of this step's ``grad_output``, the
-  step, the optimizer's hyper-parameters) are copied to a static device tensor, only when their
-  values changed, through a ring of pinned slots (``PinnedRing``: a slot is reused only after
-  its copy has run, so a later step never overwrites values an earlier copy has not read yet).
+- host inputs (a small CPU tensor of scalars: the address of this step's ``grad_output`` or of
+  the forward's output, the step, the optimizer's hyper-parameters) are copied to a static
+  device tensor, only when their values changed, through a ring of pinned slots (``PinnedRing``:
+  a slot is reused only after its copy has run, so a later step never overwrites values an
+  earlier copy has not read yet).
 
 A key (the batch shape and everything the launches bake in) is captured on its second use (the
 first runs eagerly, so every Triton kernel is compiled before the capture) and replayed from its
@@ -151,7 +154,7 @@ class StepGraphs:
             ) -> Outputs:
         if not self.enabled or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return enqueue(to_device(inputs, device))
-        key = (key, tuple(_signature(tensor) for tensor in inputs), torch.cuda.current_stream(device).cuda_stream)
+        key = (key, tuple(_signature(tensor) for tensor in inputs), _current_stream_handle(device))
         captured = self._graphs.get(key)
         if captured is not None:
             self._graphs.move_to_end(key)
@@ -201,7 +204,7 @@ class StepGraphs:
             if tensor.device.type == "cpu":
                 # Compared as bytes: a host tensor here is a handful of scalars, and torch.equal and
                 # clone were two more op dispatches on the path to the replay (the GPU idles until it).
-                values = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+                values = tensor.numpy().tobytes()
                 if captured.host_values[index] == values:
                     continue  # the static already holds these values
                 copy_to_device(static, tensor)
@@ -213,6 +216,12 @@ class StepGraphs:
         if captured.outputs is None:
             return None
         return tuple(output.clone() for output in captured.outputs)
+
+
+def _current_stream_handle(device: torch.device) -> int:
+    """``torch.cuda.current_stream(device).cuda_stream`` without building a Stream object (7 us a
+    call on the lent machine's host, on the path to every replay; Triton's launcher reads it so)."""
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _signature(tensor: torch.Tensor | None) -> tuple | None:

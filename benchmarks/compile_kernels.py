@@ -138,13 +138,17 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
 
     tuned = forward._pooled_forward_kernel
     for config in tuned.configs:
-        kernel = tuned.fn.warmup(
-            f32, 3328, dim, addresses, addresses, i32, i32, weights, dim, i64, i64, i32, f32, 65536, 0,
-            POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16,
-            BLOCK_D=block_d, grid=grid, num_warps=config.num_warps, **config.kwargs)
-        shape = config.kwargs
-        results.append(_report(f"forward B{shape['BLOCK_B']} L{shape['BLOCK_L']} w{config.num_warps} "
-                               f"G{shape['GROUPS']} S{shape['STAGES']}", kernel, arch))
+        # Launched directly (the output a pointer argument) and as a CUDA graph runs it (its address
+        # loaded from a tensor, the alignment hint all Triton knows of it): the same 16-byte stores.
+        for output, label in ((f32, ""), (addresses, ", output address")):
+            kernel = tuned.fn.warmup(
+                output, 3328, dim, addresses, addresses, i32, i32, weights, dim, i64, i64, i32, f32, 65536, 0,
+                POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, ALIGN=16 // weights.element_size(),
+                ALIGN_BYTES=16, BLOCK_D=block_d, OUTPUT_ADDRESS=output.dtype == torch.int64, OUTPUT_ALIGN_BYTES=16,
+                grid=grid, num_warps=config.num_warps, **config.kwargs)
+            shape = config.kwargs
+            results.append(_report(f"forward B{shape['BLOCK_B']} L{shape['BLOCK_L']} w{config.num_warps} "
+                                   f"G{shape['GROUPS']} S{shape['STAGES']}{label}", kernel, arch))
     for block_b, block_l in ((128, 1), (4, 32)):  # bags of one (Criteo) and of 32 (linearize_tile)
         results.append(_report(f"linearize B{block_b} L{block_l}", linearize._linearize_kernel.warmup(
             i32, i32, addresses, i64, i64, n, 65536, BLOCK_B=block_b, BLOCK_L=block_l, grid=grid, num_warps=4), arch))

@@ -13,6 +13,7 @@ one lookup, or few long bags) and every load of the tile is issued at once.
 
 from __future__ import annotations
 
+import math
 import os
 
 import triton
@@ -49,6 +50,14 @@ def bag_length_class(num_lookups: int, num_bags: int) -> int:
     class, so that batches of one model shape share one tuned, compiled kernel)."""
     mean = num_lookups / max(num_bags, 1)
     return 0 if mean < 2 else min(7, int(mean).bit_length() - 1)
+
+
+def row_slice_alignment_bytes(tensor, stores) -> int:
+    """Bytes that every row slice of a table in an fp32 ``[rows, columns]`` tensor laid out like the
+    pooled output (grad_output, the output itself) starts at a multiple of, at most 16: the alignment
+    hint of pointers formed from an address the kernel loads (``stores``: a ``RowStores``)."""
+    elements = tensor.data_ptr() // 4 if tensor.data_ptr() % 4 == 0 else 1
+    return 4 * math.gcd(elements, tensor.stride(0) if tensor.dim() == 2 else 1, *stores.dims, 4)
 
 
 @triton.jit

@@ -42,7 +42,6 @@ caller computes them first.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import NamedTuple
 
@@ -52,7 +51,7 @@ import triton.language as tl
 
 from tiered_tbe.base.graphs import to_device
 
-from .addressing import INTERPRETING, POOLING_NONE, pooling_code
+from .addressing import INTERPRETING, POOLING_NONE, pooling_code, row_slice_alignment_bytes
 from .grouping import SortedLookups, sort_lookups
 from .hot_rows import hot_group_sums_kernel, hot_row_update_kernel, hot_window_sums_kernel
 from .optimizers import FusedOptimizer
@@ -269,12 +268,6 @@ def check_grad_output(grad_output: torch.Tensor, stores: RowStores, lookups: Loo
     return grad_output
 
 
-def grad_alignment_bytes(grad_output: torch.Tensor, stores: RowStores) -> int:
-    """Bytes that every grad_output row slice of a table starts at a multiple of (at most 16)."""
-    elements = grad_output.data_ptr() // 4 if grad_output.data_ptr() % 4 == 0 else 1
-    return 4 * math.gcd(elements, grad_output.stride(0) if grad_output.dim() == 2 else 1, *stores.dims, 4)
-
-
 class _UpdatePlan(NamedTuple):
     """Everything a backward's launches bake in besides its tensors (hashable: part of a graph's key)."""
 
@@ -346,13 +339,16 @@ def backward_update(
     hyper = tuple(float(value) for value in optimizer.kernel_hyper(step))
     plan = _UpdatePlan(
         mode=mode, batch_size=lookups.batch_size, grad_output_stride=grad_output.stride(0),
-        grad_align_bytes=grad_alignment_bytes(grad_output, stores), block_d=block_d, config=config,
+        grad_align_bytes=row_slice_alignment_bytes(grad_output, stores), block_d=block_d, config=config,
         use_cache=slot_of_index is not None and stores.uses_cache, optimizer_triton=optimizer.TRITON,
         num_hyper=len(hyper),
         stochastic_rounding=bool(stochastic_rounding) and stores.weights_dtype != torch.float32)
     inputs = (lookups.indices, lookups.offsets, lookups.per_sample_weights, lookups.global_rows,
               lookups.bag_of_index, slot_of_index if plan.use_cache else None,
-              step_arguments(grad_output, hyper, seed, step), *(presorted or (None, None)))
+              # The seed and the step are read by stochastic rounding only: left out otherwise, a replay's
+              # arguments stay the same from step to step and their host-to-device copy is skipped.
+              step_arguments(grad_output, hyper, *((seed, step) if plan.stochastic_rounding else (0, 0))),
+              *(presorted or (None, None)))
 
     def enqueue(tensors):
         _enqueue_update(plan, stores, *tensors, sorted_lookups=sorted_lookups)

@@ -22,6 +22,7 @@ Example (CPU simulation, one table of 10 rows of 4 columns, one bag of rows 1 an
 from __future__ import annotations
 
 import os
+import struct
 from typing import NamedTuple
 
 import torch
@@ -37,6 +38,7 @@ from .addressing import (
     bag_tile_bounds,
     lookup_rows,
     pooling_code,
+    row_slice_alignment_bytes,
     table_row_zero,
 )
 from .rows import Lookups, RowStores, check_lookups
@@ -107,7 +109,8 @@ def _prune_configs(configs, named_args, **kwargs):
 )
 @triton.jit(do_not_specialize=["batch_size"])
 def _pooled_forward_kernel(
-    output_ptr,  # fp32 [B, total_dim] (sum, mean) or [N, output_width] (none): out
+    output_ptr,  # fp32 [B, total_dim] (sum, mean) or [N, output_width] (none): out; with
+    #              OUTPUT_ADDRESS, an int64 [1] holding that output's address
     output_stride,  # elements between consecutive output rows
     output_width,  # pooling none: columns of an output row (zeros past the table's dim)
     table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
@@ -132,8 +135,15 @@ def _pooled_forward_kernel(
     GROUPS: tl.constexpr,  # tiles of BLOCK_B bags per program
     STAGES: tl.constexpr,  # steps of a bag whose loads are in flight at once (Triton's loop pipeliner)
     BLOCK_D: tl.constexpr,  # columns per tile: next power of two of the largest embedding_dim
+    OUTPUT_ADDRESS: tl.constexpr,  # output_ptr holds the output's address (a CUDA graph of the launch
+    #                                writes each call's own output)
+    OUTPUT_ALIGN_BYTES: tl.constexpr,  # every output row slice of a table starts at a multiple of this
 ):
     table = tl.program_id(1)
+    if OUTPUT_ADDRESS:
+        output_base = tl.load(output_ptr).to(tl.pointer_type(tl.float32))
+    else:
+        output_base = output_ptr
     element = cache_weights_ptr.dtype.element_ty
     table_rows = table_row_zero(table_weights_address_ptr, table, element)
     row_stride = tl.load(table_weights_stride_ptr + table)
@@ -170,7 +180,9 @@ def _pooled_forward_kernel(
                 if HAS_PER_SAMPLE_WEIGHTS:
                     tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, None]
                 # Columns past the table's dim are written as zeros, so no output element is left unset.
-                out_ptrs = output_ptr + positions[:, None] * output_stride + columns[None, :]
+                # The hint where the pointers are made: Triton knows nothing of a loaded address.
+                row_starts = tl.multiple_of(output_base + positions * output_stride, OUTPUT_ALIGN_BYTES)
+                out_ptrs = row_starts[:, None] + columns[None, :]
                 tl.store(out_ptrs, tile, mask=in_bag[:, None] & (columns < output_width)[None, :])
 
         if POOLING != POOLING_NONE_CONSTEXPR:
@@ -180,13 +192,27 @@ def _pooled_forward_kernel(
                 lengths = (tl.load(offsets_ptr + bag_ids + 1, mask=bags < batch_size, other=1)
                            - tl.load(offsets_ptr + bag_ids, mask=bags < batch_size, other=0))
                 accumulator = accumulator / tl.maximum(lengths, 1).to(tl.float32)[:, None]
-            out_ptrs = output_ptr + bags[:, None].to(tl.int64) * output_stride + output_column + columns[None, :]
+            row_starts = tl.multiple_of(output_base + bags.to(tl.int64) * output_stride + output_column,
+                                        OUTPUT_ALIGN_BYTES)
+            out_ptrs = row_starts[:, None] + columns[None, :]
             tl.store(out_ptrs, accumulator, mask=(bags < batch_size)[:, None] & in_row[None, :])
+
+
+class _ForwardPlan(NamedTuple):
+    """Everything a forward launch bakes in besides its tensors (hashable: part of a graph's key)."""
+
+    mode: int
+    batch_size: int
+    output_shape: tuple[int, int]
+    output_align_bytes: int
+    bag_length_class: int
+    use_cache: bool
+    tile: ForwardTile | None
 
 
 def pooled_forward(
     stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None, pooling: str,
-    tile: ForwardTile | None = None,
+    tile: ForwardTile | None = None, graphs=None,
 ) -> torch.Tensor:
     """Pool the rows of every bag of every table in one launch.
 
@@ -198,6 +224,9 @@ def pooled_forward(
         pooling: ``"sum"``, ``"mean"`` (an empty bag gives zeros) or ``"none"``.
         tile: run this tile shape instead of the autotuner's (tests of every shape, tuning sweeps;
             ``TIERED_TBE_FORWARD_TILE=bags,lanes,warps[,groups,stages]`` sets it for every call).
+        graphs: a :class:`~tiered_tbe.base.graphs.StepGraphs` of this ``stores``: the launch runs as
+            a CUDA graph of the batch's shape, the output's address passed in a tensor (a graph's
+            replay costs the host a few microseconds where Triton's launch path cost tens).
 
     Returns:
         fp32 ``[B, stores.total_dim]`` for sum and mean: table ``t``'s bag ``b`` at columns
@@ -207,41 +236,64 @@ def pooled_forward(
     mode = pooling_code(pooling)
     check_lookups(stores, lookups, slot_of_index)
     device = lookups.indices.device
-    batch_size, num_tables = lookups.batch_size, stores.num_tables
+    batch_size = lookups.batch_size
     if mode == POOLING_NONE:
         output = torch.empty(lookups.num_lookups, stores.max_dim, dtype=torch.float32, device=device)
     else:
         output = torch.empty(batch_size, stores.total_dim, dtype=torch.float32, device=device)
     if batch_size == 0 or output.numel() == 0:
         return output
-    use_cache = slot_of_index is not None and stores.uses_cache
-    per_sample_weights = lookups.per_sample_weights
-    element_bytes = stores.weights_dtype.itemsize
-
-    def grid(meta):
-        return triton.cdiv(batch_size, meta["BLOCK_B"] * meta["GROUPS"]), num_tables
-
-    kernel, shape = _pooled_forward_kernel, {}
     override = os.environ.get("TIERED_TBE_FORWARD_TILE")  # a tuning run's tile for every forward
     if tile is None and override:
         tile = ForwardTile(*(int(value) for value in override.split(",")))
+    use_cache = slot_of_index is not None and stores.uses_cache
+    plan = _ForwardPlan(mode, batch_size, tuple(output.shape), row_slice_alignment_bytes(output, stores),
+                        bag_length_class(lookups.num_lookups, stores.num_tables * batch_size), use_cache, tile)
+    inputs = (lookups.indices, lookups.offsets, slot_of_index if use_cache else None, lookups.per_sample_weights)
+    # Launched directly where no graph will be replayed (graphs off) or inside a caller's capture (a
+    # capture bakes the output's address in; the address tensor's pinned copy would be replayed stale).
+    if graphs is None or (device.type == "cuda" and (not graphs.enabled or torch.cuda.is_current_stream_capturing())):
+        _enqueue_forward(plan, stores, output, *inputs)
+    else:
+        graphs.run((plan, id(stores)), (output_address(output), *inputs),
+                   lambda tensors: _enqueue_forward(plan, stores, *tensors), device)
+    return output
+
+
+def output_address(output: torch.Tensor) -> torch.Tensor:
+    """int64 [1] on the host: the address a graphed forward writes its output to."""
+    return torch.frombuffer(bytearray(struct.pack("<q", output.data_ptr())), dtype=torch.int64)
+
+
+def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, output, indices, offsets, slot_of_index,
+                     per_sample_weights) -> None:
+    """Launch the forward kernel. ``output``: the fp32 output, or an int64 [1] device tensor holding its
+    address (a CUDA graph of the launch then serves every batch of its shape)."""
+    tile = plan.tile
+
+    def grid(meta):
+        return triton.cdiv(plan.batch_size, meta["BLOCK_B"] * meta["GROUPS"]), stores.num_tables
+
+    kernel, shape = _pooled_forward_kernel, {}
     if tile is not None:
         kernel = _pooled_forward_kernel.fn
         shape = dict(BLOCK_B=tile.bags, BLOCK_L=tile.lanes, GROUPS=tile.groups, STAGES=tile.stages,
                      num_warps=tile.warps)
+    output_stride, output_width = plan.output_shape[1], plan.output_shape[1]  # a contiguous output
     kernel[grid](
-        output, output.stride(0), output.shape[1],
+        output, output_stride, output_width,
         stores.table_weights_address, stores.table_weights_stride, stores.table_dim, stores.table_output_offset,
         stores.cache_weights, stores.cache_weights.stride(0),
-        lookups.indices, lookups.offsets, slot_of_index if use_cache else lookups.indices,
-        per_sample_weights if per_sample_weights is not None else output,
-        batch_size, bag_length_class(lookups.num_lookups, num_tables * batch_size),
-        POOLING=mode,
+        indices, offsets, slot_of_index if plan.use_cache else indices,
+        per_sample_weights if per_sample_weights is not None else offsets,
+        plan.batch_size, plan.bag_length_class,
+        POOLING=plan.mode,
         HAS_PER_SAMPLE_WEIGHTS=per_sample_weights is not None,
-        USE_CACHE=use_cache,
+        USE_CACHE=plan.use_cache,
         ALIGN=stores.alignment,
-        ALIGN_BYTES=stores.alignment * element_bytes,
+        ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
         BLOCK_D=stores.block_d,
+        OUTPUT_ADDRESS=output.dtype == torch.int64,
+        OUTPUT_ALIGN_BYTES=plan.output_align_bytes,
         **shape,
     )
-    return output

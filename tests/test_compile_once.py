@@ -12,6 +12,7 @@ again for batch after batch (the slow first steps of a new model shape).
 import copy
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -50,6 +51,15 @@ def test_every_kernel_compiles_for_sm90_with_vector_loads():
     for line in lines:
         if line.startswith(("forward", "row update", "hot row update", "hot window sums", "per-sample")):
             assert "v4 ld   0" not in line, f"lost 16-byte vector loads: {line}"
+    # A graphed forward loads its output's address: with the alignment hint, its tiles store as the
+    # directly launched kernel's do.
+    stores = {line.split("  ")[0]: re.search(r"v4 st +(\d+)", line).group(1) for line in lines
+              if line.startswith("forward")}
+    addressed = [name for name in stores if name.endswith(", output address")]
+    assert addressed, out
+    for name in addressed:
+        direct = name.removesuffix(", output address")
+        assert stores[name] == stores[direct], f"{name}: {stores[name]} 16-byte stores against {stores[direct]}"
 
 
 def test_saved_report_compares_and_flags_lost_vector_loads(capsys):

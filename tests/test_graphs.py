@@ -1,5 +1,5 @@
-"""CUDA graphs of the backward (base/graphs.py): what the kernels read of a step, and graphed
-training bitwise equal to the launches run one by one (GPU)."""
+"""CUDA graphs of the forward and the backward (base/graphs.py): what the kernels read of a step,
+and graphed training bitwise equal to the launches run one by one (GPU)."""
 
 from __future__ import annotations
 
@@ -68,10 +68,13 @@ def _train(graphs: bool, batches, optimizer, placement=Placement.DEVICE, dtype=t
     module = TieredEmbeddingBags(tables, pooling=pooling, optimizer=optimizer, weights_dtype=dtype, device="cuda",
                                  cache=cache, bounds_check="off", seed=5, stochastic_rounding=stochastic_rounding,
                                  cuda_graphs=graphs)
-    for indices, offsets, weights, grad in batches:
-        module(indices, offsets, weights if weighted else None).backward(grad)
+    outputs = {}
+    for step, (indices, offsets, weights, grad) in enumerate(batches):
+        output = module(indices, offsets, weights if weighted else None)
+        output.backward(grad)
+        outputs[f"output {step}"] = output  # every output kept: a later replay must not write over it
     torch.cuda.synchronize()
-    return module, {key: value.clone() for key, value in module.state_dict().items()}
+    return module, {**outputs, **{key: value.clone() for key, value in module.state_dict().items()}}
 
 
 CASES = {
@@ -93,7 +96,7 @@ def test_graphed_training_equals_eager_bitwise(case):
     batches = _batches(12, 3, shapes)
     _, expected = _train(False, batches, **CASES[case])
     module, got = _train(True, batches, **CASES[case])
-    every_graphs = [module._backward_graphs]
+    every_graphs = [module._forward_graphs, module._backward_graphs]
     if module.cache:
         every_graphs += [module.cache._prefetch_graphs, module.cache._release_graphs]  # (unlock with mark_dirty)
     for graphs in every_graphs:
@@ -106,11 +109,41 @@ def test_graphed_training_equals_eager_bitwise(case):
 
 
 @pytest.mark.gpu
+def test_graphed_forwards_of_micro_batches_keep_their_outputs():
+    """Two micro-batches' forwards before their backwards (gradient accumulation's order), one shape:
+    the second forward's replay writes its own output, and each backward updates from its own batch,
+    bit for bit as run eagerly."""
+    batches = _batches(8, 3, [(64, 3)])
+
+    def train(graphs: bool):
+        tables = [TableSpec(ROWS, DIM, name=f"t{i}") for i in range(3)]
+        module = TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(lr=0.05), device="cuda", bounds_check="off",
+                                     cuda_graphs=graphs)
+        outputs = []
+        for first, second in zip(batches[::2], batches[1::2]):
+            pair = [module(indices, offsets) for indices, offsets, _, _ in (first, second)]
+            for output, (_, _, _, grad) in zip(pair, (first, second)):
+                output.backward(grad)
+            outputs += pair
+        torch.cuda.synchronize()
+        return module, outputs, module.state_dict()
+
+    _, expected_outputs, expected = train(False)
+    module, outputs, got = train(True)
+    assert module._forward_graphs.replays == len(batches) - 1
+    for step, (output, expected_output) in enumerate(zip(outputs, expected_outputs)):
+        assert torch.equal(output, expected_output), f"output {step}"
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+
+
+@pytest.mark.gpu
 def test_shapes_that_never_repeat_run_eagerly():
     batches = [_batches(1, 3, [(16 + step, 2)], seed=step)[0] for step in range(5)]
     _, expected = _train(False, batches, optimizer=SGD(lr=0.1))
     module, got = _train(True, batches, optimizer=SGD(lr=0.1))
-    assert module._backward_graphs.captures == 0 and module._backward_graphs.replays == 0
+    for graphs in (module._forward_graphs, module._backward_graphs):
+        assert graphs.captures == 0 and graphs.replays == 0
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
 
@@ -134,7 +167,8 @@ def test_graphed_steps_never_wait_for_the_device(placement):
             module(indices, offsets).backward(grad)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert module._backward_graphs.captures == 1 and module._backward_graphs.replays == 3
+    for graphs in (module._forward_graphs, module._backward_graphs):
+        assert graphs.captures == 1 and graphs.replays == 3
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from tiered_tbe.base.graphs import StepGraphs
 from tiered_tbe.kernels import backward as backward_module
 from tiered_tbe.kernels import forward as forward_module
 from tiered_tbe.kernels.backward import BackwardConfig, backward_update, sort_lookups
@@ -161,6 +162,30 @@ def test_every_forward_tile_matches_reference(pooling, device):
     for tile in forward_module.FORWARD_TILES:
         output = pooled_forward(stores, lookups, slot_of_index, pooling, tile=tile)
         torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-5, msg=lambda m, t=tile: f"{t}: {m}")
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean", "none"])
+def test_forward_through_step_graphs_writes_each_calls_own_output(pooling, device):
+    """Through a StepGraphs (the module's) the kernel reads its output's address from a tensor, so
+    that a CUDA graph of the launch serves every batch of a shape (on the GPU: captured on the second
+    call, replayed from the third). Every call's output equals the direct launch's bit for bit, each
+    kept alive while later calls run: a replay writes its own call's output, never an earlier one."""
+    num_rows = (7, 1, 40, 5)
+    stores, lookups, slot_of_index = make_batch(num_rows=num_rows, weighted=True, device=device)
+    # Batches of one shape (the key of a graph): the same bags, the lookups' rows and weights redrawn.
+    bags = torch.repeat_interleave(torch.arange(lookups.offsets.numel() - 1, device=device), lookups.offsets.diff())
+    rows_of_index = torch.tensor(num_rows, device=device)[bags // lookups.batch_size]
+    batches = [lookups._replace(indices=(lookups.indices + shift) % rows_of_index,
+                                per_sample_weights=torch.rand(lookups.num_lookups, device=device) + 0.5)
+               for shift in range(4)]
+    graphs = StepGraphs()
+    outputs = [pooled_forward(stores, batch, slot_of_index, pooling, graphs=graphs) for batch in batches]
+    for batch, output in zip(batches, outputs):
+        assert torch.equal(output, pooled_forward(stores, batch, slot_of_index, pooling))
+        torch.testing.assert_close(output.double(), reference_forward(stores, batch, slot_of_index, pooling),
+                                   rtol=1e-5, atol=1e-5)
+    if graphs.enabled:
+        assert graphs.captures == 1 and graphs.replays == 3
 
 
 def test_forward_tile_override_replaces_the_autotuner(monkeypatch, device):

@@ -20,13 +20,13 @@ from tiered_tbe.kernels import backward, forward, per_sample_weights, reference
 @dataclass(frozen=True)
 class KernelBackend:
     name: str
-    forward: Callable  # (stores, lookups, slot_of_index, pooling) -> fp32 output
+    forward: Callable  # (stores, lookups, slot_of_index, pooling, graphs=None) -> fp32 output
     backward_update: Callable  # (grad_output, stores, lookups, slot_of_index, pooling, optimizer, step, ...) -> None
     #                            (graphs=, presorted=: used by the triton kernels, ignored by the reference)
     per_sample_weights_grad: Callable  # (grad_output, stores, lookups, slot_of_index, pooling) -> fp32 [N]
 
 
-def _reference_forward(stores, lookups, slot_of_index, pooling):
+def _reference_forward(stores, lookups, slot_of_index, pooling, graphs=None):
     return reference.reference_forward(stores, lookups, slot_of_index, pooling).float()
 
 
@@ -41,8 +41,12 @@ def _reference_per_sample_weights_grad(*args) -> torch.Tensor:
     return reference.reference_per_sample_weights_grad(*args).float()
 
 
+def _triton_forward(stores, lookups, slot_of_index, pooling, graphs=None):
+    return forward.pooled_forward(stores, lookups, slot_of_index, pooling, graphs=graphs)
+
+
 BACKENDS = {
-    "triton": KernelBackend("triton", forward.pooled_forward, backward.backward_update,
+    "triton": KernelBackend("triton", _triton_forward, backward.backward_update,
                             per_sample_weights.per_sample_weights_grad),
     "torch": KernelBackend("torch", _reference_forward, _reference_backward_update,
                            _reference_per_sample_weights_grad),

@@ -28,7 +28,8 @@ class TieredEmbeddingBagsFunction(torch.autograd.Function):
         # The batch's cache locks must not outlive the graph: if autograd drops it without
         # running backward, ctx is collected and the locks go with it.
         weakref.finalize(ctx, batch.release)
-        return module.backend.forward(module.row_stores, batch.lookups, batch.slot_of_index, module.pooling)
+        return module.backend.forward(module.row_stores, batch.lookups, batch.slot_of_index, module.pooling,
+                                      graphs=module._forward_graphs)
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -54,7 +54,7 @@ class TieredEmbeddingBags(nn.Module):
             after the row's weights, rows padded to 16 bytes, as FBGEMM's SSD TBE offloads
             optimizer state): a row moved by the cache is then one stretch of host memory. The
             same training either way, bit for bit (``tiered_tbe/storage.py``).
-        cuda_graphs: on a GPU, replay each batch shape's backward (and the cache's prefetch, with
+        cuda_graphs: on a GPU, replay each batch shape's forward and backward (and the cache's prefetch, with
             the zero-copy mover) as one CUDA graph (captured on the shape's second batch, without
             waiting for the device; bit-identical to running its launches one by one;
             ``base/graphs.py``). ``TIERED_TBE_CUDA_GRAPHS=0`` turns it off too.
@@ -112,9 +112,12 @@ class TieredEmbeddingBags(nn.Module):
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
         self.optimizer_step = 0
-        # CUDA graphs of the backward, per batch shape (the triton backend only).
-        self._backward_graphs = StepGraphs(enabled=None if cuda_graphs else False) \
-            if self.backend.name == "triton" else None
+        # CUDA graphs of the forward and the backward, per batch shape (the triton backend only). The
+        # forward is one launch, but Triton's launch path took 2-3 times the host time of a replay:
+        # its kernels (0.11 ms at big Zipf) ended before its host part did (RESULTS.md, 2026-12-03).
+        self._forward_graphs, self._backward_graphs = (
+            (StepGraphs(enabled=None if cuda_graphs else False), StepGraphs(enabled=None if cuda_graphs else False))
+            if self.backend.name == "triton" else (None, None))
         # ... and of a lookahead hint's rows (rows_for_hint: two sorts and ~15 torch ops, 2.6-4 ms of
         # host time a batch when enqueued one by one on the H200 machine, thirteenth session).
         self._hint_graphs = StepGraphs(enabled=None if cuda_graphs else False)
@@ -357,7 +360,8 @@ class TieredEmbeddingBags(nn.Module):
         if not grad_enabled or (self.optimizer is None and not psw_needs_grad):
             # No backward will come (evaluation, frozen tables): release the locks now.
             try:
-                return self.backend.forward(self.row_stores, batch.lookups, batch.slot_of_index, self.pooling)
+                return self.backend.forward(self.row_stores, batch.lookups, batch.slot_of_index, self.pooling,
+                                            graphs=self._forward_graphs)
             finally:
                 batch.release()
         try:
