@@ -21,6 +21,7 @@ Example (CPU simulation, one table of 10 rows of 4 columns, one bag of rows 1 an
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from typing import NamedTuple
@@ -109,8 +110,9 @@ def _prune_configs(configs, named_args, **kwargs):
 )
 @triton.jit(do_not_specialize=["batch_size"])
 def _pooled_forward_kernel(
-    output_ptr,  # fp32 [B, total_dim] (sum, mean) or [N, output_width] (none): out; with
-    #              OUTPUT_ADDRESS, an int64 [1] holding that output's address
+    addresses_ptr,  # int64 [5], read only if ADDRESSES: the addresses of this call's output, indices,
+    #                 offsets, slot_of_index and per_sample_weights (batch_addresses)
+    output_ptr,  # fp32 [B, total_dim] (sum, mean) or [N, output_width] (none): out
     output_stride,  # elements between consecutive output rows
     output_width,  # pooling none: columns of an output row (zeros past the table's dim)
     table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
@@ -135,15 +137,20 @@ def _pooled_forward_kernel(
     GROUPS: tl.constexpr,  # tiles of BLOCK_B bags per program
     STAGES: tl.constexpr,  # steps of a bag whose loads are in flight at once (Triton's loop pipeliner)
     BLOCK_D: tl.constexpr,  # columns per tile: next power of two of the largest embedding_dim
-    OUTPUT_ADDRESS: tl.constexpr,  # output_ptr holds the output's address (a CUDA graph of the launch
-    #                                writes each call's own output)
+    ADDRESSES: tl.constexpr,  # the five tensors are the ones at addresses_ptr's addresses (a CUDA graph
+    #                           of the launch then reads and writes each call's own), typed as the arguments
     OUTPUT_ALIGN_BYTES: tl.constexpr,  # every output row slice of a table starts at a multiple of this
+    INPUT_ALIGN_BYTES: tl.constexpr,  # with ADDRESSES: the indices', offsets', slots' and weights' alignment
 ):
     table = tl.program_id(1)
-    if OUTPUT_ADDRESS:
-        output_base = tl.load(output_ptr).to(tl.pointer_type(tl.float32))
-    else:
-        output_base = output_ptr
+    if ADDRESSES:
+        # Hinted where they are made: Triton knows nothing of a loaded address (kernels/addressing.py).
+        output_ptr = tl.multiple_of(tl.load(addresses_ptr).to(output_ptr.dtype), OUTPUT_ALIGN_BYTES)
+        indices_ptr = tl.multiple_of(tl.load(addresses_ptr + 1).to(indices_ptr.dtype), INPUT_ALIGN_BYTES)
+        offsets_ptr = tl.multiple_of(tl.load(addresses_ptr + 2).to(offsets_ptr.dtype), INPUT_ALIGN_BYTES)
+        slot_of_index_ptr = tl.multiple_of(tl.load(addresses_ptr + 3).to(slot_of_index_ptr.dtype), INPUT_ALIGN_BYTES)
+        per_sample_weights_ptr = tl.multiple_of(tl.load(addresses_ptr + 4).to(per_sample_weights_ptr.dtype),
+                                                INPUT_ALIGN_BYTES)
     element = cache_weights_ptr.dtype.element_ty
     table_rows = table_row_zero(table_weights_address_ptr, table, element)
     row_stride = tl.load(table_weights_stride_ptr + table)
@@ -181,7 +188,7 @@ def _pooled_forward_kernel(
                     tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, None]
                 # Columns past the table's dim are written as zeros, so no output element is left unset.
                 # The hint where the pointers are made: Triton knows nothing of a loaded address.
-                row_starts = tl.multiple_of(output_base + positions * output_stride, OUTPUT_ALIGN_BYTES)
+                row_starts = tl.multiple_of(output_ptr + positions * output_stride, OUTPUT_ALIGN_BYTES)
                 out_ptrs = row_starts[:, None] + columns[None, :]
                 tl.store(out_ptrs, tile, mask=in_bag[:, None] & (columns < output_width)[None, :])
 
@@ -192,21 +199,26 @@ def _pooled_forward_kernel(
                 lengths = (tl.load(offsets_ptr + bag_ids + 1, mask=bags < batch_size, other=1)
                            - tl.load(offsets_ptr + bag_ids, mask=bags < batch_size, other=0))
                 accumulator = accumulator / tl.maximum(lengths, 1).to(tl.float32)[:, None]
-            row_starts = tl.multiple_of(output_base + bags.to(tl.int64) * output_stride + output_column,
+            row_starts = tl.multiple_of(output_ptr + bags.to(tl.int64) * output_stride + output_column,
                                         OUTPUT_ALIGN_BYTES)
             out_ptrs = row_starts[:, None] + columns[None, :]
             tl.store(out_ptrs, accumulator, mask=(bags < batch_size)[:, None] & in_row[None, :])
 
 
 class _ForwardPlan(NamedTuple):
-    """Everything a forward launch bakes in besides its tensors (hashable: part of a graph's key)."""
+    """Everything a forward launch bakes in besides its tensors' addresses (hashable: part of a
+    graph's key). The lookup count is not in it (only its bag-length class), so a graph serves
+    batches of bags of any lengths."""
 
     mode: int
     batch_size: int
     output_shape: tuple[int, int]
     output_align_bytes: int
+    input_align_bytes: int
     bag_length_class: int
+    index_dtypes: tuple[torch.dtype, torch.dtype]
     use_cache: bool
+    has_per_sample_weights: bool
     tile: ForwardTile | None
 
 
@@ -225,8 +237,9 @@ def pooled_forward(
         tile: run this tile shape instead of the autotuner's (tests of every shape, tuning sweeps;
             ``TIERED_TBE_FORWARD_TILE=bags,lanes,warps[,groups,stages]`` sets it for every call).
         graphs: a :class:`~tiered_tbe.base.graphs.StepGraphs` of this ``stores``: the launch runs as
-            a CUDA graph of the batch's shape, the output's address passed in a tensor (a graph's
-            replay costs the host a few microseconds where Triton's launch path cost tens).
+            a CUDA graph per batch shape, which reads the batch's tensors and writes its output at
+            addresses passed in one small tensor (no device copy; a replay costs the host a few
+            microseconds where Triton's launch path cost tens).
 
     Returns:
         fp32 ``[B, stores.total_dim]`` for sum and mean: table ``t``'s bag ``b`` at columns
@@ -247,28 +260,39 @@ def pooled_forward(
     if tile is None and override:
         tile = ForwardTile(*(int(value) for value in override.split(",")))
     use_cache = slot_of_index is not None and stores.uses_cache
+    tensors = (output, lookups.indices, lookups.offsets, slot_of_index if use_cache else None,
+               lookups.per_sample_weights)
     plan = _ForwardPlan(mode, batch_size, tuple(output.shape), row_slice_alignment_bytes(output, stores),
-                        bag_length_class(lookups.num_lookups, stores.num_tables * batch_size), use_cache, tile)
-    inputs = (lookups.indices, lookups.offsets, slot_of_index if use_cache else None, lookups.per_sample_weights)
+                        min(_alignment_bytes(tensor) for tensor in tensors[1:] if tensor is not None),
+                        bag_length_class(lookups.num_lookups, stores.num_tables * batch_size),
+                        (lookups.indices.dtype, lookups.offsets.dtype), use_cache, tensors[4] is not None, tile)
     # Launched directly where no graph will be replayed (graphs off) or inside a caller's capture (a
-    # capture bakes the output's address in; the address tensor's pinned copy would be replayed stale).
+    # capture bakes the addresses in; the address block's pinned copy would be replayed stale).
     if graphs is None or (device.type == "cuda" and (not graphs.enabled or torch.cuda.is_current_stream_capturing())):
-        _enqueue_forward(plan, stores, output, *inputs)
+        _enqueue_forward(plan, stores, None, *tensors)
     else:
-        graphs.run((plan, id(stores)), (output_address(output), *inputs),
-                   lambda tensors: _enqueue_forward(plan, stores, *tensors), device)
+        # The tensors go to the launch for their types only: the kernel reads them at the addresses.
+        graphs.run((plan, id(stores)), (batch_addresses(tensors),),
+                   lambda addresses: _enqueue_forward(plan, stores, addresses[0], *tensors), device)
     return output
 
 
-def output_address(output: torch.Tensor) -> torch.Tensor:
-    """int64 [1] on the host: the address a graphed forward writes its output to."""
-    return torch.frombuffer(bytearray(struct.pack("<q", output.data_ptr())), dtype=torch.int64)
+def batch_addresses(tensors) -> torch.Tensor:
+    """int64 [5] on the host: the address of each of ``(output, indices, offsets, slot_of_index,
+    per_sample_weights)`` (0 for a missing one), which a graphed forward reads its batch at."""
+    return torch.frombuffer(bytearray(struct.pack("<5q", *(0 if t is None else t.data_ptr() for t in tensors))),
+                            dtype=torch.int64)
 
 
-def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, output, indices, offsets, slot_of_index,
+def _alignment_bytes(tensor: torch.Tensor) -> int:
+    """The largest power of two up to 16 that the tensor's address is a multiple of."""
+    return math.gcd(tensor.data_ptr(), 16)
+
+
+def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, addresses, output, indices, offsets, slot_of_index,
                      per_sample_weights) -> None:
-    """Launch the forward kernel. ``output``: the fp32 output, or an int64 [1] device tensor holding its
-    address (a CUDA graph of the launch then serves every batch of its shape)."""
+    """Launch the forward kernel on the tensors, or (``addresses``: an int64 [5] device tensor of
+    :func:`batch_addresses`) on the ones at those addresses, typed as these."""
     tile = plan.tile
 
     def grid(meta):
@@ -281,19 +305,20 @@ def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, output, indices, off
                      num_warps=tile.warps)
     output_stride, output_width = plan.output_shape[1], plan.output_shape[1]  # a contiguous output
     kernel[grid](
-        output, output_stride, output_width,
+        addresses if addresses is not None else offsets, output, output_stride, output_width,
         stores.table_weights_address, stores.table_weights_stride, stores.table_dim, stores.table_output_offset,
         stores.cache_weights, stores.cache_weights.stride(0),
         indices, offsets, slot_of_index if plan.use_cache else indices,
-        per_sample_weights if per_sample_weights is not None else offsets,
+        per_sample_weights if plan.has_per_sample_weights else output,
         plan.batch_size, plan.bag_length_class,
         POOLING=plan.mode,
-        HAS_PER_SAMPLE_WEIGHTS=per_sample_weights is not None,
+        HAS_PER_SAMPLE_WEIGHTS=plan.has_per_sample_weights,
         USE_CACHE=plan.use_cache,
         ALIGN=stores.alignment,
         ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
         BLOCK_D=stores.block_d,
-        OUTPUT_ADDRESS=output.dtype == torch.int64,
+        ADDRESSES=addresses is not None,
         OUTPUT_ALIGN_BYTES=plan.output_align_bytes,
+        INPUT_ALIGN_BYTES=plan.input_align_bytes,
         **shape,
     )

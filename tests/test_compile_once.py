@@ -51,15 +51,15 @@ def test_every_kernel_compiles_for_sm90_with_vector_loads():
     for line in lines:
         if line.startswith(("forward", "row update", "hot row update", "hot window sums", "per-sample")):
             assert "v4 ld   0" not in line, f"lost 16-byte vector loads: {line}"
-    # A graphed forward loads its output's address: with the alignment hint, its tiles store as the
-    # directly launched kernel's do.
-    stores = {line.split("  ")[0]: re.search(r"v4 st +(\d+)", line).group(1) for line in lines
-              if line.startswith("forward")}
-    addressed = [name for name in stores if name.endswith(", output address")]
-    assert addressed, out
-    for name in addressed:
-        direct = name.removesuffix(", output address")
-        assert stores[name] == stores[direct], f"{name}: {stores[name]} 16-byte stores against {stores[direct]}"
+    # A graphed forward loads its tensors' addresses: with the alignment hints, it loads and stores 16
+    # bytes at a time where the directly launched kernel does.
+    accesses = {line.split("  ")[0]: re.search(r"v4 ld +\d+ +v4 st +\d+", line).group(0) for line in lines
+                if line.startswith("forward")}
+    graphed = [name for name in accesses if name.endswith(", addresses")]
+    assert graphed, out
+    for name in graphed:
+        direct = name.removesuffix(", addresses")
+        assert accesses[name] == accesses[direct], f"{name}: {accesses[name]} against {accesses[direct]}"
 
 
 def test_saved_report_compares_and_flags_lost_vector_loads(capsys):
