@@ -564,6 +564,36 @@ def test_host_split_marks_our_backward_call(capsys):
     assert TieredEmbeddingBagsFunction.backward.__name__ == "backward" and StepGraphs._replay.__name__ == "_replay"
 
 
+def test_steady_step_times_rounds_of_training_steps(capsys):
+    """steady_step: host and wall ms per step of rounds of plain training steps (FBGEMM's side named
+    as missing when not asked for), and the weights trained by them."""
+    steady_step = importlib.import_module("tiered_tbe.benchmarks.steady_step")
+    assert steady_step.main(["--configs", "criteo-sgd", "--ours-only"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| criteo-sgd | ours |"))
+    host, wall = (float(value) for value in row.split("|")[3:5])
+    assert 0 < host <= wall * 1.01, row  # in simulation the work is synchronous: wall ~ host
+    assert "| criteo-sgd | FBGEMM | not asked for |" in out
+
+
+def test_steady_step_sides_take_turns():
+    """Each side runs its warm-up, then rounds in turn, the order reversed every other round."""
+    steady_step = importlib.import_module("tiered_tbe.benchmarks.steady_step")
+    order = []
+
+    class Side:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, indices, offsets):
+            order.append(self.name)
+            return torch.ones(1, requires_grad=True) * 2
+
+    steady_step.take_turns({"a": Side("a"), "b": Side("b")}, [(None, None)], torch.ones(1), rounds=3,
+                           round_steps=2, warmup=1)
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"] + ["a", "a", "b", "b"]
+
+
 def test_bench_fbgemm_variants_take_turns_with_their_setting_set():
     """A tuning variant's environment is set during its own steps only, and restored after."""
     bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
