@@ -15,6 +15,8 @@
 #   MOVER          our cache's row mover for the cached configurations (default: CacheConfig's)
 #   STATE_LAYOUT   where our backing stores keep the optimizer state: separate (default) or with_rows
 #   PROFILE=1      also profile each configuration (bench_fbgemm --profile: kernels, copy-bandwidth fractions)
+#   STEADY_CONFIGS configurations also run as a plain training loop (benchmarks/steady_step.py; default: three
+#                  small-step ones, where the host may be the bound; "" skips)
 #   SKIP_INSTALL=1 the project and wheels are installed already
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -38,7 +40,7 @@ torch.__version__, triton.__version__); from tiered_tbe.base.sorting import sort
     || exit 1
 python3 -c "import fbgemm_gpu; print('fbgemm_gpu', fbgemm_gpu.__version__)" 2>&1 | tail -1
 
-TESTS=${TESTS-tests/test_kernels.py tests/test_compile_once.py tests/test_sorting.py}
+TESTS=${TESTS-tests/test_kernels.py tests/test_graphs.py tests/test_compile_once.py tests/test_sorting.py}
 if [[ -n $TESTS ]]; then
     # shellcheck disable=SC2086
     timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu -q ${PYTEST_ARGS--x} -p no:cacheprovider $TESTS \
@@ -52,6 +54,11 @@ cached-managed-lru-with-rows}
 python3 benchmarks/bench_fbgemm.py --configs $CONFIGS --steps "${STEPS:-20}" --warmup "${WARMUP:-8}" \
     ${MOVER:+--mover "$MOVER"} ${STATE_LAYOUT:+--state-layout "$STATE_LAYOUT"} ${PROFILE:+--profile} --json "$OUT/bench_fbgemm.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 | tee "$OUT/bench_fbgemm.log" \
     | grep -v -i "warn"
+STEADY_CONFIGS=${STEADY_CONFIGS-big-zipf-sgd criteo-adagrad criteo-adagrad-fp16}
+if [[ -n $STEADY_CONFIGS ]]; then
+    # shellcheck disable=SC2086
+    python3 benchmarks/steady_step.py --configs $STEADY_CONFIGS 2>&1 | tee "$OUT/steady_step.log" | grep "^|"
+fi
 if [[ -n ${SWEEP_CONFIGS:-} ]]; then
     SWEEP=${SWEEP:-2,1,2,32 4,1,2,32 2,1,1,32 2,2,2,32 2,1,2,64 2,1,2,32,16,16,4,2}
     # shellcheck disable=SC2086

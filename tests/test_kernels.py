@@ -199,6 +199,13 @@ def test_forward_through_step_graphs_reads_and_writes_each_calls_own_tensors(poo
         assert graphs.captures == 1 and graphs.replays == (4 if same_key else 3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("pooling", ["sum", "mean", "none"])
+def test_graphed_forward_replays_each_calls_tensors_on_the_gpu(pooling):
+    """The test above where its graphs are captured and replayed (the GPU suite runs gpu-marked tests)."""
+    test_forward_through_step_graphs_reads_and_writes_each_calls_own_tensors(pooling, torch.device("cuda"))
+
+
 def test_forward_tile_override_replaces_the_autotuner(monkeypatch, device):
     """TIERED_TBE_FORWARD_TILE (tuning sweeps: bench_fbgemm --forward-tiles) runs its tile, bypassing
     the autotuner, with the same result."""
