@@ -322,6 +322,11 @@ def batches_needed(config: Config, args) -> int:
     return args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0) + config.lookahead_window
 
 
+# What ours_module reads of the command line, at bench_fbgemm's defaults (for the scripts that
+# build our module of a configuration without parsing bench_fbgemm's flags).
+DEFAULT_MODULE_ARGS = argparse.Namespace(seed=0, mover=None, state_layout=None)
+
+
 def ours_module(config: Config, args) -> TieredEmbeddingBags:
     placement = {"device": Placement.DEVICE, "host_cached": Placement.HOST_CACHED,
                  "managed_cached": Placement.MANAGED_CACHED}[config.placement]

@@ -31,7 +31,14 @@ from tiered_tbe.base import graphs as graphs_module
 from tiered_tbe.base.mode import SIMULATION, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.bench_cache import free
-from tiered_tbe.benchmarks.bench_fbgemm import batches_of, fbgemm_available, fbgemm_module, ours_module, shape_of
+from tiered_tbe.benchmarks.bench_fbgemm import (
+    DEFAULT_MODULE_ARGS,
+    batches_of,
+    fbgemm_available,
+    fbgemm_module,
+    ours_module,
+    shape_of,
+)
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS
 from tiered_tbe.function import TieredEmbeddingBagsFunction
 
@@ -122,7 +129,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     print(describe_mode(), flush=True)
     missing = "not asked for" if args.ours_only else fbgemm_available()
-    module_args = argparse.Namespace(seed=0, mover=None, state_layout=None)  # what ours_module reads
     for base in (c for c in CONFIGS if c.name in args.configs):
         config = shape_of(base)
         batches, grad = batches_of(config, 0, 4)
@@ -130,7 +136,7 @@ def main(argv=None) -> int:
             if side == "FBGEMM" and missing:
                 print(f"== {base.name}, FBGEMM: {missing}")
                 continue
-            emb = ours_module(config, module_args) if side == "ours" else fbgemm_module(config)
+            emb = ours_module(config, DEFAULT_MODULE_ARGS) if side == "ours" else fbgemm_module(config)
             result = split_calls(emb, batches, grad, args.calls, args.warmup, ours=side == "ours")
             print(f"== {base.name}, {side} (host µs, medians of {args.calls} calls)")
             print("   " + "  ".join(f"{name} {value:.0f}" for name, value in result.items()), flush=True)

@@ -20,7 +20,14 @@ import time
 from tiered_tbe.base.mode import SIMULATION, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.bench_cache import free
-from tiered_tbe.benchmarks.bench_fbgemm import batches_of, fbgemm_available, fbgemm_module, ours_module, shape_of
+from tiered_tbe.benchmarks.bench_fbgemm import (
+    DEFAULT_MODULE_ARGS,
+    batches_of,
+    fbgemm_available,
+    fbgemm_module,
+    ours_module,
+    shape_of,
+)
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS
 
 
@@ -62,13 +69,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     print(describe_mode(), flush=True)
     missing = "not asked for" if args.ours_only else fbgemm_available()
-    module_args = argparse.Namespace(seed=0, mover=None, state_layout=None)  # what ours_module reads
     print("| configuration | side | host ms a step | wall ms a step | wall, ours / FBGEMM |")
     print("| --- | --- | ---: | ---: | ---: |")
     for base in (c for c in CONFIGS if c.name in args.configs):
         config = shape_of(base)
         batches, grad = batches_of(config, 0, 6)
-        sides = {"ours": ours_module(config, module_args)}
+        sides = {"ours": ours_module(config, DEFAULT_MODULE_ARGS)}
         if not missing:
             sides["FBGEMM"] = fbgemm_module(config)
         result = take_turns(sides, batches, grad, args.rounds, args.round_steps, args.warmup)

@@ -41,12 +41,8 @@ def _reference_per_sample_weights_grad(*args) -> torch.Tensor:
     return reference.reference_per_sample_weights_grad(*args).float()
 
 
-def _triton_forward(stores, lookups, slot_of_index, pooling, graphs=None):
-    return forward.pooled_forward(stores, lookups, slot_of_index, pooling, graphs=graphs)
-
-
 BACKENDS = {
-    "triton": KernelBackend("triton", _triton_forward, backward.backward_update,
+    "triton": KernelBackend("triton", forward.pooled_forward, backward.backward_update,
                             per_sample_weights.per_sample_weights_grad),
     "torch": KernelBackend("torch", _reference_forward, _reference_backward_update,
                            _reference_per_sample_weights_grad),
