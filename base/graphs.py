@@ -150,15 +150,18 @@ class StepGraphs:
         self.captures = 0
         self.replays = 0
 
-    def run(self, key: Hashable, inputs: Inputs, enqueue: Callable[[list], Outputs], device: torch.device
-            ) -> Outputs:
+    def run(self, key: Hashable, inputs: Inputs, enqueue: Callable[[list], Outputs], device: torch.device,
+            advance: Callable[[bytes], bytes] | None = None) -> Outputs:
+        """``advance``: what ``enqueue`` leaves in a host input's static, from the bytes it held (an
+        enqueue that advances its step in place): after a replay the next step's values are known to
+        be there, and equal ones are not copied again."""
         if not self.enabled or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return enqueue(to_device(inputs, device))
         key = (key, tuple(_signature(tensor) for tensor in inputs), _current_stream_handle(device))
         captured = self._graphs.get(key)
         if captured is not None:
             self._graphs.move_to_end(key)
-            return self._replay(captured, inputs)
+            return self._replay(captured, inputs, advance)
         uses = self._uses.pop(key, 0)
         if key in self._refused or uses < self.capture_after:
             self._uses[key] = uses + 1
@@ -171,7 +174,7 @@ class StepGraphs:
         self._graphs[key] = captured
         while len(self._graphs) > self.capacity:
             self._graphs.popitem(last=False)
-        return self._replay(captured, inputs)
+        return self._replay(captured, inputs, advance)
 
     def _capture(self, key, inputs: Inputs, enqueue, device: torch.device) -> _Captured | None:
         statics = [None if tensor is None else torch.empty_like(tensor, device=device) for tensor in inputs]
@@ -197,7 +200,8 @@ class StepGraphs:
         self.captures += 1
         return _Captured(graph, statics, [None] * len(inputs), outputs)
 
-    def _replay(self, captured: _Captured, inputs: Inputs) -> Outputs:
+    def _replay(self, captured: _Captured, inputs: Inputs, advance: Callable[[bytes], bytes] | None = None
+                ) -> Outputs:
         for index, (static, tensor) in enumerate(zip(captured.statics, inputs)):
             if tensor is None:
                 continue
@@ -213,6 +217,8 @@ class StepGraphs:
                 static.copy_(tensor)
         captured.graph.replay()
         self.replays += 1
+        if advance is not None:
+            captured.host_values = [None if values is None else advance(values) for values in captured.host_values]
         if captured.outputs is None:
             return None
         return tuple(output.clone() for output in captured.outputs)

@@ -57,6 +57,8 @@ from .hot_rows import hot_group_sums_kernel, hot_row_update_kernel, hot_window_s
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
 from .update_rows import (
+    advance_step_arguments,
+    advance_step_kernel,
     grad_output_of_step,
     gradients_of_keys,
     hyper_view,
@@ -356,7 +358,8 @@ def backward_update(
     if graphs is None or sorted_lookups is not None:
         enqueue(to_device(inputs, grad_output.device))
     else:
-        graphs.run((plan, id(stores)), inputs, enqueue, grad_output.device)
+        graphs.run((plan, id(stores)), inputs, enqueue, grad_output.device,
+                   advance=advance_step_arguments if plan.stochastic_rounding else None)
 
 
 def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_sample_weights, global_rows,
@@ -410,3 +413,7 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, config.rows), config.tiles),)](
         s.num_runs, s.run_end, *gradient_args, *update_args, num_lookups, plan.batch_size,
         **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
+    if plan.stochastic_rounding:
+        # The step's arguments one step on, in place, after every kernel that reads them: a graph's next
+        # replay finds the next step's there, and its host-to-device copy is skipped (StepGraphs' advance).
+        advance_step_kernel[(1,)](step_args)

@@ -31,6 +31,22 @@ def step_arguments(grad_output: torch.Tensor, hyper: tuple[float, ...], seed: in
     return torch.frombuffer(bytearray(packed), dtype=torch.int64)
 
 
+def advance_step_arguments(values: bytes) -> bytes:
+    """``step_arguments``' bytes one step on (the step field + 1, wrapped as there): what
+    ``advance_step_kernel`` leaves in a graph's copy of them, so the next step's need no copy."""
+    step = (struct.unpack_from("<q", values, 16)[0] + 1) & 0x7FFFFFFF
+    return values[:16] + struct.pack("<q", step) + values[24:]
+
+
+@triton.jit
+def advance_step_kernel(
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments, its step field advanced in place
+):
+    """The step field + 1 (wrapped to 31 bits as ``step_arguments`` wraps it), after the step's
+    update kernels: a graph's replays then hold the next step's arguments already."""
+    tl.store(step_args_ptr + 2, (tl.load(step_args_ptr + 2) + 1) & 0x7FFFFFFF)
+
+
 def hyper_view(step_args: torch.Tensor, num_hyper: int) -> torch.Tensor:
     """fp32 [num_hyper]: the hyper-parameters inside ``step_args`` (a view)."""
     return step_args.view(torch.float32)[2 * STEP_INTS:2 * STEP_INTS + num_hyper]

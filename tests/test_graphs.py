@@ -6,9 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tiered_tbe
 from tiered_tbe import SGD, Adam, CacheConfig, Placement, RowwiseAdagrad, TableSpec
+from tiered_tbe.base import graphs as graphs_module
 from tiered_tbe.base.graphs import StepGraphs
-from tiered_tbe.kernels.update_rows import MAX_HYPER, STEP_ARGS, hyper_view, step_arguments
+from tiered_tbe.kernels.update_rows import (
+    MAX_HYPER,
+    STEP_ARGS,
+    advance_step_arguments,
+    advance_step_kernel,
+    hyper_view,
+    step_arguments,
+)
 from tiered_tbe.module import TieredEmbeddingBags
 
 
@@ -26,6 +35,42 @@ def test_step_arguments_hold_the_grad_address_seed_step_and_hyper():
         step_arguments(grad, (0.1,) * (MAX_HYPER + 1), 0, 1)
     with pytest.raises(ValueError, match="hyper-parameters"):
         step_arguments(grad, (), 0, 1)
+
+
+@pytest.mark.parametrize("step", [1, 12, 0x7FFFFFFF])
+def test_the_step_advances_on_the_device_as_on_the_host(step):
+    """Stochastic rounding's step, advanced in place after a step's kernels (advance_step_kernel),
+    equals the next step's arguments, and so does the host's prediction of it (wrapped to 31 bits)."""
+    grad = torch.randn(3, 5)
+    hyper = (0.125, 1e-8)
+    arguments = step_arguments(grad, hyper, seed=9, step=step)
+    following = step_arguments(grad, hyper, seed=9, step=step + 1)
+    assert advance_step_arguments(arguments.numpy().tobytes()) == following.numpy().tobytes()
+    on_device = arguments.to(tiered_tbe.default_device())
+    advance_step_kernel[(1,)](on_device)
+    assert torch.equal(on_device.cpu(), following)
+
+
+def test_a_replay_skips_the_copy_of_host_inputs_it_advanced(monkeypatch):
+    """After a replay whose graph advances its step in place, the next step's arguments are known to
+    be on the device: not copied again. Arguments that differ otherwise (a new grad_output) are."""
+    copies = []
+    monkeypatch.setattr(graphs_module, "copy_to_device", lambda target, source: copies.append(source.clone()))
+
+    class Graph:
+        def replay(self):
+            pass
+
+    graphs = StepGraphs(enabled=False)
+    static = torch.empty(STEP_ARGS, dtype=torch.int64)
+    captured = graphs_module._Captured(Graph(), [static], [None], None)
+    grad, other_grad = torch.randn(3, 5), torch.randn(3, 5)
+    for step in (1, 2, 3):
+        graphs._replay(captured, [step_arguments(grad, (0.1,), 7, step)], advance=advance_step_arguments)
+    graphs._replay(captured, [step_arguments(other_grad, (0.1,), 7, 4)], advance=advance_step_arguments)
+    graphs._replay(captured, [step_arguments(other_grad, (0.1,), 7, 9)], advance=advance_step_arguments)
+    assert [int(copy[2]) for copy in copies] == [1, 4, 9]
+    assert graphs.replays == 5
 
 
 def test_step_graphs_run_eagerly_off_the_gpu():
