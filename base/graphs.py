@@ -34,6 +34,7 @@ and what a replay returns is a copy of the graph's outputs (the next replay over
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -86,14 +87,16 @@ class PinnedRing:
         self._buffer = torch.empty(slots, slot_bytes, dtype=torch.uint8, pin_memory=True)
         self._events = [torch.cuda.Event() for _ in range(slots)]
         self._next = 0
+        self._lock = threading.Lock()
 
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
         nbytes = source.numel() * source.element_size()
         if nbytes > self.slot_bytes or not source.is_contiguous():
             raise ValueError(f"PinnedRing copies contiguous tensors of at most {self.slot_bytes} bytes, got "
                              f"{tuple(source.shape)} {source.dtype}")
-        slot = self._next
-        self._next = (slot + 1) % len(self._events)
+        with self._lock:  # the forward's replays run on the caller's thread, the backward's on autograd's
+            slot = self._next
+            self._next = (slot + 1) % len(self._events)
         event = self._events[slot]
         if not event.query():
             event.synchronize()  # back-pressure: this slot's last copy has not run yet
@@ -109,11 +112,16 @@ _RINGS: dict[torch.device, PinnedRing] = {}
 def staging(device: torch.device) -> PinnedRing:
     """The pinned ring of ``device`` (made on first use: constructors call it, so that the
     pinned allocation happens there and not on the training path)."""
-    device = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
-    ring = _RINGS.get(device)
+    ring = _RINGS.get(device)  # as asked: on the path to every replay that copies its arguments
+    if ring is not None:
+        return ring
+    indexed = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
+    ring = _RINGS.get(indexed)
     if ring is None:
-        with torch.cuda.device(device):  # its events belong to that device
-            ring = _RINGS[device] = PinnedRing()
+        with torch.cuda.device(indexed):  # its events belong to that device
+            ring = _RINGS[indexed] = PinnedRing()
+    if device.index is not None:  # "cuda" alone names whichever device is current: not kept under it
+        _RINGS[device] = ring
     return ring
 
 
