@@ -11,6 +11,7 @@ an event record 8, ``torch.cuda.current_stream()`` 7.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import torch
@@ -57,6 +58,28 @@ def per_call(fn, calls=2000) -> tuple[float, float]:
     return min(times), sorted(times)[2]
 
 
+class _Nothing(torch.autograd.Function):
+    """An autograd Function whose backward does nothing: ``.backward()`` through it costs the engine's
+    hand-over to its device thread and back, the floor of any custom backward on a CUDA tensor."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def on_another_thread(fn):
+    """``fn`` timed on a fresh thread, as autograd's device thread runs a backward."""
+    result = []
+    worker = threading.Thread(target=lambda: result.append(per_call(fn)))
+    worker.start()
+    worker.join()
+    return result[0]
+
+
 def main() -> int:
     print(describe_mode())
     if SIMULATION or not torch.cuda.is_available():
@@ -80,6 +103,9 @@ def main() -> int:
     with torch.cuda.graph(g):
         tiny[(1,)](small, 1024, BLOCK=1024)
     args = [small] * 16
+    x2, y2 = x.clone(), y.clone()
+    leaf = torch.zeros(4, device="cuda", requires_grad=True)
+    ones = torch.ones(4, device="cuda")
     cases = {
         "torch.empty(1M int32, cuda)": lambda: torch.empty(1 << 20, dtype=torch.int32, device="cuda"),
         "y.copy_(x) 4 MB d2d": lambda: y.copy_(x),
@@ -95,10 +121,17 @@ def main() -> int:
         "graph.replay() 1 kernel": lambda: g.replay(),
         "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(),
         "torch.is_grad_enabled()": lambda: torch.is_grad_enabled(),
+        "two y.copy_(x) 4 MB d2d": lambda: (y.copy_(x), y2.copy_(x2)),
+        "torch._foreach_copy_ of two 4 MB d2d": lambda: torch._foreach_copy_([y, y2], [x, x2]),
+        "autograd backward through a Function doing nothing": lambda: _Nothing.apply(leaf).backward(ones),
     }
     for name, fn in cases.items():
         best, mid = per_call(fn)
         print(f"| {name} | {best:.1f} | {mid:.1f} |")
+    for name in ("y.copy_(x) 4 MB d2d", "two y.copy_(x) 4 MB d2d", "torch._foreach_copy_ of two 4 MB d2d",
+                 "dev.copy_(pinned, non_blocking)", "graph.replay() 1 kernel"):
+        best, mid = on_another_thread(cases[name])
+        print(f"| {name}, on another thread | {best:.1f} | {mid:.1f} |")
     return 0
 
 
