@@ -167,7 +167,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     for name in optimizers or list(OPTIMIZERS):
         optimizer = OPTIMIZERS[name]()
         load_state, update, store_state = optimizer.TRITON
-        num_hyper = len(optimizer.kernel_hyper(1))
+        num_hyper = len(optimizer.kernel_hyper())
         updating = dict(USE_CACHE=True, OPTIMIZER_LOAD_STATE=load_state, OPTIMIZER_UPDATE=update,
                         OPTIMIZER_STORE_STATE=store_state, STOCHASTIC_ROUNDING=dtype != torch.float32,
                         NUM_HYPER=num_hyper,

@@ -283,6 +283,7 @@ class _UpdatePlan(NamedTuple):
     optimizer_triton: tuple
     num_hyper: int
     stochastic_rounding: bool
+    reads_step: bool  # the kernels read the step (stochastic rounding, an optimizer's USES_STEP)
 
 
 def backward_update(
@@ -338,18 +339,23 @@ def backward_update(
         raise ValueError(f"config.chunk must be a power of two in [2, 1024], got {config.chunk}")
     if config.tiles < 1:
         raise ValueError(f"config.tiles must be at least 1, got {config.tiles}")
-    hyper = tuple(float(value) for value in optimizer.kernel_hyper(step))
+    hyper = tuple(float(value) for value in optimizer.kernel_hyper())
+    rounds_stochastically = bool(stochastic_rounding) and stores.weights_dtype != torch.float32
     plan = _UpdatePlan(
         mode=mode, batch_size=lookups.batch_size, grad_output_stride=grad_output.stride(0),
         grad_align_bytes=row_slice_alignment_bytes(grad_output, stores), block_d=block_d, config=config,
         use_cache=slot_of_index is not None and stores.uses_cache, optimizer_triton=optimizer.TRITON,
         num_hyper=len(hyper),
-        stochastic_rounding=bool(stochastic_rounding) and stores.weights_dtype != torch.float32)
+        stochastic_rounding=rounds_stochastically,
+        reads_step=rounds_stochastically or optimizer.USES_STEP)
+    # The step is read by stochastic rounding and by the optimizers whose update reads it (Adam's
+    # bias corrections), and passed only then: otherwise a replay's arguments stay the same from
+    # step to step. When passed, the graph advances it on the device after the step's kernels
+    # (advance_step_kernel), and the next replay finds it there: no copy either way.
     inputs = (lookups.indices, lookups.offsets, lookups.per_sample_weights, lookups.global_rows,
               lookups.bag_of_index, slot_of_index if plan.use_cache else None,
-              # The seed and the step are read by stochastic rounding only: left out otherwise, a replay's
-              # arguments stay the same from step to step and their host-to-device copy is skipped.
-              step_arguments(grad_output, hyper, *((seed, step) if plan.stochastic_rounding else (0, 0))),
+              step_arguments(grad_output, hyper, seed if plan.stochastic_rounding else 0,
+                             step if plan.reads_step else 0),
               *(presorted or (None, None)))
 
     def enqueue(tensors):
@@ -359,7 +365,7 @@ def backward_update(
         enqueue(to_device(inputs, grad_output.device))
     else:
         graphs.run((plan, id(stores)), inputs, enqueue, grad_output.device,
-                   advance=advance_step_arguments if plan.stochastic_rounding else None)
+                   advance=advance_step_arguments if plan.reads_step else None)
 
 
 def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_sample_weights, global_rows,
@@ -413,7 +419,8 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, config.rows), config.tiles),)](
         s.num_runs, s.run_end, *gradient_args, *update_args, num_lookups, plan.batch_size,
         **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
-    if plan.stochastic_rounding:
+    if plan.reads_step and step_args.is_cuda and torch.cuda.is_current_stream_capturing():
         # The step's arguments one step on, in place, after every kernel that reads them: a graph's next
         # replay finds the next step's there, and its host-to-device copy is skipped (StepGraphs' advance).
+        # Run eagerly, the arguments are a fresh copy each step: nothing to advance.
         advance_step_kernel[(1,)](step_args)

@@ -266,7 +266,7 @@ def update_rows(
     cache_weights_stride,  # elements between consecutive slots of cache_weights
     cache_state_ptr,  # fp32 [num_slots, state_width]: optimizer state of cached rows
     cache_state_stride,  # elements between consecutive slots of cache_state
-    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: the philox key and step)
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: the optimizer step, the philox key)
     hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters (FusedOptimizer.kernel_hyper)
     NUM_HYPER: tl.constexpr,  # how many
     OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
@@ -293,7 +293,8 @@ def update_rows(
     # apply the update twice.
     weights = tl.load(weight_rows[:, None] + columns[None, :], mask=mask, other=0.0).to(tl.float32)
     state = OPTIMIZER_LOAD_STATE(state_rows, columns, row_mask, mask, dims)
-    weights, state = OPTIMIZER_UPDATE(weights, grad, state, mask, dims, load_hyper(hyper_ptr, NUM_HYPER))
+    step = tl.load(step_args_ptr + 2).to(tl.int32)  # 0 unless the optimizer or stochastic rounding reads it
+    weights, state = OPTIMIZER_UPDATE(weights, grad, state, mask, dims, load_hyper(hyper_ptr, NUM_HYPER), step)
     if STOCHASTIC_ROUNDING:
         weights = stochastic_round(weights, random_words(global_rows, step_args_ptr, columns.shape[0]), element)
     tl.debug_barrier()

@@ -13,6 +13,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tiered_tbe.base.graphs import StepGraphs
 from tiered_tbe.kernels import backward as backward_module
@@ -22,6 +24,7 @@ from tiered_tbe.kernels.backward import BackwardConfig, backward_update, sort_lo
 from tiered_tbe.kernels.forward import pooled_forward
 from tiered_tbe.kernels.linearize import linearize, linearize_tile
 from tiered_tbe.kernels.optimizers import LAMB, OPTIMIZERS, SGD, Adagrad, Adam, PartialRowwiseAdam, RowwiseAdagrad
+from tiered_tbe.kernels.optimizers.adam import bias_correction
 from tiered_tbe.kernels.per_sample_weights import per_sample_weights_grad
 from tiered_tbe.kernels.reference import (
     reference_backward_update,
@@ -670,19 +673,75 @@ def test_backward_update_rejects_bad_arguments(device):
         backward_update(grad_output, stores, lookups, slot_of_index, "sum", sgd, step=0)
 
 
-@pytest.mark.parametrize("name", ["adagrad", "partial_rowwise_adam", "lamb"])
-def test_new_optimizers_over_many_steps(name, device):
+@pytest.mark.parametrize("name, first_step", [("adagrad", 1), ("adam", 1), ("partial_rowwise_adam", 1), ("lamb", 1),
+                                              ("adam", 70_001)])
+def test_new_optimizers_over_many_steps(name, first_step, device):
     """Ten steps of the same batch shape with fresh gradients: the kernels track the reference
-    (state carried from step to step, bias corrections by step)."""
+    (state carried from step to step, bias corrections by step, computed by the kernels from the
+    step: at 70,001 over 17 of its bits)."""
     optimizer = ALL_OPTIMIZERS[name]
     stores, lookups, slot_of_index = make_batch(dims=(5, 12), num_rows=(9, 3), optimizer=optimizer,
                                                 weighted=True, device=device)
     expected = stores.clone()
-    for step in range(1, 11):
+    for step in range(first_step, first_step + 10):
         grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
         reference_backward_update(grad_output, expected, lookups, slot_of_index, "sum", optimizer, step)
         backward_update(grad_output, stores, lookups, slot_of_index, "sum", optimizer, step)
     assert_stores_close(stores, expected, torch.float32)
+
+
+@triton.jit
+def _bias_correction_kernel(
+    corrections_ptr,  # fp32 [N]: 1 - beta ** step, written
+    steps_ptr,  # int32 [N]: the steps
+    beta_ptr,  # fp32 [1]: the moment's decay (loaded, as the kernels load it from the step's arguments)
+    N: tl.constexpr,  # how many steps
+):
+    steps = tl.load(steps_ptr + tl.arange(0, N))
+    tl.store(corrections_ptr + tl.arange(0, N), bias_correction(tl.load(beta_ptr), steps))
+
+
+@pytest.mark.parametrize("beta", [0.999, 0.9999, 0.9, 0.5, 0.1])
+def test_bias_correction_on_the_device_matches_float64(beta, device):
+    """Adam's ``1 - beta ** step`` as the kernels compute it from the step (by squaring, in fp64):
+    float64's rounded to fp32, at every step from 1 to 2**31 - 1 (the step wraps at 31 bits)."""
+    steps = [1, 2, 3, 4, 5, 7, 10, 100, 999, 1000, 1001, 4097, 65_535, 1 << 20, (1 << 31) - 1]
+    steps += [0] * (triton.next_power_of_2(len(steps)) - len(steps))
+    corrections = torch.full((len(steps),), float("nan"), device=device)
+    _bias_correction_kernel[(1,)](corrections, torch.tensor(steps, dtype=torch.int32, device=device),
+                                  torch.tensor([beta], dtype=torch.float32, device=device), N=len(steps))
+    beta32 = float(torch.tensor(beta, dtype=torch.float32))  # the kernel's beta, and the moments'
+    expected = torch.tensor([1.0 - beta32**step for step in steps], dtype=torch.float64)
+    got = corrections.double().cpu()
+    assert got[0] == torch.tensor(1.0 - beta32, dtype=torch.float32).double(), "step 1: exactly 1 - beta"
+    assert torch.allclose(got, expected, rtol=1.2e-7, atol=0), (got - expected) / expected.clamp_min(1e-30)
+
+
+@pytest.mark.parametrize("name", list(ALL_OPTIMIZERS))
+@pytest.mark.parametrize("stochastic_rounding", [False, True])
+def test_a_steps_arguments_change_only_in_the_step_the_graph_advances(name, stochastic_rounding, device):
+    """What a backward hands its graph for consecutive steps: the same bytes, or, where the kernels
+    read the step (Adam-type optimizers, stochastic rounding), bytes that differ only in it and
+    that ``advance`` predicts from the previous step's, so a replay never copies them."""
+    optimizer = ALL_OPTIMIZERS[name]
+    dtype = torch.float16 if stochastic_rounding else torch.float32
+    stores, lookups, slot_of_index = make_batch(dtype=dtype, optimizer=optimizer, device=device)
+    grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
+    handed = []
+
+    class RecordingGraphs:
+        def run(self, key, inputs, enqueue, device, advance=None):
+            handed.append((inputs[6].numpy().tobytes(), advance))
+
+    for step in (7, 8, 9):
+        backward_update(grad_output, stores, lookups, slot_of_index, "sum", optimizer, step,
+                        stochastic_rounding=stochastic_rounding, seed=3, graphs=RecordingGraphs())
+    (first, advance), (second, _), (third, _) = handed
+    if optimizer.USES_STEP or stochastic_rounding:
+        assert first != second and advance is not None
+        assert advance(first) == second and advance(second) == third
+    else:
+        assert first == second == third and advance is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -24,7 +24,7 @@ def _load_state(state_rows, columns, row_mask, mask, dims):
 
 
 @triton.jit
-def _update(weights, grad, state, mask, dims, hyper):
+def _update(weights, grad, state, mask, dims, hyper, step):
     learning_rate, eps = hyper[0], hyper[1]
     accumulated = state + grad * grad
     return weights - learning_rate * grad / (tl.sqrt_rn(accumulated) + eps), accumulated
@@ -50,7 +50,7 @@ class Adagrad(FusedOptimizer):
     def initial_state(self):
         return float(self.initial_accumulator_value)
 
-    def kernel_hyper(self, step):
+    def kernel_hyper(self):
         return (float(self.lr), float(self.eps))
 
     def reference_update(self, weights, grad, state, step):

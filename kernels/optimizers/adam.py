@@ -32,20 +32,40 @@ def load_moments(state_rows, columns, row_mask, mask, dims):
 
 
 @triton.jit
-def adam_step(weights, grad, state, hyper):
-    """``(step, (m, v))``: the new moments and the step ``w`` moves along (before ``lr``; Adam, LAMB)."""
-    eps, beta1, beta2, weight_decay = hyper[1], hyper[2], hyper[3], hyper[4]
-    correction1, correction2 = hyper[5], hyper[6]
-    first = beta1 * state[0] + (1.0 - beta1) * grad
-    second = beta2 * state[1] + (1.0 - beta2) * grad * grad
-    step = (first / correction1) / (tl.sqrt_rn(second / correction2) + eps) + weight_decay * weights
-    return step, (first, second)
+def bias_correction(beta, step):
+    """fp32 ``1 - beta ** step``: Adam's bias correction at the int32 1-based ``step``.
+
+    Computed on the device from the step the kernels read (FBGEMM's kernels compute ``powf`` there
+    too), so a step's hyper-parameters stay the same from step to step and a graph's replay copies
+    nothing. By squaring over the step's 31 bits in fp64 (a scalar a program: a few dozen fp64
+    operations): squaring in fp32 compounds its roundings (~1e-5 relative at step 1000, measured
+    in the interpreter), fp64's stay far below fp32's last bit. ``tl.exp2`` / ``tl.log2`` would
+    be approximations on the GPU, and libdevice's ``pow`` does not run in the interpreter.
+    """
+    power = beta.to(tl.float64) * 0.0 + 1.0  # beta ** (the bits of step taken so far)
+    base = beta.to(tl.float64)  # beta ** (2 ** bit)
+    for bit in tl.static_range(31):
+        power = tl.where(((step >> bit) & 1) != 0, power * base, power)
+        base = base * base
+    return (1.0 - power).to(tl.float32)
 
 
 @triton.jit
-def _update(weights, grad, state, mask, dims, hyper):
-    step, moments = adam_step(weights, grad, state, hyper)
-    return weights - hyper[0] * step, moments
+def adam_step(weights, grad, state, hyper, step):
+    """``(direction, (m, v))``: the direction ``w`` moves along (before ``lr``) and the new moments,
+    at the int32 1-based ``step`` (Adam, LAMB)."""
+    eps, beta1, beta2, weight_decay = hyper[1], hyper[2], hyper[3], hyper[4]
+    correction1, correction2 = bias_correction(beta1, step), bias_correction(beta2, step)
+    first = beta1 * state[0] + (1.0 - beta1) * grad
+    second = beta2 * state[1] + (1.0 - beta2) * grad * grad
+    direction = (first / correction1) / (tl.sqrt_rn(second / correction2) + eps) + weight_decay * weights
+    return direction, (first, second)
+
+
+@triton.jit
+def _update(weights, grad, state, mask, dims, hyper, step):
+    direction, moments = adam_step(weights, grad, state, hyper, step)
+    return weights - hyper[0] * direction, moments
 
 
 @triton.jit
@@ -68,20 +88,21 @@ class Adam(FusedOptimizer):
     def state_columns(self, dim):
         return (("exp_avg", dim), ("exp_avg_sq", dim))
 
-    def kernel_hyper(self, step):
-        return adam_kernel_hyper(self, step)
+    USES_STEP = True
+
+    def kernel_hyper(self):
+        return adam_kernel_hyper(self)
 
     def reference_update(self, weights, grad, state, step):
         step_size, moments = adam_step_reference(self, weights, grad, state, step)
         return weights - self.lr * step_size, moments
 
 
-def adam_kernel_hyper(optimizer, step: int) -> tuple[float, ...]:
-    """``(lr, eps, beta1, beta2, weight_decay, 1 - beta1^step, 1 - beta2^step)``: the bundle of
-    the Adam-type optimizers (Adam, PartialRowwiseAdam, LAMB)."""
+def adam_kernel_hyper(optimizer) -> tuple[float, ...]:
+    """``(lr, eps, beta1, beta2, weight_decay)``: the bundle of the Adam-type optimizers (Adam,
+    PartialRowwiseAdam, LAMB); their bias corrections are computed in the kernel from the step."""
     beta1, beta2 = (float(b) for b in optimizer.betas)
-    return (float(optimizer.lr), float(optimizer.eps), beta1, beta2, float(optimizer.weight_decay),
-            *bias_corrections(beta1, beta2, step))
+    return (float(optimizer.lr), float(optimizer.eps), beta1, beta2, float(optimizer.weight_decay))
 
 
 def adam_step_reference(optimizer, weights, grad, state, step):

@@ -8,8 +8,12 @@ each with a default) that subclasses :class:`FusedOptimizer`, with:
   the columns of a row's state, and the ``state_dict`` entries (``<table>.<name>``; a width-1
   entry is a 1-D tensor, as FBGEMM's row-wise ``momentum1``);
 - ``initial_state()``: the value state starts at;
-- ``kernel_hyper(step)``: the hyper-parameters the Triton update reads, one tuple of floats
-  (step-dependent terms such as bias corrections computed here, on the host);
+- ``kernel_hyper()``: the hyper-parameters the Triton update reads, one tuple of floats, the
+  same at every step (terms that depend on the step, such as Adam's bias corrections, are
+  computed by the update from ``step``: the step's arguments then change only in the step,
+  which the backward advances on the device, so a graph's replay copies nothing);
+- ``USES_STEP``: whether the update reads ``step`` (the backward passes it only then, or for
+  stochastic rounding);
 - ``TRITON = (load_state, update, store_state)``: three ``@triton.jit`` functions the backward
   calls on tiles of ``R`` rows (``kernels/backward.py``):
 
@@ -17,8 +21,9 @@ each with a default) that subclasses :class:`FusedOptimizer`, with:
     pointers [R] to each row's state, ``columns`` int32 [BLOCK_D], ``row_mask`` bool [R],
     ``mask`` bool [R, BLOCK_D] (the row's real columns), ``dims`` int32 [R]; returns what the
     update needs (a tile, or a tuple of tiles);
-  * ``update(weights, grad, state, mask, dims, hyper) -> (new_weights, new_state)``: fp32
-    [R, BLOCK_D] rows and summed gradients (zeros outside ``mask``);
+  * ``update(weights, grad, state, mask, dims, hyper, step) -> (new_weights, new_state)``: fp32
+    [R, BLOCK_D] rows and summed gradients (zeros outside ``mask``), ``hyper`` the tuple of
+    ``kernel_hyper()``, ``step`` the int32 1-based optimizer step (read only if ``USES_STEP``);
   * ``store_state(state_rows, state, columns, row_mask, mask, dims)``.
 
   The backward loads every row and its state before a barrier and stores after it (threads may
@@ -43,6 +48,7 @@ class FusedOptimizer:
 
     name: ClassVar[str]
     TRITON: ClassVar[tuple]
+    USES_STEP: ClassVar[bool] = False
 
     def state_columns(self, dim: int) -> tuple[tuple[str, int], ...]:
         """``(state_dict name, width)`` of each part of a row's fp32 state, in layout order."""
@@ -55,7 +61,7 @@ class FusedOptimizer:
     def initial_state(self) -> float:
         return 0.0
 
-    def kernel_hyper(self, step: int) -> tuple[float, ...]:
+    def kernel_hyper(self) -> tuple[float, ...]:
         raise NotImplementedError
 
     def reference_update(self, weights: torch.Tensor, grad: torch.Tensor, state: torch.Tensor | None,

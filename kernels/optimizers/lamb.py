@@ -23,13 +23,13 @@ from .base import FusedOptimizer
 
 
 @triton.jit
-def _update(weights, grad, state, mask, dims, hyper):
-    step, moments = adam_step(weights, grad, state, hyper)
-    step = tl.where(mask, step, 0.0)
+def _update(weights, grad, state, mask, dims, hyper, step):
+    direction, moments = adam_step(weights, grad, state, hyper, step)
+    direction = tl.where(mask, direction, 0.0)
     weight_norm = tl.sqrt_rn(tl.sum(weights * weights, axis=1))
-    step_norm = tl.sqrt_rn(tl.sum(step * step, axis=1))
-    trust_ratio = tl.where(step_norm > 0.0, weight_norm / tl.maximum(step_norm, 1e-30), 0.0)
-    return weights - (hyper[0] * trust_ratio)[:, None] * step, moments
+    direction_norm = tl.sqrt_rn(tl.sum(direction * direction, axis=1))
+    trust_ratio = tl.where(direction_norm > 0.0, weight_norm / tl.maximum(direction_norm, 1e-30), 0.0)
+    return weights - (hyper[0] * trust_ratio)[:, None] * direction, moments
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,10 @@ class LAMB(FusedOptimizer):
     def state_columns(self, dim):
         return (("exp_avg", dim), ("exp_avg_sq", dim))
 
-    def kernel_hyper(self, step):
-        return adam_kernel_hyper(self, step)
+    USES_STEP = True
+
+    def kernel_hyper(self):
+        return adam_kernel_hyper(self)
 
     def reference_update(self, weights, grad, state, step):
         step_size, moments = adam_step_reference(self, weights, grad, state, step)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .adam import adam_kernel_hyper
+from .adam import adam_kernel_hyper, bias_correction
 from .base import FusedOptimizer, bias_corrections
 
 
@@ -30,14 +30,14 @@ def _load_state(state_rows, columns, row_mask, mask, dims):
 
 
 @triton.jit
-def _update(weights, grad, state, mask, dims, hyper):
+def _update(weights, grad, state, mask, dims, hyper, step):
     learning_rate, eps, beta1, beta2, weight_decay = hyper[0], hyper[1], hyper[2], hyper[3], hyper[4]
-    correction1, correction2 = hyper[5], hyper[6]
+    correction1, correction2 = bias_correction(beta1, step), bias_correction(beta2, step)
     first = beta1 * state[0] + (1.0 - beta1) * grad
     second = beta2 * state[1] + (1.0 - beta2) * (tl.sum(grad * grad, axis=1) / tl.maximum(dims, 1).to(tl.float32))
     denominator = tl.sqrt_rn(second / correction2) + eps
-    step = (first / correction1) / denominator[:, None] + weight_decay * weights
-    return weights - learning_rate * step, (first, second)
+    direction = (first / correction1) / denominator[:, None] + weight_decay * weights
+    return weights - learning_rate * direction, (first, second)
 
 
 @triton.jit
@@ -59,8 +59,10 @@ class PartialRowwiseAdam(FusedOptimizer):
     def state_columns(self, dim):
         return (("exp_avg", dim), ("exp_avg_sq", 1))
 
-    def kernel_hyper(self, step):
-        return adam_kernel_hyper(self, step)
+    USES_STEP = True
+
+    def kernel_hyper(self):
+        return adam_kernel_hyper(self)
 
     def reference_update(self, weights, grad, state, step):
         beta1, beta2 = self.betas

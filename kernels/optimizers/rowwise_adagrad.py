@@ -24,7 +24,7 @@ def _load_state(state_rows, columns, row_mask, mask, dims):
 
 
 @triton.jit
-def _update(weights, grad, state, mask, dims, hyper):
+def _update(weights, grad, state, mask, dims, hyper, step):
     learning_rate, eps = hyper[0], hyper[1]
     accumulated = state + tl.sum(grad * grad, axis=1) / tl.maximum(dims, 1).to(tl.float32)
     multiplier = learning_rate / (tl.sqrt_rn(accumulated) + eps)
@@ -51,7 +51,7 @@ class RowwiseAdagrad(FusedOptimizer):
     def initial_state(self):
         return float(self.initial_accumulator_value)
 
-    def kernel_hyper(self, step):
+    def kernel_hyper(self):
         return (float(self.lr), float(self.eps))
 
     def reference_update(self, weights, grad, state, step):

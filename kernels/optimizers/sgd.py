@@ -19,7 +19,7 @@ def _load_state(state_rows, columns, row_mask, mask, dims):
 
 
 @triton.jit
-def _update(weights, grad, state, mask, dims, hyper):
+def _update(weights, grad, state, mask, dims, hyper, step):
     learning_rate = hyper[0]
     return weights - learning_rate * grad, state
 
@@ -36,7 +36,7 @@ class SGD(FusedOptimizer):
     name = "sgd"
     TRITON = (_load_state, _update, _store_state)
 
-    def kernel_hyper(self, step):
+    def kernel_hyper(self):
         return (float(self.lr),)
 
     def reference_update(self, weights, grad, state, step):
