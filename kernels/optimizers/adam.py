@@ -84,11 +84,10 @@ class Adam(FusedOptimizer):
 
     name = "adam"
     TRITON = (load_moments, _update, store_moments)
+    USES_STEP = True  # the bias corrections, computed in the update from the step
 
     def state_columns(self, dim):
         return (("exp_avg", dim), ("exp_avg_sq", dim))
-
-    USES_STEP = True
 
     def kernel_hyper(self):
         return adam_kernel_hyper(self)

@@ -41,11 +41,10 @@ class LAMB(FusedOptimizer):
 
     name = "lamb"
     TRITON = (load_moments, _update, store_moments)  # Adam's moments, Adam's layout
+    USES_STEP = True  # the bias corrections, computed in the update from the step
 
     def state_columns(self, dim):
         return (("exp_avg", dim), ("exp_avg_sq", dim))
-
-    USES_STEP = True
 
     def kernel_hyper(self):
         return adam_kernel_hyper(self)

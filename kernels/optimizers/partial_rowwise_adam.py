@@ -55,11 +55,10 @@ class PartialRowwiseAdam(FusedOptimizer):
 
     name = "partial_rowwise_adam"
     TRITON = (_load_state, _update, _store_state)
+    USES_STEP = True  # the bias corrections, computed in the update from the step
 
     def state_columns(self, dim):
         return (("exp_avg", dim), ("exp_avg_sq", 1))
-
-    USES_STEP = True
 
     def kernel_hyper(self):
         return adam_kernel_hyper(self)
