@@ -15,6 +15,8 @@
 #   MOVER          our cache's row mover for the cached configurations (default: CacheConfig's)
 #   STATE_LAYOUT   where our backing stores keep the optimizer state: separate (default) or with_rows
 #   PROFILE=1      also profile each configuration (bench_fbgemm --profile: kernels, copy-bandwidth fractions)
+#   HOST_SPLIT_CONFIGS configurations whose backward call's host time is split into its parts
+#                  (benchmarks/host_split.py, FBGEMM's whole call beside ours; default: none)
 #   STEADY_CONFIGS configurations also run as a plain training loop (benchmarks/steady_step.py; default: three
 #                  small-step ones, where the host may be the bound; "" skips)
 #   SKIP_INSTALL=1 the project and wheels are installed already
@@ -58,6 +60,11 @@ STEADY_CONFIGS=${STEADY_CONFIGS-big-zipf-sgd criteo-adagrad criteo-adagrad-fp16}
 if [[ -n $STEADY_CONFIGS ]]; then
     # shellcheck disable=SC2086
     python3 benchmarks/steady_step.py --configs $STEADY_CONFIGS 2>&1 | tee "$OUT/steady_step.log" | grep "^|"
+fi
+if [[ -n ${HOST_SPLIT_CONFIGS:-} ]]; then
+    # shellcheck disable=SC2086
+    python3 benchmarks/host_split.py --configs $HOST_SPLIT_CONFIGS --calls 20 2>&1 | tee "$OUT/host_split.log" \
+        | grep -v -i "warn"
 fi
 if [[ -n ${SWEEP_CONFIGS:-} ]]; then
     SWEEP=${SWEEP:-2,1,2,32 4,1,2,32 2,1,1,32 2,2,2,32 2,1,2,64 2,1,2,32,16,16,4,2}

@@ -705,6 +705,17 @@ def _bias_correction_kernel(
 def test_bias_correction_on_the_device_matches_float64(beta, device):
     """Adam's ``1 - beta ** step`` as the kernels compute it from the step (by squaring, in fp64):
     float64's rounded to fp32, at every step from 1 to 2**31 - 1 (the step wraps at 31 bits)."""
+    _check_bias_correction(beta, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("beta", [0.999, 0.9])
+def test_bias_correction_compiled_matches_float64(beta, device):
+    """The test above, compiled (the GPU suite runs gpu-marked tests only)."""
+    _check_bias_correction(beta, device)
+
+
+def _check_bias_correction(beta: float, device: torch.device) -> None:
     steps = [1, 2, 3, 4, 5, 7, 10, 100, 999, 1000, 1001, 4097, 65_535, 1 << 20, (1 << 31) - 1]
     steps += [0] * (triton.next_power_of_2(len(steps)) - len(steps))
     corrections = torch.full((len(steps),), float("nan"), device=device)
