@@ -61,6 +61,15 @@ def grad_output_of_step(
 
 
 @triton.jit
+def optimizer_step_of(
+    step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (see step_arguments)
+):
+    """The int32 1-based optimizer step in the step's arguments (0 unless the optimizer or
+    stochastic rounding reads it; advanced in place by ``advance_step_kernel``)."""
+    return tl.load(step_args_ptr + 2).to(tl.int32)
+
+
+@triton.jit
 def load_hyper(
     hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters
     NUM_HYPER: tl.constexpr,  # 1 to MAX_HYPER
@@ -204,7 +213,7 @@ def random_words(
     call. A call per element made fp16 stochastic rounding cost more than the whole row update
     without it (the row-update kernel 0.52 against 0.31 ms at big Zipf, H200, RESULTS.md 2026-12-03)."""
     seed = tl.load(step_args_ptr + 1).to(tl.int32)
-    step = tl.load(step_args_ptr + 2).to(tl.int32)
+    step = optimizer_step_of(step_args_ptr)
     low = (global_rows & 0xFFFFFFFF).to(tl.int32)[:, None]
     high = (global_rows >> 32).to(tl.int32)[:, None]
     if BLOCK_D >= 4:
@@ -293,8 +302,8 @@ def update_rows(
     # apply the update twice.
     weights = tl.load(weight_rows[:, None] + columns[None, :], mask=mask, other=0.0).to(tl.float32)
     state = OPTIMIZER_LOAD_STATE(state_rows, columns, row_mask, mask, dims)
-    step = tl.load(step_args_ptr + 2).to(tl.int32)  # 0 unless the optimizer or stochastic rounding reads it
-    weights, state = OPTIMIZER_UPDATE(weights, grad, state, mask, dims, load_hyper(hyper_ptr, NUM_HYPER), step)
+    weights, state = OPTIMIZER_UPDATE(weights, grad, state, mask, dims, load_hyper(hyper_ptr, NUM_HYPER),
+                                      optimizer_step_of(step_args_ptr))
     if STOCHASTIC_ROUNDING:
         weights = stochastic_round(weights, random_words(global_rows, step_args_ptr, columns.shape[0]), element)
     tl.debug_barrier()
