@@ -47,6 +47,21 @@ Inputs = Sequence[torch.Tensor | None]
 Outputs = tuple[torch.Tensor, ...] | None
 
 
+# Sizes per doubling that padded batches take (padded_size): at most 1/16 of padding, 16 graph shapes an octave.
+SIZES_PER_DOUBLING = 16
+
+
+def padded_size(n: int) -> int:
+    """The size a batch of ``n`` entries is padded to, so that batches whose size changes every step
+    (variable bag lengths) share a few graph shapes: ``n`` rounded up to the next multiple of
+    ``2 ** (bit_length(n) - log2(SIZES_PER_DOUBLING))`` (at most 1/16 more entries; sizes up to
+    ``SIZES_PER_DOUBLING`` as they are). A key of a size never seen twice is never captured
+    (``StepGraphs``): a prefetch of a variable-length batch cost ~3.5 ms of host time eager, or a
+    capture of ~6 ms, against a replay's tens of microseconds (docs/performance.md)."""
+    granule = 1 << max(n.bit_length() - SIZES_PER_DOUBLING.bit_length(), 0)
+    return -(-n // granule) * granule
+
+
 def graphs_enabled() -> bool:
     """CUDA graphs need a GPU and the compiled kernels; ``TIERED_TBE_CUDA_GRAPHS=0`` turns them off."""
     return (not SIMULATION and torch.cuda.is_available()

@@ -38,7 +38,7 @@ from dataclasses import fields
 
 import torch
 
-from tiered_tbe.base.graphs import StepGraphs
+from tiered_tbe.base.graphs import StepGraphs, padded_size
 from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.cache import _kernels, batch_kernels
@@ -487,6 +487,12 @@ class SlotCache:
         then the mover's host part (:meth:`RowMover.hand_off`: the staged mover hands the lists to
         its threads) runs on the host."""
         step = torch.tensor([self._step], dtype=torch.int64)
+        # Padded to a size bucket with a row outside every cached table (sorted last as no row,
+        # counted nowhere), so that batches whose size changes every step replay a few graphs.
+        num_lookups = rows.numel()
+        size = padded_size(num_lookups)
+        if size != num_lookups:
+            rows = torch.cat([rows, rows.new_full((size - num_lookups,), self._rows_end)])
 
         def enqueue(tensors):
             *outputs, moves = self._assign(*tensors)
@@ -496,8 +502,13 @@ class SlotCache:
         key = (self._policy_code == POLICY_LOOKAHEAD and window_bits is not None,
                None if window_bits is None else window_bits.data_ptr())
         results = self._prefetch_graphs.run(key, (rows, step), enqueue, self.device)
-        outputs, enqueued = results[:_ASSIGN_OUTPUTS], results[_ASSIGN_OUTPUTS:]
-        return *outputs, self.mover.hand_off(enqueued)
+        (slot_of_index, locked_slots, bypassed_rows, sorted_rows, order), enqueued = \
+            results[:_ASSIGN_OUTPUTS], results[_ASSIGN_OUTPUTS:]
+        # The padding sorts after every lookup (stable: after the lookups outside the cached tables too),
+        # so the first num_lookups sorted positions are the batch's. The padding locks no slot and
+        # leaves no row in its store: locked_slots and bypassed_rows stay padded.
+        return (slot_of_index[:num_lookups], locked_slots, bypassed_rows, sorted_rows[:num_lookups],
+                order[:num_lookups], self.mover.hand_off(enqueued))
 
     def _assign(self, rows: torch.Tensor, step: torch.Tensor) -> tuple:
         """(slot_of_index int32 [N], locked_slots int32 [N], bypassed_rows int64 [N], sorted_rows [N],
