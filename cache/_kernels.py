@@ -234,23 +234,66 @@ def copy_rows_kernel(
     for entry in range(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y, end, entry_stride):
         if wanted != COPY_EVERY_ROW and selected[entry] != wanted:
             continue
-        row = row_of_entry[entry]
-        low = table_of_row(row, table_info[:, INFO_GLOBAL_START])
-        if row < table_info[low, INFO_GLOBAL_START] or row >= table_info[low, INFO_GLOBAL_END]:
-            continue  # a row of another group's table
-        local_row = row - table_info[low, INFO_GLOBAL_START]
-        weights_base = table_info[low, INFO_WEIGHTS_OFFSET] + local_row * table_info[low, INFO_WEIGHTS_STRIDE]
-        state_base = table_info[low, INFO_STATE_OFFSET] + local_row * table_info[low, INFO_STATE_STRIDE]
-        words = table_info[low, INFO_WORDS]
-        state_width = table_info[low, INFO_STATE_WIDTH]
-        slot = slot_of_entry[entry]
-        state_slot = slot if state_width > 0 else 0  # the [1, 1] dummy when there is no state
-        if to_backing:
-            _copy_row(store_weights, weights_base, cache_weights[slot], 0, words,
-                      store_state, state_base, cache_state[state_slot], 0, state_width, column_start, column_stride)
-        else:
-            _copy_row(cache_weights[slot], 0, store_weights, weights_base, words,
-                      cache_state[state_slot], 0, store_state, state_base, state_width, column_start, column_stride)
+        _move_row(row_of_entry[entry], slot_of_entry[entry], to_backing, table_info, cache_weights, cache_state,
+                  store_weights, store_state, column_start, column_stride)
+
+
+@cuda.jit
+def move_rows_kernel(
+    outcome,  # int8 [N]: OUTCOME_* of each unique row of a prefetch (only OUTCOME_FILLED entries move)
+    unique_rows,  # int64 [N]: the unique rows, ascending
+    slot_of_unique,  # int32 [N]: the slot each was given
+    victim_row,  # int64 [N]: the row that slot held, EMPTY if none
+    victim_was_dirty,  # uint8 [N]: 1 when that row must be written back first
+    num_entries,  # int32 or int64 [1]: only entries before num_entries[0] are looked at (the unique rows)
+    table_info,  # int64 [G, TABLE_INFO_COLUMNS]: every cached table (one group: one buffer), see INFO_*
+    cache_weights,  # [S, row_words]: slot rows, reinterpreted as integer words
+    cache_state,  # fp32 [S, state_width] (or a [1, 1] dummy)
+    store_weights,  # [W]: the tables' weights buffer, the same integer words
+    store_state,  # fp32 [V]: their optimizer-state buffer (or a [1] dummy)
+):
+    """A prefetch's moves in one pass, as FBGEMM's insert kernel orders them: the warp of a filled
+    slot writes its dirty victim back, then reads the missed row in. Writes to and reads from host
+    memory then run side by side over the whole batch (the link is full duplex), where the two
+    launches of ``copy_rows_kernel`` (write-backs in row order, then fills) use one direction at a
+    time. A victim is read before its slot is refilled (one warp, in program order); a row is
+    never both a victim and a fill of one prefetch (a victim is cached, a fill is not)."""
+    column_start = cuda.threadIdx.x
+    column_stride = cuda.blockDim.x
+    entry_stride = cuda.gridDim.x * cuda.blockDim.y
+    end = min(num_entries[0], outcome.shape[0])
+    for entry in range(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y, end, entry_stride):
+        if outcome[entry] != OUTCOME_FILLED:
+            continue
+        slot = slot_of_unique[entry]
+        victim = victim_row[entry]
+        if victim != EMPTY and victim_was_dirty[entry] != 0:
+            _move_row(victim, slot, True, table_info, cache_weights, cache_state, store_weights, store_state,
+                      column_start, column_stride)
+        _move_row(unique_rows[entry], slot, False, table_info, cache_weights, cache_state, store_weights,
+                  store_state, column_start, column_stride)
+
+
+@cuda.jit(device=True, inline=True)
+def _move_row(row, slot, to_backing, table_info, cache_weights, cache_state, store_weights, store_state,
+              column_start, column_stride):
+    """Copy one row (weights and optimizer state) between slot ``slot`` and its backing store, by
+    the calling warp; nothing when ``row`` lies outside the group's tables."""
+    low = table_of_row(row, table_info[:, INFO_GLOBAL_START])
+    if row < table_info[low, INFO_GLOBAL_START] or row >= table_info[low, INFO_GLOBAL_END]:
+        return  # a row of another group's table
+    local_row = row - table_info[low, INFO_GLOBAL_START]
+    weights_base = table_info[low, INFO_WEIGHTS_OFFSET] + local_row * table_info[low, INFO_WEIGHTS_STRIDE]
+    state_base = table_info[low, INFO_STATE_OFFSET] + local_row * table_info[low, INFO_STATE_STRIDE]
+    words = table_info[low, INFO_WORDS]
+    state_width = table_info[low, INFO_STATE_WIDTH]
+    state_slot = slot if state_width > 0 else 0  # the [1, 1] dummy when there is no state
+    if to_backing:
+        _copy_row(store_weights, weights_base, cache_weights[slot], 0, words,
+                  store_state, state_base, cache_state[state_slot], 0, state_width, column_start, column_stride)
+    else:
+        _copy_row(cache_weights[slot], 0, store_weights, weights_base, words,
+                  cache_state[state_slot], 0, store_state, state_base, state_width, column_start, column_stride)
 
 
 @cuda.jit(device=True, inline=True)

@@ -27,6 +27,9 @@ from tiered_tbe.cache.tables import BITS_OF_SIZE, CachedTable
 DEFAULT_COPY_BLOCKS = int(os.environ.get("TIERED_TBE_COPY_BLOCKS", "16384"))
 # Rows a copy block moves at a time (a warp each): 32 x this many threads per block.
 DEFAULT_COPY_ROWS_PER_BLOCK = int(os.environ.get("TIERED_TBE_COPY_ROWS_PER_BLOCK", "8"))
+# A prefetch's moves in one launch (move_rows_kernel: each warp writes its slot's dirty victim back, then
+# reads the missed row in) rather than two (write-backs in row order, then fills). Env TIERED_TBE_FUSED_MOVES.
+DEFAULT_FUSED_MOVES = os.environ.get("TIERED_TBE_FUSED_MOVES", "0") == "1"
 
 
 class ZeroCopyMover(RowMover):
@@ -45,9 +48,19 @@ class ZeroCopyMover(RowMover):
         self.rows_end = rows_end
         self.copy_blocks = DEFAULT_COPY_BLOCKS  # most thread blocks per copy launch (GPU only)
         self.copy_rows_per_block = DEFAULT_COPY_ROWS_PER_BLOCK  # warps per copy block (GPU only)
+        self.fused_moves = DEFAULT_FUSED_MOVES  # one launch for a prefetch's moves (one buffer group only)
         self._copy_groups = self._make_copy_groups(weights, state, tables)
 
     def enqueue(self, moves: Moves) -> tuple[torch.Tensor, ...]:
+        if self.fused_moves and len(self._copy_groups) == 1:
+            # Write-backs and fills side by side: a victim of one group may be replaced by a row of another
+            # only with several groups, whose launches would not keep a victim's read before its refill.
+            _tensors, k_info, k_cache_weights, k_cache_state, k_store_weights, k_store_state = self._copy_groups[0]
+            self.launcher.launch_configured(
+                _kernels.move_rows_kernel, *self._copy_shape(moves.outcome.numel(), moves.num_unique), moves.outcome,
+                moves.unique_rows, moves.slot_of_unique, moves.victim_row, moves.victim_was_dirty, moves.num_unique,
+                k_info, k_cache_weights, k_cache_state, k_store_weights, k_store_state)
+            return ()
         # A slot's old row leaves before its new row arrives: write-backs first, then fills. The
         # dirty victims are distinct rows, written in ascending order (the GPU writes host memory
         # ~2.5x faster in row order); the padding keys sort last and lie outside every table.
@@ -75,21 +88,25 @@ class ZeroCopyMover(RowMover):
         int32/int64 [1] device tensor, the entries to look at (default all)."""
         if num_entries is None:
             num_entries = torch.full((1,), selected.numel(), dtype=torch.int64, device=selected.device)
+        grid, block = self._copy_shape(selected.numel(), num_entries)
+        for _tensors, k_info, k_cache_weights, k_cache_state, k_store_weights, k_store_state in self._copy_groups:
+            self.launcher.launch_configured(
+                _kernels.copy_rows_kernel, grid, block, selected, wanted, row_of_entry, slot_of_entry, num_entries,
+                k_info, to_backing, k_cache_weights, k_cache_state, k_store_weights, k_store_state)
+
+    def _copy_shape(self, num_entries: int, entries_to_look_at: torch.Tensor) -> tuple[int, tuple[int, int]]:
+        """``(grid, block)`` of a copy launch over ``num_entries`` entries, of which the first
+        ``entries_to_look_at[0]`` (a device count) hold rows."""
         if SIMULATION:
             # Few simulator threads (each is a Python thread); each walks many entries, all columns.
             # No more threads than entries to look at: a thread past the last has nothing to do,
             # and each costs the simulator ~1 ms a launch (most launches look at a few entries).
             from tiered_tbe.cache import launch
 
-            entries = min(selected.numel(), int(num_entries[0]))
-            grid, block = 1, (1, max(1, min(entries, launch.SIMULATED_THREADS)))
-        else:
-            rows_per_block = self.copy_rows_per_block
-            grid, block = max(1, min(-(-selected.numel() // rows_per_block), self.copy_blocks)), (32, rows_per_block)
-        for _tensors, k_info, k_cache_weights, k_cache_state, k_store_weights, k_store_state in self._copy_groups:
-            self.launcher.launch_configured(
-                _kernels.copy_rows_kernel, grid, block, selected, wanted, row_of_entry, slot_of_entry, num_entries,
-                k_info, to_backing, k_cache_weights, k_cache_state, k_store_weights, k_store_state)
+            entries = min(num_entries, int(entries_to_look_at[0]))
+            return 1, (1, max(1, min(entries, launch.SIMULATED_THREADS)))
+        rows_per_block = self.copy_rows_per_block
+        return max(1, min(-(-num_entries // rows_per_block), self.copy_blocks)), (32, rows_per_block)
 
     def _make_copy_groups(self, weights, state, tables) -> list[tuple]:
         """Kernel arguments of ``copy_rows_kernel`` for each group of tables whose weights (and

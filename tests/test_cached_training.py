@@ -65,13 +65,15 @@ def test_cached_training_with_state_beside_rows_equals_uncached(weights_dtype, m
     _train_cached_and_plain("lru", Adam(lr=0.02), weights_dtype, mover, device, "off", state_layout="with_rows")
 
 
-def _train_cached_and_plain(policy, optimizer, weights_dtype, mover, device, bounds_check, state_layout="separate"):
+def _train_cached_and_plain(policy, optimizer, weights_dtype, mover, device, bounds_check, state_layout="separate",
+                            expect=None):
     config = CacheConfig(slots=8, associativity=4, policy=policy, lfu_decay_interval=7, mover=mover, staging_rows=2)
     cached = TieredEmbeddingBags(tables(True), optimizer=optimizer, weights_dtype=weights_dtype, cache=config,
                                  device=device, backend="torch", bounds_check=bounds_check, state_layout=state_layout)
     plain = TieredEmbeddingBags(tables(False), optimizer=optimizer, weights_dtype=weights_dtype, device=device,
                                 backend="torch")
     assert cached.cache.mover.name == mover
+    assert expect is None or expect(cached)
     generator = torch.Generator().manual_seed(5)
     steps = [(i.to(device), o.to(device)) for i, o in batches(generator, cached.cache.num_sets)]
     for step, (indices, offsets) in enumerate(steps):
@@ -184,3 +186,18 @@ def test_every_table_cached_backward_takes_the_prefetch_sort(bounds_check, devic
     given.clear()
     mixed(torch.tensor([1, 2, 3], device=device), torch.tensor([0, 1, 2, 2, 3, 3, 3], device=device)).sum().backward()
     assert given == [False]
+
+
+@pytest.mark.parametrize("optimizer", [RowwiseAdagrad(lr=0.1), Adam(lr=0.02)], ids=["adagrad", "adam"])
+def test_cached_training_with_fused_moves_equals_uncached(optimizer, device, one_simulated_thread, monkeypatch):
+    """The zero-copy mover's one-launch moves (each warp writes its slot's dirty victim back, then fills
+    it: cache/_kernels.move_rows_kernel) train as the two launches do, when the cached tables share
+    one buffer (both in pinned memory)."""
+    from tiered_tbe.cache import zero_copy
+
+    monkeypatch.setattr(zero_copy, "DEFAULT_FUSED_MOVES", True)
+    monkeypatch.setitem(globals(), "SPECS", [(40, 5, Placement.HOST_CACHED), (1, 3, Placement.HOST_CACHED),
+                                             (30, 4, Placement.DEVICE)])
+    _train_cached_and_plain("lru", optimizer, torch.float32, "zero_copy", device, "off",
+                            expect=lambda cached: cached.cache.mover.fused_moves
+                            and len(cached.cache.mover._copy_groups) == 1)
