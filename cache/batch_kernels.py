@@ -15,7 +15,9 @@ pass over the batch is one kernel::
     unique_rows_kernel       the unique rows (ascending, then NOT_CACHED padding), their sets,
                              and the policy kernel's outputs initialised
     stable_sort              the unique rows grouped by set
-    assign_slots_kernel      hits, victims, fills (``_kernels.py``)
+    run_heads_kernel, torch.cumsum, set_starts_kernel
+                             the first position of each set the batch touches, in order
+    assign_slots_kernel      hits, victims, fills, a thread per touched set (``_kernels.py``)
     batch_outcomes_kernel    each lookup's slot, the rows given no slot, the dirty victims'
                              write-back keys, and each thread's counts
 
@@ -123,6 +125,25 @@ def unique_rows_kernel(
             u = unique_number[i] - 1
             unique_rows[u] = row
             set_of_unique[u] = set_of_row_device(row, num_sets)
+
+
+@cuda.jit
+def set_starts_kernel(
+    is_set_head,  # int32 [N]: 1 at the first sorted position of each set the batch touches, else 0
+    set_number,  # int32 [N]: inclusive prefix sum of is_set_head
+    set_start,  # int32 [N] out: the first position of each touched set, in order, then N
+):
+    """Thread ``i`` writes the start of the set whose first position is ``i`` (at its set number,
+    never above ``i``), and ``N`` at ``i`` when ``i`` is past the batch's count of sets: one writer each."""
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    n = is_set_head.shape[0]
+    num_sets_touched = set_number[n - 1]
+    for i in range(start, n, stride):
+        if i >= num_sets_touched:
+            set_start[i] = n
+        if is_set_head[i] != 0:
+            set_start[set_number[i] - 1] = i
 
 
 @cuda.jit
@@ -237,6 +258,18 @@ def unique_rows_of_batch(launcher, rows: torch.Tensor, table_starts: torch.Tenso
                         torch.empty(n, dtype=torch.uint8, **on))
     launcher.launch(unique_rows_kernel, n, sorted_keys, unique_number, none_key, num_sets, *unique[4:])
     return unique
+
+
+def set_starts_of_batch(launcher, set_of_position: torch.Tensor, num_sets: int) -> torch.Tensor:
+    """int32 [N]: the first position of each set in ``set_of_position`` (int32 [N], ascending; ``num_sets``
+    for padding, sorted last), in order, then N: the policy kernel's thread of each touched set."""
+    n = set_of_position.numel()
+    is_set_head = torch.empty(n, dtype=torch.int32, device=set_of_position.device)
+    launcher.launch(run_heads_kernel, n, set_of_position, num_sets, is_set_head)
+    set_number = torch.cumsum(is_set_head, 0, dtype=torch.int32)
+    set_start = torch.empty(n, dtype=torch.int32, device=set_of_position.device)
+    launcher.launch(set_starts_kernel, n, is_set_head, set_number, set_start)
+    return set_start
 
 
 def outcomes_of_batch(launcher, unique: UniqueRows, table_starts: torch.Tensor, table_row_bytes: torch.Tensor

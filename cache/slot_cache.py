@@ -519,10 +519,11 @@ class SlotCache:
                                                self._rows_end, self.num_sets)
         # 2. The unique rows grouped by set (stable: ascending rows within a set).
         set_of_position, unique_of_position = stable_sort(u.set_of_unique, self.num_sets)
-        # 3. Hits, victims, fills: the policy, one thread per set.
+        # 3. Hits, victims, fills: the policy, one thread per set the batch touches.
+        set_start = batch_kernels.set_starts_of_batch(self._launcher, set_of_position, self.num_sets)
         read_window_bits = self._policy_code == POLICY_LOOKAHEAD and self.window_bits is not None
         self._launcher.launch(
-            _kernels.assign_slots_kernel, rows.numel(), set_of_position, unique_of_position, u.unique_rows,
+            _kernels.assign_slots_kernel, rows.numel(), set_start, set_of_position, unique_of_position, u.unique_rows,
             self.num_sets, self.associativity, step, self._policy_code, self._k_tags, self._k_last_use,
             self._k_use_count, self._k_next_use, self._upcoming.kernel_bits, read_window_bits, self._k_locks,
             self._k_dirty, self._k_bypass_count, u.slot_of_unique, u.outcome, u.victim_row, u.victim_was_dirty)

@@ -188,16 +188,18 @@ def test_every_table_cached_backward_takes_the_prefetch_sort(bounds_check, devic
     assert given == [False]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-launches"])
 @pytest.mark.parametrize("optimizer", [RowwiseAdagrad(lr=0.1), Adam(lr=0.02)], ids=["adagrad", "adam"])
-def test_cached_training_with_fused_moves_equals_uncached(optimizer, device, one_simulated_thread, monkeypatch):
-    """The zero-copy mover's one-launch moves (each warp writes its slot's dirty victim back, then fills
-    it: cache/_kernels.move_rows_kernel) train as the two launches do, when the cached tables share
-    one buffer (both in pinned memory)."""
+def test_cached_training_in_one_buffer_equals_uncached(fused, optimizer, device, one_simulated_thread, monkeypatch):
+    """With the cached tables in one buffer (both in pinned memory) the zero-copy mover moves a prefetch's
+    rows in one launch (each warp writes its slot's dirty victim back, then fills it:
+    cache/_kernels.move_rows_kernel; the default) or two (TIERED_TBE_FUSED_MOVES=0): both train as
+    uncached tables do. Tables in two buffers always take two launches (the tests above)."""
     from tiered_tbe.cache import zero_copy
 
-    monkeypatch.setattr(zero_copy, "DEFAULT_FUSED_MOVES", True)
+    monkeypatch.setattr(zero_copy, "DEFAULT_FUSED_MOVES", fused)
     monkeypatch.setitem(globals(), "SPECS", [(40, 5, Placement.HOST_CACHED), (1, 3, Placement.HOST_CACHED),
                                              (30, 4, Placement.DEVICE)])
     _train_cached_and_plain("lru", optimizer, torch.float32, "zero_copy", device, "off",
-                            expect=lambda cached: cached.cache.mover.fused_moves
+                            expect=lambda cached: cached.cache.mover.fused_moves == fused
                             and len(cached.cache.mover._copy_groups) == 1)
