@@ -1,0 +1,119 @@
+"""Cached training on shapes no benchmark was tuned on: tables of mixed (and odd) dims, bags of lengths
+that change every batch, per-sample weights, and batch sizes that change every step (so the prefetch's
+padded sizes and its graphs change too). Cached and pipelined training equal serial training in HBM,
+bit for bit, and leave no slot locked. The GPU tests run the benchmark's mixed shape at full size."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tiered_tbe import CacheConfig, Placement, PrefetchPipeline, RowwiseAdagrad, TableSpec
+from tiered_tbe.module import TieredEmbeddingBags
+
+
+def ragged_batches(table_rows, dims, steps, batch_sizes, max_bag, device, seed=0):
+    """``(indices, offsets, per_sample_weights, grad)`` per step: each step its own batch size, bags of
+    0..max_bag lookups, rows skewed towards each table's first rows (a cubed uniform draw)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    batches = []
+    for step in range(steps):
+        batch_size = batch_sizes[step % len(batch_sizes)]
+        lengths = torch.randint(0, max_bag + 1, (len(table_rows) * batch_size,), generator=generator, device=device)
+        per_table = lengths.view(len(table_rows), batch_size).sum(1).tolist()
+        indices = torch.cat([(torch.rand(n, generator=generator, device=device) ** 3 * rows).long()
+                             for rows, n in zip(table_rows, per_table)])
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
+        offsets[1:] = lengths.cumsum(0)
+        weights = torch.rand(indices.numel(), generator=generator, device=device)
+        grad = torch.randn(batch_size, sum(dims), generator=generator, device=device)
+        batches.append((indices, offsets, weights, grad))
+    return batches
+
+
+def train(module, batches, depth=0):
+    source = PrefetchPipeline(module, batches, depth=depth, lookups=lambda b: (b[0], b[1])) if depth else batches
+    for indices, offsets, weights, grad in source:
+        module(indices, offsets, per_sample_weights=weights).backward(grad)
+    if module.device.type == "cuda":
+        torch.cuda.synchronize()
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def mixed_module(table_rows, dims, placements, device, cache=None, **kwargs):
+    tables = [TableSpec(n, d, name=f"t{t}", placement=p)
+              for t, (n, d, p) in enumerate(zip(table_rows, dims, placements))]
+    return TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(lr=0.05), cache=cache, device=device, seed=1,
+                               bounds_check="off", **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lookahead"])
+def test_mixed_dims_and_changing_batch_sizes_train_as_in_hbm(policy, device, one_simulated_thread):
+    rows, dims = [50, 1, 37, 200], [3, 17, 8, 5]
+    placements = [Placement.MANAGED_CACHED, Placement.MANAGED_CACHED, Placement.DEVICE, Placement.MANAGED_CACHED]
+    batches = ragged_batches(rows, dims, steps=12, batch_sizes=[3, 1, 5, 2, 4], max_bag=6, device=device)
+    expected = train(mixed_module(rows, dims, [Placement.DEVICE] * 4, device, backend="torch"), batches)
+    for depth in (0, 2):
+        cached = mixed_module(rows, dims, placements, device, backend="torch",
+                              cache=CacheConfig(slots=8, associativity=4, policy=policy))
+        got = train(cached, batches, depth)
+        assert cached.cache.num_locked() == 0
+        stats = cached.cache_stats()
+        assert stats.evictions > 0 and stats.write_backs > 0
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), f"depth {depth}: {key}"
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+# The benchmark's mixed shape (tiered-tbe bench fbgemm's mixed configurations): 12 tables of dims 8 to 256,
+# 64M rows in all, B = 16384, bags of 0-40 lookups with per-sample weights, 10% cache.
+GPU_DIMS = [64, 8, 256, 32, 128, 16, 192, 48, 96, 24, 160, 128]
+GPU_ROWS = [int(r * 1e6) for r in (15.5, 12, 9, 7, 5, 4, 3.5, 3, 2, 1.5, 1, 0.5)]
+
+
+@pytest.mark.gpu
+def test_pipelined_equals_serial_on_the_mixed_benchmark_shape():
+    batches = ragged_batches(GPU_ROWS, GPU_DIMS, steps=10, batch_sizes=[16384, 16000, 16384, 15000], max_bag=40,
+                             device="cuda")
+    cache = CacheConfig(fraction=0.1)
+    runs = []
+    for depth in (0, 2):
+        module = mixed_module(GPU_ROWS, GPU_DIMS, [Placement.MANAGED_CACHED] * 12, "cuda", cache=cache)
+        runs.append(train(module, batches, depth))
+        assert module.cache.num_locked() == 0
+        del module
+        torch.cuda.empty_cache()
+    for key in runs[0]:
+        assert torch.equal(runs[0][key], runs[1][key]), key
+
+
+@pytest.mark.gpu
+def test_no_slot_locked_after_an_exception_and_memory_flat_over_2000_steps():
+    rows, dims = [r // 64 for r in GPU_ROWS], GPU_DIMS
+    module = mixed_module(rows, dims, [Placement.MANAGED_CACHED] * 12, "cuda", cache=CacheConfig(fraction=0.1))
+    batches = ragged_batches(rows, dims, steps=16, batch_sizes=[512, 480, 512, 300], max_bag=40, device="cuda")
+    with pytest.raises(RuntimeError, match="stop"):
+        for step, (indices, offsets, weights, grad) in enumerate(PrefetchPipeline(module, batches, depth=2,
+                                                                                  lookups=lambda b: (b[0], b[1]))):
+            module(indices, offsets, per_sample_weights=weights).backward(grad)
+            if step == 5:
+                raise RuntimeError("stop")
+    torch.cuda.synchronize()
+    assert module.cache.num_locked() == 0
+    readings = {}
+    for step in range(2000):
+        indices, offsets, weights, grad = batches[step % len(batches)]
+        module.prefetch(indices, offsets)
+        module(indices, offsets, per_sample_weights=weights).backward(grad)
+        if step in (199, 1999):
+            torch.cuda.synchronize()
+            with open("/proc/self/statm") as statm:  # resident pages now
+                resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            readings[step] = (torch.cuda.memory_allocated(), resident)
+    assert module.cache.num_locked() == 0
+    (device_at_200, host_at_200), (device_at_2000, host_at_2000) = readings[199], readings[1999]
+    assert device_at_2000 <= device_at_200 * 1.01 + (1 << 20), readings
+    assert host_at_2000 <= host_at_200 * 1.02 + (64 << 20), readings
