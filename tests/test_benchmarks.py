@@ -491,6 +491,30 @@ def test_bench_fbgemm_tables_give_ratios_against_the_same_run():
     assert_no_verdicts(text)
 
 
+def test_kernel_profile_names_bytes_and_simulation():
+    kernel_profile = importlib.import_module("tiered_tbe.benchmarks.kernel_profile")
+    name = "void split_embedding_backward_codegen_sgd_unweighted_kernel_warp_per_row<float, float, 8>(at::Tensor)"
+    short = "split_embedding_backward_codegen_sgd_unweighted_kernel_warp_per_row"
+    assert kernel_profile.short_kernel_name(name, width=100) == short
+    assert kernel_profile.short_kernel_name("_row_update_kernel") == "_row_update_kernel"
+    assert len(kernel_profile.short_kernel_name("k" * 100, width=20)) == 20
+    # 10 lookups of 512-byte rows, a [4, 64] fp32 output; 3 unique rows with 4 bytes of state each.
+    assert kernel_profile.step_bytes(10, 3, 4, 64, 512, 4) == {"forward": 10 * 512 + 1024,
+                                                              "backward": 1024 + 2 * 3 * 516}
+    ran = []
+    assert kernel_profile.kernel_ms_per_step(lambda: ran.append(1), 1) == []  # simulation: nothing on a device
+    assert ran == [1]
+
+
+def test_bench_fbgemm_profile_adds_the_host_time_of_each_phase(capsys):
+    """--profile adds the host time to enqueue each phase (simulation: no kernel table)."""
+    assert cli_main(["bench", "fbgemm", "--configs", "criteo-sgd", "cached-lru-pipelined", "--profile", "--steps",
+                     "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| criteo-sgd | backward: host ms to enqueue |" in out
+    assert "| cached-lru-pipelined | prefetch: host ms to enqueue |" in out
+
+
 def test_bench_fbgemm_sides_take_turns():
     """time_interleaved: each side warms up, then the sides take turns (the order reversed every
     other round), each timed on the same batches, until each has its count of steps."""
