@@ -20,7 +20,7 @@ Lookups are uniform (``--alpha 0``) or Zipf(alpha) over a random permutation of 
 Without a GPU (CPU simulation) it runs at a tiny size to prove it works; its times mean nothing.
 
     tiered-tbe bench kernels                            # 20M x 128 rows, B=65536, L=32
-    tiered-tbe bench kernels --alpha 1.05 --record      # append the results to RESULTS.md
+    tiered-tbe bench kernels --alpha 1.05 --record r.jsonl   # one JSON line per measurement
     tiered-tbe bench kernels --tables 4 --rows 5000000 --dtype fp16
     python benchmarks/bench_kernels.py ...              # the same, from a checkout
 """
@@ -188,6 +188,21 @@ def format_table(results: list[dict]) -> list[str]:
     return lines
 
 
+def measurements_of(results: list[dict], args) -> list[tuple[dict, dict]]:
+    """``(configuration, figures)`` of each line of the table, for ``--record``."""
+    shared = dict(tables=args.tables, rows=args.rows, dim=args.dim, dtype=args.dtype, batch_size=args.batch_size,
+                  bag_size=args.bag_size)
+    found = []
+    for r in results:
+        if "torch_ms" not in r:  # the device copy
+            found.append(({"op": r["op"], "gib": args.copy_gib}, {"ms": r["ours_ms"], "gbs": r["ours_gbs"]}))
+            continue
+        found.append(({**shared, "op": r["op"], "lookups": r["alpha"], "unique_rows": r["unique"]},
+                      {key: r[key] for key in ("ours_ms", "torch_ms", "ours_gbs", "torch_gbs")}
+                      | {"torch_over_ours": r["speedup"]}))
+    return found
+
+
 def run_command(args: argparse.Namespace, argv=None) -> int:
     """Run the benchmark for ``args``, print its table, write ``--json`` and ``--record``.
 
@@ -202,7 +217,7 @@ def run_command(args: argparse.Namespace, argv=None) -> int:
           f"({lookups} lookups), on {records.device_name()}; baseline: torch.nn.EmbeddingBag in the same run")
     results = run(args)
     table = format_table(results)
-    common.report(args, SCRIPT, argv, results, table)
+    common.report(args, SCRIPT, argv, results, table, measurements_of(results, args))
     return 0
 
 

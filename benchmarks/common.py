@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts: timing, Zipf batches on the device, host-bus bandwidth, results.
+"""Helpers shared by the benchmarks: timing, Zipf batches on the device, host-bus bandwidth, flags, records.
 
 Import ``tiered_tbe`` (or anything under it) before this module in a script, so that CPU
 simulation mode is chosen before triton or numba load; this module imports it first itself.
@@ -7,22 +7,24 @@ simulation mode is chosen before triton or numba load; this module imports it fi
 - :class:`StepTimer`: CUDA events around the phases of every step (prefetch, forward, ...),
   read once at the end; medians and totals per phase.
 - :class:`ZipfBatches`: batches in FBGEMM's TBE layout drawn on the device, Zipf(alpha) per
-  table by the project's one sampler (:mod:`tiered_tbe.zipf`).
+  table by the project's one sampler (:mod:`tiered_tbe.zipf`); bags of one length or of lengths
+  drawn per bag or per batch, per-sample weights, batch sizes that change every batch.
 - :func:`pinned_copy_bandwidth`: pinned host <-> device ``memcpy`` GB/s, the bus ceiling.
 - :func:`add_table_flags`, :func:`add_cache_flags`, :func:`add_output_flags`, :func:`check_table_args`,
-  :func:`table_rows_of`: the flags every script shares (``--tables --rows --dim --batch-size
-  --bag-size --alpha --dtype``, ``--cache-fraction --policy``, ``--json --record``), one spelling.
-- :func:`markdown_table`, :func:`append_results`, :func:`write_json`, :func:`report`: report what was
-  measured, through :mod:`tiered_tbe.records` (the one reporting path, shared with
+  :func:`table_rows_of`: the flags every benchmark shares (``--tables --rows --dim --batch-size
+  --bag-size --alpha --dtype``, ``--cache-fraction --policy``, ``--json PATH --record PATH``), one spelling.
+- :func:`report`: print a benchmark's table, write its ``--json`` and append one JSON line per
+  measurement to ``--record`` (:mod:`tiered_tbe.records`, the one writer, shared with
   ``tiered-tbe bench hit-rate``).
 
 In simulation mode every "time" is of the CPU interpreter and means nothing; the helpers still
-run, so the scripts can be tested without a GPU.
+run, so the benchmarks can be tested without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import shlex
@@ -40,7 +42,6 @@ from tiered_tbe.specs import WEIGHTS_DTYPES
 from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
 from tiered_tbe.zipf import DeviceZipfSampler, ZipfSampler
 
-RESULTS = records.results_file("RESULTS.md")  # beside these scripts in a checkout, else ./RESULTS.md
 DTYPES = WEIGHTS_DTYPES  # --dtype: the weights dtype, by name
 SIMULATION_NOTE = ("SIMULATION: kernels run in the Triton interpreter and the Numba CUDA simulator; "
                    "timings are meaningless.")
@@ -164,6 +165,14 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def free() -> None:
+    """Give back the memory of modules the caller has dropped (pinned memory goes with them)."""
+    gc.collect()
+    if not SIMULATION:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 # ------------------------------------------------------------------------------------ flags
 
 
@@ -227,14 +236,12 @@ def add_cache_flags(parser: argparse.ArgumentParser, policies: Sequence[str], se
 
 
 def add_output_flags(parser: argparse.ArgumentParser) -> None:
-    """``--json --record --results-file``."""
+    """``--json PATH --record PATH``."""
     group = parser.add_argument_group("output")
-    group.add_argument("--json", type=Path, help="also write the results to this JSON file")
-    group.add_argument("--record", action="store_true",
-                       help="append the table to the results file (benchmarks/RESULTS.md of a checkout); "
-                            "nothing is recorded without it")
-    group.add_argument("--results-file", type=Path, default=None,
-                       help=f"where --record appends (default {RESULTS})")
+    group.add_argument("--json", type=Path, metavar="PATH", help="also write the results to this JSON file")
+    group.add_argument("--record", type=Path, metavar="PATH",
+                       help="append one JSON line per measurement to PATH (date, device, versions, commit, command, "
+                            "configuration, figures: tiered_tbe.records); nothing is recorded without it")
 
 
 def check_table_args(args: argparse.Namespace, gpu: dict, simulation: dict, criteo: bool = True) -> None:
@@ -248,8 +255,8 @@ def check_table_args(args: argparse.Namespace, gpu: dict, simulation: dict, crit
             if name == "row_cap" and args.rows is not None:
                 continue
             setattr(args, name, value)
-    if getattr(args, "results_file", False) is None:
-        args.results_file = RESULTS
+    if getattr(args, "record", None) is not None:
+        records.check_path(args.record)  # before minutes of measuring, not after
     if getattr(args, "bag_size", 1) is None:
         args.bag_size = 1
     if args.tables < 1:
@@ -297,6 +304,9 @@ def describe_tables(args: argparse.Namespace) -> str:
 # ------------------------------------------------------------------------------------ batches
 
 
+BAG_LENGTHS = ("fixed", "per_bag", "per_batch")  # how ZipfBatches draws the lookups of each bag
+
+
 class ZipfBatches:
     """Batches of lookups in FBGEMM's TBE layout, drawn on ``device`` by the project's Zipf sampler.
 
@@ -308,40 +318,91 @@ class ZipfBatches:
     Args:
         table_rows: rows of each table.
         alpha: Zipf exponent (>= 0); ``0`` draws rows uniformly.
-        batch_size: bags per table per batch (``B``).
-        bag_size: lookups per bag (``L``).
+        batch_size: bags per table per batch (``B``); with ``min_batch_size``, the largest.
+        bag_size: lookups per bag (``L``), or the most a bag holds when lengths are drawn.
         device: where the batches (and the CDFs) live.
-        seed: seeds the permutations and the draws.
+        seed: seeds the permutations and every draw.
+        bag_lengths: ``"fixed"`` (every bag ``bag_size`` lookups), ``"per_bag"`` (each bag's length
+            drawn uniformly in ``0..bag_size``: empty bags included) or ``"per_batch"`` (one length
+            per table and batch, drawn uniformly in ``1..bag_size``: the length changes every batch).
+        weighted: also draw per-sample weights (fp32, uniform in ``[0.5, 1.5)``), one per lookup.
+        min_batch_size: draw each batch's ``B`` uniformly in ``min_batch_size..batch_size``
+            (None: every batch has ``batch_size`` bags per table).
 
-    ``next()`` returns ``(indices, offsets)``: int64 ``[T * B * L]`` table-local rows, table-major,
-    and int64 ``[T * B + 1]`` offsets (the same tensor for every batch).
+    ``next()`` returns ``(indices, offsets)``, or ``(indices, offsets, per_sample_weights)`` when
+    ``weighted``: int64 ``[N]`` table-local rows, table-major; int64 ``[T * B + 1]`` offsets (one
+    tensor for every batch when their bags are all ``bag_size`` long and ``B`` never changes); fp32
+    ``[N]`` weights.
     """
 
     def __init__(self, table_rows: Sequence[int], alpha: float, batch_size: int, bag_size: int,
-                 device: torch.device | str, seed: int = 0):
+                 device: torch.device | str, seed: int = 0, bag_lengths: str = "fixed", weighted: bool = False,
+                 min_batch_size: int | None = None):
+        if bag_lengths not in BAG_LENGTHS:
+            raise ValueError(f"bag_lengths must be one of {BAG_LENGTHS}, got {bag_lengths!r}")
+        if min_batch_size is not None and not 1 <= min_batch_size <= batch_size:
+            raise ValueError(f"min_batch_size must be between 1 and batch_size = {batch_size}, got {min_batch_size}")
         self.table_rows = [int(n) for n in table_rows]
         self.alpha, self.batch_size, self.bag_size = alpha, batch_size, bag_size
+        self.bag_lengths, self.weighted, self.min_batch_size = bag_lengths, weighted, min_batch_size
         self.device = torch.device(device)
         streams = np.random.SeedSequence(seed).spawn(len(self.table_rows))
         samplers = [ZipfSampler(n, alpha, np.random.default_rng(stream)) for n, stream in zip(self.table_rows, streams)]
-        self.sampler = DeviceZipfSampler(samplers, self.device, torch.Generator(device=self.device).manual_seed(seed))
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.sampler = DeviceZipfSampler(samplers, self.device, self.generator)
+        self.sizes = torch.Generator().manual_seed(seed)  # batch sizes, on the host
         lookups = len(self.table_rows) * batch_size * bag_size
         self.offsets = torch.arange(0, lookups + 1, bag_size, dtype=torch.int64, device=self.device)
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.sampler.sample(self.batch_size * self.bag_size), self.offsets
+    @property
+    def uniform(self) -> bool:
+        """Every batch of the same shape: ``B`` bags of ``bag_size`` lookups per table."""
+        return self.bag_lengths == "fixed" and self.min_batch_size is None
 
-    def batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next(self) -> tuple[torch.Tensor, ...]:
+        if self.uniform:
+            indices, offsets = self.sampler.sample(self.batch_size * self.bag_size), self.offsets
+        else:
+            indices, offsets = self._next_ragged()
+        if not self.weighted:
+            return indices, offsets
+        weights = torch.rand(indices.numel(), generator=self.generator, device=self.device) + 0.5
+        return indices, offsets, weights
+
+    def _next_ragged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tables, on = len(self.table_rows), dict(device=self.device)
+        batch_size = self.batch_size if self.min_batch_size is None else int(
+            torch.randint(self.min_batch_size, self.batch_size + 1, (), generator=self.sizes))
+        if self.bag_lengths == "per_bag":
+            lengths = torch.randint(0, self.bag_size + 1, (num_tables * batch_size,), generator=self.generator, **on)
+        elif self.bag_lengths == "per_batch":
+            per_table = torch.randint(1, self.bag_size + 1, (num_tables,), generator=self.generator, **on)
+            lengths = per_table.repeat_interleave(batch_size)
+        else:
+            lengths = torch.full((num_tables * batch_size,), self.bag_size, dtype=torch.int64, **on)
+        offsets = torch.zeros(num_tables * batch_size + 1, dtype=torch.int64, **on)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        lookups_of_table = lengths.view(num_tables, batch_size).sum(1)
+        table_of_draw = torch.arange(num_tables, **on).repeat_interleave(lookups_of_table)
+        uniforms = torch.rand(table_of_draw.numel(), dtype=torch.float64, generator=self.generator, **on)
+        return self.sampler.local_row[self.sampler.ranks_of(uniforms, table_of_draw)], offsets
+
+    def batches(self, count: int) -> list[tuple[torch.Tensor, ...]]:
         return [self.next() for _ in range(count)]
 
 
+def cycle(batches: Sequence, count: int, first: int = 0) -> list:
+    """``count`` batches, cycling through ``batches`` from the one at ``first``."""
+    return [batches[(first + i) % len(batches)] for i in range(count)]
+
+
 def global_rows(indices: torch.Tensor, offsets: torch.Tensor, table_rows: Sequence[int]) -> torch.Tensor:
-    """Global row ids (row ``r`` of table ``t`` = rows of tables before ``t`` + ``r``) of a TBE
-    batch whose bags all hold the same number of lookups."""
+    """Global row ids (row ``r`` of table ``t`` = rows of tables before ``t`` + ``r``) of a TBE batch."""
     num_tables = len(table_rows)
-    lookups_per_table = indices.numel() // num_tables
+    batch_size = (offsets.numel() - 1) // num_tables
     starts = torch.tensor([0, *table_rows], dtype=torch.int64, device=indices.device).cumsum(0)[:-1]
-    return indices + starts.repeat_interleave(lookups_per_table)
+    bounds = offsets[:: batch_size]  # [T + 1]: where each table's lookups start
+    return indices + starts.repeat_interleave(bounds[1:] - bounds[:-1])
 
 
 # ------------------------------------------------------------------------------------ host bus
@@ -396,13 +457,6 @@ def command_of(args: argparse.Namespace, script: str, argv: Sequence[str] | None
     return getattr(args, "command_line", None) or script_command(script, argv or [])
 
 
-def append_results(results_file: Path, script: str, command: str, lines: Sequence[str]) -> None:
-    """Append a record of ``script``'s run (date, device, commit, ``command``, the lines) to
-    ``results_file`` (:func:`tiered_tbe.records.append_section`)."""
-    note = " (simulation: times meaningless)" if SIMULATION else ""
-    records.append_section(results_file, "Benchmark results", Path(script).stem, command, lines, note=note)
-
-
 def write_json(path: Path, script: str, args, results) -> None:
     """Write the results (JSON-able), the arguments and the context (:func:`tiered_tbe.records.context`)."""
     document = {
@@ -416,13 +470,18 @@ def write_json(path: Path, script: str, args, results) -> None:
     path.write_text(json.dumps(document, indent=1, default=str) + "\n")
 
 
-def report(args, script: str, argv: list[str], results, table: list[str]) -> None:
-    """Print a benchmark's table; write its JSON (``--json``) and append it to the results file
-    (``--record``) when asked."""
+def report(args, script: str, argv: Sequence[str] | None, results, table: Sequence[str],
+           measurements: Sequence[tuple[dict, dict]] = ()) -> None:
+    """Print a benchmark's table; write its JSON (``--json``) and append one record per
+    measurement, a ``(configuration, figures)`` pair, to ``--record`` when asked."""
     print("\n".join(table))
     if args.json:
         write_json(args.json, script, args, results)
         print(f"wrote {args.json}")
     if args.record:
-        append_results(args.results_file, script, command_of(args, script, argv), table)
-        print(f"appended to {args.results_file}")
+        command = command_of(args, script, argv)
+        benchmark = Path(script).stem.removeprefix("bench_")
+        extra = {"note": "simulation: times meaningless"} if SIMULATION else {}
+        written = records.append(args.record, [records.measurement(benchmark, command, configuration, figures, **extra)
+                                               for configuration, figures in measurements])
+        print(f"appended {written} records to {args.record}")

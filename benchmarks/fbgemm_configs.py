@@ -1,7 +1,8 @@
-"""The configurations ``bench_fbgemm`` measures, ours beside FBGEMM_GPU's, and their targets.
+"""The configurations ``bench fbgemm`` measures, ours beside FBGEMM_GPU's.
 
-One :class:`Config` a side-by-side measurement (table shapes, batch, lookups, optimizer, weights
-dtype, placement and cache); ``CONFIGS`` lists them by name (``tiered-tbe bench fbgemm --list``).
+One :class:`Config` a side-by-side measurement (table shapes and dims, batch, lookups, bag
+lengths, per-sample weights, optimizer, weights dtype, placement and cache); ``CONFIGS`` lists
+them by name (``tiered-tbe bench fbgemm --list``).
 """
 
 from __future__ import annotations
@@ -12,19 +13,25 @@ from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD
 from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
 
 HYPER = {"sgd": dict(lr=0.01), "rowwise_adagrad": dict(lr=0.01, eps=1e-8), "adam": dict(lr=0.001, eps=1e-8)}
-# ours / FBGEMM at most (issue 10, 11): steps and backwards 0.9, forwards 1.0, Adam 0.7, cached steps 0.8.
-TARGETS = {"forward": 1.0, "backward": 0.9, "step": 0.9}
 PROFILED_STEPS = 5  # steps run under torch.profiler with --profile (after the timed ones)
 PROFILED_KERNELS = 8  # kernels listed per side
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One side-by-side measurement."""
+    """One side-by-side measurement.
+
+    ``dim`` is one dim for every table or one per table (FBGEMM's TBE takes a dim per table,
+    each a multiple of 4). ``bag_lengths`` (``common.BAG_LENGTHS``): every bag ``bag_size``
+    lookups (``"fixed"``), each bag's length drawn in ``0..bag_size`` (``"per_bag"``), or one
+    length per table and batch in ``1..bag_size`` (``"per_batch"``). ``weighted``: per-sample
+    weights on both sides. ``min_batch_size``: each batch's size drawn in
+    ``min_batch_size..batch_size`` (None: every batch ``batch_size``).
+    """
 
     name: str
     tables: tuple[int, ...]  # rows of each table
-    dim: int = 128
+    dim: int | tuple[int, ...] = 128
     batch_size: int = 65536
     bag_size: int = 1
     alpha: float = 1.05  # Zipf exponent, 0 = uniform
@@ -35,6 +42,23 @@ class Config:
     pipelined: bool = False
     cache_fraction: float = 0.05
     state_layout: str = "separate"  # ours: TieredEmbeddingBags(state_layout=...); FBGEMM has one layout
+    bag_lengths: str = "fixed"
+    weighted: bool = False
+    min_batch_size: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.dim, tuple) and len(self.dim) != len(self.tables):
+            raise ValueError(f"{self.name}: {len(self.dim)} dims for {len(self.tables)} tables")
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The dim of each table."""
+        return self.dim if isinstance(self.dim, tuple) else (self.dim,) * len(self.tables)
+
+    @property
+    def total_dim(self) -> int:
+        """Columns of the pooled output ``[B, total_dim]``."""
+        return sum(self.dims)
 
     @property
     def lookahead_window(self) -> int:
@@ -46,16 +70,55 @@ class Config:
     def cached(self) -> bool:
         return self.placement != "device"
 
-    def target(self, phase: str) -> float:
-        if self.cached:  # the cached targets are against other rows' steps (cached_targets_of)
-            return float("nan")
-        if self.optimizer == "adam" and phase != "forward":
-            return 0.7
-        return TARGETS[phase]
+    @property
+    def shape(self) -> tuple:
+        """What a serial configuration shares with its pipelined twin and its other policies: the
+        tables, dims, batches and optimizer (the baselines a cached step is compared with)."""
+        return (self.tables, self.dims, self.batch_size, self.bag_size, self.bag_lengths, self.weighted,
+                self.min_batch_size, self.alpha, self.optimizer, self.dtype, self.cache_fraction)
+
+    def describe(self) -> str:
+        """One line: ``26 tables (33,762,577 rows) x 128 fp32, B=65536, L=1, zipf 1.05, ...``."""
+        dims = sorted(set(self.dims))
+        dim = str(dims[0]) if len(dims) == 1 else f"dims {dims[0]}-{dims[-1]}"
+        batch = f"B={self.batch_size}" if self.min_batch_size is None else f"B={self.min_batch_size}-{self.batch_size}"
+        bags = {"fixed": f"L={self.bag_size}", "per_bag": f"L=0-{self.bag_size} per bag",
+                "per_batch": f"L=1-{self.bag_size} per batch"}[self.bag_lengths]
+        return (f"{len(self.tables)} tables ({sum(self.tables):,} rows) x {dim} {self.dtype}, {batch}, {bags}"
+                + (", weighted" if self.weighted else "") + f", zipf {self.alpha:g}, {self.optimizer}, "
+                f"{self.placement}" + (f" {self.policy} {self.cache_fraction:g}" if self.cached else "")
+                + (", pipelined" if self.pipelined else ""))
+
+    def as_record(self) -> dict:
+        """The configuration as a record names it (``tiered_tbe.records``)."""
+        return dict(name=self.name, tables=len(self.tables), rows=sum(self.tables), table_rows=list(self.tables),
+                    dims=list(self.dims), batch_size=self.batch_size, min_batch_size=self.min_batch_size,
+                    bag_size=self.bag_size, bag_lengths=self.bag_lengths, weighted=self.weighted, alpha=self.alpha,
+                    optimizer=self.optimizer, dtype=self.dtype, placement=self.placement,
+                    policy=self.policy if self.cached else None, pipelined=self.pipelined,
+                    cache_fraction=self.cache_fraction if self.cached else None, state_layout=self.state_layout)
 
 
 CRITEO = tuple(CRITEO_KAGGLE_TABLE_ROWS)
 BIG = (20_000_000,)
+# 12 tables of dims 8 to 256, 64M rows in all (~18 GB of fp32 weights): more rows where rows are narrow.
+MIXED = (9_000_000, 8_000_000, 7_000_000, 7_000_000, 6_000_000, 6_000_000, 5_000_000, 5_000_000, 4_000_000,
+         3_000_000, 2_000_000, 2_000_000)
+MIXED_DIMS = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# 8 tables of dims that are no power of two (FBGEMM takes multiples of 4), 40M rows.
+ODD = (8_000_000, 7_000_000, 6_000_000, 5_000_000, 5_000_000, 4_000_000, 3_000_000, 2_000_000)
+ODD_DIMS = (4, 12, 20, 36, 52, 76, 100, 132)
+# The Criteo tables with dims growing with their rows (16 up to 128: small tables need few columns).
+CRITEO_DIMS = tuple(16 if n < 1_000 else 32 if n < 100_000 else 64 if n < 1_000_000 else 128 for n in CRITEO)
+
+_MIXED = dict(tables=MIXED, dim=MIXED_DIMS, batch_size=16384, bag_size=40, bag_lengths="per_bag", weighted=True,
+              placement="managed_cached", cache_fraction=0.1)
+_BAG20 = dict(_MIXED, bag_size=20, bag_lengths="fixed")
+_ODD = dict(tables=ODD, dim=ODD_DIMS, batch_size=16384, min_batch_size=8192, bag_size=30, bag_lengths="per_batch",
+            weighted=True, placement="managed_cached", cache_fraction=0.1)
+_CRITEO_MIXED = dict(tables=CRITEO, dim=CRITEO_DIMS, bag_size=4, bag_lengths="per_bag", weighted=True,
+                     placement="managed_cached")
+
 CONFIGS = [
     Config("criteo-adagrad", CRITEO),
     Config("criteo-adagrad-z1.2", CRITEO, alpha=1.2),
@@ -77,8 +140,8 @@ CONFIGS = [
     Config("cached-managed-lfu-z1.2", CRITEO, placement="managed_cached", policy="lfu", alpha=1.2),
     Config("cached-managed-lru-pipelined", CRITEO, placement="managed_cached", pipelined=True),
     # A lookahead cache is told the rows of the batches ahead (by the pipeline, or serially by
-    # hint_upcoming before each prefetch): it moves ~0.64 of LRU's rows (RESULTS.md), and the
-    # cached prefetch is bound by the bytes it moves. FBGEMM has no lookahead: its side runs LRU.
+    # hint_upcoming before each prefetch): it moves fewer rows than LRU (docs/hit_rates.md), and
+    # the cached prefetch is bound by the bytes it moves. FBGEMM has no lookahead: its side runs LRU.
     Config("cached-managed-lookahead", CRITEO, placement="managed_cached", policy="lookahead"),
     Config("cached-managed-lookahead-z1.2", CRITEO, placement="managed_cached", policy="lookahead", alpha=1.2),
     Config("cached-managed-lookahead-pipelined", CRITEO, placement="managed_cached", policy="lookahead",
@@ -89,8 +152,27 @@ CONFIGS = [
     Config("cached-managed-lru-with-rows", CRITEO, placement="managed_cached", state_layout="with_rows"),
     Config("criteo-adagrad-with-rows", CRITEO, state_layout="with_rows"),
     Config("cached-lru-pipelined", CRITEO, placement="host_cached", pipelined=True),
+    # Mixed dims, bags of varying length, per-sample weights: where the cache moves the most bytes.
+    Config("cached-mixed-weighted", **_MIXED),
+    Config("cached-mixed-weighted-lfu", **_MIXED, policy="lfu"),
+    Config("cached-mixed-weighted-pipelined", **_MIXED, pipelined=True),
+    Config("cached-mixed-bag20", **_BAG20),
+    Config("cached-mixed-bag20-pipelined", **_BAG20, pipelined=True),
+    Config("cached-odd-dims-ragged", **_ODD),
+    Config("cached-odd-dims-ragged-pipelined", **_ODD, pipelined=True),
+    Config("cached-criteo-mixed", **_CRITEO_MIXED),
+    Config("cached-criteo-mixed-pipelined", **_CRITEO_MIXED, pipelined=True),
 ]
 CONFIG_NAMES = [c.name for c in CONFIGS]
 # Keys of a result row holding a tuning sweep's measurement (--backward-configs, --forward-tiles).
 SWEEP_PREFIXES = ("ours backward ", "ours forward ")
-SIMULATION_SHAPE = dict(tables=(50, 7, 300), dim=8, batch_size=8)
+
+
+def simulation_shape(config: Config) -> Config:
+    """``config`` at a tiny size (CPU simulation, where its timing means nothing): three small
+    tables, their dims at most 16, 8 bags, bags of at most 4 lookups; its kind of bags, weights
+    and batch sizes kept."""
+    return dataclasses.replace(
+        config, tables=(50, 7, 300), dim=tuple(min(d, 16) for d in config.dims[:3]) if isinstance(config.dim, tuple)
+        else 8, batch_size=8, bag_size=min(config.bag_size, 4),
+        min_batch_size=None if config.min_batch_size is None else 4)

@@ -1,21 +1,21 @@
-"""The benchmark scripts run end to end at a tiny size (CPU simulation here: their times mean nothing).
+"""The benchmarks run end to end at a tiny size (CPU simulation here: their times mean nothing).
 
-Each script's ``main`` is called in-process with tiny flags (3 tables of at most 1000 rows,
-batch 4, 2 timed batches: the Triton interpreter's time grows with the batch) and must print
-its table; ``--json`` and ``--record`` must write (to a temporary file: never
-benchmarks/RESULTS.md). ``tiered-tbe bench kernels | cache | pipeline``
-run the same scripts from the installed package (``tiered_tbe.benchmarks``) with the same flags.
-The GPU suite is only checked for shell syntax here; it runs on the lent H200.
+Each benchmark's ``main`` (or ``tiered-tbe bench ...``) is called in-process with tiny flags (3
+tables of at most 1000 rows, batch 4, 2 timed batches: the Triton interpreter's time grows with
+the batch) and must print its table; ``--json`` and ``--record`` must write (to a temporary file).
+``tiered-tbe bench kernels | cache | pipeline | fbgemm`` run the same modules from the installed
+package (``tiered_tbe.benchmarks``) with the same flags. No benchmark judges against a target:
+each prints ratios against the baseline it measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import importlib.util
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import torch
 from background import run_in_background
 
 import tiered_tbe  # noqa: F401  (chooses GPU / simulation mode before the scripts import triton or numba)
+from tiered_tbe import records
 from tiered_tbe.cache.policy import POLICIES
 from tiered_tbe.cli import main as cli_main
 
@@ -34,35 +35,34 @@ REPO = Path(__file__).resolve().parents[1]
 def _one_simulated_thread_per_launch(one_simulated_thread):
     """The benchmarks are checked for their plumbing and tables here, not the cache's kernels for
     races (tests/test_cache*.py run several threads a launch): one simulated thread a launch."""
-BENCHMARKS = REPO / "benchmarks"
 TINY_MODEL = ["--num-tables", "3", "--row-cap", "1000", "--dim", "16", "--batch-size", "4", "--alpha", "1.05",
               "--warmup", "1", "--batches", "2"]
-SHARED_FLAGS = ["--tables", "--rows", "--dim", "--batch-size", "--bag-size", "--alpha", "--dtype", "--record",
-                "--results-file", "--json"]
+SHARED_FLAGS = ["--tables", "--rows", "--dim", "--batch-size", "--bag-size", "--alpha", "--dtype", "--record", "--json"]
 
 
 @pytest.fixture(scope="module")
 def scripts():
     """The benchmark modules, as the scripts and the CLI import them (the package tiered_tbe.benchmarks)."""
     return {name: importlib.import_module(f"tiered_tbe.benchmarks.{name}")
-            for name in ("common", "bench_kernels", "bench_cache", "bench_pipeline")}
+            for name in ("common", "bench_kernels", "bench_cache", "bench_pipeline", "bench_fbgemm")}
 
 
 def test_bench_cache_prints_its_table(scripts, capsys, tmp_path):
-    results_file, json_file = tmp_path / "RESULTS.md", tmp_path / "cache.json"
-    scripts["bench_cache"].main([*TINY_MODEL, "--memcpy-gib", "0.0001", "--record", "--results-file",
-                                 str(results_file), "--json", str(json_file)])
+    results_file, json_file = tmp_path / "measurements.jsonl", tmp_path / "cache.json"
+    scripts["bench_cache"].main([*TINY_MODEL, "--memcpy-gib", "0.0001", "--record", str(results_file),
+                                 "--json", str(json_file)])
     out = capsys.readouterr().out
     assert "| model | mover | lookups | prefetch ms | forward ms | backward ms | step ms |" in out
     assert "| host_cached | zero_copy | zipf 1.05 |" in out and "| host_cached | staged | zipf 1.05 |" in out
     assert "| all HBM | - | zipf 1.05 |" in out
-    assert "fill / memcpy" in out and "write-back / memcpy" in out and "serial step / all-HBM" in out
-    assert "pipelined step / all-HBM" in out and "write-back hidden behind the fill" in out
+    assert "serial step / all-HBM" in out and "pipelined step / all-HBM" in out
+    assert "write-back hidden behind the fill" in out
     for mover in ("zero_copy", "staged"):
         for direction in ("fill", "write-back", "both"):
             assert f"| {mover} | {direction} | " in out, (mover, direction)
+    assert_no_verdicts(out)
     if tiered_tbe.SIMULATION:
-        assert "timings are meaningless" in out and "not judged in simulation" in out
+        assert "timings are meaningless" in out
     document = json.loads(json_file.read_text())
     cached = {r["mover"]: r for r in document["results"] if r.get("model") == "host_cached"}
     assert set(cached) == {"zero_copy", "staged"}
@@ -71,9 +71,16 @@ def test_bench_cache_prints_its_table(scripts, capsys, tmp_path):
         assert r["rows_in_per_batch"] >= 0 and r["step_vs_hbm"] > 0 and r["pipelined_vs_hbm"] > 0
     # The same decisions, whichever mover carries the rows.
     assert cached["staged"]["stats"] == cached["zero_copy"]["stats"]
-    recorded = results_file.read_text()
-    assert recorded.startswith("# Benchmark results") and "\n## bench_cache\n" in recorded
-    assert "`python benchmarks/bench_cache.py --num-tables 3" in recorded
+    lines = records.read(results_file)
+    assert {line["benchmark"] for line in lines} == {"cache"}
+    assert all(line["command"].startswith("python benchmarks/bench_cache.py --num-tables 3") for line in lines)
+    trained = [line for line in lines if line["configuration"].get("what") == "training steps"]
+    assert {(line["configuration"]["model"], line["configuration"]["mover"]) for line in trained} == {
+        ("host_cached", "zero_copy"), ("host_cached", "staged"), ("all HBM", "-")}
+    for line in trained:
+        assert line["configuration"]["tables"] == 3 and line["configuration"]["alpha"] == 1.05
+        assert line["figures"]["step_ms"] > 0 and line["note"] == "simulation: times meaningless"
+    assert sum(line["configuration"].get("what") == "mover alone" for line in lines) == 2 * 3 * 2  # 2 row counts
 
 
 def test_bench_cache_big_table_mode(scripts, capsys, tmp_path):
@@ -120,26 +127,30 @@ def test_bench_pipeline_prints_its_table(scripts, capsys, tmp_path):
     assert pipelined["lookahead"]["rows_vs_lru"] > 0
 
 
-@pytest.mark.parametrize("name", ["bench_kernels", "bench_cache", "bench_pipeline"])
+@pytest.mark.parametrize("name", ["bench_kernels", "bench_cache", "bench_pipeline", "bench_fbgemm"])
 def test_help(scripts, capsys, name):
     with pytest.raises(SystemExit) as exit_info:
-        scripts[name].parse_args(["--help"])
+        scripts[name].main(["--help"])
     assert exit_info.value.code == 0
-    assert "--record" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--record PATH" in out and "--results-file" not in out
+    assert_no_verdicts(out)
 
 
 # ------------------------------------------------------------------ tiered-tbe bench kernels | cache | pipeline
 
 
-@pytest.mark.parametrize("name", ["kernels", "cache", "pipeline"])
+@pytest.mark.parametrize("name", ["kernels", "cache", "pipeline", "fbgemm"])
 def test_cli_help_lists_the_shared_flags(capsys, name):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["bench", name, "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: tiered-tbe bench {name}")
-    for flag in SHARED_FLAGS + ([] if name == "kernels" else ["--cache-fraction", "--policy", "--row-cap"]):
+    shared = ["--record", "--json"] if name == "fbgemm" else SHARED_FLAGS
+    for flag in shared + ([] if name in ("kernels", "fbgemm") else ["--cache-fraction", "--policy", "--row-cap"]):
         assert flag in out, flag
+    assert_no_verdicts(out)
 
 
 def test_cli_bench_kernels(capsys, tmp_path):
@@ -160,10 +171,10 @@ def test_cli_bench_kernels(capsys, tmp_path):
 
 
 def test_cli_bench_cache_records_only_when_asked(capsys, tmp_path):
-    results_file = tmp_path / "RESULTS.md"
+    results_file = tmp_path / "measurements.jsonl"
     args = ["bench", "cache", "--tables", "2", "--rows", "500", "--dim", "16", "--batch-size", "4", "--bag-size", "2",
             "--alpha", "1.2", "--cache-fraction", "0.1", "--policy", "lfu", "--warmup", "1", "--batches", "2",
-            "--memcpy-gib", "0.0001", "--mover", "staged", "--depth", "0", "--results-file", str(results_file)]
+            "--memcpy-gib", "0.0001", "--mover", "staged", "--depth", "0"]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "2 tables of 500 rows x 16 fp32" in out and "cache 0.1 of rows, lfu" in out
@@ -171,11 +182,23 @@ def test_cli_bench_cache_records_only_when_asked(capsys, tmp_path):
     assert "| zero_copy |" not in out and "pipelined step / all-HBM" not in out
     assert "serial step / all-HBM" in out
     assert not results_file.exists()  # no --record: nothing written
-    assert cli_main([*args, "--record"]) == 0
-    recorded = results_file.read_text()
-    assert recorded.startswith("# Benchmark results") and "\n## bench_cache\n" in recorded
-    assert "`tiered-tbe bench cache --tables 2 --rows 500" in recorded
-    assert "| host_cached | staged | zipf 1.2 |" in recorded
+    assert cli_main([*args, "--record", str(results_file)]) == 0
+    assert cli_main([*args, "--record", str(results_file)]) == 0  # appended, never rewritten
+    lines = records.read(results_file)
+    half = len(lines) // 2
+    assert len(lines) == 2 * half and [r["configuration"] for r in lines[:half]] == [
+        r["configuration"] for r in lines[half:]]
+    staged = [line for line in lines if line["configuration"].get("mover") == "staged"
+              and line["configuration"].get("what") == "training steps"]
+    assert len(staged) == 2 and staged[0]["command"].startswith("tiered-tbe bench cache --tables 2 --rows 500")
+    assert staged[0]["configuration"]["policy"] == "lfu" and staged[0]["figures"]["step_vs_hbm"] > 0
+
+
+def test_record_refuses_the_package_source_before_measuring(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", "kernels", "--record", str(REPO / "benchmarks" / "r.jsonl")])
+    assert exit_info.value.code == 2
+    assert "a file inside the package's source" in capsys.readouterr().err
 
 
 def test_cli_bench_pipeline(capsys, tmp_path):
@@ -276,120 +299,139 @@ def test_zipf_batches_are_tbe_batches_and_seeded(scripts):
     assert torch.equal(global_rows[128:256], indices[128:256] + 1000)
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-@pytest.mark.parametrize("script", ["gpu_suite.sh", "gpu_fbgemm.sh", "pack_gpu_site.sh"])
-def test_device_scripts_are_valid_bash(script):
-    result = subprocess.run(["bash", "-n", str(BENCHMARKS / script)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+@pytest.mark.parametrize("bag_lengths", ["per_bag", "per_batch", "fixed"])
+def test_zipf_batches_with_drawn_bag_lengths_weights_and_batch_sizes(scripts, bag_lengths):
+    """Bags of lengths drawn per bag (empty ones included) or per table and batch, per-sample
+    weights, batch sizes drawn per batch: every batch a valid TBE batch, each table's rows its own,
+    seeded."""
+    common = scripts["common"]
+    rows = [1000, 5, 300, 70]
+
+    def source():
+        return common.ZipfBatches(rows, 1.05, batch_size=32, bag_size=6, device="cpu", seed=4,
+                                  bag_lengths=bag_lengths, weighted=True, min_batch_size=9)
+
+    batches, sizes = source().batches(12), set()
+    for indices, offsets, weights in batches:
+        batch_size = (offsets.numel() - 1) // len(rows)
+        sizes.add(batch_size)
+        assert 9 <= batch_size <= 32 and offsets.numel() == len(rows) * batch_size + 1
+        assert offsets[0] == 0 and offsets[-1] == indices.numel() and bool((offsets[1:] >= offsets[:-1]).all())
+        lengths = (offsets[1:] - offsets[:-1]).view(len(rows), batch_size)
+        assert int(lengths.max()) <= 6
+        if bag_lengths == "per_batch":  # one length per table and batch
+            assert bool((lengths == lengths[:, :1]).all()) and int(lengths.min()) >= 1
+        if bag_lengths == "fixed":
+            assert bool((lengths == 6).all())
+        for t, n in enumerate(rows):
+            part = indices[offsets[t * batch_size]:offsets[(t + 1) * batch_size]]
+            assert part.numel() == 0 or (0 <= int(part.min()) and int(part.max()) < n)
+        assert weights.dtype == torch.float32 and weights.shape == indices.shape
+        assert bool(((weights >= 0.5) & (weights < 1.5)).all())
+        global_rows = common.global_rows(indices, offsets, rows)
+        assert bool((global_rows < sum(rows)).all())
+    assert len(sizes) > 1  # the batch size changes
+    if bag_lengths == "per_bag":
+        assert any(bool((b[1][1:] == b[1][:-1]).any()) for b in batches)  # empty bags
+    for (i, o, w), (i2, o2, w2) in zip(batches, source().batches(12)):
+        assert torch.equal(i, i2) and torch.equal(o, o2) and torch.equal(w, w2)
+    with pytest.raises(ValueError, match="bag_lengths must be one of"):
+        common.ZipfBatches(rows, 1.05, 4, 2, "cpu", bag_lengths="poisson")
 
 
-def test_bench_sort_says_what_it_needs_without_a_gpu(capsys):
-    from tiered_tbe.benchmarks import bench_sort
-
-    if not tiered_tbe.SIMULATION:
-        pytest.skip("times sorts on the GPU (run by hand on the lent H200)")
-    assert bench_sort.main(["--configs", "big-zipf-sgd"]) == 0
-    assert "nothing to do in CPU simulation" in capsys.readouterr().out
-
-
-def test_profile_step_reports_host_and_device_time_per_phase(capsys):
-    profile_step = importlib.import_module("tiered_tbe.benchmarks.profile_step")
-    profile_step.main([*TINY_MODEL, "--steps", "1", "--top", "3", "--skip-hbm"])
-    out = capsys.readouterr().out
-    assert "== host_cached, zipf 1.05: phase: host ms to enqueue / device ms" in out
-    for phase in ("prefetch", "forward", "backward"):
-        assert f"   {phase} " in out
-    assert "host time of one SlotCache.lookup of 8 rows" in out
-    assert "Self CPU" in out  # the profiler's table
-
-
-def test_trace_pipeline_measures_busy_overlap_and_idle_time_per_stream(capsys):
-    trace = importlib.import_module("tiered_tbe.benchmarks.trace_pipeline")
-    assert trace.union_ms([(0, 1000), (500, 1500), (3000, 4000)]) == 2.5  # us in, ms out
-    assert trace.intersect([(0, 1000), (2000, 3000)], [(500, 2500)]) == [(500, 1000), (2000, 2500)]
-
-    def kernel(name, stream, start, end):
-        return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": end - start, "args": {"stream": stream}}
-
-    # Two steps: the training stream (7) runs 0-4 ms and 6-10 ms; the side stream (13) 3-5 ms.
-    events = [kernel("gemm", 7, 0, 4000), kernel("gemm", 7, 6000, 10000), kernel("copy_rows", 13, 3000, 5000),
-              {"ph": "X", "cat": "user_annotation", "name": "forward", "ts": 0, "dur": 300}]
-    lines = "\n".join(trace.summarize(events, steps=2, top=3))
-    assert "forward 0.15" in lines  # host ms per step of each phase
-    assert "GPU span of the 2 steps: 10.00 ms = 5.00 ms / step" in lines
-    assert "stream 7: busy 4.000 ms / step (80% of the span), idle 1.000 ms / step, 1 kernels / step" in lines
-    assert "stream 13: busy 1.000 ms / step" in lines
-    assert "streams 7 and 13 both busy: 0.500 ms / step" in lines
-    # The first traced step is left out: its annotations and the GPU work launched before the second began.
-    def launch(correlation, ts):
-        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5,
-                "args": {"correlation": correlation}}
-
-    def step(ts):
-        return {"ph": "X", "cat": "user_annotation", "name": "step", "ts": ts, "dur": 100}
-
-    late_first = kernel("gemm", 7, 9000, 9500) | {"args": {"stream": 7, "correlation": 1}}
-    second = kernel("gemm", 7, 9600, 9900) | {"args": {"stream": 7, "correlation": 2}}
-    steady = trace.steady_steps([step(0), step(200), launch(1, 50), launch(2, 250), late_first, second])
-    assert [e["name"] for e in steady] == ["step", "cudaLaunchKernel", "gemm"] and steady[2]["ts"] == 9600
-    assert trace.steady_steps(events) == events  # one step, or no correlation ids: whole
-    trace.main([*TINY_MODEL, "--steps", "1", "--runs", "hbm", "lru-pipelined", "--placement", "managed_cached"])
-    out = capsys.readouterr().out
-    assert "== lru-pipelined (managed_cached, zero_copy mover)" in out and "host ms / step: step" in out
-
-
-def test_trace_step_splits_each_phase_into_lag_busy_and_idle(capsys):
-    trace = importlib.import_module("tiered_tbe.benchmarks.trace_step")
-
-    def mark(name, ts, dur):
-        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
-
-    def launch(correlation, ts):
-        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5,
-                "args": {"correlation": correlation}}
-
-    def kernel(correlation, start, end):
-        return {"ph": "X", "cat": "kernel", "name": "k", "ts": start, "dur": end - start,
-                "args": {"correlation": correlation, "stream": 7}}
-
-    events = []
-    for step in range(3):  # each step 1000 us: forward host 0-100, backward host 100-600 (us after its start)
-        t, c = 1000 * step, 10 * step
-        events += [mark("forward", t, 100), launch(c, t + 50), kernel(c, t + 60, t + 160),
-                   # the backward: its first kernel waits for the host (lag), two kernels with a gap (idle)
-                   mark("backward", t + 100, 500), launch(c + 1, t + 300), kernel(c + 1, t + 310, t + 410),
-                   launch(c + 2, t + 550), kernel(c + 2, t + 560, t + 660)]
-    table = trace.phase_table(events)  # the first step left out
-    # forward: host start to its kernel 60 us; the span runs from its host start (the GPU was idle) to its end.
-    assert table["forward"] == pytest.approx({"host": 0.1, "lag": 0.06, "busy": 0.1, "span": 0.16, "idle": 0.06})
-    backward = table["backward"]
-    assert backward["host"] == 0.5 and backward["busy"] == 0.2
-    assert backward["lag"] == pytest.approx(0.15)  # forward's GPU end (160) to the first backward kernel (310)
-    assert backward["span"] == pytest.approx(0.5) and backward["idle"] == pytest.approx(0.3)  # 160 -> 660
-    trace.main(["--configs", "big-zipf-sgd", "--ours-only", "--warmup", "1", "--steps", "1"])
-    assert "== big-zipf-sgd, ours" in capsys.readouterr().out
+def assert_no_verdicts(text: str) -> None:
+    """No benchmark judges against an internal target: it prints ratios against its own baseline."""
+    for word in ("MISSED", "target", "met)", "| met |"):
+        assert word not in text, word
 
 
 def test_cli_bench_fbgemm_without_fbgemm_times_our_side(capsys, tmp_path):
     """Without FBGEMM (and without a GPU) the command says so, times our side at a tiny size
-    through every path (HBM, cached, pipelined) and writes its JSON; --list names the configurations."""
+    through every path (HBM, cached, pipelined), writes its JSON and appends a record per
+    configuration; --list names the configurations."""
     assert cli_main(["bench", "fbgemm", "--list"]) == 0
     listed = capsys.readouterr().out
-    assert "criteo-adagrad " in listed and "cached-lru-pipelined" in listed
-    json_file = tmp_path / "fbgemm.json"
+    assert "criteo-adagrad " in listed and "cached-lru-pipelined " in listed
+    described = {line.split()[0]: line for line in listed.splitlines()}
+    assert "12 tables (64,000,000 rows) x dims 8-256 fp32, B=16384, L=0-40 per bag, weighted" in described[
+        "cached-mixed-weighted"]
+    assert "8 tables (40,000,000 rows) x dims 4-132 fp32, B=8192-16384, L=1-30 per batch, weighted" in described[
+        "cached-odd-dims-ragged"]
+    json_file, results_file = tmp_path / "fbgemm.json", tmp_path / "measurements.jsonl"
     code = cli_main(["bench", "fbgemm", "--configs", "criteo-sgd", "cached-lru", "cached-lru-pipelined", "--steps", "1",
-                     "--state-layout", "with_rows", "--json", str(json_file)])
+                     "--state-layout", "with_rows", "--json", str(json_file), "--record", str(results_file)])
     assert code == 0
     out = capsys.readouterr().out
     assert "FBGEMM_GPU: no CUDA device (simulation mode); timing our side only" in out
     assert "ours state_layout=with_rows" in out
     assert "| criteo-sgd | forward |" in out and "| cached-lru-pipelined | step |" in out
+    assert_no_verdicts(out)
     results = {r["config"]: r for r in json.loads(json_file.read_text())["results"]}
     assert results["criteo-sgd"]["ours"]["step"] > 0 and results["criteo-sgd"]["fbgemm"] == {}
     # Counted over the timed steps only: the serial cached step's new batch misses rows of its own.
     assert 0 <= results["cached-lru"]["ours"]["hit_rate"] < 1 and results["cached-lru"]["ours"]["rows_in_per_batch"] > 0
-    assert "| cached-lru | rows copied in per timed batch, ours (hit rate by lookup" in out
-    assert "| cached-lru-pipelined | step |" in out
+    assert "| cached-lru | ours | " in out  # what the cache moved
+    assert "| cached-lru | " in out.split("| cached configuration (ms, ours / FBGEMM) |")[1]
+    lines = {line["configuration"]["name"]: line for line in records.read(results_file)}
+    assert set(lines) == {"criteo-sgd", "cached-lru", "cached-lru-pipelined"}
+    cached = lines["cached-lru"]
+    assert cached["benchmark"] == "fbgemm" and cached["configuration"]["state_layout"] == "with_rows"
+    assert cached["configuration"]["table_rows"] == [50, 7, 300]  # the shape run: tiny in simulation
+    assert cached["figures"]["ours"]["prefetch_ms"] > 0 and cached["figures"]["fbgemm"] == {}
+    assert cached["figures"]["moved"]["ours"]["rows_in_per_batch"] > 0
+    assert "fbgemm_gpu" not in cached["versions"]  # not imported: not used
+
+
+def test_bench_fbgemm_mixed_dims_ragged_bags_and_weights(capsys, tmp_path):
+    """The cached configurations of mixed dims, bags of drawn lengths, per-sample weights and batch
+    sizes that change every step run end to end, serial and pipelined (tiny in simulation), and
+    report each phase, what the cache moved per batch and the bus rate."""
+    json_file = tmp_path / "fbgemm.json"
+    code = cli_main(["bench", "fbgemm", "--configs", "cached-mixed-weighted", "cached-mixed-weighted-pipelined",
+                     "cached-odd-dims-ragged-pipelined", "--steps", "2", "--json", str(json_file)])
+    assert code == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| cached-mixed-weighted | ")
+               and line.count("|") == 8)  # the cached summary: phases, serial and pipelined steps
+    cells = [cell.strip() for cell in row.split("|")[2:-1]]
+    assert all(float(cell) > 0 for cell in cells[:5])  # ours alone: no FBGEMM here
+    assert "| cached-mixed-weighted | ours | " in out and "bus GB/s" in out
+    results = {r["config"]: r for r in json.loads(json_file.read_text())["results"]}
+    mixed = results["cached-mixed-weighted"]
+    assert mixed["configuration"]["dims"] == [8, 16, 16] and mixed["configuration"]["weighted"]
+    ours = mixed["ours"]
+    assert ours["rows_in_per_batch"] > 0 and ours["bytes_in_per_batch"] > 0 and ours["state_bytes_per_row"] == 4
+    assert ours["steps"] == 2 and ours["prefetch_total"] > 0
+    for name in ("cached-mixed-weighted-pipelined", "cached-odd-dims-ragged-pipelined"):
+        assert results[name]["ours"]["step"] > 0, name
+    assert_no_verdicts(out)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fbgemm_gpu") is None, reason="needs fbgemm-gpu (its CPU build will do)")
+def test_fbgemm_side_has_our_tables_dims_and_weights():
+    """FBGEMM's module of a mixed-dim configuration (built on the CPU: HOST tables) has a table of
+    each configuration dim, and given our weights it pools a weighted, ragged batch as ours does:
+    the FBGEMM side of bench fbgemm computes what ours computes."""
+    from tiered_tbe.benchmarks import fbgemm_sides
+    from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS, simulation_shape
+
+    config = simulation_shape(next(c for c in CONFIGS if c.name == "cached-odd-dims-ragged"))
+    config = dataclasses.replace(config, placement="device")  # no cache on the CPU
+    fbgemm = fbgemm_sides.fbgemm_module(config, device="cpu")
+    ours = fbgemm_sides.ours_module(config, fbgemm_sides.DEFAULT_MODULE_ARGS, device="cpu")
+    weights = fbgemm.split_embedding_weights()
+    assert [tuple(w.shape) for w in weights] == list(zip(config.tables, config.dims))
+    with torch.no_grad():
+        for t, table in enumerate(weights):
+            table.copy_(ours.table(t))
+    batches, grad = fbgemm_sides.batches_of(config, seed=2, count=2, device="cpu")
+    for indices, offsets, per_sample_weights in batches:
+        assert per_sample_weights is not None
+        with torch.no_grad():
+            expected = ours(indices, offsets, per_sample_weights=per_sample_weights)
+        got = fbgemm(indices, offsets, per_sample_weights=per_sample_weights)
+        assert got.shape == (grad[: (offsets.numel() - 1) // len(config.tables)].shape)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_bench_fbgemm_tuning_sweeps_print_a_row_each(capsys):
@@ -414,7 +456,39 @@ def test_bench_fbgemm_gives_a_cached_configuration_a_new_batch_every_step():
     args.profile = True
     assert bench_fbgemm.batches_needed(by_name["cached-lfu"], args) == steps + bench_fbgemm.PROFILED_STEPS
     # The profiled steps take the batches after the timed ones.
-    assert bench_fbgemm.cycle(list(range(7)), 3, first=5) == [5, 6, 0]
+    assert scripts_common().cycle(list(range(7)), 3, first=5) == [5, 6, 0]
+
+
+def scripts_common():
+    return importlib.import_module("tiered_tbe.benchmarks.common")
+
+
+def test_bench_fbgemm_tables_give_ratios_against_the_same_run():
+    """The cached summary puts each phase beside FBGEMM's (ours / FBGEMM and their ratio), the step of
+    the pipelined twin beside the serial one, and our best step against FBGEMM's best step of the
+    same shape in the run (its LFU here); FBGEMM's bytes are estimated at our mean row size; nothing
+    is judged against a target."""
+    tables = importlib.import_module("tiered_tbe.benchmarks.fbgemm_tables")
+    moved = dict(rows_in_per_batch=100.0, rows_out_per_batch=40.0, bytes_in_per_batch=100 * 516.0,
+                 bytes_out_per_batch=40 * 516.0, state_bytes_per_row=4, prefetch_total=2.0, steps=2)
+    results = [{"config": "criteo-adagrad", "ours": {"forward": 0.3, "backward": 0.6, "step": 1.0},
+                "fbgemm": {"forward": 0.4, "backward": 0.8, "step": 1.2}},
+               {"config": "cached-managed-lru", "ours": {"prefetch": 1.0, "forward": 0.5, "backward": 0.8, "step": 2.5,
+                                                        **moved},
+                "fbgemm": {"prefetch": 0.8, "forward": 0.5, "backward": 1.0, "step": 2.6, "rows_in_per_batch": 110.0,
+                           "prefetch_total": 1.6, "steps": 2}},
+               {"config": "cached-managed-lfu", "ours": {"step": 2.4}, "fbgemm": {"step": 2.0}},
+               {"config": "cached-managed-lru-pipelined", "ours": {"step": 1.9}, "fbgemm": {"step": 3.0}}]
+    text = "\n".join(tables.table_of(results))
+    assert "| criteo-adagrad | step | 1.200 | 1.000 | 0.83 |" in text
+    assert ("| cached-managed-lru | 1.000 / 0.800 (1.25) | 0.500 / 0.500 (1.00) | 0.800 / 1.000 (0.80) | "
+            "2.500 / 2.600 (0.96) | 1.900 / 3.000 (0.63) | 0.95 |") in text  # 1.9 against LFU's 2.0
+    # Ours: (100 + 40) x 516 bytes in 1 ms a prefetch; FBGEMM: 110 rows each way at 512 bytes in 0.8 ms.
+    assert "| cached-managed-lru | ours | 100 | 40 | 0.1 | 0.0 | 0.1 | - |" in text
+    assert "| cached-managed-lru | FBGEMM | 110 | ≈110 | ≈0.1 | ≈0.1 | ≈0.1 | - |" in text
+    fbgemm_moved = tables.moved(results[1]["fbgemm"], results[1]["ours"])
+    assert fbgemm_moved["bytes_in_per_batch"] == 110 * 512 and fbgemm_moved["bus_gbs"] == 2 * 110 * 512 / 0.8 / 1e6
+    assert_no_verdicts(text)
 
 
 def test_kernel_profile_names_bytes_and_simulation():
@@ -432,13 +506,8 @@ def test_kernel_profile_names_bytes_and_simulation():
     assert ran == [1]
 
 
-def test_profile_step_python_profile_and_bench_fbgemm_profile(capsys):
-    """profile_step --python lists the host functions of whole steps; bench_fbgemm --profile adds
-    the host time to enqueue each phase (simulation: no kernel table)."""
-    profile_step = importlib.import_module("tiered_tbe.benchmarks.profile_step")
-    profile_step.main([*TINY_MODEL, "--steps", "1", "--top", "3", "--skip-cached", "--python"])
-    out = capsys.readouterr().out
-    assert "== all HBM" in out and "host functions over" in out and "tottime" in out
+def test_bench_fbgemm_profile_adds_the_host_time_of_each_phase(capsys):
+    """--profile adds the host time to enqueue each phase (simulation: no kernel table)."""
     assert cli_main(["bench", "fbgemm", "--configs", "criteo-sgd", "cached-lru-pipelined", "--profile", "--steps",
                      "1"]) == 0
     out = capsys.readouterr().out
@@ -446,86 +515,22 @@ def test_profile_step_python_profile_and_bench_fbgemm_profile(capsys):
     assert "| cached-lru-pipelined | prefetch: host ms to enqueue |" in out
 
 
-def test_bench_fbgemm_cached_steps_against_the_issues_targets():
-    """The cached rows are judged as the host-tables issue asks: a serial step against FBGEMM's
-    best serial cached step (the faster of LRU and LFU, <= 0.8), the pipelined step against that
-    (<= 0.5) and our own all-HBM step (<= 1.2); not against FBGEMM's row of the same policy or
-    its own pipelined step, which keep their ratio without a verdict."""
-    bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
-    results = [{"config": "criteo-adagrad", "ours": {"step": 1.0}, "fbgemm": {"step": 1.2}},
-               {"config": "cached-lru", "ours": {"step": 1.5}, "fbgemm": {"step": 2.4}},
-               {"config": "cached-lfu", "ours": {"step": 2.4}, "fbgemm": {"step": 2.0}},
-               {"config": "big-zipf-sgd", "ours": {"step": 0.1}, "fbgemm": {"step": 0.1}},  # other tables
-               {"config": "cached-lru-pipelined", "ours": {"step": 1.1}, "fbgemm": {"step": 3.4}}]
-    table = "\n".join(bench_fbgemm.table_of(results))
-    assert "| cached-lru | step | 2.400 | 1.500 | 0.62 | - | - |" in table
-    assert "| cached-lru-pipelined | step | 3.400 | 1.100 | 0.32 | - | - |" in table
-    best = "step / FBGEMM's best serial cached step (cached-lfu, in the FBGEMM ms column)"
-    assert f"| cached-lru | {best} | 2.000 | 1.500 | 0.75 | 0.8 | met |" in table
-    assert f"| cached-lfu | {best} | 2.000 | 2.400 | 1.20 | 0.8 | MISSED |" in table
-    assert f"| cached-lru-pipelined | {best} | 2.000 | 1.100 | 0.55 | 0.5 | MISSED |" in table
-    assert ("| cached-lru-pipelined | step / our all-HBM step (criteo-adagrad, in the FBGEMM ms column) "
-            "| 1.000 | 1.100 | 1.10 | 1.2 | met |") in table
-    alone = "\n".join(bench_fbgemm.table_of(results[-1:]))  # nothing to compare with: no target rows
-    assert "step / " not in alone
-
-
-def test_compile_cache_kernels_records_a_launch_of_every_cache_kernel():
-    """benchmarks/compile_cache_kernels.py compiles the signatures a small cache launches in
-    simulation (the compiling half needs NVVM, not installed here): its driver must reach every
-    Numba kernel of the cache, or a kernel would go unchecked."""
-    from numba.cuda.simulator.kernel import FakeCUDAKernel
-
-    compile_cache_kernels = importlib.import_module("tiered_tbe.benchmarks.compile_cache_kernels")
-    from tiered_tbe.cache import _kernels, batch_kernels
-
-    every = {name for module in (_kernels, batch_kernels) for name, value in vars(module).items()
-             if isinstance(value, FakeCUDAKernel) and not getattr(value, "_device", False)}
-    launches = compile_cache_kernels.record_launches()
-    assert {entry["kernel"] for entry in launches} == every
-    prefetch_keys = {tuple(entry["args"][4]) for entry in launches if entry["kernel"] == "sort_keys_kernel"}
-    assert prefetch_keys == {("array", "int32", 1, "C")}  # int32 keys: the rows fit
-    assert {tuple(entry["args"][0]) for entry in launches if entry["kernel"] == "sort_keys_kernel"} == {
-        ("array", "int64", 1, "C"), ("array", "int32", 1, "C")}  # int64 and int32 rows prefetched
-    from numba import types
-
-    assert compile_cache_kernels.numba_type(["array", "uint8", 2, "A"]) == types.Array(types.uint8, 2, "A")
-    assert compile_cache_kernels.numba_type(["boolean"]) == types.boolean
-
-
-def test_bench_bus_times_every_way_rows_cross_the_bus(tmp_path, capsys):
-    """bench_bus in simulation: every measurement gets a row, the table is recorded and written as JSON."""
-    from tiered_tbe.benchmarks import bench_bus
-
-    results_file, json_file = tmp_path / "RESULTS.md", tmp_path / "bus.json"
-    assert bench_bus.main(["--placement", "host", "--host-touch", "--record", "--results-file", str(results_file),
-                           "--json", str(json_file)]) == 0
-    out = capsys.readouterr().out
-    for what in ("fill in place", "write-back in place", "fill, then write-back", "fill and write-back on two streams",
-                 "DMA of staged rows to pinned memory", "DMA beside the fill", "host scatter, fresh rows, 2 threads",
-                 "host scatter beside two fills, 2 threads"):
-        assert f"| {what}" in out, what
-    recorded = results_file.read_text()
-    assert "| host scatter, fresh rows, 2 threads | - | 30 |" in recorded and "by the device, then the host" in recorded
-    assert len(json.loads(json_file.read_text())["results"]) == 8
-
-
 def test_bench_fbgemm_sides_take_turns():
     """time_interleaved: each side warms up, then the sides take turns (the order reversed every
     other round), each timed on the same batches, until each has its count of steps."""
-    bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
+    timing = importlib.import_module("tiered_tbe.benchmarks.fbgemm_timing")
     calls = []
 
     def side(name):
-        def step(i, indices, offsets):
+        def step(i, indices, offsets, weights):
             calls.append((name, int(indices)))
-            return torch.ones(2, requires_grad=True) * 2
+            return torch.ones(1, 2, requires_grad=True) * 2
 
         return step
 
-    batches = [(torch.tensor(b), torch.tensor(0)) for b in range(5)]
-    result = bench_fbgemm.time_interleaved({"a": side("a"), "b": side("b")}, batches, torch.ones(2), warmup=2,
-                                           count=6, round_steps=4)
+    batches = [(torch.tensor(b), torch.tensor(0), None) for b in range(5)]
+    result = timing.time_interleaved({"a": side("a"), "b": side("b")}, batches, torch.ones(1, 2), warmup=2,
+                                     count=6, round_steps=4)
     warm = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
     rounds = [("a", b) for b in (2, 3, 4, 0)] + [("b", b) for b in (2, 3, 4, 0)] + [("b", 1), ("b", 2), ("a", 1),
                                                                                     ("a", 2)]
@@ -541,75 +546,34 @@ def test_bench_fbgemm_interleaves_the_hbm_sides(capsys, monkeypatch):
     bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
     stand_in_args = argparse.Namespace(seed=1, mover=None, state_layout=None)
     monkeypatch.setattr(bench_fbgemm, "fbgemm_available", lambda: None)
-    monkeypatch.setattr(bench_fbgemm, "fbgemm_module", lambda config: bench_fbgemm.ours_module(config, stand_in_args))
+    monkeypatch.setattr(bench_fbgemm, "fbgemm_module",
+                        lambda config, **_: bench_fbgemm.ours_module(config, stand_in_args))
     args = bench_fbgemm.check_args(bench_fbgemm.build_parser().parse_args(
         ["--configs", "criteo-sgd", "--steps", "2", "--warmup", "1"]))
     (row,) = bench_fbgemm.run(args)
     assert row["ours"]["step"] > 0 and row["fbgemm"]["step"] > 0 and row["ours"]["kernel_forward"] > 0
-    assert "criteo-sgd: FBGEMM (interleaved)" in capsys.readouterr().out
-
-
-def test_host_split_marks_our_backward_call(capsys):
-    """host_split: our backward call's parts from perf_counter marks (in simulation no graph is
-    replayed, so the hand-over, our Python's whole and the hand-back are what it can mark)."""
-    host_split = importlib.import_module("tiered_tbe.benchmarks.host_split")
-    assert host_split.main(["--configs", "criteo-sgd", "--ours-only"]) == 0
     out = capsys.readouterr().out
-    assert "== criteo-sgd, ours (host µs" in out and "== criteo-sgd, FBGEMM: not asked for" in out
-    line = out.split("== criteo-sgd, ours")[1].splitlines()[1]
-    assert "forward call" in line and "backward call" in line and "hand-over" in line and "hand-back" in line
-    # The patches are gone afterwards.
-    from tiered_tbe.base.graphs import StepGraphs
-    from tiered_tbe.function import TieredEmbeddingBagsFunction
-    assert TieredEmbeddingBagsFunction.backward.__name__ == "backward" and StepGraphs._replay.__name__ == "_replay"
-
-
-def test_steady_step_times_rounds_of_training_steps(capsys):
-    """steady_step: host and wall ms per step of rounds of plain training steps (FBGEMM's side named
-    as missing when not asked for), and the weights trained by them."""
-    steady_step = importlib.import_module("tiered_tbe.benchmarks.steady_step")
-    assert steady_step.main(["--configs", "criteo-sgd", "--ours-only"]) == 0
-    out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.startswith("| criteo-sgd | ours |"))
-    host, wall = (float(value) for value in row.split("|")[3:5])
-    assert 0 < host <= wall * 1.01, row  # in simulation the work is synchronous: wall ~ host
-    assert "| criteo-sgd | FBGEMM | not asked for |" in out
-
-
-def test_steady_step_sides_take_turns():
-    """Each side runs its warm-up, then rounds in turn, the order reversed every other round."""
-    steady_step = importlib.import_module("tiered_tbe.benchmarks.steady_step")
-    order = []
-
-    class Side:
-        def __init__(self, name):
-            self.name = name
-
-        def __call__(self, indices, offsets):
-            order.append(self.name)
-            return torch.ones(1, requires_grad=True) * 2
-
-    steady_step.take_turns({"a": Side("a"), "b": Side("b")}, [(None, None)], torch.ones(1), rounds=3,
-                           round_steps=2, warmup=1)
-    assert order == ["a", "b"] + ["a", "a", "b", "b"] + ["b", "b", "a", "a"] + ["a", "a", "b", "b"]
+    assert "criteo-sgd: FBGEMM (interleaved)" in out
+    ratio = next(line for line in out.splitlines() if line.startswith("| criteo-sgd | step |")).split("|")[5]
+    assert float(ratio) == pytest.approx(row["ours"]["step"] / row["fbgemm"]["step"], abs=0.006)
 
 
 def test_bench_fbgemm_variants_take_turns_with_their_setting_set():
     """A tuning variant's environment is set during its own steps only, and restored after."""
-    bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
+    timing = importlib.import_module("tiered_tbe.benchmarks.fbgemm_timing")
     seen = []
 
     def side(name):
-        def step(i, indices, offsets):
+        def step(i, indices, offsets, weights):
             seen.append((name, os.environ.get("TIERED_TBE_TEST_TILE")))
-            return torch.ones(2, requires_grad=True) * 2
+            return torch.ones(1, 2, requires_grad=True) * 2
 
         return step
 
     os.environ.pop("TIERED_TBE_TEST_TILE", None)
-    bench_fbgemm.time_interleaved({"default": side("default"), "variant": side("variant")},
-                                  [(torch.tensor(0), torch.tensor(0))], torch.ones(2), warmup=1, count=2,
-                                  environments={"variant": {"TIERED_TBE_TEST_TILE": "4,1,2"}})
+    timing.time_interleaved({"default": side("default"), "variant": side("variant")},
+                            [(torch.tensor(0), torch.tensor(0), None)], torch.ones(1, 2), warmup=1, count=2,
+                            environments={"variant": {"TIERED_TBE_TEST_TILE": "4,1,2"}})
     assert {value for name, value in seen if name == "default"} == {None}
     assert {value for name, value in seen if name == "variant"} == {"4,1,2"}
     assert "TIERED_TBE_TEST_TILE" not in os.environ

@@ -3,12 +3,14 @@
 import csv
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from background import run_in_background
 
+from tiered_tbe import records
 from tiered_tbe.cache.policy import POLICIES as CACHE_POLICIES
 from tiered_tbe.cli import main
 from tiered_tbe.hit_rate.report import RESULT_COLUMNS
@@ -114,8 +116,8 @@ def test_missing_command_lists_the_commands(capsys):
 # The subprocess checks of this module, started as it is collected (tests/background.py).
 _LIBRARY_IMPORTS = run_in_background([sys.executable, "-c", (
     "import sys, tiered_tbe.cli, tiered_tbe.hit_rate, tiered_tbe.train\n"
-    "from tiered_tbe.hit_rate.report import default_results_file\n"
-    "default_results_file()\n"
+    "from tiered_tbe import records\n"
+    "records.check_path('measurements.jsonl')\n"
     "for argv in (['train'], ['bench', 'hit-rate']):\n"
     "    tiered_tbe.cli.build_parser(argv)\n"
     "print(sorted(m for m in sys.modules if m.startswith('tiered_tbe.benchmarks')))\n"
@@ -219,34 +221,38 @@ def test_real_cache_refuses_a_lookahead_window_past_its_hints(capsys):
         capsys.readouterr().err
 
 
-def test_record_appends_to_the_results_file_only_when_asked(capsys, tmp_path):
-    results = tmp_path / "HIT_RATES.md"
-    args = [*TINY, "--cache-sizes", "2%,10%", "--policies", "lru,belady", "--results-file", str(results)]
+def test_record_appends_one_json_line_per_measurement_only_when_asked(capsys, tmp_path):
+    results = tmp_path / "measurements.jsonl"
+    args = [*TINY, "--cache-sizes", "2%,10%", "--policies", "lru,belady"]
     assert run_cli(capsys, *args)[0] == 0
     assert not results.exists()
     for _ in range(2):
-        code, out, _ = run_cli(capsys, *args, "--record")
-        assert code == 0 and f"appended to {results}" in out
-    text = results.read_text()
-    assert text.startswith("# Cache hit rates\n") and text.count("# Cache hit rates") == 1
-    assert text.count("## zipf alpha=1.05, 5,000 rows, 20 batches of 64x4") == 2
-    assert "CPU simulator (exact), commit " in text
-    assert "`tiered-tbe bench hit-rate --rows 5000 --batch-size 64" in text and "--record`" in text
-    assert "| policy | cache | rows | hit % (lookups) | hit % (unique rows) | rows moved / batch |" in text
-    assert "| lru | 2% |" in text and "| belady | 10% |" in text and "at most" in text
+        code, out, _ = run_cli(capsys, *args, "--record", str(results))
+        assert code == 0 and f"appended 4 records to {results}" in out
+    lines = records.read(results)
+    assert len(lines) == 8
+    first = lines[0]
+    assert first["benchmark"] == "hit-rate" and first["device"].startswith("CPU simulator (exact)")
+    assert first["command"].startswith("tiered-tbe bench hit-rate --rows 5000 --batch-size 64")
+    assert {"python", "torch", "triton", "numba", "numba-cuda"} <= set(first["versions"]) and first["commit"]
+    assert first["configuration"]["trace"] == "zipf alpha=1.05, 5,000 rows, 20 batches of 64x4"
+    assert [(r["configuration"]["policy"], r["configuration"]["cache_size"]) for r in lines[:4]] == [
+        ("lru", "2%"), ("belady", "2%"), ("lru", "10%"), ("belady", "10%")]
+    for r in lines:
+        figures = r["figures"]
+        assert 0 <= figures["hit_rate_by_lookup"] <= figures["hit_rate_ceiling"] <= 1
+        assert figures["rows_moved_per_batch"] >= 0 and "stats_lookups" in figures
 
 
-def test_plot_of_several_reports(capsys, tmp_path):
-    from tiered_tbe.benchmarks import plot_hit_rates
+def test_record_refuses_a_file_in_the_package_source(capsys):
+    import tiered_tbe
 
-    reports = []
-    for alpha in ("1.05", "1.2"):
-        reports.append(tmp_path / f"zipf{alpha}.json")
-        assert run_cli(capsys, *TINY, "--alpha", alpha, "--cache-sizes", "1%,5%", "--policies", "lru,belady",
-                       "--json", str(reports[-1]))[0] == 0
-    png = tmp_path / "both.png"
-    assert plot_hit_rates.main([*map(str, reports), "--titles", "a", "b", "--out", str(png)]) == 0
-    assert png.read_bytes()[:8] == PNG_MAGIC
+    inside = Path(tiered_tbe.__file__).parent / "measurements.jsonl"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "hit-rate", *TINY, "--record", str(inside)])
+    assert exit_info.value.code == 2
+    assert "a file inside the package's source" in capsys.readouterr().err
+    assert not inside.exists()
 
 
 def test_the_plot_marks_each_target_inside_the_axes_labelled_and_apart():

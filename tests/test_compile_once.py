@@ -1,6 +1,6 @@
 """The Triton kernels compile for the H200 (sm_90) here, without a GPU, and once per model shape.
 
-Both run ``benchmarks/compile_kernels.py`` in a fresh process (started as this module is
+Both run ``tools/compile_kernels.py`` in a fresh process (started as this module is
 collected: tests/background.py) with the interpreter off: the kernels are compiled by
 Triton's real compiler for sm_90 and never run. The interpreter that runs the rest of the
 suite accepts code the compiler rejects, and cannot show specialization: Triton compiles a
@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from background import run_in_background
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_kernels.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "compile_kernels.py"
 REPORT = Path(tempfile.gettempdir()) / f"tiered_tbe_compile_report_{os.getpid()}.json"
 sys.path.insert(0, str(SCRIPT.parent))
-from compile_reports import compare_reports  # noqa: E402  (benchmarks/, no side effects)
+from compile_reports import compare_reports  # noqa: E402  (tools/, no side effects)
 
 
 def _start(*flags: str):
@@ -63,7 +63,7 @@ def test_every_kernel_compiles_for_sm90_with_vector_loads():
 
 
 def test_saved_report_compares_and_flags_lost_vector_loads(capsys):
-    """``--save`` writes the report that ``--compare`` (benchmarks/compile_reports.py) checks a
+    """``--save`` writes the report that ``--compare`` (tools/compile_reports.py) checks a
     change against: the same report passes; one kernel with fewer 16-byte loads, or with spills,
     fails and is named."""
     _run("vector loads")

@@ -1,44 +1,48 @@
-"""How a measurement is reported: one path for the benchmarks and the hit-rate study.
+"""How a measurement is recorded: one JSON line per measurement, one writer for every benchmark.
 
-Every record says when, where and from which code it was measured, and how to measure it
-again: a markdown section of ``benchmarks/RESULTS.md`` (GPU benchmarks) or
-``benchmarks/HIT_RATES.md`` (``tiered-tbe bench hit-rate --record``) reads::
+``tiered-tbe bench fbgemm | kernels | cache | pipeline | hit-rate --record PATH`` append to the
+file the user names (JSON Lines: one object a line, appended, never rewritten). Every line
+carries when, where and from which code it was measured, and how to measure it again::
 
-    ## <title>
+    {"date": "2026-12-04T10:31:07", "device": "NVIDIA H200", "simulation": false,
+     "versions": {"python": "3.12.3", "torch": "2.11.0", "triton": "3.6.0", "numba": "0.61.2",
+                  "numba-cuda": "0.20.1", "fbgemm_gpu": "1.6.0"},
+     "commit": "8e0f3d8", "command": "tiered-tbe bench fbgemm --configs criteo-adagrad --record r.jsonl",
+     "benchmark": "fbgemm", "configuration": {"name": "criteo-adagrad", ...},
+     "figures": {"ours": {"forward_ms": 0.60, ...}, "fbgemm": {...}, "ours_over_fbgemm": {...}}}
 
-    <date>, <device>, commit <commit>
+``configuration`` says what was measured (the shape, the settings: what a later run must match
+to compare), ``figures`` what came out (times in ms, rates, ratios against the baseline run in
+the same command). :func:`read` loads a file back; ``tools/results_table.py`` builds the
+README's table from ``results/measurements.jsonl`` this way. ``fbgemm_gpu`` and ``torchrec``
+versions appear when the process imported them.
 
-    `<command>`
-
-    <lines: a table, notes>
-
-and a JSON report carries the same context (:func:`context`). The benchmarks
-(``tiered_tbe.benchmarks.common``) and :mod:`tiered_tbe.hit_rate` both write through here.
+The ``--json`` reports of the benchmarks carry the same context (:func:`context`).
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import importlib.util
+import json
+import math
 import os
+import platform
 import subprocess
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
 from tiered_tbe.base.mode import SIMULATION
 
-
-def results_file(name: str) -> Path:
-    """``benchmarks/<name>`` of the checkout this package runs from (an editable install), else
-    ``./<name>`` (an installed package ships no results files). Loads no benchmark module."""
-    spec = importlib.util.find_spec("tiered_tbe.benchmarks")
-    if spec is not None and spec.origin is not None:
-        beside = Path(spec.origin).with_name(name)
-        if beside.exists():
-            return beside
-    return Path.cwd() / name
+# Distributions every record names, and the optional ones named when their module is loaded.
+_VERSIONED = (("torch", "torch"), ("triton", "triton"), ("numba", "numba"), ("numba-cuda", "numba_cuda"))
+_OPTIONAL = (("fbgemm_gpu", "fbgemm_gpu"), ("torchrec", "torchrec"))
+# Top-level packages of this project (their folders are the package's source tree: no record goes there).
+_PACKAGES = ("tiered_tbe", "tiered_tbe.base", "tiered_tbe.cache", "tiered_tbe.kernels", "tiered_tbe.benchmarks")
 
 
 def device_name() -> str:
@@ -47,8 +51,8 @@ def device_name() -> str:
 
 def git_commit() -> str:
     """Short commit of the checkout, ``+uncommitted`` when tracked files changed; ``unknown``
-    outside a git checkout. ``TIERED_TBE_COMMIT`` overrides it: the lent GPU machine runs a copy
-    of the working tree whose git metadata may be stale (docs/GPU.md passes the real commit)."""
+    outside a git checkout. ``TIERED_TBE_COMMIT`` overrides it (a copy of a working tree whose
+    git metadata is missing or stale, e.g. on a machine the tree was copied to)."""
     if os.environ.get("TIERED_TBE_COMMIT"):
         return os.environ["TIERED_TBE_COMMIT"]
     here = Path(__file__).parent
@@ -62,10 +66,106 @@ def git_commit() -> str:
         return "unknown"
 
 
+def _version(distribution: str, module: str) -> str | None:
+    loaded = sys.modules.get(module)
+    if loaded is not None and isinstance(getattr(loaded, "__version__", None), str):
+        return loaded.__version__
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str]:
+    """``python``, ``torch``, ``triton``, ``numba``, ``numba-cuda``; ``fbgemm_gpu`` and ``torchrec``
+    when this process imported them (a benchmark that ran them)."""
+    found = {"python": platform.python_version()}
+    for distribution, module in _VERSIONED:
+        found[distribution] = _version(distribution, module) or "not installed"
+    for distribution, module in _OPTIONAL:
+        if module in sys.modules:
+            found[distribution] = _version(distribution, module) or "unknown"
+    return found
+
+
 def context(device: str | None = None) -> dict:
-    """``date``, ``device`` (default :func:`device_name`), ``simulation``, ``commit``: what every report carries."""
+    """``date``, ``device`` (default :func:`device_name`), ``simulation``, ``versions``, ``commit``:
+    what every record and JSON report carries."""
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device or device_name(),
-                simulation=SIMULATION, commit=git_commit())
+                simulation=SIMULATION, versions=versions(), commit=git_commit())
+
+
+def measurement(benchmark: str, command: str, configuration: dict, figures: dict, device: str | None = None,
+                **extra) -> dict:
+    """One record: the :func:`context`, then ``command``, ``benchmark``, ``configuration``, ``figures``
+    (and ``extra`` keys, e.g. a ``note``)."""
+    return {**context(device), "command": command, "benchmark": benchmark, "configuration": configuration,
+            "figures": figures, **extra}
+
+
+def source_folders() -> list[Path]:
+    """The folders of this project's packages (where an editable install runs from)."""
+    folders = []
+    for name in _PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            folders += [Path(location).resolve() for location in spec.submodule_search_locations]
+    return folders
+
+
+def check_path(path: Path | str) -> Path:
+    """``path`` if a record may be appended there; ``ValueError`` for a file inside the package's
+    source folders (results are data of a run, not part of the library) or in a folder that does
+    not exist."""
+    path = Path(path)
+    resolved = path.resolve()
+    for folder in source_folders():
+        if resolved.is_relative_to(folder):
+            raise ValueError(f"--record {path}: a file inside the package's source ({folder}); name a file "
+                             "outside it, e.g. results/measurements.jsonl of a checkout or ./measurements.jsonl")
+    if not resolved.parent.is_dir():
+        raise ValueError(f"--record {path}: the folder {path.parent} does not exist")
+    return path
+
+
+def _plain(value):
+    """JSON-able ``value``: NaN and infinities as None, paths and other objects as strings."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return _plain(value.item())
+    return str(value)
+
+
+def append(path: Path | str, records: Iterable[dict]) -> int:
+    """Append each record to ``path`` as one JSON line (created if missing); the number written."""
+    path = check_path(path)
+    lines = [json.dumps(_plain(record), sort_keys=False) for record in records]
+    with path.open("a") as out:
+        for line in lines:
+            out.write(line + "\n")
+    return len(lines)
+
+
+def read(path: Path | str) -> list[dict]:
+    """Every record of a JSON Lines file, in file order (blank lines skipped); ``ValueError``
+    naming the line of one that does not parse."""
+    found = []
+    with Path(path).open() as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not a JSON record ({error})") from None
+    return found
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> list[str]:
@@ -73,22 +173,3 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: 
     align = align or "l" + "r" * (len(header) - 1)
     rule = ["---" if a == "l" else "---:" for a in align]
     return ["| " + " | ".join(cells) + " |" for cells in (header, rule, *rows)]
-
-
-def append_section(path: Path | str, file_title: str, title: str, command: str, lines: Sequence[str],
-                   device: str | None = None, note: str = "") -> None:
-    """Append a record (see the module docstring) to ``path``; a new file gets ``# file_title`` first.
-
-    Args:
-        title: the section's heading (a script's name, a trace's description).
-        command: the command line that measured it, to be run again.
-        lines: the body: tables and notes.
-        device: where it ran (default :func:`device_name`).
-        note: appended to the command's line, e.g. that simulated times mean nothing.
-    """
-    path = Path(path)
-    header = "" if path.exists() else f"# {file_title}\n"
-    date = datetime.date.today().isoformat()
-    with path.open("a") as out:
-        out.write(f"{header}\n## {title}\n\n{date}, {device or device_name()}, commit {git_commit()}\n\n"
-                  f"`{command}`{note}\n\n" + "\n".join(lines) + "\n")

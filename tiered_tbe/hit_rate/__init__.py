@@ -9,7 +9,7 @@ lookahead told the rows of the next ``--lookahead-window`` batches, by default 6
 beside two bounds (:mod:`tiered_tbe.cache.bounds`): fully associative LRU (no set conflicts)
 and offline Belady (knows the whole future). Prints a table; writes CSV, JSON and a PNG plot
 on request; ``--target-hit-rate`` finds the smallest cache reaching a hit rate, per policy;
-``--record`` appends the table to ``benchmarks/HIT_RATES.md``.
+``--record PATH`` appends one JSON line per policy and size to ``PATH`` (:mod:`tiered_tbe.records`).
 
 Steady state of a prefetch pipeline:
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
+from tiered_tbe import records
 from tiered_tbe.hit_rate.capacity import TargetResult, cache_slots, check_cache_size, find_smallest_cache
 from tiered_tbe.hit_rate.plot import plot
 from tiered_tbe.hit_rate.real_cache import (
@@ -28,7 +29,6 @@ from tiered_tbe.hit_rate.real_cache import (
 from tiered_tbe.hit_rate.report import (
     append_record,
     counted_batches,
-    default_results_file,
     describe_run,
     format_real_cache,
     format_results,
@@ -218,11 +218,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     output.add_argument("--csv", help="write every measurement to this CSV file")
     output.add_argument("--json", help="write trace, options, measurements and targets to this JSON file")
     output.add_argument("--plot", help="write a PNG plot of hit rate and rows moved against cache size")
-    output.add_argument("--record", action="store_true",
-                        help="append the table (with date, machine, commit and command) to --results-file")
-    output.add_argument("--results-file",
-                        help="where --record appends (default: benchmarks/HIT_RATES.md of a checkout, "
-                             "else ./HIT_RATES.md)")
+    output.add_argument("--record", metavar="PATH",
+                        help="append one JSON line per policy and cache size to PATH (date, machine, versions, "
+                             "commit, command, configuration, figures: tiered_tbe.records)")
     output.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -285,10 +283,12 @@ def future_batches(args: argparse.Namespace) -> int:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    for flag in ("csv", "json", "plot", "results_file"):
+    for flag in ("csv", "json", "plot"):
         path = getattr(args, flag)
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"--{flag.replace('_', '-')} {path}: the folder does not exist")
+    if args.record:
+        records.check_path(args.record)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -367,10 +367,9 @@ def run(args: argparse.Namespace, out=None) -> int:
             write(path)
             print(f"wrote {path}", file=out)
     if args.record:
-        path = args.results_file or default_results_file()
         command = getattr(args, "command_line", None) or "tiered_tbe.hit_rate.run(...) from Python"
-        append_record(path, results, trace, options, command, counted)
-        print(f"appended to {path}", file=out)
+        written = append_record(args.record, results, trace, options, command, counted)
+        print(f"appended {written} records to {args.record}", file=out)
     if mismatches:
         warning = "\n".join(f"  {m.policy} @ {m.size_label} ({m.num_slots:,} slots): {disagreements(m)}"
                              for m in mismatches)

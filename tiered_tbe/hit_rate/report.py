@@ -1,4 +1,4 @@
-"""Reports of a hit-rate study: the terminal tables, CSV, JSON and the ``--record`` section.
+"""Reports of a hit-rate study: the terminal tables, CSV, JSON and the ``--record`` lines.
 
 Records and JSON go through :mod:`tiered_tbe.records`, the reporting path the GPU benchmarks
 share: every record carries its date, machine, commit and command. The plot is
@@ -19,7 +19,6 @@ from tiered_tbe import records
 from tiered_tbe.hit_rate.capacity import TargetResult
 from tiered_tbe.hit_rate.real_cache import real_cache_device
 from tiered_tbe.hit_rate.runs import (
-    BASELINE,
     Measurement,
     SimOptions,
     reads_window,
@@ -27,14 +26,6 @@ from tiered_tbe.hit_rate.runs import (
     rows_moved_per_batch,
 )
 from tiered_tbe.traces import Trace
-
-FILE_TITLE = "Cache hit rates"  # the title of a new results file
-
-
-def default_results_file() -> Path:
-    """``benchmarks/HIT_RATES.md`` of the checkout this package runs from (an editable install),
-    else ``./HIT_RATES.md`` (an installed package ships no results)."""
-    return records.results_file("HIT_RATES.md")
 
 
 def format_bytes(count: float) -> str:
@@ -193,47 +184,34 @@ def describe_run(options: SimOptions, policies: Sequence[str], always_window: bo
     return text
 
 
-def record_lines(results: Sequence[Measurement], trace: Trace, options: SimOptions,
-                 counted: CountedBatches) -> list[str]:
-    """The body of a ``--record`` section: what was run and counted, then the table."""
-    policies = list(dict.fromkeys(m.policy for m in results))
-    shape = (f"{trace.num_lookups:,} lookups in {trace.num_batches:,} batches over {trace.num_rows:,} rows "
-             f"({counted.touched:,} touched")
-    setup = (f"{options.associativity}-way sets, {options.row_bytes} B per row, "
-             f"{describe_run(options, policies, always_window=True)}, LFU halving every "
-             f"{options.lfu_decay_interval} batches.")
-    if counted.warmup or counted.future:
-        lines = [f"{shape} by the batches run). Counted: {counted.describe()}; {setup}", ""]
-    else:
-        lines = [f"{shape}: first touches always miss, so at most {100 * counted.ceiling:.2f}% of lookups can "
-                 f"hit); {setup}", ""]
-    header = ["policy", "cache", "rows", "hit % (lookups)", "hit % (unique rows)", "rows moved / batch",
-              "bus / batch", "vs Belady"]
-    with_baseline = any(m.rows_moved_vs_lru is not None and m.policy != BASELINE for m in results)
-    if with_baseline:
-        header += ["rows moved / LRU's"]
-    real = any(m.real_stats is not None for m in results)
-    if real:
-        header += ["real cache hit % (lookups)", "real = simulator"]
-    rows = []
-    for m in _in_run_order(results):
-        cells = [m.policy, m.size_label, f"{m.num_slots:,}", f"{100 * m.stats.hit_rate_by_lookup:.2f}",
-                 f"{100 * m.stats.hit_rate_by_unique:.2f}", f"{m.rows_moved_per_batch:,.0f}",
-                 format_bytes(m.bus_bytes_per_batch), _ratio(m.ratio_to_belady)]
-        if with_baseline:
-            cells.append(_ratio(m.rows_moved_vs_lru))
-        if real:
-            cells += (["-", "-"] if m.real_stats is None else
-                      [f"{100 * m.real_stats.hit_rate_by_lookup:.2f}", "yes" if m.real_cache_agrees else "NO"])
-        rows.append(cells)
-    return lines + records.markdown_table(header, rows, "ll" + "r" * (len(header) - 2))
+# Keys of Measurement.as_row() that say what was measured; the others are what came out.
+_CONFIGURATION_KEYS = ("policy", "is_bound", "cache_size", "cache_rows", "cache_fraction", "cache_bytes",
+                       "associativity", "lookahead_window", "pipeline_depth", "warmup_batches")
 
 
-def append_record(path: str | Path, results: Sequence[Measurement], trace: Trace, options: SimOptions,
-                  command: str, counted: CountedBatches) -> None:
-    """Append the study to ``path`` as a section of :func:`tiered_tbe.records.append_section`."""
+def measurement_records(results: Sequence[Measurement], trace: Trace, options: SimOptions, command: str,
+                        counted: CountedBatches) -> list[dict]:
+    """One record (:func:`tiered_tbe.records.measurement`) per policy and cache size: the trace, the
+    simulator's options and the cache in ``configuration``; hit rates, rows and bytes moved per
+    batch, the ratios to Belady and to LRU and every counter in ``figures``."""
     machine = "CPU simulator (exact)"
     if any(m.real_stats is not None for m in results):
         machine += f"; real SlotCache in {real_cache_device()}"
-    records.append_section(path, FILE_TITLE, trace.description, command,
-                           record_lines(results, trace, options, counted), device=machine)
+    shared = dict(trace=trace.description, trace_lookups=trace.num_lookups, trace_batches=trace.num_batches,
+                  trace_rows=trace.num_rows, trace_tables=trace.num_tables, generator=trace.params,
+                  row_bytes=options.row_bytes, weight_bytes=options.weight_bytes, training=options.training,
+                  lfu_decay_interval=options.lfu_decay_interval, future_batches=options.future_batches,
+                  counted_batches=counted.run - counted.warmup, rows_touched=counted.touched)
+    found = []
+    for m in _in_run_order(results):
+        row = m.as_row()
+        configuration = {**shared, **{key: row.pop(key) for key in _CONFIGURATION_KEYS}}
+        row["hit_rate_ceiling"] = counted.ceiling
+        found.append(records.measurement("hit-rate", command, configuration, row, device=machine))
+    return found
+
+
+def append_record(path: str | Path, results: Sequence[Measurement], trace: Trace, options: SimOptions,
+                  command: str, counted: CountedBatches) -> int:
+    """Append one JSON line per policy and size to ``path`` (:func:`measurement_records`); the lines written."""
+    return records.append(path, measurement_records(results, trace, options, command, counted))

@@ -1,11 +1,11 @@
 """Where a training step's time goes: host time to enqueue each phase against its GPU time, and
-the top operators of ``torch.profiler`` (host and device), for the model of ``bench_cache.py``.
+the top operators of ``torch.profiler`` (host and device), for the model of ``tiered-tbe bench cache``.
 
 A phase whose host time exceeds its GPU time is launch-bound (Python, argument conversion,
 kernel launches): the GPU waits for the host, and faster kernels would not help.
 
-    python benchmarks/profile_step.py                 # 26 Criteo tables, HOST_CACHED and all-HBM
-    python benchmarks/profile_step.py --alpha 1.05 --steps 3
+    python tools/profile_step.py                 # 26 Criteo tables, HOST_CACHED and all-HBM
+    python tools/profile_step.py --alpha 1.05 --steps 3
 """
 
 from __future__ import annotations
@@ -16,9 +16,15 @@ import time
 
 import torch
 
+from tiered_tbe.base.codes import MOVERS
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
-from tiered_tbe.benchmarks import bench_cache, common
+from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks.models import build_module
+from tiered_tbe.cache.policy import POLICIES
 from tiered_tbe.specs import CacheConfig, Placement
+
+GPU_DEFAULTS = dict(tables=26, row_cap=0, dim=128, batch_size=65536, bag_size=1, warmup=20)
+SIMULATION_DEFAULTS = dict(tables=3, row_cap=1000, dim=16, batch_size=8, bag_size=1, warmup=2)
 
 
 def host_and_device_ms(emb, batches, grad) -> dict[str, tuple[float, float]]:
@@ -115,13 +121,24 @@ def python_profile(emb, batches, grad, top: int) -> None:
 
 
 def main(argv=None) -> int:
-    parser = bench_cache.build_parser(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser = argparse.ArgumentParser(prog="python tools/profile_step.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_table_flags(parser, GPU_DEFAULTS, SIMULATION_DEFAULTS)
+    common.add_cache_flags(parser, list(POLICIES))
+    parser.add_argument("--mover", choices=MOVERS, help="the cache's row mover (default: the placement's)")
+    parser.add_argument("--warmup", type=int, help="steps before profiling (default 20; 2 in simulation)")
+    parser.add_argument("--bounds-check", default="off", choices=["off", "raise"], help="the module's bounds_check")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the lookups")
     parser.add_argument("--steps", type=int, default=3, help="steps profiled per model")
     parser.add_argument("--top", type=int, default=25, help="operators listed per table")
     parser.add_argument("--skip-hbm", action="store_true", help="profile only the cached model")
     parser.add_argument("--skip-cached", action="store_true", help="profile only the all-HBM model")
     parser.add_argument("--python", action="store_true", help="also cProfile the host side of the steps")
-    args = bench_cache.check_args(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        common.check_table_args(args, GPU_DEFAULTS, SIMULATION_DEFAULTS)
+    except ValueError as error:
+        parser.error(str(error))
     device = default_device()
     print(describe_mode(), flush=True)
     table_rows = common.table_rows_of(args)
@@ -135,7 +152,7 @@ def main(argv=None) -> int:
     if not args.skip_hbm:
         models.append(("all HBM", Placement.DEVICE, None))
     for label, placement, cache in models:
-        emb = bench_cache.build_module(table_rows, args.dim, placement, cache, args)
+        emb = build_module(table_rows, args.dim, placement, cache, args, mover=args.mover if cache else None)
         for indices, offsets in batches[:args.warmup]:  # a steady-state cache
             emb(indices, offsets).backward(grad)
         timed = host_and_device_ms(emb, batches[args.warmup:args.warmup + args.steps], grad)
@@ -148,7 +165,7 @@ def main(argv=None) -> int:
         if args.python:
             python_profile(emb, batches[args.warmup:], grad, args.top)
         del emb
-        bench_cache.free()
+        common.free()
     return 0
 
 

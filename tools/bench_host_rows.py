@@ -13,8 +13,8 @@ it (in a worker thread that set its intra-op threads), for each implementation
 - both at once, from two threads (the mover's fill and write-back threads), on different rows;
 - for ``torch``: the weights alone and the state alone, to show which part costs.
 
-    python benchmarks/bench_host_rows.py                   # 8 GB pinned table, 32K and 72K rows
-    python benchmarks/bench_host_rows.py --gb 17 --threads 16 8 4 --record
+    python tools/bench_host_rows.py                   # 8 GB pinned table, 32K and 72K rows
+    python tools/bench_host_rows.py --gb 17 --threads 16 8 4 --record results/measurements.jsonl
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ def measure(table: CachedTable, copy: str, threads: int, count: int, repeats: in
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python tools/bench_host_rows.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=None,
                         help="backing table size in GB (default 8; 0.05 in simulation)")
     parser.add_argument("--placement", choices=("host", "managed", "cpu"), default="host",
@@ -142,7 +143,6 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     common.add_output_flags(parser)
     args = parser.parse_args(argv)
-    args.results_file = args.results_file or common.RESULTS
     print(describe_mode())
     cores = os.cpu_count() or 1
     gb = args.gb if args.gb is not None else (0.05 if SIMULATION else 8.0)
@@ -170,7 +170,10 @@ def main(argv=None) -> int:
     except ValueError:
         pass
     del keep
-    common.report(args, SCRIPT, argv if argv is not None else sys.argv[1:], results, lines)
+    measurements = [({"what": r["what"], "copy": r["copy"], "threads": r["threads"], "rows": r["rows"],
+                      "table_rows": table.num_rows, "placement": args.placement, "repeats": args.repeats},
+                     {"ms": r["ms"], "gbs": r["gbs"]}) for r in results]
+    common.report(args, SCRIPT, argv if argv is not None else sys.argv[1:], results, lines, measurements)
     return 0
 
 

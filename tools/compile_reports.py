@@ -1,4 +1,4 @@
-"""Compare two reports of ``benchmarks/compile_kernels.py --save``: what changed per kernel, and
+"""Compare two reports of ``tools/compile_kernels.py --save``: what changed per kernel, and
 whether a kernel got worse (fewer 16-byte loads or stores, more stack or spill bytes).
 
 Kept apart from ``compile_kernels.py``, which switches Triton's interpreter off as it loads.

@@ -1,10 +1,11 @@
 """Where a side-by-side step's time goes on the GPU timeline: ours and FBGEMM's, phase by phase.
 
-``bench_fbgemm.py`` times each phase with CUDA events, which count the GPU's idle time as well as
+``tiered-tbe bench fbgemm`` times each phase with CUDA events, which count the GPU's idle time as well as
 its work: a phase whose host enqueue is slower than its kernels reads slower than its kernels. For
-the configurations asked for (``bench_fbgemm``'s names, HBM ones), this trains ``--warmup`` steps of
-each side, records ``1 + --steps`` more with ``torch.profiler`` (the first left out: it starts
-after a synchronize), and prints per phase (forward, backward) and side:
+the configurations asked for (``bench fbgemm``'s names, in HBM or cached: then each step prefetches
+its batch first, on both sides), this trains ``--warmup`` steps of each side, records
+``1 + --steps`` more with ``torch.profiler`` (the first left out: it starts after a
+synchronize), and prints per phase (prefetch, forward, backward) and side:
 
 - host ms: how long the phase's Python call took (``out.backward`` returns once the autograd
   thread has enqueued everything);
@@ -14,7 +15,7 @@ after a synchronize), and prints per phase (forward, backward) and side:
 - span ms: from the previous phase's last GPU end to this phase's (what an event pair measures);
 - idle ms: span less busy.
 
-    python benchmarks/trace_step.py --configs big-zipf-sgd --trace-dir $OUT
+    python tools/trace_step.py --configs big-zipf-sgd --trace-dir $OUT
 """
 
 from __future__ import annotations
@@ -25,39 +26,42 @@ from collections import defaultdict
 from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile, record_function
+from trace_events import GPU_CATEGORIES, launch_times, trace_events, union_ms
 
 from tiered_tbe.base.mode import SIMULATION, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
-from tiered_tbe.benchmarks.bench_cache import free
-from tiered_tbe.benchmarks.bench_fbgemm import batches_of, cycle, fbgemm_available, fbgemm_module, ours_module, shape_of
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS
-from tiered_tbe.benchmarks.trace_pipeline import GPU_CATEGORIES, launch_times, trace_events, union_ms
+from tiered_tbe.benchmarks.fbgemm_sides import batches_of, fbgemm_available, fbgemm_module, ours_module, shape_of
 
-PHASES = ("forward", "backward")
+PHASES = ("prefetch", "forward", "backward")
 
 
-def trace_steps(emb, batches, grad, warmup: int, steps: int, trace_path: Path | None) -> list[dict]:
-    """Train ``warmup`` steps, record ``1 + steps`` more; the chrome trace's events."""
+def trace_steps(emb, batches, grad, warmup: int, steps: int, trace_path: Path | None, cached: bool) -> list[dict]:
+    """Train ``warmup`` steps, record ``1 + steps`` more (``cached``: each prefetching its batch
+    first, both sides' ``prefetch``); the chrome trace's events."""
     prof = profile(activities=[ProfilerActivity.CPU] + ([] if SIMULATION else [ProfilerActivity.CUDA]))
-    for i, (indices, offsets) in enumerate(cycle(batches, warmup + 1 + steps)):
+    for i, (indices, offsets, weights) in enumerate(common.cycle(batches, warmup + 1 + steps)):
         if i == warmup:
             common.synchronize()
             prof.start()
         with record_function("step"):
+            if cached:
+                with record_function("prefetch"):
+                    emb.prefetch(indices, offsets)
             with record_function("forward"):
-                out = emb(indices, offsets)
+                out = emb(indices, offsets, per_sample_weights=weights)
             with record_function("backward"):
-                out.backward(grad)
+                out.backward(grad[: out.shape[0]])
         del out
     common.synchronize()
     prof.stop()
     return trace_events(prof, trace_path)
 
 
-def phase_table(events: list[dict]) -> dict[str, dict[str, float]]:
+def phase_table(events: list[dict], phases=PHASES[1:]) -> dict[str, dict[str, float]]:
     """Per phase, medians over the steps after the first: host, lag, busy, span and idle ms."""
     marks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                   if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"] in PHASES)
+                   if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"] in phases)
     launches = launch_times(events)
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
     work: dict[int, list[tuple[float, float]]] = defaultdict(list)  # mark index -> GPU intervals
@@ -71,7 +75,7 @@ def phase_table(events: list[dict]) -> dict[str, dict[str, float]]:
             if start <= launched <= stop:
                 work[index].append((e["ts"], e["ts"] + e["dur"]))
                 break
-    rows: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in PHASES}
+    rows: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in phases}
     previous_end = None
     for index, (start, stop, name) in enumerate(marks):
         intervals = work.get(index)
@@ -80,7 +84,7 @@ def phase_table(events: list[dict]) -> dict[str, dict[str, float]]:
         first = min(s for s, _ in intervals)
         last = max(e for _, e in intervals)
         busy = union_ms(intervals)
-        if previous_end is not None and index >= len(PHASES):  # leave the first traced step out
+        if previous_end is not None and index >= len(phases):  # leave the first traced step out
             span = (last - max(previous_end, min(start, first))) / 1e3
             row = rows[name]
             row["host"].append((stop - start) / 1e3)
@@ -93,9 +97,11 @@ def phase_table(events: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=["big-zipf-sgd"], choices=[c.name for c in CONFIGS
-                                                                                  if not c.cached])
+    parser = argparse.ArgumentParser(prog="python tools/trace_step.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=["big-zipf-sgd"], metavar="NAME",
+                        choices=[c.name for c in CONFIGS if not c.pipelined],
+                        help="bench fbgemm's configurations, in HBM or cached (serial); default big-zipf-sgd")
     parser.add_argument("--warmup", type=int, default=10, help="steps before tracing (default 10)")
     parser.add_argument("--steps", type=int, default=8, help="steps traced (default 8)")
     parser.add_argument("--seed", type=int, default=0)
@@ -107,16 +113,18 @@ def main(argv=None) -> int:
     sides = ["ours"] + ([] if args.ours_only or fbgemm_available() else ["fbgemm"])
     for base in (c for c in CONFIGS if c.name in args.configs):
         config = shape_of(base)
-        batches, grad = batches_of(config, args.seed, 6)
+        # A cached configuration gets a new batch every step (a cache that saw a batch misses nothing).
+        batches, grad = batches_of(config, args.seed, args.warmup + 1 + args.steps if config.cached else 6)
+        phases = PHASES if config.cached else PHASES[1:]
         for side in sides:
             emb = ours_module(config, args) if side == "ours" else fbgemm_module(config)
             path = args.trace_dir / f"trace_{base.name}_{side}.json" if args.trace_dir else None
-            table = phase_table(trace_steps(emb, batches, grad, args.warmup, args.steps, path))
+            table = phase_table(trace_steps(emb, batches, grad, args.warmup, args.steps, path, config.cached), phases)
             print(f"== {base.name}, {side} (ms per step, medians)")
             for name, row in table.items():
                 print(f"   {name:<9}" + "  ".join(f"{key} {value:.3f}" for key, value in row.items()), flush=True)
             del emb
-            free()
+            common.free()
     return 0
 
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Ours beside FBGEMM_GPU on the lent H200, in one device call: unpack the FBGEMM peer (carried
-# as .peer, see ../shared/peer/README.md), run the kernels' gpu-marked tests, then
-# benchmarks/bench_fbgemm.py on the configurations asked for; logs and JSON under $OUT.
+# Ours beside FBGEMM_GPU on a GPU machine, in one call: install the project (and FBGEMM_GPU from
+# .peer/ when its wheels were copied there with an install-on-device.sh script), run the kernels'
+# gpu-marked tests, then `tiered-tbe bench fbgemm` on the configurations asked for; logs, JSON and
+# the measurements (one JSON line each, to append to results/measurements.jsonl) under $OUT.
 #
-#   TIERED_TBE_COMMIT=<commit> OUT=$OUT bash benchmarks/gpu_fbgemm.sh
+#   TIERED_TBE_COMMIT=<commit> OUT=$OUT bash tools/gpu_fbgemm.sh
 # Environment (all optional):
-#   CONFIGS        bench_fbgemm configurations (default: the HBM ones and two cached ones)
+#   CONFIGS        bench fbgemm configurations (default: the HBM ones and the managed cached Criteo ones; the
+#                  mixed-dim ones, each allocating its tables on both sides, in a call of their own:
+#                  CONFIGS="$(python3 -m tiered_tbe bench fbgemm --list | awk '/mixed|odd-dims/ {print $1}')")
 #   SWEEP_CONFIGS  configurations also timed with each backward tile shape of SWEEP (default: none)
 #   SWEEP          backward tile shapes "rows,lanes,warps,chunk[,tiles,hot_windows,sum_windows,sum_warps] ..."
 #                  (kernels/backward.BackwardConfig; default: a few)
@@ -14,11 +17,8 @@
 #   STEPS, WARMUP  timed and warm-up steps per side (default 20, 8)
 #   MOVER          our cache's row mover for the cached configurations (default: CacheConfig's)
 #   STATE_LAYOUT   where our backing stores keep the optimizer state: separate (default) or with_rows
-#   PROFILE=1      also profile each configuration (bench_fbgemm --profile: kernels, copy-bandwidth fractions)
-#   HOST_SPLIT_CONFIGS configurations whose backward call's host time is split into its parts
-#                  (benchmarks/host_split.py, FBGEMM's whole call beside ours; default: none)
-#   STEADY_CONFIGS configurations also run as a plain training loop (benchmarks/steady_step.py; default: three
-#                  small-step ones, where the host may be the bound; "" skips)
+#   PROFILE=1      also profile each configuration (bench fbgemm --profile: kernels, copy-bandwidth fractions)
+#   TRACE_CONFIGS  configurations also traced phase by phase, ours beside FBGEMM (tools/trace_step.py; default: none)
 #   SKIP_INSTALL=1 the project and wheels are installed already
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -26,7 +26,7 @@ cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
-    # numpy 2.4 and cuda-cccl (CUB's sorts), when their archive was carried (benchmarks/pack_gpu_site.sh)
+    # numpy 2.4 and cuda-cccl (CUB's sorts), when their archive came with the tree (tools/pack_gpu_site.sh)
     if [[ -f .gpusite/site.tar.xz ]]; then
         mkdir -p /tmp/site && tar -xJf .gpusite/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
     fi
@@ -50,26 +50,21 @@ if [[ -n $TESTS ]]; then
     echo "gpu tests: rc=$? $(tail -n 1 "$OUT/gpu-tests.log")"
 fi
 CONFIGS=${CONFIGS:-criteo-adagrad criteo-adagrad-z1.2 criteo-adagrad-fp16 criteo-sgd criteo-adam big-uniform-sgd \
-big-uniform-adagrad big-zipf-sgd big-zipf-adagrad cached-lru cached-lfu cached-managed-lru \
-cached-managed-lru-with-rows}
+big-uniform-adagrad big-zipf-sgd big-zipf-adagrad big-zipf-adagrad-fp16 cached-managed-lru cached-managed-lfu \
+cached-managed-lru-pipelined}
 # shellcheck disable=SC2086
 python3 benchmarks/bench_fbgemm.py --configs $CONFIGS --steps "${STEPS:-20}" --warmup "${WARMUP:-8}" \
-    ${MOVER:+--mover "$MOVER"} ${STATE_LAYOUT:+--state-layout "$STATE_LAYOUT"} ${PROFILE:+--profile} --json "$OUT/bench_fbgemm.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 | tee "$OUT/bench_fbgemm.log" \
+    ${MOVER:+--mover "$MOVER"} ${STATE_LAYOUT:+--state-layout "$STATE_LAYOUT"} ${PROFILE:+--profile} \
+    --json "$OUT/bench_fbgemm.json" --record "$OUT/measurements.jsonl" 2>&1 | tee "$OUT/bench_fbgemm.log" \
     | grep -v -i "warn"
-STEADY_CONFIGS=${STEADY_CONFIGS-big-zipf-sgd criteo-adagrad criteo-adagrad-fp16}
-if [[ -n $STEADY_CONFIGS ]]; then
+if [[ -n ${TRACE_CONFIGS:-} ]]; then
     # shellcheck disable=SC2086
-    python3 benchmarks/steady_step.py --configs $STEADY_CONFIGS 2>&1 | tee "$OUT/steady_step.log" | grep "^|"
-fi
-if [[ -n ${HOST_SPLIT_CONFIGS:-} ]]; then
-    # shellcheck disable=SC2086
-    python3 benchmarks/host_split.py --configs $HOST_SPLIT_CONFIGS --calls 20 2>&1 | tee "$OUT/host_split.log" \
-        | grep -v -i "warn"
+    python3 tools/trace_step.py --configs $TRACE_CONFIGS 2>&1 | tee "$OUT/trace_step.log" | grep -v -i "warn"
 fi
 if [[ -n ${SWEEP_CONFIGS:-} ]]; then
     SWEEP=${SWEEP:-2,1,2,32 4,1,2,32 2,1,1,32 2,2,2,32 2,1,2,64 2,1,2,32,16,16,4,2}
     # shellcheck disable=SC2086
     python3 benchmarks/bench_fbgemm.py --configs $SWEEP_CONFIGS --steps "${STEPS:-20}" --warmup "${WARMUP:-8}" \
-        --backward-configs $SWEEP --json "$OUT/bench_sweep.json" --record --results-file "$OUT/RESULTS-gpu.md" 2>&1 \
+        --backward-configs $SWEEP --json "$OUT/bench_sweep.json" --record "$OUT/measurements.jsonl" 2>&1 \
         | tee "$OUT/bench_sweep.log" | grep -v -i "warn"
 fi

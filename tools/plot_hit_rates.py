@@ -4,9 +4,9 @@ Top row: hit rate by lookup against cache size (percent of rows, log scale); bot
 moved per batch (copied in + written back; rows read and updated in place are not moved, as the
 figure says). One line per policy, bounds (fully associative LRU,
 Belady) dashed, the same color for a policy in every panel. This is how ``docs/hit_rate.png`` is
-made from the runs recorded in ``benchmarks/HIT_RATES.md``::
+made from the runs of ``docs/hit_rates.md``::
 
-    python benchmarks/plot_hit_rates.py out/hit_rate_zipf1.05.json out/hit_rate_zipf1.2.json \\
+    python tools/plot_hit_rates.py out/hit_rate_zipf1.05.json out/hit_rate_zipf1.2.json \\
         out/hit_rate_criteo.json --titles "Zipf 1.05" "Zipf 1.2" "Criteo-like" --out docs/hit_rate.png
 """
 

@@ -8,14 +8,14 @@ the right dtypes. For each kernel it prints registers per thread, spills, shared
 interpreter) cannot show. It catches kernels that the interpreter runs but the compiler
 rejects, and lost vector loads, at no GPU time.
 
-    python benchmarks/compile_kernels.py                # dim 128, fp32, every optimizer
-    python benchmarks/compile_kernels.py --dim 64 --dtype bf16 --arch 90
-    python benchmarks/compile_kernels.py --count-compilations   # compiles over batches of varying sizes
-    python benchmarks/compile_kernels.py --compare benchmarks/compiled_triton36.json   # against a saved report
+    python tools/compile_kernels.py                # dim 128, fp32, every optimizer
+    python tools/compile_kernels.py --dim 64 --dtype bf16 --arch 90
+    python tools/compile_kernels.py --count-compilations   # compiles over batches of varying sizes
+    python tools/compile_kernels.py --compare tools/compiled_triton36.json   # against a saved report
 
-``benchmarks/compile_like_device.sh`` runs it with the GPU machine's Triton (3.6); its report of
-the last measured commit is ``benchmarks/compiled_triton36.json`` (``--save`` writes one), so
-``bash benchmarks/compile_like_device.sh --compare benchmarks/compiled_triton36.json`` says in a
+``tools/compile_like_device.sh`` runs it with the GPU machine's Triton (3.6); its report of
+the last measured commit is ``tools/compiled_triton36.json`` (``--save`` writes one), so
+``bash tools/compile_like_device.sh --compare tools/compiled_triton36.json`` says in a
 minute whether a change lost 16-byte loads on the device's compiler.
 
 ``--count-compilations`` runs the real host functions (``pooled_forward``, ``backward_update``)

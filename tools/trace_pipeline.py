@@ -2,7 +2,7 @@
 with, how much the prefetch stream overlaps the training stream, and how long the training
 stream sits idle.
 
-The model and batches of ``bench_pipeline.py`` (same flags). For each run (``--runs``: all-HBM,
+The model and batches of ``tiered-tbe bench pipeline`` (its model flags). For each run (``--runs``: all-HBM,
 serial LRU, pipelined LRU, pipelined lookahead) it trains ``--warmup`` steps, then records
 ``--steps`` steps with ``torch.profiler`` (after one more that settles the profiler's start and is
 left out, ``steady_steps``) and reads the kernels of the trace back:
@@ -19,14 +19,12 @@ training kernels down (compare the training stream's busy time with all-HBM's), 
 stream that waits (idle time), for the host or for a prefetch. The traces are written to
 ``--trace-dir`` (chrome://tracing or https://ui.perfetto.dev).
 
-    python benchmarks/trace_pipeline.py --alpha 1.05 --steps 5 --trace-dir $OUT
+    python tools/trace_pipeline.py --alpha 1.05 --steps 5 --trace-dir $OUT
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -34,11 +32,14 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
+from trace_events import GPU_CATEGORIES, intersect, steady_steps, trace_events, union_ms
 
+from tiered_tbe.base.codes import MOVERS
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
-from tiered_tbe.benchmarks import bench_pipeline, common
-from tiered_tbe.benchmarks.bench_cache import build_module, free
-from tiered_tbe.pipeline import PrefetchPipeline
+from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks.models import SmallDLRM, add_dlrm_flags, build_module, check_dlrm_args, make_batches
+from tiered_tbe.cache.policy import POLICIES
+from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD, PrefetchPipeline
 from tiered_tbe.specs import CacheConfig, Placement
 
 RUNS = {  # name: (cached, policy, pipelined); cached runs take --placement and --mover (their first)
@@ -48,8 +49,36 @@ RUNS = {  # name: (cached, policy, pipelined); cached runs take --placement and 
     "lfu-pipelined": (True, "lfu", True),
     "lookahead-pipelined": (True, "lookahead", True),
 }
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 PHASES = ("pipeline", "forward", "backward", "optimizer")
+GPU_DEFAULTS = dict(tables=26, row_cap=0, dim=128, batch_size=65536, bag_size=1)
+SIMULATION_DEFAULTS = dict(tables=3, row_cap=1000, dim=16, batch_size=8, bag_size=1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python tools/trace_pipeline.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_table_flags(parser, GPU_DEFAULTS, SIMULATION_DEFAULTS)
+    common.add_cache_flags(parser, list(POLICIES))
+    add_dlrm_flags(parser)
+    run = parser.add_argument_group("run")
+    run.add_argument("--runs", nargs="+", default=["hbm", "lru-serial", "lru-pipelined", "lookahead-pipelined"],
+                     choices=list(RUNS),
+                     help="what to trace (default: hbm lru-serial lru-pipelined lookahead-pipelined)")
+    run.add_argument("--depth", type=int, default=2, help="batches the pipeline prefetches ahead (default 2)")
+    run.add_argument("--lookahead", type=int, default=DEFAULT_LOOKAHEAD,
+                     help=f"batches a lookahead cache learns from (default {DEFAULT_LOOKAHEAD})")
+    run.add_argument("--placement", default="host_cached", choices=[p.value for p in Placement if p.is_cached],
+                     help="backing store of the cached runs (default host_cached)")
+    run.add_argument("--mover", default="zero_copy", choices=MOVERS, help="row mover of the cached runs")
+    run.add_argument("--training-priority", default="high", choices=["default", "high"],
+                     help="PrefetchPipeline(high_priority=...) of the pipelined runs (default high)")
+    run.add_argument("--bounds-check", default="off", choices=["off", "raise"], help="the module's bounds_check")
+    run.add_argument("--warmup", type=int, default=15, help="steps before the trace (default 15)")
+    run.add_argument("--steps", type=int, default=5, help="steps recorded per run (default 5)")
+    run.add_argument("--top", type=int, default=8, help="kernels listed per stream (default 8)")
+    run.add_argument("--trace-dir", type=Path, help="write each run's chrome trace here (gzipped)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the weights, the lookups and the dense data")
+    return parser
 
 
 def train_and_trace(model, batches, args, pipelined: bool, trace_path: Path | None) -> dict:
@@ -82,88 +111,6 @@ def train_and_trace(model, batches, args, pipelined: bool, trace_path: Path | No
         if pipelined:
             source.close()
     return trace_events(prof, trace_path)
-
-
-def trace_events(prof, trace_path: Path | None) -> list[dict]:
-    """The chrome-trace events of a stopped profiler; written gzipped to ``trace_path`` if given."""
-    path = trace_path or Path(f"/tmp/trace_{id(prof)}.json")
-    prof.export_chrome_trace(str(path))
-    events = json.loads(path.read_text())["traceEvents"]
-    if trace_path is not None:
-        with gzip.open(f"{path}.gz", "wt") as gz:
-            json.dump({"traceEvents": events}, gz)
-    path.unlink()
-    return events
-
-
-def union_ms(intervals: list[tuple[float, float]]) -> float:
-    """Total length (ms) of the union of ``(start_us, end_us)`` intervals."""
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop <= end:
-            continue
-        total += stop - max(start, end)
-        end = stop
-    return total / 1e3
-
-
-def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Intervals where both ``a`` and ``b`` (each made disjoint first) are busy."""
-    def merged(xs):
-        out = []
-        for start, stop in sorted(xs):
-            if out and start <= out[-1][1]:
-                out[-1] = (out[-1][0], max(out[-1][1], stop))
-            else:
-                out.append((start, stop))
-        return out
-    a, b = merged(a), merged(b)
-    i = j = 0
-    both = []
-    while i < len(a) and j < len(b):
-        start, stop = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if start < stop:
-            both.append((start, stop))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return both
-
-
-def launch_times(events: list[dict]) -> dict[int, float]:
-    """Host timestamp (us) of each CUDA launch or copy call, by its correlation id (which its GPU
-    event carries too)."""
-    return {e["args"]["correlation"]: e["ts"] for e in events
-            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-
-
-def steady_steps(events: list[dict]) -> list[dict]:
-    """``events`` less the first traced step's: its host annotations and the GPU work launched
-    before the second ``step`` annotation began (matched to its launch by correlation id).
-
-    The trace starts after a synchronize, so in its first step the GPU waits for the host to
-    queue work again; that start-up gap (9 ms on the H200) is no idle time of training.
-    Traces without two steps or without correlation ids come back whole."""
-    starts = sorted(e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-                    and e["name"] == "step")
-    if len(starts) < 2:
-        return events
-    cutoff = starts[1]
-    launched = launch_times(events)
-    if not launched:
-        return events
-    kept = []
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        if e.get("cat") in GPU_CATEGORIES:
-            if launched.get(e["args"].get("correlation"), cutoff) < cutoff:
-                continue
-        elif e.get("ts", cutoff) < cutoff:
-            continue
-        kept.append(e)
-    return kept
 
 
 def summarize(events: list[dict], steps: int, top: int) -> list[str]:
@@ -203,14 +150,13 @@ def summarize(events: list[dict], steps: int, top: int) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = bench_pipeline.build_parser(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    parser.add_argument("--runs", nargs="+", default=["hbm", "lru-serial", "lru-pipelined", "lookahead-pipelined"],
-                        choices=list(RUNS), help="what to trace (default: hbm lru-serial lru-pipelined "
-                                                 "lookahead-pipelined)")
-    parser.add_argument("--steps", type=int, default=5, help="steps recorded per run (default 5)")
-    parser.add_argument("--top", type=int, default=8, help="kernels listed per stream (default 8)")
-    parser.add_argument("--trace-dir", type=Path, help="write each run's chrome trace here (gzipped)")
-    args = bench_pipeline.check_args(parser.parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        common.check_table_args(args, GPU_DEFAULTS, SIMULATION_DEFAULTS)
+        check_dlrm_args(args)
+    except ValueError as error:
+        parser.error(str(error))
     args.batches = args.steps
     device = default_device()
     print(describe_mode(), flush=True)
@@ -218,24 +164,24 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = args.dense_precision == "tf32"
     table_rows = common.table_rows_of(args)
     alpha = args.alpha[0]
-    batches = bench_pipeline.make_batches(table_rows, alpha, args, device)
+    batches = make_batches(table_rows, alpha, args, device)
     print(f"{common.describe_tables(args)}; batch {args.batch_size}; cache {args.cache_fraction:g}; zipf {alpha:g}; "
           f"depth {args.depth}; lookahead {args.lookahead}; {args.warmup} warm-up + {args.steps} traced steps",
           flush=True)
     for name in args.runs:
         cached, policy, pipelined = RUNS[name]
-        placement = Placement(args.placement[0]) if cached else Placement.DEVICE
+        placement = Placement(args.placement) if cached else Placement.DEVICE
         cache = CacheConfig(fraction=args.cache_fraction, policy=policy,
                             associativity=args.associativity) if cached else None
-        emb = build_module(table_rows, args.dim, placement, cache, args, mover=args.mover[0] if cached else None)
-        model = bench_pipeline.SmallDLRM(emb, len(table_rows), args.dim, args.bottom_mlp, args.top_mlp).to(device)
+        emb = build_module(table_rows, args.dim, placement, cache, args, mover=args.mover if cached else None)
+        model = SmallDLRM(emb, len(table_rows), args.dim, args.bottom_mlp, args.top_mlp).to(device)
         trace_path = args.trace_dir / f"trace_{name}.json" if args.trace_dir else None
         events = train_and_trace(model, batches, args, pipelined, trace_path)
-        print(f"== {name}" + (f" ({placement.value}, {args.mover[0]} mover)" if cached else ""))
+        print(f"== {name}" + (f" ({placement.value}, {args.mover} mover)" if cached else ""))
         for line in summarize(steady_steps(events), args.steps, args.top):
             print(line, flush=True)
         del model, emb
-        free()
+        common.free()
     return 0
 
 

@@ -8,8 +8,8 @@ without dirty marks, flush, write-back, lookup), then compiles each kernel for e
 signature with numba-cuda's compiler (NVVM; no driver, nothing launched) and prints its PTX
 size and whether it spills to local memory.
 
-    python benchmarks/compile_cache_kernels.py             # sm_90 (H100 / H200)
-    python benchmarks/compile_cache_kernels.py --arch 80
+    python tools/compile_cache_kernels.py             # sm_90 (H100 / H200)
+    python tools/compile_cache_kernels.py --arch 80
 
 NVVM comes with ``pip install nvidia-cuda-nvcc-cu12 nvidia-cuda-nvrtc-cu12`` (not a project
 dependency: only this check needs it on a machine without CUDA).

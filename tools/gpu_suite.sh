@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The GPU suite: everything the lent H200 must show, in one device call of at most ~9 minutes.
+# The GPU suite: everything a GPU machine must show, in one call of at most ~9 minutes.
 #
 #   1. install the project offline and check that tiered_tbe.cache / tiered_tbe.kernels import on
 #      a GPU (not in simulation); print versions and the GPU's name;
-#   2. the gpu-marked tests (pytest -m gpu -x); with the FBGEMM peer carried (.peer), ours beside
-#      FBGEMM (benchmarks/bench_fbgemm.py; benchmarks/gpu_fbgemm.sh runs every configuration);
+#   2. the gpu-marked tests (pytest -m gpu -x); with FBGEMM_GPU's wheels in .peer/, ours beside
+#      FBGEMM (benchmarks/bench_fbgemm.py; tools/gpu_fbgemm.sh runs every configuration);
 #   3. benchmarks/bench_kernels.py, bench_cache.py (both row movers), bench_pipeline.py (and again
-#      with the staged mover), then profile_step.py,
-#      trace_pipeline.py (per-stream busy / idle time of pipelined steps) and bench_pipeline.py
+#      with the staged mover), then tools/profile_step.py,
+#      tools/trace_pipeline.py (per-stream busy / idle time of pipelined steps) and bench_pipeline.py
 #      with the steps on the current stream (what PrefetchPipeline(high_priority=True) adds);
 #   4. last and optional, bench_cache.py's big-table mode (a 60 GB pinned table, 8 GB cache);
 #   5. a short summary table, printed LAST (a device call returns only the tail of the output).
@@ -15,14 +15,13 @@
 # Each step runs under `timeout`, bounded by what is left of the suite's budget, so one hang does
 # not eat the call; a step that would get too little time is skipped and says so.
 #
-# Files under $OUT (at most 8 come back from a device call; this writes 8):
+# Files under $OUT (8):
 #   gpu-tests.log, bench_kernels.log, bench_cache.log, bench_pipeline.log, profile.log, bench_big.log,
-#   results.json (every step's status, the versions, each benchmark's JSON), RESULTS-gpu.md (the
-#   benchmarks' --record sections: append it to benchmarks/RESULTS.md).
+#   results.json (every step's status, the versions, each benchmark's JSON), measurements.jsonl (the
+#   benchmarks' --record lines: append them to results/measurements.jsonl).
 #
-# Run from anywhere, after the numpy-wheel prefix of shared/device/README.md (numba-cuda needs
-# numpy < 2.5):
-#   bash benchmarks/gpu_suite.sh
+# Run from anywhere, with numpy < 2.5 installed (numba-cuda needs it; tools/pack_gpu_site.sh):
+#   bash tools/gpu_suite.sh
 # Environment (all optional):
 #   OUT                where the logs go (default ./out in the repository)
 #   SUITE_BUDGET_S     total seconds for the suite (default 530)
@@ -78,11 +77,11 @@ if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
         echo "install failed: stopping"
         exit 1
     }
-    # numpy 2.4 and cuda-cccl, when their archive was carried (benchmarks/pack_gpu_site.sh).
+    # numpy 2.4 and cuda-cccl, when their archive came with the tree (tools/pack_gpu_site.sh).
     if [[ -f .gpusite/site.tar.xz ]]; then
         mkdir -p /tmp/site && tar -xJf .gpusite/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
     fi
-    # FBGEMM_GPU beside ours, when its peer archive was carried (../shared/peer/README.md).
+    # FBGEMM_GPU beside ours, when its wheels came in .peer/ with an install-on-device.sh script.
     if [[ -d .peer ]]; then
         run_step fbgemm-install 120 "$WORK/fbgemm-install.log" 20 bash .peer/install-on-device.sh .peer \
             && export PYTHONPATH=/tmp/fbsite:${PYTHONPATH:-}
@@ -117,8 +116,8 @@ PY
 # 2. The gpu-marked tests.
 run_step gpu-tests 150 "$OUT/gpu-tests.log" 30 python3 -m pytest -m gpu -q -x -p no:cacheprovider
 
-# 3. The benchmarks (each appends its table to RESULTS-gpu.md and, where it can, writes a JSON).
-RECORD=(--record --results-file "$OUT/RESULTS-gpu.md")
+# 3. The benchmarks (each appends its measurements to measurements.jsonl and, where it can, writes a JSON).
+RECORD=(--record "$OUT/measurements.jsonl")
 # Ours beside FBGEMM on the same batches, when fbgemm_gpu imports (FBGEMM_CONFIGS: which ones).
 if python3 -c "import fbgemm_gpu" >/dev/null 2>&1; then
     # shellcheck disable=SC2086
@@ -145,9 +144,9 @@ run_step pipeline_staged 150 "$WORK/pipeline_staged.log" 60 \
     python3 benchmarks/bench_pipeline.py --mover staged --modes hbm pipelined --warmup 60 --batches 15 "${RECORD[@]}"
 
 # Where the step time goes (host vs device per phase, launch costs, top operators).
-run_step profile 90 "$OUT/profile.log" 40 python3 benchmarks/profile_step.py --warmup 10 --steps 3 --top 30
+run_step profile 90 "$OUT/profile.log" 40 python3 tools/profile_step.py --warmup 10 --steps 3 --top 30
 # The GPU timeline of pipelined steps: does the training stream wait (idle) while prefetches run?
-run_step trace 80 "$WORK/trace.log" 40 python3 benchmarks/trace_pipeline.py --alpha 1.05 --warmup 70 --steps 5 \
+run_step trace 80 "$WORK/trace.log" 40 python3 tools/trace_pipeline.py --alpha 1.05 --warmup 70 --steps 5 \
     --top 3 --runs lru-pipelined lookahead-pipelined
 # The same pipeline with the steps on the current (default-priority) stream.
 run_step priority 80 "$WORK/priority.log" 40 python3 benchmarks/bench_pipeline.py --alpha 1.05 --policies lru \
@@ -204,8 +203,7 @@ if rows:
 cache = merged["bench_cache"]
 if cache:
     memcpy = next((r for r in cache["results"] if r["kind"] == "memcpy"), {})
-    print(f"bench_cache (pinned memcpy h2d {f(memcpy.get('h2d_gbs'), '.1f')} GB/s, d2h {f(memcpy.get('d2h_gbs'), '.1f')}; "
-          f"targets fill/memcpy >= 0.8, write-back/memcpy >= 0.6, step/HBM <= 2, pipelined/HBM <= 1.2):")
+    print(f"bench_cache (pinned memcpy h2d {f(memcpy.get('h2d_gbs'), '.1f')} GB/s, d2h {f(memcpy.get('d2h_gbs'), '.1f')}):")
     print(f"  {'model':<12} {'mover':<9} {'zipf':>5} {'prefetch':>9} {'fwd':>7} {'bwd':>7} {'step ms':>8} {'hit':>6} "
           f"{'rows in':>8} {'step/HBM':>8} {'pipe ms':>8} {'pipe/HBM':>8}")
     for r in (r for r in cache["results"] if r["kind"] == "model"):
@@ -222,7 +220,7 @@ if cache:
 
 pipe = merged["bench_pipeline"]
 if pipe:
-    print("bench_pipeline (targets: pipelined throughput/HBM >= 0.8; lookahead rows/LRU <= 0.7 at zipf 1.05):")
+    print("bench_pipeline (throughput against all-HBM and rows moved against LRU's, same run):")
     print(f"  {'model':<44} {'zipf':>5} {'step ms':>8} {'thru/HBM':>8} {'rows/batch':>11} {'rows/LRU':>8} {'hit':>6}")
     for r in pipe["results"]:
         name = r["model"] + (f" {r.get('mover')} {r['run']}" if r["policy"] else "")
@@ -254,7 +252,7 @@ for name, pattern in (("trace.log", r"^== |stream|host ms|span"), ("priority.log
         print({"trace.log": "trace_pipeline (zipf 1.05, depth 2; per-stream busy/idle ms per step):",
                "priority.log": "bench_pipeline with steps on the default-priority stream (zipf 1.05):",
                "pipeline_staged.log": "bench_pipeline with the staged mover:",
-               "bench_fbgemm.log": "bench_fbgemm (configuration | phase | FBGEMM ms | ours ms | ours/FBGEMM | target):"}[name])
+               "bench_fbgemm.log": "bench_fbgemm (configuration | phase | FBGEMM ms | ours ms | ours/FBGEMM):"}[name])
         for line in lines:
             print("  " + line.strip())
 phases = log_tail("profile.log", r"^== |^   (prefetch|forward|backward) |host time of one")
@@ -262,5 +260,5 @@ if phases:
     print("profile (host ms to enqueue / device ms per phase, from an idle GPU; then launch costs):")
     for line in phases:
         print("  " + line.strip())
-print(f"logs and results.json, RESULTS-gpu.md under {out}")
+print(f"logs and results.json, measurements.jsonl under {out}")
 PY

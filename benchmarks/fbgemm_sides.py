@@ -1,0 +1,145 @@
+"""Both sides of a ``bench fbgemm`` configuration: our module, FBGEMM_GPU's, and their batches.
+
+- :func:`batches_of`: a configuration's batches ``(indices, offsets, per_sample_weights or None)``
+  (:class:`~tiered_tbe.benchmarks.common.ZipfBatches`) and a gradient of the largest output;
+- :func:`ours_module`: our :class:`~tiered_tbe.TieredEmbeddingBags` of a configuration;
+- :func:`fbgemm_module`: FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` on the same tables
+  (a dim per table), optimizer, weights dtype and cache; :func:`fbgemm_available` says whether it
+  can run here;
+- :func:`shape_of`: a configuration at a tiny size in CPU simulation.
+
+Shared by ``bench fbgemm`` and the developer tools that trace or profile its steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from tiered_tbe.base.mode import SIMULATION, default_device  # first: picks GPU / simulation mode
+from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks.fbgemm_configs import HYPER, PROFILED_STEPS, Config, simulation_shape
+from tiered_tbe.module import TieredEmbeddingBags
+from tiered_tbe.optimizers import optimizer_named
+from tiered_tbe.specs import CacheConfig, Placement, TableSpec
+
+# What ours_module reads of the command line, at bench fbgemm's defaults (for tools that build our
+# module of a configuration without parsing bench fbgemm's flags).
+DEFAULT_MODULE_ARGS = argparse.Namespace(seed=0, mover=None, state_layout=None)
+
+
+def fbgemm_available() -> str | None:
+    """None when fbgemm_gpu imports and a GPU is present, else why not."""
+    if SIMULATION:
+        return "no CUDA device (simulation mode)"
+    try:
+        import fbgemm_gpu  # noqa: F401
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except Exception as error:  # noqa: BLE001 - any import failure means: not available
+        return f"fbgemm_gpu does not import ({type(error).__name__}: {error})"
+    return None
+
+
+def shape_of(config: Config) -> Config:
+    """The configuration at a tiny size in simulation (its timing means nothing there)."""
+    return simulation_shape(config) if SIMULATION else config
+
+
+def batches_of(config: Config, seed: int, count: int, device=None) -> tuple[list, torch.Tensor]:
+    """``count`` batches of a configuration, each ``(indices, offsets, per_sample_weights)`` (the
+    weights None for an unweighted one), and a gradient of the largest pooled output (fp32
+    ``[batch_size, total dim]``; a batch of ``B`` bags takes its first ``B`` rows), all drawn from
+    ``seed`` on ``device`` (default: the default device)."""
+    device = device or default_device()
+    sampler = common.ZipfBatches(config.tables, config.alpha, config.batch_size, config.bag_size, device, seed=seed,
+                                 bag_lengths=config.bag_lengths, weighted=config.weighted,
+                                 min_batch_size=config.min_batch_size)
+    grad = torch.randn(config.batch_size, config.total_dim, device=device,
+                       generator=torch.Generator(device).manual_seed(seed))
+    batches = [(*batch, None) if len(batch) == 2 else batch for batch in sampler.batches(count)]
+    return batches, grad
+
+
+def batches_needed(config: Config, args) -> int:
+    """How many distinct batches a configuration is measured on. A cached one gets a new batch
+    every step (warm-up, timed and profiled): a cache that saw its batches before misses almost
+    nothing (a 5% cache holds the rows of ~8 Criteo batches at Zipf 1.05), where training on
+    batches that do not repeat moves tens of thousands of rows a batch."""
+    if not config.cached:
+        return args.distinct_batches
+    # A lookahead cache is told the batches after the last one stepped too, as in a longer run.
+    return args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0) + config.lookahead_window
+
+
+def ours_module(config: Config, args, device=None) -> TieredEmbeddingBags:
+    """Our module of a configuration: a table of its dim each, its placement, optimizer and cache;
+    no bounds checks; ``args``: ``seed``, ``mover`` (the cache's, when it has one), ``state_layout``."""
+    placement = {"device": Placement.DEVICE, "host_cached": Placement.HOST_CACHED,
+                 "managed_cached": Placement.MANAGED_CACHED}[config.placement]
+    tables = [TableSpec(n, dim, name=f"t{t}", placement=placement)
+              for t, (n, dim) in enumerate(zip(config.tables, config.dims))]
+    cache = None
+    if config.cached:
+        extra = {"mover": args.mover} if args.mover and "mover" in {f.name for f in dataclasses.fields(CacheConfig)} \
+            else {}
+        cache = CacheConfig(fraction=config.cache_fraction, policy=config.policy, **extra)
+    return TieredEmbeddingBags(tables, optimizer=optimizer_named(config.optimizer, **HYPER[config.optimizer]),
+                               weights_dtype=common.DTYPES[config.dtype], device=device or default_device(),
+                               cache=cache, bounds_check="off", stochastic_rounding=config.dtype != "fp32",
+                               seed=args.seed, state_layout=args.state_layout or config.state_layout)
+
+
+def fbgemm_module(config: Config, device=None, cache_stats: bool = False):
+    """FBGEMM's TBE of a configuration: ``MANAGED_CACHING`` with ``cache_load_factor`` equal to our
+    cache fraction (LRU, or LFU for ``lfu``; a lookahead configuration runs LRU) or ``DEVICE``; a
+    dim per table; ``prefetch_pipeline`` for a pipelined one. ``cache_stats``: gather its cache
+    counters (``gather_uvm_cache_stats``: unique rows missed and inserted, for LRU). On a CPU
+    ``device`` (a test of the construction) the tables are ``HOST`` and computed on the CPU."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        BoundsCheckMode,
+        CacheAlgorithm,
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    device = torch.device(device or "cuda")
+    on_cpu = device.type == "cpu"
+    location = (EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.MANAGED_CACHING if config.cached
+                else EmbeddingLocation.DEVICE)
+    compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
+    optimizer = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                 "adam": EmbOptimType.ADAM}[config.optimizer]
+    hyper = HYPER[config.optimizer]
+    cached = config.cached and not on_cpu
+    emb = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(n, dim, location, compute) for n, dim in zip(config.tables, config.dims)],
+        optimizer=optimizer, learning_rate=hyper["lr"], eps=hyper.get("eps", 1e-8),
+        weights_precision=SparseType.FP16 if config.dtype == "fp16" else SparseType.FP32,
+        output_dtype=SparseType.FP32, pooling_mode=PoolingMode.SUM, bounds_check_mode=BoundsCheckMode.NONE,
+        cache_load_factor=config.cache_fraction,
+        cache_algorithm=CacheAlgorithm.LFU if config.policy == "lfu" else CacheAlgorithm.LRU,
+        prefetch_pipeline=config.pipelined and cached, stochastic_rounding=config.dtype != "fp32",
+        gather_uvm_cache_stats=cache_stats and cached, device=device)
+    bound = 1.0 / max(config.tables) ** 0.5
+    emb.init_embedding_weights_uniform(-bound, bound)
+    return emb
+
+
+def fbgemm_rows_moved(emb, config: Config, batches: int) -> dict:
+    """FBGEMM's own count of the rows its prefetches copied into its cache since the last
+    ``reset_uvm_cache_stats``, over ``batches`` prefetches: ``rows_in_per_batch`` (unique misses
+    less those that found no slot), when it gathered them (LRU: its LFU prefetch counts no misses)."""
+    if not getattr(emb, "gather_uvm_cache_stats", False) or config.policy == "lfu" or batches < 1:
+        return {}
+    counters = emb.get_uvm_cache_stats().tolist()
+    unique_misses, conflict_unique_misses = int(counters[3]), int(counters[4])  # fbgemm's UVMCacheStatsIndex
+    return {"rows_in_per_batch": (unique_misses - conflict_unique_misses) / batches}

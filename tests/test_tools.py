@@ -1,0 +1,268 @@
+"""The developer tools of ``tools/`` (not installed) and the measurement records in ``results/``.
+
+The trace and profile tools run at a tiny size in CPU simulation (their figures mean nothing
+there: this checks their plumbing and their readers of a trace); ``results_table.py --check``
+runs on small fixtures and on the README; every committed record is a full record; the GPU
+scripts are only checked for shell syntax here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tiered_tbe  # noqa: F401  (chooses GPU / simulation mode before the tools import triton or numba)
+from tiered_tbe import records
+from tiered_tbe.cli import main as cli_main
+
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = REPO / "tools"
+sys.path.insert(0, str(TOOLS))  # the tools import each other as scripts do (tools/ is not a package)
+TINY_MODEL = ["--num-tables", "3", "--row-cap", "1000", "--dim", "16", "--batch-size", "4", "--alpha", "1.05",
+              "--warmup", "1"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _one_simulated_thread_per_launch(one_simulated_thread):
+    """Plumbing, not the cache's kernels for races: one simulated thread a launch."""
+
+
+def tool(name: str):
+    return importlib.import_module(name)
+
+
+# ------------------------------------------------------------------ results/ and results_table.py
+
+RECORD_FIELDS = ("date", "device", "simulation", "versions", "commit", "command", "benchmark", "configuration",
+                 "figures")
+
+
+def test_every_committed_record_is_a_full_record():
+    """results/measurements.jsonl: one JSON object a line, each with the fields every record has
+    (date, device, versions, commit, command, configuration, figures); the lines converted from
+    the old results file name the section they came from."""
+    lines = records.read(REPO / "results" / "measurements.jsonl")
+    assert len(lines) > 1000
+    for line in lines:
+        assert all(field in line for field in RECORD_FIELDS), line
+        assert line["date"] and line["device"] and isinstance(line["versions"], dict)
+        assert isinstance(line["configuration"], dict) and isinstance(line["figures"], dict)
+        assert line.get("section") or line["source"] != "benchmarks/RESULTS.md"
+    assert {"fbgemm", "cache", "pipeline", "kernels", "hit-rate"} <= {line["benchmark"] for line in lines}
+
+
+def fbgemm_record(name: str, ours: dict, fbgemm: dict, commit: str = "abc1234", date: str = "2026-12-04") -> dict:
+    return {"date": date, "device": "NVIDIA H200", "simulation": False,
+            "versions": {"torch": "2.11", "triton": "3.6", "fbgemm_gpu": "1.6.0"}, "commit": commit,
+            "command": f"tiered-tbe bench fbgemm --configs {name}", "benchmark": "fbgemm",
+            "configuration": {"name": name},
+            "figures": {"ours": {f"{k}_ms": v for k, v in ours.items()},
+                        "fbgemm": {f"{k}_ms": v for k, v in fbgemm.items()}}}
+
+
+@pytest.fixture
+def fixture_records(tmp_path) -> Path:
+    lines = [
+        fbgemm_record("criteo-adagrad", dict(forward=0.5, backward=0.9, step=1.4), dict(forward=0.4, backward=0.8,
+                                                                                        step=1.2), commit="old0001"),
+        fbgemm_record("criteo-adagrad", dict(forward=0.3, backward=0.6, step=0.9), dict(forward=0.4, backward=0.8,
+                                                                                        step=1.2)),
+        fbgemm_record("criteo-sgd", dict(forward=0.3), dict(forward=0.4)),  # incomplete: not shown
+        fbgemm_record("cached-managed-lru", dict(prefetch=2.0, forward=0.6, backward=0.9, step=3.5),
+                      dict(prefetch=2.1, forward=0.7, backward=1.1, step=3.9)),
+        fbgemm_record("cached-managed-lfu", dict(prefetch=2.0, forward=0.6, backward=0.9, step=3.4),
+                      dict(prefetch=2.0, forward=0.7, backward=1.1, step=3.0)),
+        fbgemm_record("cached-managed-lfu", dict(step=1.0), dict(step=1.0), commit="other02"),  # another run
+        fbgemm_record("cached-managed-lru-pipelined", dict(step=2.4), dict(step=4.0)),
+        dict(fbgemm_record("big-zipf-sgd", dict(forward=1, backward=1, step=2), dict(forward=1, backward=1, step=2)),
+             simulation=True, device="CPU simulation"),  # simulated: never shown
+    ]
+    path = tmp_path / "measurements.jsonl"
+    records.append(path, lines)
+    return path
+
+
+def test_results_table_prints_the_latest_complete_records(fixture_records, capsys):
+    results_table = tool("results_table")
+    assert results_table.main(["--results", str(fixture_records)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("NVIDIA H200, 2026-12-04: torch 2.11, Triton 3.6, FBGEMM_GPU 1.6.0; commits abc1234.")
+    assert ("| 26 Criteo tables x 128, B=65536, 1 lookup a table, Zipf 1.05, HBM |  | 0.300 / 0.400 (0.75) | "
+            "0.600 / 0.800 (0.75) | 0.900 / 1.200 (**0.75**) |") in out
+    assert "the same, SGD" not in out and "Zipf 1.05, SGD" not in out  # incomplete, simulated
+    assert "| 2.000 / 2.100 (0.95) | 0.600 / 0.700 (0.86) | 0.900 / 1.100 (0.82) | 3.500 / 3.900 (**0.90**) |" in out
+    # The pipelined step against FBGEMM's best step of the same run: its LFU's 3.0, not another run's 1.0.
+    assert "| Criteo cached, pipelined (depth 2), against FBGEMM's best step |  |  |  | 2.400 / 3.000 (**0.80**) |" \
+        in out
+
+
+def test_results_table_check_of_a_readme(fixture_records, tmp_path, capsys):
+    """--check passes when the README's table between the markers is what it prints, or when the
+    README has no markers; else exit 1 with a diff."""
+    results_table = tool("results_table")
+    assert results_table.main(["--results", str(fixture_records)]) == 0
+    table = capsys.readouterr().out
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Performance\n\n{results_table.BEGIN}\n{table}\n{results_table.END}\n\nmore\n")
+    assert results_table.main(["--results", str(fixture_records), "--check", str(readme)]) == 0
+    assert "matches" in capsys.readouterr().out
+    readme.write_text(readme.read_text().replace("0.900 / 1.200", "0.850 / 1.200"))
+    assert results_table.main(["--results", str(fixture_records), "--check", str(readme)]) == 1
+    out = capsys.readouterr().out
+    assert "-| 26 Criteo tables" in out and "+| 26 Criteo tables" in out and "0.850 / 1.200" in out
+    readme.write_text("# a README without the markers\n")
+    assert results_table.main(["--results", str(fixture_records), "--check", str(readme)]) == 0
+    assert "nothing to check" in capsys.readouterr().out
+
+
+def test_the_readme_table_matches_the_records(capsys):
+    """The README's performance table is the one results/measurements.jsonl gives (or the README has
+    no markers yet)."""
+    assert tool("results_table").main(["--check", str(REPO / "README.md")]) == 0, capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ trace, profile, compile, plot
+
+
+def test_trace_pipeline_measures_busy_overlap_and_idle_time_per_stream(capsys):
+    trace = tool("trace_pipeline")
+    events_of = tool("trace_events")
+    assert events_of.union_ms([(0, 1000), (500, 1500), (3000, 4000)]) == 2.5  # us in, ms out
+    assert events_of.intersect([(0, 1000), (2000, 3000)], [(500, 2500)]) == [(500, 1000), (2000, 2500)]
+
+    def kernel(name, stream, start, end):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": end - start, "args": {"stream": stream}}
+
+    # Two steps: the training stream (7) runs 0-4 ms and 6-10 ms; the side stream (13) 3-5 ms.
+    events = [kernel("gemm", 7, 0, 4000), kernel("gemm", 7, 6000, 10000), kernel("copy_rows", 13, 3000, 5000),
+              {"ph": "X", "cat": "user_annotation", "name": "forward", "ts": 0, "dur": 300}]
+    lines = "\n".join(trace.summarize(events, steps=2, top=3))
+    assert "forward 0.15" in lines  # host ms per step of each phase
+    assert "GPU span of the 2 steps: 10.00 ms = 5.00 ms / step" in lines
+    assert "stream 7: busy 4.000 ms / step (80% of the span), idle 1.000 ms / step, 1 kernels / step" in lines
+    assert "stream 13: busy 1.000 ms / step" in lines
+    assert "streams 7 and 13 both busy: 0.500 ms / step" in lines
+
+    # The first traced step is left out: its annotations and the GPU work launched before the second began.
+    def launch(correlation, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5,
+                "args": {"correlation": correlation}}
+
+    def step(ts):
+        return {"ph": "X", "cat": "user_annotation", "name": "step", "ts": ts, "dur": 100}
+
+    late_first = kernel("gemm", 7, 9000, 9500) | {"args": {"stream": 7, "correlation": 1}}
+    second = kernel("gemm", 7, 9600, 9900) | {"args": {"stream": 7, "correlation": 2}}
+    steady = events_of.steady_steps([step(0), step(200), launch(1, 50), launch(2, 250), late_first, second])
+    assert [e["name"] for e in steady] == ["step", "cudaLaunchKernel", "gemm"] and steady[2]["ts"] == 9600
+    assert events_of.steady_steps(events) == events  # one step, or no correlation ids: whole
+    trace.main([*TINY_MODEL, "--steps", "1", "--runs", "hbm", "lru-pipelined", "--placement", "managed_cached",
+                "--bottom-mlp", "8", "--top-mlp", "8"])
+    out = capsys.readouterr().out
+    assert "== lru-pipelined (managed_cached, zero_copy mover)" in out and "host ms / step: step" in out
+
+
+def test_trace_step_splits_each_phase_into_lag_busy_and_idle(capsys):
+    trace = tool("trace_step")
+
+    def mark(name, ts, dur):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
+
+    def launch(correlation, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5,
+                "args": {"correlation": correlation}}
+
+    def kernel(correlation, start, end):
+        return {"ph": "X", "cat": "kernel", "name": "k", "ts": start, "dur": end - start,
+                "args": {"correlation": correlation, "stream": 7}}
+
+    events = []
+    for step in range(3):  # each step 1000 us: forward host 0-100, backward host 100-600 (us after its start)
+        t, c = 1000 * step, 10 * step
+        events += [mark("forward", t, 100), launch(c, t + 50), kernel(c, t + 60, t + 160),
+                   # the backward: its first kernel waits for the host (lag), two kernels with a gap (idle)
+                   mark("backward", t + 100, 500), launch(c + 1, t + 300), kernel(c + 1, t + 310, t + 410),
+                   launch(c + 2, t + 550), kernel(c + 2, t + 560, t + 660)]
+    table = trace.phase_table(events)  # the first step left out
+    # forward: host start to its kernel 60 us; the span runs from its host start (the GPU was idle) to its end.
+    assert table["forward"] == pytest.approx({"host": 0.1, "lag": 0.06, "busy": 0.1, "span": 0.16, "idle": 0.06})
+    backward = table["backward"]
+    assert backward["host"] == 0.5 and backward["busy"] == 0.2
+    assert backward["lag"] == pytest.approx(0.15)  # forward's GPU end (160) to the first backward kernel (310)
+    assert backward["span"] == pytest.approx(0.5) and backward["idle"] == pytest.approx(0.3)  # 160 -> 660
+    # A cached configuration of mixed dims, ragged weighted bags: each step prefetches first.
+    trace.main(["--configs", "big-zipf-sgd", "cached-mixed-weighted", "--ours-only", "--warmup", "1", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert "== big-zipf-sgd, ours" in out and "== cached-mixed-weighted, ours" in out
+
+
+def test_profile_step_reports_host_and_device_time_per_phase(capsys):
+    profile_step = tool("profile_step")
+    profile_step.main([*TINY_MODEL, "--steps", "1", "--top", "3", "--skip-hbm"])
+    out = capsys.readouterr().out
+    assert "== host_cached, zipf 1.05: phase: host ms to enqueue / device ms" in out
+    for phase in ("prefetch", "forward", "backward"):
+        assert f"   {phase} " in out
+    assert "host time of one SlotCache.lookup of 8 rows" in out
+    assert "Self CPU" in out  # the profiler's table
+
+
+def test_compile_cache_kernels_records_a_launch_of_every_cache_kernel():
+    """tools/compile_cache_kernels.py compiles the signatures a small cache launches in simulation
+    (the compiling half needs NVVM, not installed here): its driver must reach every Numba kernel
+    of the cache, or a kernel would go unchecked."""
+    from numba import types
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    from tiered_tbe.cache import _kernels, batch_kernels
+
+    compile_cache_kernels = tool("compile_cache_kernels")
+    every = {name for module in (_kernels, batch_kernels) for name, value in vars(module).items()
+             if isinstance(value, FakeCUDAKernel) and not getattr(value, "_device", False)}
+    launches = compile_cache_kernels.record_launches()
+    assert {entry["kernel"] for entry in launches} == every
+    prefetch_keys = {tuple(entry["args"][4]) for entry in launches if entry["kernel"] == "sort_keys_kernel"}
+    assert prefetch_keys == {("array", "int32", 1, "C")}  # int32 keys: the rows fit
+    assert {tuple(entry["args"][0]) for entry in launches if entry["kernel"] == "sort_keys_kernel"} == {
+        ("array", "int64", 1, "C"), ("array", "int32", 1, "C")}  # int64 and int32 rows prefetched
+    assert compile_cache_kernels.numba_type(["array", "uint8", 2, "A"]) == types.Array(types.uint8, 2, "A")
+    assert compile_cache_kernels.numba_type(["boolean"]) == types.boolean
+
+
+def test_plot_of_several_hit_rate_reports(capsys, tmp_path):
+    plot_hit_rates = tool("plot_hit_rates")
+    reports = []
+    for alpha in ("1.05", "1.2"):
+        reports.append(tmp_path / f"zipf{alpha}.json")
+        assert cli_main(["bench", "hit-rate", "--rows", "5000", "--batch-size", "64", "--bag-size", "4", "--batches",
+                         "20", "--no-progress", "--alpha", alpha, "--cache-sizes", "1%,5%", "--policies",
+                         "lru,belady", "--json", str(reports[-1])]) == 0
+        assert json.loads(reports[-1].read_text())["results"]
+    png = tmp_path / "both.png"
+    assert plot_hit_rates.main([*map(str, reports), "--titles", "a", "b", "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("script", ["gpu_suite.sh", "gpu_fbgemm.sh", "pack_gpu_site.sh", "compile_like_device.sh"])
+def test_gpu_scripts_are_valid_bash(script):
+    result = subprocess.run(["bash", "-n", str(TOOLS / script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_tools_are_not_installed():
+    """tools/ is for developers: the package maps no folder to it, and the benchmarks import none of it."""
+    assert not re.search(r"""["']tools[."']""", (REPO / "pyproject.toml").read_text())
+    names = [path.stem for path in TOOLS.glob("*.py")]
+    for path in (REPO / "benchmarks").glob("*.py"):
+        source = path.read_text()
+        for name in names:
+            assert f"import {name}" not in source and f"from {name} import" not in source, (path, name)
