@@ -61,6 +61,10 @@ def record_launches() -> list[dict]:
             for mover in ("zero_copy", "staged"):
                 tables = [CachedTable(0, 40, 4, torch.randn(40, 4), torch.randn(40, 2)),
                           CachedTable(50, 30, 6, torch.randn(30, 6), None)]
+                if mover == "zero_copy" and policy == "lru":  # one buffer for both: the one-launch moves
+                    weights, state = torch.randn(40 * 4 + 30 * 6), torch.randn(40 * 2 + 30 * 2)
+                    tables = [CachedTable(0, 40, 4, weights[:160].view(40, 4), state[:80].view(40, 2)),
+                              CachedTable(50, 30, 6, weights[160:].view(30, 6), state[80:].view(30, 2))]
                 cache = SlotCache(tables, num_slots=8, associativity=4, policy=policy, mover=mover)
                 if policy == "lookahead":
                     cache.add_upcoming(torch.tensor([1, 2, 55]), cache.step + 2)
