@@ -30,10 +30,12 @@ class TableSpec:
     placement: Placement = Placement.DEVICE
 
     def __post_init__(self):
+        # An unnamed table's index is not known here: the message then names the TableSpec.
+        where = f"table {self.name!r}" if self.name is not None else "TableSpec"
         for field_name in ("num_embeddings", "embedding_dim"):
             value = getattr(self, field_name)
             if not _is_whole_number(value) or value < 1:
-                raise ValueError(f"table {self.name!r}: {field_name} must be a whole number >= 1, got {value!r}")
+                raise ValueError(f"{where}: {field_name} must be a whole number >= 1, got {value!r}")
             object.__setattr__(self, field_name, int(value))  # a numpy integer becomes a plain int
         if not isinstance(self.placement, Placement):
             object.__setattr__(self, "placement", Placement(self.placement))
