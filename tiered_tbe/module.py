@@ -310,13 +310,26 @@ class TieredEmbeddingBags(nn.Module):
 
     def cancel_prefetched(self) -> None:
         """Drop every batch prefetched but not yet forwarded, releasing its cache locks, and run
-        every deferred unlock (the cache then holds no lock of a batch gone through forward)."""
+        every deferred unlock (the cache then holds no lock of a batch gone through forward).
+
+        Call it when prefetched batches will not be forwarded (a loop left early, an evaluation
+        that replaces them): their slots stay locked until then, and ``load_state_dict`` refuses
+        while they are queued. A :class:`~tiered_tbe.PrefetchPipeline` calls it when it closes.
+        """
         while self._prefetched:
             self._prefetched.popleft()[2].release()
         self.run_deferred_unlocks()
         # Batches still in flight (forwarded, no backward yet) unlock at their release from now on.
         self._deferred_unlocks.open = False
         self._deferred_unlocks = DeferredUnlocks()
+
+    def drop_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor) -> bool:
+        """Drop the batch prefetched next if it is this one (the same tensors), releasing its cache
+        locks, for a caller that will not forward it; returns whether it was queued."""
+        if not self._prefetched or self._prefetched[0][0] is not indices or self._prefetched[0][1] is not offsets:
+            return False
+        self._prefetched.popleft()[2].release()
+        return True
 
     def _take_prefetched(self, indices, offsets) -> PreparedBatch | None:
         """The batch prefetched next, if it is this one (the same tensors); None if this batch
@@ -330,7 +343,8 @@ class TieredEmbeddingBags(nn.Module):
             if any(i is indices and o is offsets for i, o, _ in self._prefetched):
                 raise ValueError(
                     "forward got a batch prefetched after the one prefetched next: call forward with the "
-                    "prefetched indices/offsets tensors in the order they were prefetched"
+                    "prefetched indices/offsets tensors in the order they were prefetched (cancel_prefetched() "
+                    "drops every prefetched batch)"
                 )
             return None
         self._prefetched.popleft()
@@ -349,13 +363,17 @@ class TieredEmbeddingBags(nn.Module):
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None) -> torch.Tensor:
         if per_sample_weights is not None:
-            # Checked before the batch is prefetched or taken from the queue: a bad call locks
-            # nothing, and a batch prefetched for these tensors stays queued as it was.
-            validation.check_static(self.tables, indices, offsets, self.device)
-            validation.check_per_sample_weights(per_sample_weights, indices.numel(), self.device)
+            # Checked before the batch is prefetched: a bad call locks nothing, and a batch prefetched
+            # for these tensors goes with it, as one whose value check fails at its forward does.
+            try:
+                validation.check_static(self.tables, indices, offsets, self.device)
+                validation.check_per_sample_weights(per_sample_weights, indices.numel(), self.device)
+            except ValueError:
+                self.drop_prefetched(indices, offsets)
+                raise
         batch = self._take_prefetched(indices, offsets) or self._prepare(indices, offsets)
         if per_sample_weights is not None:
-            batch.lookups = batch.lookups._replace(per_sample_weights=per_sample_weights.detach().float())
+            batch.lookups = batch.lookups._replace(per_sample_weights=per_sample_weights.detach())
         grad_enabled = torch.is_grad_enabled()
         psw_needs_grad = grad_enabled and per_sample_weights is not None and per_sample_weights.requires_grad
         if not grad_enabled or (self.optimizer is None and not psw_needs_grad):
@@ -451,8 +469,14 @@ class TieredEmbeddingBags(nn.Module):
             return  # touch nothing when any entry is wrong
         if self.cache is not None:
             self.run_deferred_unlocks()
-            if self._prefetched or self.cache.num_locked():
-                raise RuntimeError("load_state_dict while batches are in flight (prefetched, or awaiting backward)")
+            locked = self.cache.num_locked()
+            if self._prefetched or locked:
+                raise RuntimeError(
+                    f"load_state_dict while batches are in flight: {len(self._prefetched)} batches prefetched and not "
+                    f"forwarded, {locked} cache slots locked (by those, and by batches forwarded whose backward has "
+                    "not run). Finish them (forward, then backward), or call cancel_prefetched() to drop the "
+                    "prefetched ones; a forwarded batch's slots are released by its backward, or when its output "
+                    "is dropped")
             self.cache.invalidate()  # the cached copies are about to be stale
         with torch.no_grad():
             for key, view in expected.items():
