@@ -38,7 +38,9 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
     elif name == "__all__":  # ``from tiered_tbe import *`` reads it: the optimizers load then
         value = [*_EAGER, *_PUBLIC, *_optimizers()]
-    elif not name.startswith("__") and name in (optimizers := _optimizers()):
+    # Class names only: ``from tiered_tbe import records`` asks here first for a submodule, which must
+    # not load the optimizers (and Triton with them).
+    elif name[:1].isupper() and name in (optimizers := _optimizers()):
         value = optimizers[name]
     else:
         raise AttributeError(f"module 'tiered_tbe' has no attribute {name!r}")

@@ -38,15 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD
+from tiered_tbe.cache.hints import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD
 from tiered_tbe.module import TieredEmbeddingBags
-
-# Batches after the one being prefetched that a lookahead cache learns from, by default. On the
-# Criteo-sized benchmark (Zipf 1.05, 5% cache, depth 2) the CPU simulator gives rows moved / LRU
-# of 0.89 at 8, 0.81 at 16, 0.72 at 32, 0.64 at 64 (benchmarks/HIT_RATES.md); the H200 measured
-# 0.72 at 32 and 0.64 at 64. 64 is the most the cache's window bits hold (MAX_LOOKAHEAD). The
-# window's batches wait on the device: 64 of the benchmark's (B = 65536 x 26 lookups) take ~1.7 GB.
-DEFAULT_LOOKAHEAD = 64
 
 LookupsOf = Callable[[Any], Mapping[str, tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor]]
 
