@@ -20,6 +20,7 @@ from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.function import TieredEmbeddingBagsFunction
 from tiered_tbe.kernels.linearize import linearize
 from tiered_tbe.kernels.rows import Lookups, no_cache
+from tiered_tbe.memory import check_memory, plan_cache
 from tiered_tbe.optimizers import FusedOptimizer
 from tiered_tbe.specs import CacheConfig, TableSpec
 from tiered_tbe.storage import lay_out
@@ -124,30 +125,29 @@ class TieredEmbeddingBags(nn.Module):
         self._hint_graphs = StepGraphs(enabled=graphs_enabled)
 
         state_width = [optimizer.state_width(s.embedding_dim) if optimizer else 0 for s in tables]
+        cached = [t for t, s in enumerate(tables) if s.placement.is_cached]
+        if cache is not None and not cached:
+            raise ValueError("cache= was given but no table has a *_CACHED placement")
+        plan = plan_cache(tables, state_width, weights_dtype, cache or CacheConfig()) if cached else None
+        check_memory(tables, state_width, weights_dtype, state_layout, self.device, plan)  # before allocating
         generator = torch.Generator(device=self.device).manual_seed(seed)
         initial_state = optimizer.initial_state() if optimizer is not None else 0.0
         self.storage = lay_out(tables, state_width, weights_dtype, self.device, generator, initial_state,
                                state_layout)
 
-        cached = [t for t, s in enumerate(tables) if s.placement.is_cached]
         # The prefetch then sorts every lookup by its row, as the backward would (_apply_update).
         self._every_table_cached = len(cached) == len(tables)
         self.cache: SlotCache | None = None
-        if cached:
-            config = cache if cache is not None else CacheConfig()
-            row_width = max(tables[t].embedding_dim for t in cached)
-            slot_state_width = max(state_width[t] for t in cached)
-            # A slot: its row, its optimizer state, and 33 bytes of tag, policy state, dirty bit and lock.
-            bytes_per_slot = row_width * torch.finfo(weights_dtype).bits // 8 + 4 * slot_state_width + 33
-            cached_rows = sum(tables[t].num_embeddings for t in cached)
+        if plan is not None:
+            config = plan.config
             self.cache = SlotCache(
                 tables=self.storage.cached_tables(),
-                num_slots=config.num_slots(cached_rows, bytes_per_slot),
+                num_slots=plan.num_slots,
                 associativity=config.associativity,
                 policy=config.policy,
                 lfu_decay_interval=config.lfu_decay_interval,
-                row_width=row_width,
-                state_width=slot_state_width,
+                row_width=plan.row_width,
+                state_width=plan.state_width,
                 weights_dtype=weights_dtype,
                 device=self.device,
                 mover=config.mover or default_mover(tables[t].placement for t in cached),
@@ -156,8 +156,6 @@ class TieredEmbeddingBags(nn.Module):
                 cuda_graphs=cuda_graphs,
             )
             cache_weights, cache_state = self.cache.weights, self.cache.state
-        elif cache is not None:
-            raise ValueError("cache= was given but no table has a *_CACHED placement")
         else:
             cache_weights, cache_state = no_cache(weights_dtype, self.device)
         self.row_stores = self.storage.row_stores(cache_weights, cache_state)

@@ -119,7 +119,9 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig: {name} must be a whole number >= 1 or None, got {value!r}")
 
     def num_slots(self, cached_rows: int, bytes_per_slot: int) -> int:
-        """Slots to allocate for ``cached_rows`` rows of ``bytes_per_slot`` bytes: whole sets, at least one.
+        """Slots to allocate for ``cached_rows`` rows, a slot taking ``bytes_per_slot`` bytes
+        (``SlotCache.slot_bytes``): no more than the rows (a larger size asked caches every row),
+        rounded up to whole sets, at least one set.
 
         Raises:
             ValueError: ``memory`` smaller than one slot.
@@ -130,7 +132,7 @@ class CacheConfig:
             slots = parse_bytes(self.memory) // bytes_per_slot
             if slots < 1:
                 raise ValueError(f"CacheConfig: memory={self.memory!r} holds no slot: a slot takes "
-                                 f"{bytes_per_slot} bytes (its row, its optimizer state and 33 bytes of cache state)")
+                                 f"{bytes_per_slot} bytes (its row, its optimizer state and its cache state)")
         else:
             slots = max(1, int(round((self.fraction if self.fraction is not None else 0.05) * cached_rows)))
-        return round_to_sets(slots, self.associativity)
+        return round_to_sets(min(slots, cached_rows), self.associativity)
