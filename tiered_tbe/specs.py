@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tiered_tbe.base.codes import MOVERS, Placement  # noqa: F401  (Placement re-exported: public API)
+from tiered_tbe.base.codes import Placement  # noqa: F401  (re-exported: public API)
+from tiered_tbe.cache.mover import MOVERS
 from tiered_tbe.cache.policy import DEFAULT_POLICY, POLICIES, round_to_sets
 
 # Weights dtypes by the names the command line and the benchmarks use (``--dtype``).
