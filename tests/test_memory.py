@@ -96,3 +96,16 @@ def test_on_a_gpu_the_cache_is_checked_against_the_device(monkeypatch):
     with pytest.raises(ValueError, match=r"HOST tables \(ads\): 96.1 GiB\); 90.0 GiB available on the host: the "
                                          r"tables do not fit"):
         memory_check.check_memory(tables, state_width, torch.float32, "separate", torch.device("cuda:0"), small)
+
+
+@pytest.mark.gpu
+def test_gpu_memory_is_read_from_the_device():
+    """On the GPU itself: a DEVICE table larger than the device is refused before allocating, and
+    the reported 1TB cache over a 2M x 128 table is capped at the table's rows, and fits."""
+    free = memory_check.device_free_bytes(torch.device("cuda"))
+    rows = free // (128 * 4) + 1
+    with pytest.raises(ValueError, match=r"DEVICE tables \(big\).* free on cuda.*the tables do not fit"):
+        TieredEmbeddingBags([TableSpec(rows, 128, name="big")], device="cuda")
+    module = TieredEmbeddingBags([TableSpec(2_000_000, 128, placement=Placement.HOST_CACHED)],
+                                 optimizer=RowwiseAdagrad(), cache=CacheConfig(memory="1TB"), device="cuda")
+    assert module.cache.num_slots == 2_000_000

@@ -74,8 +74,9 @@ def host_available_bytes() -> int:
 
 
 def device_free_bytes(device: torch.device) -> int:
-    """Free bytes of the GPU ``device`` (the driver's count, other processes included)."""
-    return torch.cuda.mem_get_info(device)[0]
+    """Free bytes of the GPU ``device``: the driver's count (other processes included), plus what
+    torch's caching allocator holds unused (it hands that out first)."""
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def size(nbytes: float) -> str:
@@ -94,6 +95,8 @@ def check_memory(tables: list[TableSpec], state_width: list[int], weights_dtype:
         ValueError: saying what is asked and what is free where it does not fit, and, for the
             cache, a ``memory=`` and ``fraction=`` that fit.
     """
+    if device.type not in ("cuda", "cpu"):  # (a meta device allocates nothing)
+        return
     on_device = device.type == "cuda" and not SIMULATION
     device_name = str(device) if on_device else "the host (CPU simulation: the device's memory is the host's)"
     # (where, what, bytes): where is "device" or "host".
