@@ -9,9 +9,6 @@ import torch
 INT64_MAX = torch.iinfo(torch.int64).max
 INT32_MAX = torch.iinfo(torch.int32).max
 
-# How a slot cache moves rows across the bus (tiered_tbe.cache.mover).
-MOVERS = ("zero_copy", "staged")
-
 
 class Placement(enum.Enum):
     """Where the rows of a table live.

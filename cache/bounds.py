@@ -31,7 +31,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .simulator import as_trace_arrays
+from .simulator import as_trace_arrays, next_batches
 from .stats import CacheStats
 
 # Order of the counters the kernels fill (the CacheStats fields, less the bytes).
@@ -248,26 +248,12 @@ def fully_associative_lru(
 # --------------------------------------------------------------------------------------------
 
 
-@numba.njit(cache=True, nogil=True)
-def _next_use_kernel(rows, batch_offsets, num_rows, next_use):
-    """``next_use[i]`` = first batch after the batch of lookup ``i`` that names ``rows[i]``, or
-    ``num_batches`` (never). Walks the batches backwards remembering each row's next batch."""
-    num_batches = batch_offsets.size - 1
-    next_batch = np.full(num_rows, num_batches, dtype=np.int32)
-    for b in range(num_batches - 1, -1, -1):
-        start, end = batch_offsets[b], batch_offsets[b + 1]
-        for i in range(start, end):
-            next_use[i] = next_batch[rows[i]]
-        for i in range(start, end):  # only after the whole batch: a row's repeats see the same answer
-            next_batch[rows[i]] = b
-
-
 def next_use(rows: np.ndarray, batch_offsets: np.ndarray, num_rows: int | None = None) -> np.ndarray:
     """int32 ``[num_lookups]``: for each lookup, the next batch that names its row, else
     ``num_batches``. Depends only on the trace: compute it once for all cache sizes."""
     rows, batch_offsets, num_rows = _check_trace(rows, batch_offsets, 1, num_rows)
     out = np.empty(rows.size, dtype=np.int32)
-    _next_use_kernel(rows, batch_offsets, num_rows, out)
+    next_batches(rows, batch_offsets, num_rows, out, np.empty(num_rows, dtype=np.int32))
     return out
 
 

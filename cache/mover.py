@@ -27,17 +27,19 @@ What every mover guarantees (the slot cache and the module rely on it):
    bits or policy state: those stay on the stream of the prefetch that owns them.
 
 Which mover a cache uses when ``CacheConfig(mover=None)``: :data:`DEFAULT_MOVER`, by the
-placement of its tables.
+placement of its tables. The registry :data:`MOVERS` is the one list of movers: ``CacheConfig``,
+the command lines and the tests read it. Adding a mover: a module with a :class:`RowMover`, a
+factory below, and one line in ``MOVERS``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
 
-from tiered_tbe.base.codes import MOVERS, Placement
+from tiered_tbe.base.codes import Placement
 from tiered_tbe.base.sorting import sort_ids
 from tiered_tbe.cache._kernels import NOT_CACHED
 from tiered_tbe.cache.policy import EMPTY
@@ -54,12 +56,6 @@ def default_mover(placements: Iterable[Placement]) -> str:
     """The mover for a cache over tables of these placements: ``staged`` only when every one's default is."""
     defaults = {DEFAULT_MOVER[Placement(p)] for p in placements}
     return "staged" if defaults == {"staged"} else "zero_copy"
-
-
-def check_mover(name: str) -> str:
-    if name not in MOVERS:
-        raise ValueError(f"mover must be one of {list(MOVERS)}, got {name!r}")
-    return name
 
 
 class Moves(NamedTuple):
@@ -136,16 +132,30 @@ class RowMover:
         self.drain()
 
 
-def make_mover(name: str, weights: torch.Tensor, state: torch.Tensor, tables, device: torch.device, launcher,
-               rows_end: int, threads: int | None = None, staging_rows: int | None = None) -> RowMover:
-    """The mover called ``name`` for a cache's slot rows (``weights`` [S, row_width], ``state``
-    [S, state_width]) and ``tables`` (``CachedTable``); ``threads`` and ``staging_rows`` are
-    the staged mover's (host threads per gather or scatter, rows per staging buffer)."""
-    check_mover(name)
-    if name == "zero_copy":
-        from tiered_tbe.cache.zero_copy import ZeroCopyMover
+def _zero_copy(weights, state, tables, device, launcher, rows_end, threads, staging_rows) -> RowMover:
+    from tiered_tbe.cache.zero_copy import ZeroCopyMover
 
-        return ZeroCopyMover(weights, state, tables, device, launcher, rows_end)
+    return ZeroCopyMover(weights, state, tables, device, launcher, rows_end)
+
+
+def _staged(weights, state, tables, device, launcher, rows_end, threads, staging_rows) -> RowMover:
     from tiered_tbe.cache.staged import StagedMover
 
     return StagedMover(weights, state, tables, device, rows_end, threads=threads, staging_rows=staging_rows)
+
+
+# The registry: name -> the factory of its mover (its module is imported when a cache first uses it).
+MOVERS: dict[str, Callable[..., RowMover]] = {"zero_copy": _zero_copy, "staged": _staged}
+
+
+def make_mover(name: str, weights: torch.Tensor, state: torch.Tensor, tables, device: torch.device, launcher,
+               rows_end: int, threads: int | None = None, staging_rows: int | None = None) -> RowMover:
+    """The mover called ``name`` (a key of :data:`MOVERS`) for a cache's slot rows (``weights``
+    [S, row_width], ``state`` [S, state_width]) and ``tables`` (``CachedTable``); ``threads`` and
+    ``staging_rows`` are the staged mover's (host threads per gather or scatter, rows per staging
+    buffer)."""
+    try:
+        factory = MOVERS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"mover must be one of {list(MOVERS)}, got {name!r}") from None
+    return factory(weights, state, tables, device, launcher, rows_end, threads, staging_rows)

@@ -134,8 +134,9 @@ Extending the policy
       cache and the simulator decode ``next_use`` when the code is ``POLICY_LOOKAHEAD``
       (``SlotCache._prefetch``'s ``read_window_bits`` and the simulator's ``hinted``), so a
       second window policy also extends those two tests;
-    - the slot's size: ``TieredEmbeddingBags`` counts 33 bytes of tag, policy state, dirty bit
-      and lock per slot when it turns ``CacheConfig(memory=...)`` into slots.
+    - the slot's size: new per-slot state goes in ``slot_cache._SLOT_METADATA``, which
+      ``SlotCache`` allocates from and ``SlotCache.slot_bytes`` (how ``CacheConfig(memory=...)``
+      becomes slots) counts.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ is unlocked right after its own prefetch. On the same trace and configuration it
 equals the cache's, slot for slot.
 
 The lookahead hints come from the trace itself: each lookup's next batch naming its row is
-computed once, in one backward pass (:func:`_next_batches`). A cached row's next use changes
+computed once, in one backward pass (:func:`next_batches`). A cached row's next use changes
 only when a batch uses it, so each slot keeps the step of its row's next use
 (``next_step``), and before a miss chooses a victim the ways of its set get
 ``next_use = next_step`` where that is within the window, else ``NEXT_USE_UNKNOWN``: exactly
@@ -202,9 +202,11 @@ def _step_of_batch(batch, known_batches, first_step):
     return first_step + batch + 1 if batch < known_batches else NEXT_USE_UNKNOWN
 
 
-@numba.njit
-def _next_batches(ids, batch_offsets, num_ids, next_batch_of_lookup, first_batch_of_id):
-    """One backward pass over the trace (``ids``: int64 [N], dense row ids in ``[0, num_ids)``).
+@numba.njit(cache=True, nogil=True)
+def next_batches(ids, batch_offsets, num_ids, next_batch_of_lookup, first_batch_of_id):
+    """The "next batch naming this row" pass, the one both the lookahead window here and Belady's
+    bound (``cache/bounds.py``) read: one backward pass over the trace (``ids``: int64 [N], row
+    ids in ``[0, num_ids)``; ``batch_offsets``: int64 [num_batches + 1]).
 
     Fills ``next_batch_of_lookup`` (int32 [N]): the first batch after each lookup's own that
     names its row, else ``num_batches``; and ``first_batch_of_id`` (int32 [num_ids]): the first
@@ -379,7 +381,7 @@ class CacheSimulator:
         known_batches = batch_offsets.size - 1
         next_batch_of_lookup = np.empty(rows.size, dtype=np.int32)
         first_batch_of_id = np.empty(max(num_ids, 1), dtype=np.int32)
-        _next_batches(ids, batch_offsets, num_ids, next_batch_of_lookup, first_batch_of_id)
+        next_batches(ids, batch_offsets, num_ids, next_batch_of_lookup, first_batch_of_id)
 
         cached = np.flatnonzero(self.tags != EMPTY)
         tags = self.tags[cached]

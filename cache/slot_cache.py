@@ -53,6 +53,7 @@ from tiered_tbe.cache.policy import (
     check_geometry,
     compile_for_simulator,
     policy_code,
+    policy_named,
 )
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.cache.tables import CachedTable, check_tables
@@ -65,6 +66,15 @@ _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
 assert tuple(_DEVICE_COUNTERS) == batch_kernels.COUNTER_NAMES, "batch_kernels.COUNTER_NAMES must follow CacheStats"
 # Tensors SlotCache._assign returns before its moves (slot_of_index .. order).
 _ASSIGN_OUTPUTS = 5
+# The per-slot metadata and its dtypes (SlotCache allocates them from here, so that the size of a
+# slot, :meth:`SlotCache.slot_bytes`, cannot drift from what it allocates).
+_SLOT_METADATA = {"tags": torch.int64, "last_use": torch.int64, "use_count": torch.int32, "dirty": torch.uint8,
+                  "locks": torch.int32, "next_use": torch.int64}
+_SLOT_METADATA_FILL = {"tags": EMPTY, "next_use": NEXT_USE_UNKNOWN}  # the others start at 0
+# Device bytes per row of the cached tables: bypass_count (uint8), and window_bits (int64) once a
+# lookahead cache is told of upcoming batches.
+_ROW_BYTES = torch.uint8.itemsize
+_HINT_ROW_BYTES = torch.int64.itemsize
 
 
 class CacheBatch:
@@ -203,12 +213,8 @@ class SlotCache:
         weights_dtype = self.tables[0].weights.dtype
 
         on = dict(device=self.device)
-        self.tags = torch.full((num_slots,), EMPTY, dtype=torch.int64, **on)
-        self.last_use = torch.zeros(num_slots, dtype=torch.int64, **on)
-        self.use_count = torch.zeros(num_slots, dtype=torch.int32, **on)
-        self.dirty = torch.zeros(num_slots, dtype=torch.uint8, **on)
-        self.locks = torch.zeros(num_slots, dtype=torch.int32, **on)
-        self.next_use = torch.full((num_slots,), NEXT_USE_UNKNOWN, dtype=torch.int64, **on)
+        for name, dtype in _SLOT_METADATA.items():  # tags, last_use, use_count, dirty, locks, next_use
+            setattr(self, name, torch.full((num_slots,), _SLOT_METADATA_FILL.get(name, 0), dtype=dtype, **on))
         self.weights = torch.zeros(num_slots, self.row_width, dtype=weights_dtype, **on)
         self.state = torch.zeros(num_slots, self.state_width, dtype=torch.float32, **on)
         self._step = 0
@@ -248,6 +254,22 @@ class SlotCache:
         # (stream, event) after the latest operation on the metadata, on CUDA: an operation on
         # another stream waits for it, since the kernels update the metadata without atomics.
         self._last_metadata: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
+
+    # ------------------------------------------------------------------ sizes
+
+    @staticmethod
+    def slot_bytes(row_width: int, state_width: int, weights_dtype: torch.dtype) -> int:
+        """Device bytes of one slot: its row (``row_width`` values of ``weights_dtype``), its fp32
+        optimizer state (``state_width`` values) and its metadata (tag, policy state, dirty bit,
+        lock: 33 bytes)."""
+        metadata = sum(dtype.itemsize for dtype in _SLOT_METADATA.values())
+        return row_width * weights_dtype.itemsize + 4 * state_width + metadata
+
+    @staticmethod
+    def row_bytes(policy: str) -> int:
+        """Device bytes the cache keeps per row of its tables (global rows ``0 .. R-1``), beyond its
+        slots: the bypass counts, and the lookahead window's bits for a policy that reads them."""
+        return _ROW_BYTES + (_HINT_ROW_BYTES if policy_named(policy).reads_window else 0)
 
     # ------------------------------------------------------------------ public API
 

@@ -9,6 +9,7 @@ import torch
 
 import tiered_tbe  # noqa: F401  (chooses the mode before triton / numba load)
 from tiered_tbe.base.mode import SIMULATION
+from tiered_tbe.cache.mover import MOVERS
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -19,7 +20,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_collection_modifyitems(config, items):
     if SIMULATION:
-        skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker); run on the lent H200")
+        skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker)")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
@@ -41,14 +42,14 @@ def one_simulated_thread(monkeypatch):
 
     The cache kernels are grid-stride loops, so the result is the same with any thread count,
     and each simulated thread is a Python thread: a 200-step test takes seconds instead of
-    minutes. tests/test_cache*.py keep several threads per launch so that threads interleave.
+    minutes. tests/test_cache_*.py keep several threads per launch so that threads interleave.
     """
     from tiered_tbe.cache import launch
 
     monkeypatch.setattr(launch, "SIMULATED_THREADS", 1)
 
 
-@pytest.fixture(params=["zero_copy", "staged"])
+@pytest.fixture(params=list(MOVERS))
 def mover(request) -> str:
-    """Each row mover of the slot cache (tiered_tbe.cache.mover): cache tests run with both."""
+    """Each row mover of the registry (tiered_tbe.cache.mover.MOVERS): cache tests run with every one."""
     return request.param

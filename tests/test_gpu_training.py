@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tiered_tbe import SGD, Adam, CacheConfig, Placement, PrefetchPipeline, RowwiseAdagrad, TableSpec
+from tiered_tbe.cache.mover import MOVERS
 from tiered_tbe.module import TieredEmbeddingBags
 
 pytestmark = pytest.mark.gpu
@@ -77,7 +78,7 @@ def test_state_beside_rows_trains_identically(optimizer):
             assert torch.equal(got[key], expected[key]), f"{placement.value}, {mover}, depth {depth}: {key}"
 
 
-@pytest.mark.parametrize("mover", ["zero_copy", "staged"])
+@pytest.mark.parametrize("mover", list(MOVERS))
 @pytest.mark.parametrize("policy", ["lru", "lookahead"])
 def test_pipelined_equals_serial_on_side_stream(policy, mover):
     batches = zipf_batches(40, 2, seed=1)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tiered_tbe.cache.bounds import belady, fully_associative_lru, next_use
+from tiered_tbe.cache.hints import DEFAULT_LOOKAHEAD
 from tiered_tbe.cache.policy import POLICIES as CACHE_POLICIES
 from tiered_tbe.cache.policy import round_to_sets
 from tiered_tbe.cache.simulator import simulate
@@ -14,7 +15,6 @@ from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.hit_rate.capacity import cache_rows, check_cache_size, find_smallest_cache
 from tiered_tbe.hit_rate.report import format_results
 from tiered_tbe.hit_rate.runs import POLICIES, Measurement, SimOptions, expand_policies, measure, sweep
-from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD
 from tiered_tbe.traces import Trace, criteo_trace, drifting_zipf_trace, zipf_trace
 
 

@@ -9,7 +9,7 @@ the simulator-only tests use larger Zipf traces.
 import numpy as np
 import pytest
 import torch
-from test_cache import (
+from cache_helpers import (
     DEVICE,
     ROW_BYTES,
     initial_rows,
@@ -24,7 +24,7 @@ from tiered_tbe.base.sorting import INT64_MAX
 from tiered_tbe.cache import MAX_LOOKAHEAD, CachedTable, CacheSimulator, SlotCache, simulate
 from tiered_tbe.cache._kernels import WINDOW_BITS
 from tiered_tbe.cache.bounds import belady
-from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN
+from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN, POLICIES
 from tiered_tbe.traces import zipf_trace
 
 
@@ -231,9 +231,9 @@ def test_a_window_of_64_batches_agrees_with_the_simulator_across_the_wrap_of_the
     assert cache.stats().evictions > 20 and cache.stats() != lru  # the hints changed victims
 
 
-@pytest.mark.parametrize("policy, window, depth", [
-    ("lookahead", 1, 0), ("lookahead", 3, 0), ("lookahead", 1, 2), ("lookahead", 3, 2),
-    ("lru", 0, 2), ("lfu", 0, 2),
+@pytest.mark.parametrize("policy, window, depth", [  # every policy of the registry
+    (name, window, depth) for name, policy in POLICIES.items()
+    for window, depth in (((1, 0), (3, 0), (1, 2), (3, 2)) if policy.reads_window else ((0, 2),))
 ])
 def test_slot_cache_agrees_with_simulator(policy, window, depth, mover):
     """Same trace, hints and pipeline: equal counters and per-slot state (locks included) after every
@@ -244,7 +244,7 @@ def test_slot_cache_agrees_with_simulator(policy, window, depth, mover):
                       mover=mover)
     simulator = CacheSimulator(32, 4, policy, lfu_decay_interval=4, row_bytes=ROW_BYTES, lookahead_window=window,
                                pipeline_depth=depth)
-    driver = PipelinedDriver(cache, batches, window, depth, hints=policy == "lookahead")
+    driver = PipelinedDriver(cache, batches, window, depth, hints=POLICIES[policy].reads_window)
     for j in range(len(batches)):
         driver.step(j)
         # The simulator sees batch j and its window (the window's uncached rows change nothing).

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tiered_tbe import SGD, Adam, CacheConfig, Placement, PrefetchPipeline, RowwiseAdagrad, TableSpec
+from tiered_tbe.cache.mover import MOVERS
 from tiered_tbe.cache.policy import POLICIES
 from tiered_tbe.module import TieredEmbeddingBags
 
@@ -115,7 +116,7 @@ def test_pipelined_training_equals_serial(policy, one_simulated_thread):
             assert torch.equal(got[key], expected[key]), f"{mover}, depth {depth}: {key} differs"
 
 
-@pytest.mark.parametrize("mover", ["zero_copy", "staged"])
+@pytest.mark.parametrize("mover", list(MOVERS))
 @pytest.mark.parametrize("policy", ["lru", "lookahead"])
 def test_evaluating_held_out_batches_inside_a_pipelined_loop_changes_no_training(policy, mover, one_simulated_thread):
     """Issue 12: every 4th step the loop evaluates a held-out batch under no_grad, a batch the
@@ -169,7 +170,7 @@ def test_pipelined_triton_kernels_equal_serial(one_simulated_thread):
     for batch in batches:
         train_step(serial, batch)
     expected = tables_of(serial)
-    for mover in ("zero_copy", "staged"):
+    for mover in MOVERS:
         pipelined = make_model("lru", backend="triton", mover=mover)
         for batch in PrefetchPipeline(pipelined, batches, depth=2, lookups=lookups):
             train_step(pipelined, batch)

@@ -1,4 +1,4 @@
-"""Every failure path leaves the cache clean (issue 12, reliability).
+"""Every failure path leaves the cache clean.
 
 Bad per-sample weights, malformed batches prefetched ahead and non-finite gradients each raise a
 ValueError that names what was wrong, and leave no lock held, no row changed and no queued batch
@@ -8,9 +8,12 @@ the plain-torch backend on a tiny cache (one simulated thread per cache kernel).
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from tiered_tbe import CacheConfig, Placement, PrefetchPipeline, RowwiseAdagrad, TableSpec, default_device
 from tiered_tbe.module import TieredEmbeddingBags
@@ -19,10 +22,10 @@ BATCH_SIZE = 2
 DEVICE = default_device()  # the module's: cuda on a GPU, cpu in simulation
 
 
-def make_module(**kwargs) -> TieredEmbeddingBags:
+def make_module(policy: str = "lru", **kwargs) -> TieredEmbeddingBags:
     tables = [TableSpec(40, 4, name="big", placement=Placement.HOST_CACHED), TableSpec(6, 3, name="small")]
     return TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(lr=0.2), backend="torch", seed=3,
-                               cache=CacheConfig(slots=8, associativity=4), **kwargs)
+                               cache=CacheConfig(slots=8, associativity=4, policy=policy), **kwargs)
 
 
 def batch(seed: int, lookups_per_bag: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,16 +79,68 @@ def test_bad_per_sample_weights_lock_nothing(kind, one_simulated_thread):
     assert_clean(module)
 
 
-def test_bad_per_sample_weights_leave_a_prefetched_batch_queued(one_simulated_thread):
+def train(module, batches, start: int = 0) -> None:
+    for step, (indices, offsets) in enumerate(batches, start):
+        module(indices, offsets).backward(grad_of(step))
+
+
+# A batch whose forward fails after its prefetch: (make the forward's arguments from a good batch, message).
+FAILED_FORWARDS = {
+    "offsets end short": (lambda i, o: (i, torch.tensor(MALFORMED_OFFSETS, device=DEVICE), None),
+                          r"offsets\[-1\] must equal len\(indices\) = 8, got 6"),
+    "index out of range": (lambda i, o: (torch.cat([i[:-1], i[-1:] + 6]), o, None),
+                           r"table 1 \('small'\): index \d+ at position 7 is out of range \[0, 6\)"),
+    "weights too short": (lambda i, o: (i, o, torch.ones(i.numel() - 1, device=DEVICE)),
+                          r"per_sample_weights has shape \(7,\), expected \(8,\)"),
+    "weights float64": (lambda i, o: (i, o, torch.ones(i.numel(), dtype=torch.float64, device=DEVICE)),
+                        "per_sample_weights must be float32, got torch.float64"),
+}
+MALFORMED_OFFSETS = [0, 2, 4, 5, 6]
+
+
+@pytest.mark.parametrize("kind", FAILED_FORWARDS)
+def test_a_prefetched_batch_whose_forward_fails_releases_its_slots(kind, one_simulated_thread):
+    """The forward raises, and its prefetch is gone with it: no slot stays locked, later batches
+    hit, load_state_dict works, and training ends as if the bad batch had never come."""
+    make_arguments, message = FAILED_FORWARDS[kind]
+    good = [batch(seed) for seed in range(4)]
+    never_saw_it, saw_it = make_module(), make_module()
+    train(never_saw_it, good)
+
+    train(saw_it, good[:1])
+    indices, offsets, weights = make_arguments(*batch(7))
+    saw_it.prefetch(indices, offsets)
+    assert saw_it.cache.num_locked() > 0
+    with pytest.raises(ValueError, match=message):
+        saw_it(indices, offsets, weights)
+    assert_clean(saw_it)
+    saw_it.load_state_dict(state(saw_it))  # refused for good before
+    hits = saw_it.cache_stats().unique_hits
+    for step, (indices, offsets) in enumerate(good[1:], 1):
+        saw_it.prefetch(indices, offsets)
+        saw_it(indices, offsets).backward(grad_of(step))
+    assert saw_it.cache_stats().unique_hits > hits, "later batches hit"
+    assert_clean(saw_it)
+    expected, got = state(never_saw_it), state(saw_it)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_load_state_dict_with_batches_in_flight_names_the_remedy(one_simulated_thread):
     module = make_module()
-    indices, offsets = batch(1)
-    module.prefetch(indices, offsets)
+    for seed in (0, 1):
+        module.prefetch(*batch(seed))
     locked = module.cache.num_locked()
-    assert locked > 0
-    with pytest.raises(ValueError, match="per_sample_weights has shape"):
-        module(indices, offsets, torch.ones(3, device=DEVICE))
-    assert len(module._prefetched) == 1 and module.cache.num_locked() == locked  # as it was
-    module(indices, offsets, torch.rand(indices.numel(), device=DEVICE)).backward(grad_of(1))
+    with pytest.raises(RuntimeError, match=rf"2 batches prefetched and not forwarded, {locked} cache slots locked"
+                                           r".*cancel_prefetched\(\)"):
+        module.load_state_dict(state(module))
+    module.cancel_prefetched()
+    module.load_state_dict(state(module))
+
+    out = module(*batch(2))  # forwarded, its backward to come
+    with pytest.raises(RuntimeError, match=r"0 batches prefetched and not forwarded, \d+ cache slots locked.*backward"):
+        module.load_state_dict(state(module))
+    out.backward(grad_of(2))
+    module.load_state_dict(state(module))
     assert_clean(module)
 
 
@@ -139,6 +194,114 @@ def test_a_malformed_batch_in_a_pipeline_raises_after_the_good_ones_trained(one_
     assert_clean(pipelined)
     expected, got = state(serial), state(pipelined)
     assert all(torch.equal(got[k], expected[k]) for k in expected), "the good batches trained as in serial"
+
+
+def two_modules(policy: str = "lru") -> nn.Module:
+    model = nn.Module()
+    model.first, model.second = make_module(policy=policy), make_module(policy=policy)
+    return model
+
+
+def lookups_of_both(batch):
+    return {"first": batch, "second": batch}
+
+
+def serial_without(skipped: set[int], batches) -> nn.Module:
+    model = two_modules()
+    for step, (indices, offsets) in enumerate(batches):
+        if step not in skipped:
+            for module in model.children():
+                module(indices, offsets).backward(grad_of(step))
+    return model
+
+
+def assert_same_tables(a: nn.Module, b: nn.Module) -> None:
+    expected, got = state(a), state(b)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_pipeline_step_that_fails_before_its_forward_drops_the_batch(one_simulated_thread):
+    """The user's step raises before the tiered forward (a dense part, a data check) and the loop
+    goes on: the batch prefetched for it is dropped at the next step, its slots released, and
+    the next batches train as if it had never come."""
+    batches = [batch(seed) for seed in range(6)]
+    model = two_modules()
+    pipeline = PrefetchPipeline(model, batches, depth=2, lookups=lookups_of_both)
+    for step, (indices, offsets) in enumerate(pipeline):
+        try:
+            if step in (1, 2):
+                raise RuntimeError("the dense part failed")
+            for module in model.children():
+                module(indices, offsets).backward(grad_of(step))
+        except RuntimeError:
+            continue
+    for module in model.children():
+        assert_clean(module)
+    assert_same_tables(model, serial_without({1, 2}, batches))
+
+
+def raise_at(position: int, batches, error: Exception):
+    for i, item in enumerate(batches):
+        if i == position:
+            raise error
+        yield item
+
+
+# An error met while the pipeline reads or prefetches ahead, at batch 3 of 6: (batches, lookups, message).
+def _raise(error: Exception):
+    raise error
+
+
+def _third(batches):
+    return lambda x: x[0] is batches[3][0]
+
+
+AHEAD = {
+    "the batches raise": (lambda b: raise_at(3, b, OSError("disk gone")), lambda b: lookups_of_both, "disk gone"),
+    "lookups raise": (lambda b: b, lambda b: lambda x: lookups_of_both(x) if not _third(b)(x) else _raise(
+        KeyError("no lookups")), "no lookups"),
+    "offsets of a wrong length": (
+        lambda b: b, lambda b: lambda x: {"first": x, "second": (x[0], x[1][:-1]) if _third(b)(x) else x},
+        r"offsets has 4 entries; FBGEMM's TBE layout needs T\*B\+1"),
+}
+
+
+@pytest.mark.parametrize("kind", AHEAD)
+@pytest.mark.parametrize("policy", ["lru", "lookahead"])
+def test_an_error_met_ahead_is_raised_after_the_batches_before_it_trained(kind, policy, one_simulated_thread):
+    """A serial loop would train batches 0..2 and then fail at batch 3: so does the pipeline,
+    though it met the error up to ``depth`` (and the lookahead window) batches early; every lock of
+    the batches prefetched ahead is released."""
+    make_batches, make_lookups, message = AHEAD[kind]
+    batches = [batch(seed) for seed in range(6)]
+    model = two_modules(policy)
+    trained = []
+    with pytest.raises(Exception, match=message):
+        pipeline = PrefetchPipeline(model, make_batches(batches), depth=2, lookups=make_lookups(batches))
+        for step, (indices, offsets) in enumerate(pipeline):
+            for module in model.children():
+                module(indices, offsets).backward(grad_of(step))
+            trained.append(step)
+    assert trained == [0, 1, 2]
+    for module in model.children():
+        assert_clean(module)
+        module.load_state_dict(state(module))
+    assert_same_tables(model, serial_without({3, 4, 5}, batches))
+
+
+def test_a_consumer_that_raises_out_of_a_bare_loop_leaves_no_lock(one_simulated_thread):
+    model = two_modules()
+    batches = [batch(seed) for seed in range(6)]
+    with pytest.raises(RuntimeError, match="boom"):
+        for step, (indices, offsets) in enumerate(PrefetchPipeline(model, batches, depth=3, lookups=lookups_of_both)):
+            if step == 1:
+                raise RuntimeError("boom")
+            for module in model.children():
+                module(indices, offsets).backward(grad_of(step))
+    gc.collect()  # the loop's generator is closed when dropped (at once in CPython)
+    for module in model.children():
+        assert_clean(module)
+    assert_same_tables(model, serial_without({1, 2, 3, 4, 5}, batches))
 
 
 @pytest.mark.parametrize("where", ["gradient", "per_sample_weights"])

@@ -36,7 +36,7 @@ def test_the_loss_falls(capsys):
     """The tables and the dense model learn the hidden truth: the loss of the last steps is well
     below that of the first (seeded data: the same numbers every run)."""
     result = run_train("--steps", "60", "--batch-size", "64", "--placement", "device", "--backend", "torch")
-    losses = [loss for _, loss in result["losses"]]  # every 5th step and the last
+    losses = [loss for _, loss in result["losses"]]  # every 5th step
     first, last = sum(losses[:2]) / 2, sum(losses[-3:]) / 3
     assert first > 0.65 and last < first - 0.12, losses
 
@@ -98,6 +98,34 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path, monkeypatch, capsy
     checkpoint = load(whole)
     assert {"t0.weight", "t0.momentum1", "optimizer_step"} <= {k.split("embeddings.")[-1] for k in checkpoint["model"]}
     assert int(checkpoint["model"]["embeddings.optimizer_step"]) == 7 and "torch_rng" in checkpoint
+
+
+def final_figures(out: str) -> tuple[str, str]:
+    """The last line's loss figures, and what its hit rate covers."""
+    line = next(line for line in reversed(out.splitlines()) if line.startswith("loss "))
+    loss, rest = line.split("; ", 1)
+    return loss, rest.split("cache hit rate (by lookup) ", 1)[1]
+
+
+def test_a_resumed_run_prints_the_final_figures_of_the_uninterrupted_one(tmp_path, capsys, one_simulated_thread):
+    """The final loss covers a fixed window of last steps, whichever run computed them (the
+    checkpoint keeps the losses of its last steps), and the hit rate says which steps it covers:
+    a resumed run's cache starts empty."""
+    common = ["--steps", "14", "--backend", "torch", "--cache-fraction", "0.2"]
+    whole = run_train(*common)
+    whole_loss, whole_hits = final_figures(capsys.readouterr().out)
+    assert whole_loss.startswith("loss ") and "(mean of steps 5-14)" in whole_loss
+    assert whole_hits.endswith("over steps 1-14")
+
+    checkpoint = tmp_path / "c.pt"
+    run_train(*common[2:], "--steps", "7", "--save", str(checkpoint))  # a shorter run first, as a user would
+    capsys.readouterr()
+    resumed = run_train(*common, "--resume", str(checkpoint))
+    resumed_loss, resumed_hits = final_figures(capsys.readouterr().out)
+    assert resumed_loss == whole_loss
+    assert resumed["final_loss"] == whole["final_loss"] and resumed["first_loss"] == whole["first_loss"]
+    assert resumed["losses"] == whole["losses"]
+    assert resumed_hits.endswith("over steps 8-14 (this run's: a resumed run's cache starts empty)")
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -20,6 +20,7 @@ from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.function import TieredEmbeddingBagsFunction
 from tiered_tbe.kernels.linearize import linearize
 from tiered_tbe.kernels.rows import Lookups, no_cache
+from tiered_tbe.memory import check_memory, plan_cache
 from tiered_tbe.optimizers import FusedOptimizer
 from tiered_tbe.specs import CacheConfig, TableSpec
 from tiered_tbe.storage import lay_out
@@ -124,30 +125,29 @@ class TieredEmbeddingBags(nn.Module):
         self._hint_graphs = StepGraphs(enabled=graphs_enabled)
 
         state_width = [optimizer.state_width(s.embedding_dim) if optimizer else 0 for s in tables]
+        cached = [t for t, s in enumerate(tables) if s.placement.is_cached]
+        if cache is not None and not cached:
+            raise ValueError("cache= was given but no table has a *_CACHED placement")
+        plan = plan_cache(tables, state_width, weights_dtype, cache or CacheConfig()) if cached else None
+        check_memory(tables, state_width, weights_dtype, state_layout, self.device, plan)  # before allocating
         generator = torch.Generator(device=self.device).manual_seed(seed)
         initial_state = optimizer.initial_state() if optimizer is not None else 0.0
         self.storage = lay_out(tables, state_width, weights_dtype, self.device, generator, initial_state,
                                state_layout)
 
-        cached = [t for t, s in enumerate(tables) if s.placement.is_cached]
         # The prefetch then sorts every lookup by its row, as the backward would (_apply_update).
         self._every_table_cached = len(cached) == len(tables)
         self.cache: SlotCache | None = None
-        if cached:
-            config = cache if cache is not None else CacheConfig()
-            row_width = max(tables[t].embedding_dim for t in cached)
-            slot_state_width = max(state_width[t] for t in cached)
-            # A slot: its row, its optimizer state, and 33 bytes of tag, policy state, dirty bit and lock.
-            bytes_per_slot = row_width * torch.finfo(weights_dtype).bits // 8 + 4 * slot_state_width + 33
-            cached_rows = sum(tables[t].num_embeddings for t in cached)
+        if plan is not None:
+            config = plan.config
             self.cache = SlotCache(
                 tables=self.storage.cached_tables(),
-                num_slots=config.num_slots(cached_rows, bytes_per_slot),
+                num_slots=plan.num_slots,
                 associativity=config.associativity,
                 policy=config.policy,
                 lfu_decay_interval=config.lfu_decay_interval,
-                row_width=row_width,
-                state_width=slot_state_width,
+                row_width=plan.row_width,
+                state_width=plan.state_width,
                 weights_dtype=weights_dtype,
                 device=self.device,
                 mover=config.mover or default_mover(tables[t].placement for t in cached),
@@ -156,8 +156,6 @@ class TieredEmbeddingBags(nn.Module):
                 cuda_graphs=cuda_graphs,
             )
             cache_weights, cache_state = self.cache.weights, self.cache.state
-        elif cache is not None:
-            raise ValueError("cache= was given but no table has a *_CACHED placement")
         else:
             cache_weights, cache_state = no_cache(weights_dtype, self.device)
         self.row_stores = self.storage.row_stores(cache_weights, cache_state)
@@ -310,13 +308,26 @@ class TieredEmbeddingBags(nn.Module):
 
     def cancel_prefetched(self) -> None:
         """Drop every batch prefetched but not yet forwarded, releasing its cache locks, and run
-        every deferred unlock (the cache then holds no lock of a batch gone through forward)."""
+        every deferred unlock (the cache then holds no lock of a batch gone through forward).
+
+        Call it when prefetched batches will not be forwarded (a loop left early, an evaluation
+        that replaces them): their slots stay locked until then, and ``load_state_dict`` refuses
+        while they are queued. A :class:`~tiered_tbe.PrefetchPipeline` calls it when it closes.
+        """
         while self._prefetched:
             self._prefetched.popleft()[2].release()
         self.run_deferred_unlocks()
         # Batches still in flight (forwarded, no backward yet) unlock at their release from now on.
         self._deferred_unlocks.open = False
         self._deferred_unlocks = DeferredUnlocks()
+
+    def drop_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor) -> bool:
+        """Drop the batch prefetched next if it is this one (the same tensors), releasing its cache
+        locks, for a caller that will not forward it; returns whether it was queued."""
+        if not self._prefetched or self._prefetched[0][0] is not indices or self._prefetched[0][1] is not offsets:
+            return False
+        self._prefetched.popleft()[2].release()
+        return True
 
     def _take_prefetched(self, indices, offsets) -> PreparedBatch | None:
         """The batch prefetched next, if it is this one (the same tensors); None if this batch
@@ -330,7 +341,8 @@ class TieredEmbeddingBags(nn.Module):
             if any(i is indices and o is offsets for i, o, _ in self._prefetched):
                 raise ValueError(
                     "forward got a batch prefetched after the one prefetched next: call forward with the "
-                    "prefetched indices/offsets tensors in the order they were prefetched"
+                    "prefetched indices/offsets tensors in the order they were prefetched (cancel_prefetched() "
+                    "drops every prefetched batch)"
                 )
             return None
         self._prefetched.popleft()
@@ -349,13 +361,17 @@ class TieredEmbeddingBags(nn.Module):
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None) -> torch.Tensor:
         if per_sample_weights is not None:
-            # Checked before the batch is prefetched or taken from the queue: a bad call locks
-            # nothing, and a batch prefetched for these tensors stays queued as it was.
-            validation.check_static(self.tables, indices, offsets, self.device)
-            validation.check_per_sample_weights(per_sample_weights, indices.numel(), self.device)
+            # Checked before the batch is prefetched: a bad call locks nothing, and a batch prefetched
+            # for these tensors goes with it, as one whose value check fails at its forward does.
+            try:
+                validation.check_static(self.tables, indices, offsets, self.device)
+                validation.check_per_sample_weights(per_sample_weights, indices.numel(), self.device)
+            except ValueError:
+                self.drop_prefetched(indices, offsets)
+                raise
         batch = self._take_prefetched(indices, offsets) or self._prepare(indices, offsets)
         if per_sample_weights is not None:
-            batch.lookups = batch.lookups._replace(per_sample_weights=per_sample_weights.detach().float())
+            batch.lookups = batch.lookups._replace(per_sample_weights=per_sample_weights.detach())
         grad_enabled = torch.is_grad_enabled()
         psw_needs_grad = grad_enabled and per_sample_weights is not None and per_sample_weights.requires_grad
         if not grad_enabled or (self.optimizer is None and not psw_needs_grad):
@@ -451,8 +467,14 @@ class TieredEmbeddingBags(nn.Module):
             return  # touch nothing when any entry is wrong
         if self.cache is not None:
             self.run_deferred_unlocks()
-            if self._prefetched or self.cache.num_locked():
-                raise RuntimeError("load_state_dict while batches are in flight (prefetched, or awaiting backward)")
+            locked = self.cache.num_locked()
+            if self._prefetched or locked:
+                raise RuntimeError(
+                    f"load_state_dict while batches are in flight: {len(self._prefetched)} batches prefetched and not "
+                    f"forwarded, {locked} cache slots locked (by those, and by batches forwarded whose backward has "
+                    "not run). Finish them (forward, then backward), or call cancel_prefetched() to drop the "
+                    "prefetched ones; a forwarded batch's slots are released by its backward, or when its output "
+                    "is dropped")
             self.cache.invalidate()  # the cached copies are about to be stale
         with torch.no_grad():
             for key, view in expected.items():

@@ -38,15 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD
+from tiered_tbe.cache.hints import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD
 from tiered_tbe.module import TieredEmbeddingBags
-
-# Batches after the one being prefetched that a lookahead cache learns from, by default. On the
-# Criteo-sized benchmark (Zipf 1.05, 5% cache, depth 2) the CPU simulator gives rows moved / LRU
-# of 0.89 at 8, 0.81 at 16, 0.72 at 32, 0.64 at 64 (benchmarks/HIT_RATES.md); the H200 measured
-# 0.72 at 32 and 0.64 at 64. 64 is the most the cache's window bits hold (MAX_LOOKAHEAD). The
-# window's batches wait on the device: 64 of the benchmark's (B = 65536 x 26 lookups) take ~1.7 GB.
-DEFAULT_LOOKAHEAD = 64
 
 LookupsOf = Callable[[Any], Mapping[str, tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor]]
 
@@ -128,6 +121,12 @@ class PrefetchPipeline:
 
     Use it as a plain iterator or a context manager; ``close()`` (also on exceptions, and at the
     end of iteration) releases the locks of batches prefetched but never trained.
+
+    Errors: an exception met while reading or prefetching ahead (``batches`` raising, ``lookups``
+    raising, a batch refused by a module's checks) is raised where a serial loop would meet it:
+    after the batches before it have been handed out. A batch whose step never reached the
+    module's forward (the step raised, and the loop went on) is dropped, its locks released, when
+    the next batch is asked for.
     """
 
     def __init__(self, model: nn.Module, batches: Iterable, depth: int = 2, lookups: LookupsOf | None = None,
@@ -150,11 +149,15 @@ class PrefetchPipeline:
         self.high_priority_stream = (torch.cuda.Stream(device=self.device, priority=-100)  # clamped to the highest
                                      if self.is_cuda and high_priority else None)
         self.training_stream: torch.cuda.Stream | None = None
-        self.queue: deque[tuple[Any, torch.cuda.Event | None]] = deque()  # prefetched, not yet trained
+        # Prefetched, not yet trained: (batch, lookups by module, event after its prefetch).
+        self.queue: deque[tuple[Any, dict, torch.cuda.Event | None]] = deque()
         # Moved to the device, not yet prefetched: (batch, lookups by module, hint rows by module).
         self.upcoming: deque[tuple[Any, dict, dict]] = deque()
         uses_lookahead = any(m.uses_lookahead for m in self.modules.values())
         self.lookahead = lookahead if lookahead is not None else (DEFAULT_LOOKAHEAD if uses_lookahead else 0)
+        # Met while reading or prefetching ahead: raised once the batches queued before it are handed out;
+        # nothing is read or prefetched after it.
+        self.error: Exception | None = None
         self.closed = False
 
     # --------------------------------------------------------------- plumbing
@@ -171,18 +174,24 @@ class PrefetchPipeline:
         return dict(found)
 
     def _pull(self) -> bool:
-        """Take the next batch from the user's iterable and start moving it to the device."""
+        """Take the next batch from the user's iterable and start moving it to the device; False
+        when none is left, or it failed (``self.error``)."""
+        if self.error is not None:
+            return False
         try:
             batch = next(self.batches)
+            with self._on_side_stream():
+                batch = _move(batch, self.device)
+            lookups = self._lookups_by_module(batch)
+            # Rows a lookahead cache is told about, once per batch (each serves `lookahead` prefetches).
+            with self._on_side_stream():
+                hint_rows = {name: _HintRows(*self.modules[name].rows_for_hint(indices, offsets))
+                             for name, (indices, offsets) in lookups.items() if self.modules[name].uses_lookahead}
         except StopIteration:
             return False
-        with self._on_side_stream():
-            batch = _move(batch, self.device)
-        lookups = self._lookups_by_module(batch)
-        # Rows a lookahead cache is told about, once per batch (each serves `lookahead` prefetches).
-        with self._on_side_stream():
-            hint_rows = {name: _HintRows(*self.modules[name].rows_for_hint(indices, offsets))
-                         for name, (indices, offsets) in lookups.items() if self.modules[name].uses_lookahead}
+        except Exception as error:  # raised after the batches pulled before it (KeyboardInterrupt: at once)
+            self.error = error
+            return False
         self.upcoming.append((batch, lookups, hint_rows))
         return True
 
@@ -194,24 +203,31 @@ class PrefetchPipeline:
         """
         while len(self.upcoming) < 1 + self.lookahead and self._pull():
             pass
-        if not self.upcoming:
+        if not self.upcoming:  # (after an error: the batches pulled before it are still prefetched)
             return False
         batch, lookups, _ = self.upcoming.popleft()
         window = [hint_rows for _, _, hint_rows in list(self.upcoming)[: self.lookahead]]
         if self.is_cuda:
             # The prefetch may evict rows that earlier backwards wrote: start after them.
             self.side_stream.wait_stream(self.training_stream)
-        with self._on_side_stream():
-            for name, (indices, offsets) in lookups.items():
-                module = self.modules[name]
-                if module.uses_lookahead:
-                    module.hint_upcoming([hint_rows[name].rows() for hint_rows in window])
-                module.prefetch(indices, offsets, defer_unlock=True)
-            ready = None
-            if self.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record(self.side_stream)
-        self.queue.append((batch, ready))
+        try:
+            with self._on_side_stream():
+                for name, (indices, offsets) in lookups.items():
+                    module = self.modules[name]
+                    if module.uses_lookahead:
+                        module.hint_upcoming([hint_rows[name].rows() for hint_rows in window])
+                    module.prefetch(indices, offsets, defer_unlock=True)
+                ready = None
+                if self.is_cuda:
+                    ready = torch.cuda.Event()
+                    ready.record(self.side_stream)
+        except Exception as error:
+            # Refused (a module's checks): raised in its turn. The modules that prefetched it already
+            # hold it at the end of their queues, and release it when the pipeline closes.
+            self.error = error
+            self.upcoming.clear()
+            return False
+        self.queue.append((batch, lookups, ready))
         return True
 
     # --------------------------------------------------------------- iteration
@@ -225,7 +241,7 @@ class PrefetchPipeline:
             while len(self.queue) < self.depth and self._prefetch_next():
                 pass
             while self.queue and not self.closed:
-                batch, ready = self.queue.popleft()
+                batch, lookups, ready = self.queue.popleft()
                 self._prefetch_next()  # P(i + depth), overlapping this step
                 if ready is not None:
                     self.training_stream.wait_event(ready)
@@ -234,6 +250,12 @@ class PrefetchPipeline:
                             tensor.record_stream(self.training_stream)
                 with self._step_context():
                     yield batch
+                # The step is over: a module whose forward it never reached still holds the batch first in
+                # its queue (the next forward would find it in the way).
+                for name, (indices, offsets) in lookups.items():
+                    self.modules[name].drop_prefetched(indices, offsets)
+            if self.error is not None and not self.closed:
+                raise self.error
         finally:
             self.close()
 

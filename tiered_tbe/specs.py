@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tiered_tbe.base.codes import MOVERS, Placement  # noqa: F401  (Placement re-exported: public API)
+from tiered_tbe.base.codes import Placement  # noqa: F401  (re-exported: public API)
+from tiered_tbe.cache.mover import MOVERS
 from tiered_tbe.cache.policy import DEFAULT_POLICY, POLICIES, round_to_sets
 
 # Weights dtypes by the names the command line and the benchmarks use (``--dtype``).
@@ -30,10 +31,12 @@ class TableSpec:
     placement: Placement = Placement.DEVICE
 
     def __post_init__(self):
+        # An unnamed table's index is not known here: the message then names the TableSpec.
+        where = f"table {self.name!r}" if self.name is not None else "TableSpec"
         for field_name in ("num_embeddings", "embedding_dim"):
             value = getattr(self, field_name)
             if not _is_whole_number(value) or value < 1:
-                raise ValueError(f"table {self.name!r}: {field_name} must be a whole number >= 1, got {value!r}")
+                raise ValueError(f"{where}: {field_name} must be a whole number >= 1, got {value!r}")
             object.__setattr__(self, field_name, int(value))  # a numpy integer becomes a plain int
         if not isinstance(self.placement, Placement):
             object.__setattr__(self, "placement", Placement(self.placement))
@@ -117,7 +120,9 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig: {name} must be a whole number >= 1 or None, got {value!r}")
 
     def num_slots(self, cached_rows: int, bytes_per_slot: int) -> int:
-        """Slots to allocate for ``cached_rows`` rows of ``bytes_per_slot`` bytes: whole sets, at least one.
+        """Slots to allocate for ``cached_rows`` rows, a slot taking ``bytes_per_slot`` bytes
+        (``SlotCache.slot_bytes``): no more than the rows (a larger size asked caches every row),
+        rounded up to whole sets, at least one set.
 
         Raises:
             ValueError: ``memory`` smaller than one slot.
@@ -128,7 +133,7 @@ class CacheConfig:
             slots = parse_bytes(self.memory) // bytes_per_slot
             if slots < 1:
                 raise ValueError(f"CacheConfig: memory={self.memory!r} holds no slot: a slot takes "
-                                 f"{bytes_per_slot} bytes (its row, its optimizer state and 33 bytes of cache state)")
+                                 f"{bytes_per_slot} bytes (its row, its optimizer state and its cache state)")
         else:
             slots = max(1, int(round((self.fraction if self.fraction is not None else 0.05) * cached_rows)))
-        return round_to_sets(slots, self.associativity)
+        return round_to_sets(min(slots, cached_rows), self.associativity)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiered_tbe.base.codes import Placement
 from tiered_tbe.cache.slot_cache import CachedTable
 from tiered_tbe.cache.tiers import TierBuffer, allocate
 from tiered_tbe.kernels.rows import RowStores
@@ -52,6 +53,32 @@ class TableStorage:
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def _with_rows_bytes(dim: int, state_width: int, element: int) -> tuple[int, int]:
+    """``state_layout="with_rows"``: (bytes of a row's weights, padded to 4; bytes of the row with its
+    state, padded to 16)."""
+    weight_bytes = _round_up(dim * element, 4)
+    return weight_bytes, _round_up(weight_bytes + 4 * state_width, _ROW_ALIGN_BYTES)
+
+
+def tier_bytes(tables: list[TableSpec], state_width: list[int], weights_dtype: torch.dtype,
+               state_layout: str = "separate") -> dict[Placement, tuple[str, int]]:
+    """What :func:`lay_out` will allocate in each tier, by backing placement: ``(what, bytes)``, the
+    tables it holds named, weights and optimizer state counted."""
+    element = weights_dtype.itemsize
+    sizes = {}
+    for placement in dict.fromkeys(spec.placement.backing for spec in tables):
+        members = [t for t, spec in enumerate(tables) if spec.placement.backing is placement]
+        if state_layout == "with_rows":
+            nbytes = sum(tables[t].num_embeddings * _with_rows_bytes(tables[t].embedding_dim, state_width[t],
+                                                                     element)[1] for t in members)
+        else:
+            nbytes = sum(tables[t].num_embeddings * (tables[t].embedding_dim * element + 4 * state_width[t])
+                         for t in members)
+        names = ", ".join(tables[t].name or f"table {t}" for t in members)
+        sizes[placement] = (f"{placement.name} tables ({names})", nbytes)
+    return sizes
 
 
 def lay_out(
@@ -121,8 +148,7 @@ def _lay_out_with_rows(tables, state_width, members, placement, weights_dtype, e
     fills in their views."""
     row_bytes, weight_bytes = {}, {}
     for t in members:
-        weight_bytes[t] = _round_up(tables[t].embedding_dim * element, 4)
-        row_bytes[t] = _round_up(weight_bytes[t] + 4 * state_width[t], _ROW_ALIGN_BYTES)
+        weight_bytes[t], row_bytes[t] = _with_rows_bytes(tables[t].embedding_dim, state_width[t], element)
     buffer = allocate(placement, sum(tables[t].num_embeddings * row_bytes[t] for t in members), torch.uint8, device)
     at = 0
     for t in members:

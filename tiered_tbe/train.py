@@ -12,6 +12,11 @@ on: the embedding tables with their optimizer state (the module's ``state_dict``
 update flushed), the dense model and its optimizer, the step and the torch RNG. Batch ``i`` of
 the synthetic data is a function of the seed and ``i`` alone, so the data position is the step:
 a resumed run trains exactly what the uninterrupted one would have.
+
+The final figures a run prints are those a resumed run prints too: the loss of step 1 and the
+mean loss of the last ``FINAL_STEPS`` steps (the checkpoint keeps the losses of its last steps);
+the cache's hit rate covers the steps of this run only, as it says (a resumed run's cache starts
+empty, so its rate is not the uninterrupted run's).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import math
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +42,10 @@ from tiered_tbe.specs import WEIGHTS_DTYPES, CacheConfig, Placement, TableSpec
 from tiered_tbe.zipf import ZipfSampler
 
 NUM_DENSE = 13
+# The final loss: the mean over this many last steps (the loss of one step is noisy).
+FINAL_STEPS = 10
+# The loss shown beside the progress bar: every this many steps, smoothed.
+LOG_EVERY = 5
 CHECKPOINT_FORMAT = "tiered-tbe train checkpoint, version 1"
 # Flags a resumed run must share with the checkpoint's (they decide the model, the data or the
 # math). The others (placement, cache, policy, pipeline depth) only decide where rows live and
@@ -270,15 +280,18 @@ def run(args: argparse.Namespace) -> dict:
                                      seed=args.seed, backend=args.backend)
     model = TinyDLRM(embeddings, NUM_DENSE).to(device)
     dense_optimizer = torch.optim.Adam(list(model.parameters()), lr=1e-3)
-    losses = dict(first=None, smoothed=None, logged=[])  # every 5th step's loss, and the last
+    # first: step 1's loss; logged: every LOG_EVERY-th step's, and its smoothed value; recent: (step, loss)
+    # of the last FINAL_STEPS steps. Each depends on the steps trained only, not on where a run stopped.
+    losses = dict(first=None, smoothed=None, logged=[], recent=[])
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
         dense_optimizer.load_state_dict(checkpoint["dense_optimizer"])
         torch.set_rng_state(checkpoint["torch_rng"])
         if "cuda_rng" in checkpoint and not SIMULATION:
             torch.cuda.set_rng_state_all(checkpoint["cuda_rng"])
-        losses = checkpoint["losses"]
+        losses = {"recent": [], **checkpoint["losses"]}
         print(f"resumed from {args.resume} after step {start_step}")
+    recent = deque(losses["recent"], maxlen=FINAL_STEPS)  # losses as device tensors: read at a save, and at the end
     print(describe(args, embeddings, start_step), flush=True)
 
     data = SyntheticClicks(tables, args.batch_size, args.bag_size, args.alpha, NUM_DENSE, device, args.seed)
@@ -298,7 +311,8 @@ def run(args: argparse.Namespace) -> dict:
         loss.backward()  # the embedding tables update here, fused
         dense_optimizer.step()
         samples += args.batch_size
-        if step % 5 == 0 or step == args.steps - 1:
+        recent.append((step, loss.detach()))
+        if step % LOG_EVERY == 0:
             value = loss.item()
             losses["logged"].append((step, value))
             losses["first"] = value if losses["first"] is None else losses["first"]
@@ -309,15 +323,23 @@ def run(args: argparse.Namespace) -> dict:
                                  samples_s=f"{rate:,.0f}")
         done = step + 1
         if args.save and (done == args.steps or (args.save_every and done % args.save_every == 0)):
+            losses["recent"] = [(s, float(value)) for s, value in recent]
             save_checkpoint(args.save, model, dense_optimizer, done, config, losses)
     progress.close()
     elapsed = time.perf_counter() - start
     stats = embeddings.cache_stats()
-    result = dict(first_loss=losses["first"], final_loss=losses["smoothed"], losses=losses["logged"],
+    final = [float(value) for _, value in recent]
+    result = dict(first_loss=losses["first"], final_loss=sum(final) / len(final), losses=losses["logged"],
                   samples_per_s=samples / elapsed, hit_rate=stats.hit_rate_by_lookup if embeddings.cache else 1.0,
-                  steps=args.steps)
-    print(f"loss {losses['first']:.4f} -> {losses['smoothed']:.4f} over {args.steps} steps; "
-          f"{result['samples_per_s']:,.0f} samples/s; cache hit rate (by lookup) {result['hit_rate']:.3f}")
+                  hit_rate_steps=(start_step + 1, args.steps), steps=args.steps)
+    if embeddings.cache is None:
+        hits = "no cache"
+    else:
+        hits = f"cache hit rate (by lookup) {result['hit_rate']:.3f} over steps {start_step + 1}-{args.steps}"
+        if start_step:
+            hits += " (this run's: a resumed run's cache starts empty)"
+    print(f"loss {losses['first']:.4f} at step 1 -> {result['final_loss']:.4f} (mean of steps {recent[0][0] + 1}-"
+          f"{args.steps}); {result['samples_per_s']:,.0f} samples/s; {hits}")
     if args.save:
         print(f"saved {args.save} (step {args.steps})")
     if SIMULATION:

@@ -49,9 +49,13 @@ def check_static(tables: list[TableSpec], indices, offsets, device: torch.device
 
 
 def check_per_sample_weights(per_sample_weights, num_lookups: int, device: torch.device) -> None:
-    """One floating-point weight per lookup, on the module's device."""
+    """One float32 weight per lookup, on the module's device (as FBGEMM's TBE takes them: another
+    dtype is refused rather than converted, which would cut the gradient off from the caller's tensor)."""
     if not isinstance(per_sample_weights, torch.Tensor) or not per_sample_weights.is_floating_point():
         raise ValueError("per_sample_weights must be a floating-point tensor")
+    if per_sample_weights.dtype != torch.float32:
+        raise ValueError(f"per_sample_weights must be float32, got {per_sample_weights.dtype} "
+                         "(convert with .float())")
     if tuple(per_sample_weights.shape) != (num_lookups,):
         raise ValueError(
             f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, expected ({num_lookups},): "

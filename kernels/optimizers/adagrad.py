@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import FusedOptimizer
+from .base import FusedOptimizer, check_non_negative
 
 
 @triton.jit
@@ -43,6 +43,9 @@ class Adagrad(FusedOptimizer):
 
     name = "adagrad"
     TRITON = (_load_state, _update, _store_state)
+
+    def __post_init__(self):
+        check_non_negative(self, "lr", "eps", "initial_accumulator_value")
 
     def state_columns(self, dim):
         return (("momentum1", dim),)

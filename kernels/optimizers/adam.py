@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .base import FusedOptimizer, bias_corrections
+from .base import FusedOptimizer, bias_corrections, check_betas, check_non_negative
 
 
 @triton.jit
@@ -86,6 +86,9 @@ class Adam(FusedOptimizer):
     TRITON = (load_moments, _update, store_moments)
     USES_STEP = True  # the bias corrections, computed in the update from the step
 
+    def __post_init__(self):
+        check_adam_fields(self)
+
     def state_columns(self, dim):
         return (("exp_avg", dim), ("exp_avg_sq", dim))
 
@@ -95,6 +98,13 @@ class Adam(FusedOptimizer):
     def reference_update(self, weights, grad, state, step):
         step_size, moments = adam_step_reference(self, weights, grad, state, step)
         return weights - self.lr * step_size, moments
+
+
+def check_adam_fields(optimizer) -> None:
+    """The hyper-parameters of the Adam-type optimizers (Adam, PartialRowwiseAdam, LAMB): ``lr``,
+    ``eps`` and ``weight_decay`` finite and ``>= 0``, ``betas`` a pair in ``[0, 1)``."""
+    check_non_negative(optimizer, "lr", "eps", "weight_decay")
+    check_betas(optimizer)
 
 
 def adam_kernel_hyper(optimizer) -> tuple[float, ...]:

@@ -30,12 +30,17 @@ each with a default) that subclasses :class:`FusedOptimizer`, with:
   hold copies of one value): ``load_state`` must only load and ``store_state`` only store.
 - ``reference_update(weights, grad, state, step) -> (weights, state)``: the same math in plain
   torch (float64 rows ``[R, dim]``, state ``[R, width]`` or ``None``), the tests' oracle.
+- ``__post_init__``: checks its own hyper-parameters with :func:`check_non_negative` (and
+  :func:`check_betas`), so that a value that cannot train is refused at construction, naming the
+  optimizer, the field and the value, not found steps later as NaN rows.
 
 Adding an optimizer: a module here and one line in ``OPTIMIZERS`` (``__init__.py``).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -72,3 +77,26 @@ class FusedOptimizer:
 def bias_corrections(beta1: float, beta2: float, step: int) -> tuple[float, float]:
     """Adam's ``(1 - beta1^step, 1 - beta2^step)`` for the 1-based ``step``."""
     return 1.0 - beta1**step, 1.0 - beta2**step
+
+
+def check_non_negative(optimizer: FusedOptimizer, *fields: str) -> None:
+    """``ValueError`` naming the optimizer, the field and the value unless each field is a finite
+    real number ``>= 0``. Zero is allowed (``lr=0`` freezes the tables, as in ``torch.optim``)."""
+    for field in fields:
+        _check_number(optimizer, field, getattr(optimizer, field))
+
+
+def check_betas(optimizer: FusedOptimizer) -> None:
+    """``betas``: a pair of finite numbers in ``[0, 1)`` (Adam's moment decays)."""
+    betas = optimizer.betas
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{type(optimizer).__name__}: betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, beta in enumerate(betas):
+        _check_number(optimizer, f"betas[{i}]", beta, below=1.0)
+
+
+def _check_number(optimizer: FusedOptimizer, name: str, value, below: float | None = None) -> None:
+    is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value) or value < 0 or (below is not None and value >= below):
+        wanted = ">= 0" if below is None else f"in [0, {below:g})"
+        raise ValueError(f"{type(optimizer).__name__}: {name} must be a finite number {wanted}, got {value!r}")

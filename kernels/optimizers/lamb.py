@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .adam import adam_kernel_hyper, adam_step, adam_step_reference, load_moments, store_moments
+from .adam import adam_kernel_hyper, adam_step, adam_step_reference, check_adam_fields, load_moments, store_moments
 from .base import FusedOptimizer
 
 
@@ -42,6 +42,9 @@ class LAMB(FusedOptimizer):
     name = "lamb"
     TRITON = (load_moments, _update, store_moments)  # Adam's moments, Adam's layout
     USES_STEP = True  # the bias corrections, computed in the update from the step
+
+    def __post_init__(self):
+        check_adam_fields(self)
 
     def state_columns(self, dim):
         return (("exp_avg", dim), ("exp_avg_sq", dim))

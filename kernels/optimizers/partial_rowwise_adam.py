@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .adam import adam_kernel_hyper, bias_correction
+from .adam import adam_kernel_hyper, bias_correction, check_adam_fields
 from .base import FusedOptimizer, bias_corrections
 
 
@@ -56,6 +56,9 @@ class PartialRowwiseAdam(FusedOptimizer):
     name = "partial_rowwise_adam"
     TRITON = (_load_state, _update, _store_state)
     USES_STEP = True  # the bias corrections, computed in the update from the step
+
+    def __post_init__(self):
+        check_adam_fields(self)
 
     def state_columns(self, dim):
         return (("exp_avg", dim), ("exp_avg_sq", 1))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from .base import FusedOptimizer
+from .base import FusedOptimizer, check_non_negative
 
 
 @triton.jit
@@ -35,6 +35,9 @@ class SGD(FusedOptimizer):
 
     name = "sgd"
     TRITON = (_load_state, _update, _store_state)
+
+    def __post_init__(self):
+        check_non_negative(self, "lr")
 
     def kernel_hyper(self):
         return (float(self.lr),)

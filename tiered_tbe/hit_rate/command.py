@@ -15,6 +15,7 @@ from collections.abc import Callable
 from tqdm import tqdm
 
 from tiered_tbe import records
+from tiered_tbe.cache.hints import DEFAULT_LOOKAHEAD
 from tiered_tbe.hit_rate.capacity import TargetResult, cache_slots, check_cache_size, find_smallest_cache
 from tiered_tbe.hit_rate.plot import plot
 from tiered_tbe.hit_rate.real_cache import (
@@ -48,8 +49,6 @@ from tiered_tbe.hit_rate.runs import (
     resolve_policy,
     sweep,
 )
-from tiered_tbe.optimizers import OPTIMIZERS
-from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD
 from tiered_tbe.traces import (
     CRITEO_KAGGLE_TABLE_ROWS,
     FILE_FORMATS,
@@ -197,7 +196,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                        help="embedding dim, for bytes (default 128)")
     cache.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="fp32",
                        help="weights dtype (default fp32)")
-    cache.add_argument("--optimizer", choices=list(OPTIMIZERS), default="rowwise_adagrad",
+    cache.add_argument("--optimizer", choices=list(_optimizers()), default="rowwise_adagrad",
                        help="its per-row fp32 state travels with the row (default rowwise_adagrad)")
     cache.add_argument("--inference", action="store_true", help="no updates: nothing is written back")
     cache.add_argument("--real-cache", action="store_true",
@@ -263,9 +262,17 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
                       table_rows=args.table_rows)
 
 
+def _optimizers() -> dict:
+    """The optimizer registry, loaded when the command runs: it loads Triton (each optimizer's update
+    is a Triton function), which the simulations themselves never need."""
+    from tiered_tbe.optimizers import OPTIMIZERS
+
+    return OPTIMIZERS
+
+
 def options_from_args(args: argparse.Namespace) -> SimOptions:
     weight_bytes = args.dim * DTYPE_BYTES[args.dtype]
-    row_bytes = weight_bytes + 4 * OPTIMIZERS[args.optimizer]().state_width(args.dim)
+    row_bytes = weight_bytes + 4 * _optimizers()[args.optimizer]().state_width(args.dim)
     return SimOptions(associativity=args.associativity, weight_bytes=weight_bytes, row_bytes=row_bytes,
                       training=not args.inference, lfu_decay_interval=args.lfu_decay_interval,
                       lookahead_window=lookahead_windows(args)[0],

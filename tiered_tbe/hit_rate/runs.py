@@ -22,10 +22,10 @@ import numpy as np
 from tqdm import tqdm
 
 from tiered_tbe.cache.bounds import belady, fully_associative_lru, next_use
+from tiered_tbe.cache.hints import DEFAULT_LOOKAHEAD
 from tiered_tbe.cache.policy import POLICIES as CACHE_POLICIES
 from tiered_tbe.cache.simulator import CacheSimulator
 from tiered_tbe.cache.stats import CacheStats
-from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD
 from tiered_tbe.traces import Trace
 
 BASELINE = "lru"  # rows moved are also reported relative to this policy's, at the same size

@@ -1,0 +1,184 @@
+"""What a prefetch decides and holds: locked slots are never evicted, hits lock before misses choose,
+lookups change nothing, rows outside the cached tables are left alone, LFU ages its counts,
+lookahead evicts the row needed latest, and unlocks release exactly what their prefetch took."""
+
+import copy
+
+import pytest
+import torch
+from cache_helpers import (
+    DEVICE,
+    initial_rows,
+    make_tables,
+    prefetch,
+    rows_of_set,
+    rows_tensor,
+)
+
+from tiered_tbe.cache import CachedTable, CacheStats, SlotCache
+from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN
+
+
+def test_locked_slots_are_never_evicted(mover):
+    num_sets = 2
+    table = CachedTable(0, 200, 2, initial_rows(0, 200, 2).to(DEVICE), None)
+    cache = SlotCache([table], num_slots=8, associativity=4, mover=mover)
+    first, second = rows_of_set(0, num_sets, 4), rows_of_set(0, num_sets, 7)[4:]
+    batch_first = prefetch(cache, rows_tensor(first))
+    assert sorted(batch_first.slot_of_index.tolist()) == [0, 1, 2, 3]
+    # Batch 1 still in flight (no unlock): batch 2's rows of the same set find no way.
+    batch_second = prefetch(cache, rows_tensor(second + second))
+    assert batch_second.slot_of_index.tolist() == [-1] * 6
+    assert sorted(cache.tags[:4].tolist()) == sorted(first)
+    stats = cache.stats()
+    assert (stats.unique_misses, stats.misses_no_slot, stats.evictions, stats.lookups) == (7, 3, 0, 10)
+    assert cache.num_locked() == 4
+    cache.unlock(batch_second)  # no slot to release: every slot was -1
+    assert cache.num_locked() == 4
+    cache.unlock(batch_first)
+    assert cache.num_locked() == 0
+    # Unlocked, the same batch evicts: all four rows were last used at step 1, so ties go to the
+    # lowest ways, taken by the missed rows in ascending order.
+    assert prefetch(cache, rows_tensor(second)).slot_of_index.tolist() == [0, 1, 2]
+    assert cache.stats().evictions == 3
+
+
+def test_hits_lock_before_misses_choose_and_misses_go_in_row_order(mover):
+    num_sets = 2
+    table = CachedTable(0, 400, 2, initial_rows(0, 400, 2).to(DEVICE), None)
+    cache = SlotCache([table], num_slots=8, associativity=4, mover=mover)
+    old = rows_of_set(0, num_sets, 4, high=400)
+    cache.unlock(prefetch(cache, rows_tensor(old)))
+    new = rows_of_set(0, num_sets, 8, high=400)[4:]
+    # The batch uses old[3] (in way 3) and four new rows. old[3] is a hit, locked before any
+    # victim is chosen; the misses go in ascending row order, each to the lowest of the tied
+    # unlocked ways (all last used at step 1), and the largest finds none.
+    batch = rows_tensor([new[3], old[3], new[1], new[0], new[2]])
+    assert prefetch(cache, batch).slot_of_index.tolist() == [-1, 3, 1, 0, 2]
+    assert cache.tags.tolist()[:4] == [new[0], new[1], new[2], old[3]]
+    torch.testing.assert_close(cache.weights[:4].cpu(), initial_rows(0, 400, 2)[cache.tags[:4].cpu()])
+
+
+def test_lookup_changes_nothing_and_takes_no_lock(mover):
+    cache = SlotCache(make_tables(), num_slots=8, associativity=4, mover=mover)
+    cache.unlock(prefetch(cache, rows_tensor([4, 5, 260])))
+    before = {name: getattr(cache, name).clone() for name in ("tags", "last_use", "use_count", "locks")}
+    slots = cache.lookup(rows_tensor([5, 6, 260, 210, 5, -3]))
+    assert slots.dtype == torch.int32
+    tags = cache.tags
+    assert tags[slots[0]] == 5 and tags[slots[2]] == 260 and slots[0] == slots[4]
+    assert slots[[1, 3, 5]].tolist() == [-1, -1, -1]  # not cached; uncached table; not a row
+    for name, value in before.items():
+        assert torch.equal(getattr(cache, name), value), name
+    assert cache.step == 1 and cache.stats().lookups == 3
+
+
+def test_rows_outside_cached_tables_are_left_alone(mover):
+    cache = SlotCache(make_tables(), num_slots=8, associativity=4, mover=mover)
+    assert prefetch(cache, rows_tensor([200, 249, 350, 10**12, -1, 200])).slot_of_index.tolist() == [-1] * 6
+    assert (cache.tags == EMPTY).all()
+    assert cache.stats() == CacheStats(batches=1)
+    assert prefetch(cache, rows_tensor([])).slot_of_index.shape == (0,)
+    assert cache.step == 2
+
+
+def test_lfu_aging_halves_counts_and_lets_a_once_hot_row_go(mover):
+    def run(decay_interval):
+        table = CachedTable(0, 16, 1, initial_rows(0, 16, 1).to(DEVICE), None)
+        cache = SlotCache([table], num_slots=2, associativity=2, policy="lfu", lfu_decay_interval=decay_interval,
+                          mover=mover)
+        counts = []
+        for row in (7, 7, 7, 7, 3, 5):  # row 7 hot early, then rows 3 and 5
+            cache.unlock(prefetch(cache, rows_tensor([row, row])))  # two lookups, one use
+            counts.append(sorted(zip(cache.tags.tolist(), cache.use_count.tolist())))
+        return counts
+
+    aged = run(decay_interval=2)
+    assert aged[:4] == [[(-1, 0), (7, 1)], [(-1, 0), (7, 1)], [(-1, 0), (7, 2)], [(-1, 0), (7, 1)]]
+    # Step 5: row 3 fills the empty way. Step 6: counts tied at 1, row 7 least recent: evicted.
+    assert aged[4] == [(3, 1), (7, 1)]
+    assert aged[5] == [(3, 0), (5, 0)]
+    # Without aging row 7 keeps 4 uses and stays; row 3 (1 use) goes instead.
+    assert run(decay_interval=1000)[5] == [(5, 1), (7, 4)]
+
+
+def test_lookahead_evicts_the_row_needed_latest(mover):
+    table = CachedTable(0, 64, 1, initial_rows(0, 64, 1).to(DEVICE), None)
+    cache = SlotCache([table], num_slots=3, associativity=3, policy="lookahead", mover=mover)
+    cache.unlock(prefetch(cache, rows_tensor([10, 11, 12])))
+    ways = {row: way for way, row in enumerate(cache.tags.tolist())}
+    # The pipeline's hint: row 10 next needed at step 5, row 12 at step 3, row 11 at none.
+    cache.next_use[ways[10]], cache.next_use[ways[12]] = 5, 3
+    cache.unlock(prefetch(cache, rows_tensor([20])))
+    assert 11 not in cache.tags.tolist()
+    cache.next_use[cache.tags == 20] = 4
+    cache.unlock(prefetch(cache, rows_tensor([21])))
+    assert sorted(cache.tags.tolist()) == [12, 20, 21]  # row 10 (step 5) was needed latest
+    cache.next_use.fill_(NEXT_USE_UNKNOWN)  # no hint: least recently used goes
+    cache.unlock(prefetch(cache, rows_tensor([22])))
+    assert sorted(cache.tags.tolist()) == [20, 21, 22]
+
+
+def test_unlock_with_mark_dirty_dirties_exactly_the_batchs_slots_and_releases_its_bypassed_rows():
+    conflicting = rows_of_set(0, 2, 3)  # 3 rows of one set of 2 ways
+    cache = SlotCache(make_tables(), num_slots=4, associativity=2)
+    first = prefetch(cache, rows_tensor(conflicting + conflicting[:1]))  # 2 slots locked, 1 row bypassed
+    assert sorted(first.slot_of_index.tolist()).count(-1) == 1 and int(cache.bypass_count.sum()) == 1
+    other = prefetch(cache, rows_tensor(rows_of_set(1, 2, 1)))
+    cache.unlock(first, mark_dirty=True)
+    assert set(cache.dirty.nonzero().flatten().tolist()) == {s for s in first.slot_of_index.tolist() if s >= 0}
+    assert int(cache.bypass_count.sum()) == 0 and int(cache.locks.sum()) == 1  # other's lock stays
+    cache.unlock(other)  # no mark_dirty: its slot stays clean
+    assert int(cache.dirty.sum()) == 2 and cache.num_locked() == 0
+
+
+def test_unlock_twice_or_with_a_tensor_is_refused(mover):
+    cache = SlotCache(make_tables(), num_slots=8, associativity=4, mover=mover)
+    batch = prefetch(cache, rows_tensor([1, 1, 2]))
+    assert sorted(cache.locks.tolist()) == [0] * 6 + [1, 1]  # one lock per unique row
+    with pytest.raises(TypeError, match="CacheBatch"):
+        cache.unlock(batch.slot_of_index)  # a remap is not a batch: nothing released
+    assert cache.num_locked() == 2
+    cache.unlock(batch)
+    with pytest.raises(RuntimeError, match="holds no lock"):
+        cache.unlock(batch)
+    assert cache.num_locked() == 0 and int(cache.locks.min()) == 0
+
+
+def test_unlock_of_a_copied_batch_releases_its_rows_left_in_the_backing_store(mover):
+    """Issue 12: the batch is found by the step its handle names, so a copy of the handle (with
+    copies of its tensors) releases the locks and the rows its prefetch gave no slot, and those
+    rows are cached again by the next prefetch."""
+    num_sets = 1
+    table = CachedTable(0, 200, 2, initial_rows(0, 200, 2).to(DEVICE), None)
+    cache = SlotCache([table], num_slots=4, associativity=4, mover=mover)
+    holder = prefetch(cache, rows_tensor(rows_of_set(0, num_sets, 4)))  # fills the one set with locked rows
+    bypassing = prefetch(cache, rows_tensor([150, 151]))
+    assert bypassing.slot_of_index.tolist() == [-1, -1] and cache.bypass_count[150] == 1
+    twin = copy.copy(bypassing)
+    twin.slot_of_index, twin.locked_slots = twin.slot_of_index.clone(), twin.locked_slots.clone()
+    twin.bypassed_rows = twin.bypassed_rows.clone()
+    cache.unlock(twin)
+    cache.unlock(holder)
+    assert int(cache.bypass_count.sum()) == 0 and cache.num_locked() == 0
+    with pytest.raises(RuntimeError, match="holds no lock"):
+        cache.unlock(bypassing)  # the original names the same batch: released once
+    again = prefetch(cache, rows_tensor([150, 151]))
+    assert (again.slot_of_index >= 0).all(), "rows released by the copy must be cacheable again"
+    torch.testing.assert_close(cache.weights[again.slot_of_index.long()].cpu(), initial_rows(150, 2, 2))
+
+
+def test_locked_slots_release_a_batch_without_a_sort_and_write_back_names_a_row_once(mover):
+    table = CachedTable(0, 300, 3, initial_rows(0, 300, 3).to(DEVICE), None)
+    cache = SlotCache([table], num_slots=8, associativity=2, mover=mover)
+    batch = prefetch(cache, rows_tensor([7, 7, 250, 7, 3, 250, 11, 19, 23]))
+    slot_of_index, locked = batch.slot_of_index, batch.locked_slots
+    held = locked[locked >= 0]
+    assert held.numel() == torch.unique(held).numel() == int((cache.locks > 0).sum())  # one lock per row
+    assert set(held.tolist()) == set(slot_of_index[slot_of_index >= 0].tolist())
+    cache.weights[slot_of_index[0]] += 1.0
+    cache.write_back(slot_of_index)  # row 7 named three times: one write
+    assert cache.stats().write_backs == int((slot_of_index >= 0).sum()) - 3  # 7 x3 and 250 x2 once each
+    torch.testing.assert_close(table.weights[7].cpu(), initial_rows(7, 1, 3)[0] + 1.0)
+    cache.unlock(batch)
+    assert cache.num_locked() == 0
