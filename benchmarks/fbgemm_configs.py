@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD
+from tiered_tbe.cache.hints import DEFAULT_LOOKAHEAD
 from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
 
 HYPER = {"sgd": dict(lr=0.01), "rowwise_adagrad": dict(lr=0.01, eps=1e-8), "adam": dict(lr=0.001, eps=1e-8)}

@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from tiered_tbe.base.codes import MOVERS
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.models import build_module
+from tiered_tbe.cache.mover import MOVERS
 from tiered_tbe.cache.policy import POLICIES
 from tiered_tbe.specs import CacheConfig, Placement
 

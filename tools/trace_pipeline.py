@@ -34,10 +34,10 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 from trace_events import GPU_CATEGORIES, intersect, steady_steps, trace_events, union_ms
 
-from tiered_tbe.base.codes import MOVERS
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.models import SmallDLRM, add_dlrm_flags, build_module, check_dlrm_args, make_batches
+from tiered_tbe.cache.mover import MOVERS
 from tiered_tbe.cache.policy import POLICIES
 from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD, PrefetchPipeline
 from tiered_tbe.specs import CacheConfig, Placement
