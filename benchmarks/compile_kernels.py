@@ -133,6 +133,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     i32, i64, f32 = (torch.zeros(n, dtype=t) for t in (torch.int32, torch.int64, torch.float32))
     weights = torch.zeros(64, dim, dtype=dtype)
     addresses = torch.zeros(4, dtype=torch.int64)
+    descriptor = torch.zeros(4, 16, dtype=torch.int64)
     results = []
     grid = (1,)
 
@@ -142,7 +143,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
         # loaded from a tensor, the alignment hints all Triton knows of them): the same 16-byte accesses.
         for graphed, label in ((False, ""), (True, ", addresses")):
             kernel = tuned.fn.warmup(
-                addresses, f32, 3328, dim, addresses, addresses, i32, i32, weights, dim, i64, i64, i32, f32, 65536, 0,
+                addresses, f32, 3328, dim, descriptor, weights, dim, i64, i64, i32, f32, 65536, 0,
                 POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, ALIGN=16 // weights.element_size(),
                 ALIGN_BYTES=16, BLOCK_D=block_d, ADDRESSES=graphed, OUTPUT_ALIGN_BYTES=16, INPUT_ALIGN_BYTES=16,
                 grid=grid, num_warps=config.num_warps, **config.kwargs)
@@ -151,13 +152,13 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
                                    f"G{shape['GROUPS']} S{shape['STAGES']}{label}", kernel, arch))
     for block_b, block_l in ((128, 1), (4, 32)):  # bags of one (Criteo) and of 32 (linearize_tile)
         results.append(_report(f"linearize B{block_b} L{block_l}", linearize._linearize_kernel.warmup(
-            i32, i32, addresses, i64, i64, n, 65536, BLOCK_B=block_b, BLOCK_L=block_l, grid=grid, num_warps=4), arch))
+            i32, i32, descriptor, i64, i64, n, 65536, BLOCK_B=block_b, BLOCK_L=block_l, grid=grid, num_warps=4), arch))
     config = backward.default_config(block_d)
     align = 16 // weights.element_size()
     common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, ALIGN=align, GRAD_ALIGN_BYTES=16, CHUNK=config.chunk,
                   BLOCK_D=block_d)
-    # order, bags, weights, offsets, step arguments, grad stride, table dims and output offsets
-    gradient_args = (i64, i32, f32, i64, i64, 3328, i32, i32)
+    # order, bags, weights, offsets, step arguments, grad stride, the tables' descriptor
+    gradient_args = (i64, i32, f32, i64, i64, 3328, descriptor)
     results.append(_report("hot window sums", backward.hot_window_sums_kernel.warmup(
         f32, i32, *gradient_args, n, 65536, **common, WINDOWS=config.sum_windows, grid=grid,
         num_warps=config.sum_warps), arch))
@@ -173,8 +174,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
                         NUM_HYPER=num_hyper,
                         ALIGN_BYTES=16,
                         STATE_ALIGN_BYTES=4 if optimizer.state_width(dim) % 4 else 16)
-        update_args = (i32, i32, addresses, addresses, addresses, addresses, addresses, weights, dim, state, 2 * dim,
-                       f32)
+        update_args = (i32, i32, weights, dim, state, 2 * dim, f32)
         label = f"row update ({name}) R{config.rows} L{config.lanes} w{config.num_warps}"
         results.append(_report(label, backward._row_update_kernel.warmup(
             i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, ROWS=config.rows,
@@ -185,7 +185,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     import tiered_tbe.kernels.per_sample_weights as per_sample_weights
 
     results.append(_report("per-sample-weight grad", per_sample_weights._per_sample_weights_grad_kernel.warmup(
-        f32, f32, 3328, addresses, addresses, i32, i32, weights, dim, i64, i64, i32, 65536, POOLING=0,
+        f32, f32, 3328, descriptor, weights, dim, i64, i64, i32, 65536, POOLING=0,
         USE_CACHE=True, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16, BLOCK_B=8, BLOCK_L=4, BLOCK_D=block_d,
         grid=grid, num_warps=4), arch))
     return results

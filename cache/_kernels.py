@@ -15,6 +15,16 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from tiered_tbe.base.descriptors import (
+    DIM,
+    NUM_ROWS,
+    ROW_OFFSET,
+    STATE_ADDRESS,
+    STATE_STRIDE,
+    STATE_WIDTH,
+    WEIGHTS_ADDRESS,
+    WEIGHTS_STRIDE,
+)
 from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
@@ -185,17 +195,6 @@ def window_bits_kernel(
         window_bits[row] = (word | step_bit) if set_bit else (word & ~step_bit)
 
 
-# Columns of ``table_info``, the int64 [G, TABLE_INFO_COLUMNS] description of the G tables whose
-# backing rows share one buffer (a copy launch moves rows of all of them at once).
-INFO_GLOBAL_START = 0  # global row of the table's row 0 (rows of the group ascend with it)
-INFO_GLOBAL_END = 1  # one past its last global row
-INFO_WEIGHTS_OFFSET = 2  # word offset of its row 0 in the group's weights buffer
-INFO_WEIGHTS_STRIDE = 3  # words between consecutive rows
-INFO_WORDS = 4  # words of a row (dim * element size / word size)
-INFO_STATE_OFFSET = 5  # fp32 offset of its row 0 in the group's state buffer
-INFO_STATE_STRIDE = 6  # fp32 values between consecutive rows
-INFO_STATE_WIDTH = 7  # optimizer-state values per row (0: none)
-TABLE_INFO_COLUMNS = 8
 # ``wanted`` of copy_rows_kernel that copies every entry whose row lies in the group's tables.
 COPY_EVERY_ROW = -1
 
@@ -209,12 +208,16 @@ def copy_rows_kernel(
     slot_of_entry,  # int32 or int64 [N]: its slot
     num_entries,  # int32 or int64 [1]: only entries before num_entries[0] are looked at (a count the device
     #               knows: the batch's unique rows, which fills and write-backs lie among)
-    table_info,  # int64 [G, TABLE_INFO_COLUMNS]: the group's tables, ascending global rows (see INFO_*)
+    descriptor,  # int64 [G, DESCRIPTOR_COLUMNS]: the group's tables, ascending global rows (base/descriptors.py)
     to_backing,  # bool: True copies slot -> backing store (write-back), False the reverse (fill)
     cache_weights,  # [S, row_words]: slot rows, reinterpreted as integer words
     cache_state,  # fp32 [S, state_width] (or a [1, 1] dummy when no table has state)
     store_weights,  # [W] the group's whole weights buffer, the same integer words
+    store_weights_address,  # int64: the byte address of store_weights[0]
     store_state,  # fp32 [V] the group's whole optimizer-state buffer (or a [1] dummy)
+    store_state_address,  # int64: the byte address of store_state[0]
+    element_shift,  # int64: log2 of a weight's bytes
+    word_shift,  # int64: log2 of a word's bytes (a word holds one or more whole elements)
 ):
     """Copy whole rows (weights and optimizer state) between slots and the backing stores of a
     group of tables that share one buffer: one launch for all of them.
@@ -225,7 +228,8 @@ def copy_rows_kernel(
     copy (H200, RESULTS.md sixth session), hence ``num_entries``. Weights travel as integer
     words (up to 8 bytes, several elements each where rows allow): a copy needs no arithmetic,
     and bf16 has no numba type. A binary search over the group's table starts finds an entry's
-    table.
+    table; its descriptor row (the TBE kernels' layout: byte addresses, strides in elements)
+    gives the row's place in the group's buffers.
     """
     column_start = cuda.threadIdx.x
     column_stride = cuda.blockDim.x
@@ -235,14 +239,19 @@ def copy_rows_kernel(
         if wanted != COPY_EVERY_ROW and selected[entry] != wanted:
             continue
         row = row_of_entry[entry]
-        low = table_of_row(row, table_info[:, INFO_GLOBAL_START])
-        if row < table_info[low, INFO_GLOBAL_START] or row >= table_info[low, INFO_GLOBAL_END]:
+        low = table_of_row(row, descriptor[:, ROW_OFFSET])
+        first_row = descriptor[low, ROW_OFFSET]
+        if row < first_row or row >= first_row + descriptor[low, NUM_ROWS]:
             continue  # a row of another group's table
-        local_row = row - table_info[low, INFO_GLOBAL_START]
-        weights_base = table_info[low, INFO_WEIGHTS_OFFSET] + local_row * table_info[low, INFO_WEIGHTS_STRIDE]
-        state_base = table_info[low, INFO_STATE_OFFSET] + local_row * table_info[low, INFO_STATE_STRIDE]
-        words = table_info[low, INFO_WORDS]
-        state_width = table_info[low, INFO_STATE_WIDTH]
+        local_row = row - first_row
+        weights_base = (((descriptor[low, WEIGHTS_ADDRESS] - store_weights_address) >> word_shift)
+                        + ((local_row * descriptor[low, WEIGHTS_STRIDE]) << element_shift >> word_shift))
+        words = descriptor[low, DIM] << element_shift >> word_shift
+        state_width = descriptor[low, STATE_WIDTH]
+        state_base = 0
+        if state_width > 0:
+            state_base = ((descriptor[low, STATE_ADDRESS] - store_state_address) >> 2
+                          ) + local_row * descriptor[low, STATE_STRIDE]
         slot = slot_of_entry[entry]
         state_slot = slot if state_width > 0 else 0  # the [1, 1] dummy when there is no state
         if to_backing:

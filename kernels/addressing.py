@@ -1,9 +1,10 @@
 """Triton helpers shared by the TBE kernels: where a lookup's row is, and the tiles of bags.
 
-Every kernel finds a row the same way: table ``t``'s row 0 is at ``table_weights_address[t]``
-(any memory the GPU addresses), row ``r`` ``r * table_weights_stride[t]`` elements further on,
-unless the lookup's slot (``slot_of_index``) is ``>= 0``: then the newest copy is that slot of
-the cache. Addresses are formed in int64 (row * stride passes 2^31 elements in large tables).
+Every kernel finds a row the same way: table ``t``'s row 0 is at the address in column
+``WEIGHTS_ADDRESS`` of row ``t`` of the stores' descriptor (``base/descriptors.py``; any memory
+the GPU addresses), row ``r`` ``r * WEIGHTS_STRIDE`` elements further on, unless the lookup's
+slot (``slot_of_index``) is ``>= 0``: then the newest copy is that slot of the cache. Addresses
+are formed in int64 (row * stride passes 2^31 elements in large tables).
 
 The forward-type kernels (pooled forward, linearize, per-sample-weight gradients) share one
 tiling: program ``(i, t)`` takes bags ``i * BLOCK_B ..`` of table ``t`` and walks them
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 import tiered_tbe.base.mode  # noqa: F401  (first: picks GPU or simulation mode before kernels are defined)
+from tiered_tbe.base import descriptors
 
 # Triton runs its interpreter in CPU simulation mode (TRITON_INTERPRET=1, set by base.mode). Read
 # from the environment, as Triton does, so the kernels can also be compiled for a GPU on a machine
@@ -35,6 +37,18 @@ POOLING_CODES = {"sum": POOLING_SUM, "mean": POOLING_MEAN, "none": POOLING_NONE}
 # Triton kernels may read module globals only when they are constexpr.
 POOLING_MEAN_CONSTEXPR = tl.constexpr(POOLING_MEAN)
 POOLING_NONE_CONSTEXPR = tl.constexpr(POOLING_NONE)
+
+INTERPRETING_CONSTEXPR = tl.constexpr(INTERPRETING)
+
+# The descriptor's columns (base/descriptors.py), as the constexprs the kernels index it with.
+WEIGHTS_ADDRESS = tl.constexpr(descriptors.WEIGHTS_ADDRESS)
+WEIGHTS_STRIDE = tl.constexpr(descriptors.WEIGHTS_STRIDE)
+STATE_ADDRESS = tl.constexpr(descriptors.STATE_ADDRESS)
+STATE_STRIDE = tl.constexpr(descriptors.STATE_STRIDE)
+ROW_OFFSET = tl.constexpr(descriptors.ROW_OFFSET)
+DIM = tl.constexpr(descriptors.DIM)
+OUTPUT_OFFSET = tl.constexpr(descriptors.OUTPUT_OFFSET)
+DESCRIPTOR_COLUMNS = tl.constexpr(descriptors.DESCRIPTOR_COLUMNS)
 
 
 def pooling_code(pooling: str) -> int:
@@ -61,13 +75,72 @@ def row_slice_alignment_bytes(tensor, stores) -> int:
 
 
 @triton.jit
+def table_field(
+    descriptor_ptr,  # int64 [T, DESCRIPTOR_COLUMNS]: the tables' descriptor (base/descriptors.py)
+    tables,  # int32 scalar or tensor: the table of each element
+    valid,  # bool, the shape of tables: which tables to read (0 elsewhere); None: all of them
+    COLUMN: tl.constexpr,  # the column: an int64 one (WEIGHTS_ADDRESS, ROW_OFFSET, ...)
+):
+    """int64 of ``tables``' shape: column ``COLUMN`` of each table's descriptor row."""
+    pointers = descriptor_ptr + (tables * DESCRIPTOR_COLUMNS + COLUMN)
+    if valid is None:
+        return tl.load(pointers)
+    else:
+        return tl.load(pointers, mask=valid, other=0)
+
+
+@triton.jit
+def table_field_int32(
+    descriptor_ptr,  # int64 [T, DESCRIPTOR_COLUMNS]: the tables' descriptor (base/descriptors.py)
+    tables,  # int32 scalar or tensor: the table of each element
+    valid,  # bool, the shape of tables: which tables to read (0 elsewhere); None: all of them
+    COLUMN: tl.constexpr,  # an int32 column (DIM, OUTPUT_OFFSET)
+    MULTIPLE_OF: tl.constexpr,  # every value of the column is a multiple of this (the alignment hint)
+):
+    """int32 of ``tables``' shape: column ``COLUMN`` of each table's descriptor row, loaded as the
+    low 32-bit word of its int64 value (little-endian), so the load stays 32 bits wide.
+
+    The hint is given here, where the value is loaded: Triton 3.6 drops a ``tl.multiple_of``
+    applied to the value a ``@triton.jit`` function returns, and a dim not known to be a multiple
+    of the vector width costs the row loads their 16-byte vectors (their masks may change
+    inside a vector)."""
+    pointers = descriptor_ptr.to(tl.pointer_type(tl.int32)) + (tables * DESCRIPTOR_COLUMNS + COLUMN) * 2
+    if valid is None:
+        values = tl.load(pointers)
+    else:
+        values = tl.load(pointers, mask=valid, other=0)
+    return tl.multiple_of(values, MULTIPLE_OF)
+
+
+@triton.jit
+def recomputed_tables(
+    tables,  # int32 tensor: table numbers a kernel read its descriptor rows with already
+):
+    """``tables`` again, through a move the compiler cannot see through, so that the descriptor
+    loads made with the result compute their addresses afresh instead of reusing the 64-bit
+    address of the rows read before (which the compiler would keep live meanwhile).
+
+    The backward reads each run's dim and output column before its gradient loop and the run's
+    row addresses after it. With one descriptor, the compiler kept the row's address live across
+    the loop: row-wise Adagrad's row-update kernel took 44 registers against 40 with one tensor
+    per field (fewer warps a multiprocessor; sm_90, Triton 3.6 and 3.9). Through this move it
+    takes 40 again, and its loads and instruction count are unchanged or fewer."""
+    if INTERPRETING_CONSTEXPR:
+        return tables
+    else:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [tables], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def table_row_zero(
-    address_ptr,  # int64 [T]: address of row 0 of each table (weights or state)
-    tables,  # int32 tensor (any shape): the table of each element
+    descriptor_ptr,  # int64 [T, DESCRIPTOR_COLUMNS]: the tables' descriptor (base/descriptors.py)
+    tables,  # int32 scalar or tensor: the table of each element
+    valid,  # bool, the shape of tables, or None (as table_field's)
+    COLUMN: tl.constexpr,  # WEIGHTS_ADDRESS or STATE_ADDRESS
     ELEMENT: tl.constexpr,  # element type of the rows (tl.float32, tl.float16, tl.bfloat16)
 ):
-    """Typed pointers to row 0 of the tables ``tables``."""
-    return tl.load(address_ptr + tables).to(tl.pointer_type(ELEMENT))
+    """Typed pointers to row 0 of the tables ``tables`` (weights or state)."""
+    return table_field(descriptor_ptr, tables, valid, COLUMN).to(tl.pointer_type(ELEMENT))
 
 
 @triton.jit

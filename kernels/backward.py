@@ -129,15 +129,9 @@ def _row_update_kernel(
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
     step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: grad_output, seed, step)
     grad_output_stride,  # elements between consecutive rows of grad_output
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    descriptor_ptr,  # int64 [T, DESCRIPTOR_COLUMNS]: each table's rows, dim, output column (base/descriptors.py)
     sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
     sorted_slots_ptr,  # int32 [N]: slot of the row at each sorted position, or -1 (read only if USE_CACHE)
-    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
-    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table's weights
-    table_state_address_ptr,  # int64 [T]: address of row 0 of each table's state
-    table_state_stride_ptr,  # int64 [T]: elements between rows of each table's state
-    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
     cache_weights_ptr,  # [num_slots, row_width] slot rows
     cache_weights_stride,  # elements between consecutive slots
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
@@ -171,8 +165,8 @@ def _row_update_kernel(
         if tl.max(row_mask.to(tl.int32), axis=0) > 0:  # not a tile of hot runs only
             columns = tl.arange(0, BLOCK_D)
             grad_output_ptr = grad_output_of_step(step_args_ptr)
-            tables, dims, first_columns = run_columns(starts, row_mask, sorted_bags_ptr, table_dim_ptr,
-                                                      table_output_offset_ptr, batch_size, ALIGN)
+            tables, dims, first_columns = run_columns(starts, row_mask, sorted_bags_ptr, descriptor_ptr,
+                                                      batch_size, ALIGN)
             mask = row_mask[:, None] & (columns[None, :] < dims[:, None])
             longest = tl.max(tl.where(row_mask, ends - starts, 0), axis=0)
             gradient_args = (order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
@@ -196,12 +190,10 @@ def _row_update_kernel(
             slots = tl.zeros_like(tables)
             if USE_CACHE:
                 slots = tl.load(sorted_slots_ptr + starts, mask=row_mask, other=-1)
-            update_rows(global_rows, tables, slots, grad, row_mask, dims, columns, mask,
-                         table_weights_address_ptr, table_weights_stride_ptr,
-                         table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
-                         cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr, hyper_ptr, NUM_HYPER,
-                         OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
-                         ALIGN_BYTES, STATE_ALIGN_BYTES)
+            update_rows(global_rows, tables, slots, grad, row_mask, dims, columns, mask, descriptor_ptr,
+                        cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr,
+                        hyper_ptr, NUM_HYPER, OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE,
+                        STOCHASTIC_ROUNDING, ALIGN_BYTES, STATE_ALIGN_BYTES)
 
 
 @triton.jit
@@ -396,11 +388,9 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     sorted_weights = per_sample_weights[order] if has_per_sample_weights else hyper
     sorted_slots = slot_of_index[order] if plan.use_cache else s.run_end
     gradient_args = (order, s.sorted_bags, sorted_weights, offsets, step_args, plan.grad_output_stride,
-                     stores.table_dim, stores.table_output_offset)
-    update_args = (s.sorted_rows, sorted_slots, stores.table_weights_address, stores.table_weights_stride,
-                   stores.table_state_address, stores.table_state_stride, stores.table_row_offset,
-                   stores.cache_weights, stores.cache_weights.stride(0), stores.cache_state,
-                   stores.cache_state.stride(0), hyper)
+                     stores.descriptor)
+    update_args = (s.sorted_rows, sorted_slots, stores.cache_weights, stores.cache_weights.stride(0),
+                   stores.cache_state, stores.cache_state.stride(0), hyper)
 
     num_windows = triton.cdiv(num_lookups, chunk)
     window_sums = torch.empty(num_windows, block_d, dtype=torch.float32, device=device)

@@ -31,15 +31,21 @@ import triton
 import triton.language as tl
 
 from .addressing import (
+    DIM,
     INTERPRETING,
+    OUTPUT_OFFSET,
     POOLING_MEAN_CONSTEXPR,
     POOLING_NONE,
     POOLING_NONE_CONSTEXPR,
+    WEIGHTS_ADDRESS,
+    WEIGHTS_STRIDE,
     bag_length_class,
     bag_tile_bounds,
     lookup_rows,
     pooling_code,
     row_slice_alignment_bytes,
+    table_field,
+    table_field_int32,
     table_row_zero,
 )
 from .rows import Lookups, RowStores, check_lookups
@@ -115,10 +121,7 @@ def _pooled_forward_kernel(
     output_ptr,  # fp32 [B, total_dim] (sum, mean) or [N, output_width] (none): out
     output_stride,  # elements between consecutive output rows
     output_width,  # pooling none: columns of an output row (zeros past the table's dim)
-    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
-    table_weights_stride_ptr,  # int64 [T]: elements between consecutive rows of each table
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first output column of each table
+    descriptor_ptr,  # int64 [T, DESCRIPTOR_COLUMNS]: each table's weights address, stride, dim, output column
     cache_weights_ptr,  # [num_slots, row_width] slot rows; its element type is every row's
     cache_weights_stride,  # elements between consecutive slots
     indices_ptr,  # int32/int64 [N]: row within its table of each lookup
@@ -152,11 +155,11 @@ def _pooled_forward_kernel(
         per_sample_weights_ptr = tl.multiple_of(tl.load(addresses_ptr + 4).to(per_sample_weights_ptr.dtype),
                                                 INPUT_ALIGN_BYTES)
     element = cache_weights_ptr.dtype.element_ty
-    table_rows = table_row_zero(table_weights_address_ptr, table, element)
-    row_stride = tl.load(table_weights_stride_ptr + table)
+    table_rows = table_row_zero(descriptor_ptr, table, None, WEIGHTS_ADDRESS, element)
+    row_stride = table_field(descriptor_ptr, table, None, WEIGHTS_STRIDE)
     # A multiple of the alignment (in elements), so masks stay constant across a vector.
-    dim = tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
-    output_column = tl.multiple_of(tl.load(table_output_offset_ptr + table), ALIGN)
+    dim = table_field_int32(descriptor_ptr, table, None, DIM, ALIGN)
+    output_column = table_field_int32(descriptor_ptr, table, None, OUTPUT_OFFSET, ALIGN)
     columns = tl.arange(0, BLOCK_D)
     in_row = columns < dim
     # GROUPS tiles a program, one after the other: fewer, longer programs (the H200 launches
@@ -242,9 +245,10 @@ def pooled_forward(
             microseconds where Triton's launch path cost tens).
 
     Returns:
-        fp32 ``[B, stores.total_dim]`` for sum and mean: table ``t``'s bag ``b`` at columns
-        ``table_output_offset[t] : + dim_t``. For ``"none"``: fp32 ``[N, stores.max_dim]``, row
-        ``i`` the (per-sample weighted) row of lookup ``i`` (zeros past a smaller table's dim).
+        fp32 ``[B, stores.total_dim]`` for sum and mean: table ``t``'s bag ``b`` at the ``dim_t``
+        columns from its ``OUTPUT_OFFSET`` (the dims of the tables before it). For ``"none"``: fp32
+        ``[N, stores.max_dim]``, row ``i`` the (per-sample weighted) row of lookup ``i`` (zeros
+        past a smaller table's dim).
     """
     mode = pooling_code(pooling)
     check_lookups(stores, lookups, slot_of_index)
@@ -306,8 +310,7 @@ def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, addresses, output, i
     output_stride, output_width = plan.output_shape[1], plan.output_shape[1]  # a contiguous output
     kernel[grid](
         addresses if addresses is not None else offsets, output, output_stride, output_width,
-        stores.table_weights_address, stores.table_weights_stride, stores.table_dim, stores.table_output_offset,
-        stores.cache_weights, stores.cache_weights.stride(0),
+        stores.descriptor, stores.cache_weights, stores.cache_weights.stride(0),
         indices, offsets, slot_of_index if plan.use_cache else indices,
         per_sample_weights if plan.has_per_sample_weights else output,
         plan.batch_size, plan.bag_length_class,

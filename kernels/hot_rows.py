@@ -25,8 +25,7 @@ def hot_window_sums_kernel(
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
     step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: grad_output's address)
     grad_output_stride,  # elements between consecutive rows of grad_output
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    descriptor_ptr,  # int64 [T, DESCRIPTOR_COLUMNS]: each table's rows, dim, output column (base/descriptors.py)
     num_lookups,  # N
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code
@@ -52,8 +51,8 @@ def hot_window_sums_kernel(
                 window = tl.program_id(0).to(tl.int64) * WINDOWS + lane
                 positions = window * CHUNK + tl.arange(0, CHUNK)
                 # A pure window lies in one run: one table, read once.
-                table, dims, first_column = run_columns(window * CHUNK, window >= 0, sorted_bags_ptr, table_dim_ptr,
-                                                        table_output_offset_ptr, batch_size, ALIGN)
+                table, dims, first_column = run_columns(window * CHUNK, window >= 0, sorted_bags_ptr, descriptor_ptr,
+                                                        batch_size, ALIGN)
                 tile = lookup_gradients(
                     positions, positions >= 0, table, first_column, (columns < dims)[None, :], order_ptr,
                     sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size,
@@ -115,15 +114,9 @@ def hot_row_update_kernel(
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
     step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: grad_output, seed, step)
     grad_output_stride,  # elements between consecutive rows of grad_output
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    descriptor_ptr,  # int64 [T, DESCRIPTOR_COLUMNS]: each table's rows, dim, output column (base/descriptors.py)
     sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
     sorted_slots_ptr,  # int32 [N]: slot of the row at each sorted position, or -1 (read only if USE_CACHE)
-    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
-    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table's weights
-    table_state_address_ptr,  # int64 [T]: address of row 0 of each table's state
-    table_state_stride_ptr,  # int64 [T]: elements between rows of each table's state
-    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
     cache_weights_ptr,  # [num_slots, row_width] slot rows
     cache_weights_stride,  # elements between consecutive slots
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
@@ -169,10 +162,9 @@ def hot_row_update_kernel(
             first_window = tl.program_id(0).to(tl.int64) * WINDOWS + lane
             _update_hot_run(
                 start, end, first_window, window_sums_ptr, group_sums_ptr, order_ptr, sorted_bags_ptr,
-                sorted_weights_ptr, offsets_ptr, step_args_ptr, grad_output_stride, table_dim_ptr,
-                table_output_offset_ptr, sorted_rows_ptr, sorted_slots_ptr, table_weights_address_ptr,
-                table_weights_stride_ptr, table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr,
-                cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride, hyper_ptr, batch_size,
+                sorted_weights_ptr, offsets_ptr, step_args_ptr, grad_output_stride, descriptor_ptr, sorted_rows_ptr,
+                sorted_slots_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride,
+                hyper_ptr, batch_size,
                 POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES, CHUNK, USE_CACHE, OPTIMIZER_LOAD_STATE,
                 OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, STOCHASTIC_ROUNDING, NUM_HYPER, ALIGN_BYTES,
                 STATE_ALIGN_BYTES, GROUP, BLOCK_P, BLOCK_L, BLOCK_D)
@@ -184,9 +176,8 @@ def _update_hot_run(
     end,  # int64: one past its last
     first_window,  # int64: its first pure window
     window_sums_ptr, group_sums_ptr, order_ptr, sorted_bags_ptr, sorted_weights_ptr, offsets_ptr, step_args_ptr,
-    grad_output_stride, table_dim_ptr, table_output_offset_ptr, sorted_rows_ptr, sorted_slots_ptr,
-    table_weights_address_ptr, table_weights_stride_ptr, table_state_address_ptr, table_state_stride_ptr,
-    table_row_offset_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride, hyper_ptr,
+    grad_output_stride, descriptor_ptr, sorted_rows_ptr, sorted_slots_ptr, cache_weights_ptr, cache_weights_stride,
+    cache_state_ptr, cache_state_stride, hyper_ptr,
     batch_size,  # the rest: as hot_row_update_kernel's
     POOLING: tl.constexpr, HAS_PER_SAMPLE_WEIGHTS: tl.constexpr, ALIGN: tl.constexpr, GRAD_ALIGN_BYTES: tl.constexpr,
     CHUNK: tl.constexpr, USE_CACHE: tl.constexpr, OPTIMIZER_LOAD_STATE: tl.constexpr, OPTIMIZER_UPDATE: tl.constexpr,
@@ -198,8 +189,7 @@ def _update_hot_run(
     windows, its windows outside them, then its lookups before the first and after the last pure
     window."""
     last_window = end // CHUNK - 1
-    table, dim, first_column = run_columns(start, start >= 0, sorted_bags_ptr, table_dim_ptr, table_output_offset_ptr,
-                                           batch_size, ALIGN)
+    table, dim, first_column = run_columns(start, start >= 0, sorted_bags_ptr, descriptor_ptr, batch_size, ALIGN)
     columns = tl.arange(0, BLOCK_D)
     one = tl.zeros([1], dtype=tl.int32)
     dims = one + dim
@@ -232,7 +222,6 @@ def _update_hot_run(
         slots = one + tl.load(sorted_slots_ptr + start)
     global_rows = one.to(tl.int64) + tl.load(sorted_rows_ptr + start).to(tl.int64)
     update_rows(global_rows, one + table, slots, grad[None, :], one == 0, dims, columns, in_row,
-                table_weights_address_ptr, table_weights_stride_ptr, table_state_address_ptr, table_state_stride_ptr,
-                table_row_offset_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride,
+                descriptor_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride,
                 step_args_ptr, hyper_ptr, NUM_HYPER, OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE,
                 USE_CACHE, STOCHASTIC_ROUNDING, ALIGN_BYTES, STATE_ALIGN_BYTES)

@@ -1,6 +1,7 @@
 """Linearize a batch: the global row id and the bag of every lookup, in one pass over the bags.
 
-All tables of a module share one global row id space (``g = table_row_offset[t] + r``); the
+All tables of a module share one global row id space (``g = row_offset[t] + r``, the
+descriptor's ``ROW_OFFSET``); the
 cache keys its slots by ``g`` and the backward sorts lookups by ``g``. Both also need the bag
 ``t * B + b`` of each lookup, which the TBE layout gives only as bag boundaries (``offsets``).
 One launch, tiled like the forward (``kernels/addressing.py``), writes both.
@@ -14,15 +15,15 @@ import triton.language as tl
 
 from tiered_tbe.base.codes import INT32_MAX
 
-from .addressing import INTERPRETING, bag_length_class, bag_tile_bounds
+from .addressing import INTERPRETING, ROW_OFFSET, bag_length_class, bag_tile_bounds, table_field
 from .rows import Lookups, RowStores
 
 
 @triton.jit(do_not_specialize=["num_lookups", "batch_size"])
 def _linearize_kernel(
-    global_rows_ptr,  # int32/int64 [N] out: table_row_offset[t] + indices[i]
+    global_rows_ptr,  # int32/int64 [N] out: the global row of row 0 of table t + indices[i]
     bag_of_index_ptr,  # int32 [N] out: t*B + b of the bag holding lookup i
-    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
+    descriptor_ptr,  # int64 [T, DESCRIPTOR_COLUMNS]: each table's global row id of row 0 (base/descriptors.py)
     indices_ptr,  # int32/int64 [N]: row within its table of each lookup
     offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries, table-major
     num_lookups,  # N: positions past it are never written, whatever the offsets say
@@ -33,7 +34,7 @@ def _linearize_kernel(
     table = tl.program_id(1)
     bags, _, starts, ends = bag_tile_bounds(offsets_ptr, table, tl.program_id(0) * BLOCK_B, batch_size, BLOCK_B,
                                                   BLOCK_L)
-    row_offset = tl.load(table_row_offset_ptr + table)
+    row_offset = table_field(descriptor_ptr, table, None, ROW_OFFSET)
     bag_ids = (table * batch_size + bags).to(tl.int32)
     lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
     for step_start in range(0, tl.max(ends - starts, axis=0), BLOCK_L):
@@ -75,7 +76,7 @@ def linearize(stores: RowStores, lookups: Lookups, key_dtype: torch.dtype = torc
             tile = (2, 2) if INTERPRETING else linearize_tile(num_lookups, stores.num_tables * lookups.batch_size)
         block_b, block_l = tile
         grid = (triton.cdiv(lookups.batch_size, block_b), stores.num_tables)
-        _linearize_kernel[grid](global_rows, bag_of_index, stores.table_row_offset, lookups.indices,
+        _linearize_kernel[grid](global_rows, bag_of_index, stores.descriptor, lookups.indices,
                                 lookups.offsets, num_lookups, lookups.batch_size, BLOCK_B=block_b, BLOCK_L=block_l,
                                 num_warps=4)
     return lookups._replace(global_rows=global_rows, bag_of_index=bag_of_index)

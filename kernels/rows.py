@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from tiered_tbe.base.descriptors import describe_tables
+
 # Weights dtypes the kernels take; the plain-torch references also take float64.
 WEIGHTS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REFERENCE_DTYPES = (*WEIGHTS_DTYPES, torch.float64)
@@ -31,27 +33,20 @@ class RowStores:
     slot ``s`` of the cache, its newest copy is ``cache_weights[s, :dim_t]`` and
     ``cache_state[s, :width]``. All weights share one dtype (fp32, fp16 or bf16).
 
-    The kernels read the derived per-table tensors (built here once, on the cache's device):
-    ``table_weights_address`` / ``table_state_address`` (int64 [T], byte addresses of row 0),
-    ``table_weights_stride`` / ``table_state_stride`` (int64 [T], elements between rows),
-    ``table_dim`` (int32 [T]), ``table_output_offset`` (int32 [T]: first column of table ``t``
-    in a pooled output row) and ``table_row_offset`` (int64 [T]: global row id of row 0; all
-    tables share one global row id space).
+    The kernels read one int64 tensor built here once, on the cache's device: ``descriptor``
+    (``[T, DESCRIPTOR_COLUMNS]``, ``base/descriptors.py``): per table, the byte addresses of row 0
+    of its weights and state, their row strides, its dim, its global row offset (all tables share
+    one global row id space) and its first column in a pooled output row.
     """
 
     table_weights: tuple[torch.Tensor, ...]
     table_state: tuple[torch.Tensor | None, ...]
     cache_weights: torch.Tensor  # [num_slots, row_width] weights dtype ([0, 1] without a cache)
     cache_state: torch.Tensor  # fp32 [num_slots, state_width] ([0, 1] without state)
-    table_weights_address: torch.Tensor = field(init=False)
-    table_state_address: torch.Tensor = field(init=False)
-    table_weights_stride: torch.Tensor = field(init=False)
-    table_state_stride: torch.Tensor = field(init=False)
-    table_dim: torch.Tensor = field(init=False)
-    table_output_offset: torch.Tensor = field(init=False)
-    table_row_offset: torch.Tensor = field(init=False)
+    descriptor: torch.Tensor = field(init=False)  # int64 [T, DESCRIPTOR_COLUMNS] (base/descriptors.py)
     dims: tuple[int, ...] = field(init=False)  # embedding_dim of each table, on the host
     row_offsets: tuple[int, ...] = field(init=False)  # global row id of row 0 of each table
+    output_offsets: tuple[int, ...] = field(init=False)  # first column of each table in a pooled output row
     num_rows: int = field(init=False)  # global rows of all tables (sorts use int32 keys below 2^31)
     alignment: int = field(init=False)  # elements that every weights row start and dim is a multiple of
     state_alignment: int = field(init=False)  # fp32 values that every state row start is a multiple of
@@ -90,9 +85,6 @@ class RowStores:
             total += int(weights.shape[0])
         element = self.table_weights[0].element_size()
 
-        def address(tensor):
-            return 0 if tensor is None else tensor.data_ptr()
-
         def stride(tensor):
             return 0 if tensor is None else int(tensor.stride(0))
 
@@ -109,17 +101,11 @@ class RowStores:
 
         alignment = math.gcd(alignment_of(self.table_weights, self.cache_weights, element), *dims)
         state_alignment = alignment_of(self.table_state, self.cache_state, 4)
-        on = dict(device=device)
+        output_offsets = tuple(sum(dims[:t]) for t in range(len(dims)))
         values = {
-            "table_weights_address": torch.tensor([address(w) for w in self.table_weights], dtype=torch.int64, **on),
-            "table_state_address": torch.tensor([address(s) for s in self.table_state], dtype=torch.int64, **on),
-            "table_weights_stride": torch.tensor([stride(w) for w in self.table_weights], dtype=torch.int64, **on),
-            "table_state_stride": torch.tensor([stride(s) for s in self.table_state], dtype=torch.int64, **on),
-            "table_dim": torch.tensor(dims, dtype=torch.int32, **on),
-            "table_output_offset": torch.tensor([sum(dims[:t]) for t in range(len(dims))], dtype=torch.int32, **on),
-            "table_row_offset": torch.tensor(row_offsets, dtype=torch.int64, **on),
-            "dims": dims, "row_offsets": tuple(row_offsets), "num_rows": total, "alignment": alignment,
-            "state_alignment": state_alignment,
+            "descriptor": describe_tables(self.table_weights, self.table_state, row_offsets, output_offsets, device),
+            "dims": dims, "row_offsets": tuple(row_offsets), "output_offsets": output_offsets, "num_rows": total,
+            "alignment": alignment, "state_alignment": state_alignment,
             # Computed once: triton.next_power_of_2 took 3.4 us a call on the training path's host.
             "block_d": 1 << max(max(dims, default=1) - 1, 0).bit_length(),
         }
@@ -177,7 +163,7 @@ class Lookups(NamedTuple):
     offsets: torch.Tensor  # int32 / int64 [T*B+1]: non-decreasing, offsets[0] == 0, offsets[-1] == N
     batch_size: int  # B
     per_sample_weights: torch.Tensor | None = None  # fp32 [N] or None
-    global_rows: torch.Tensor | None = None  # int64 [N]: table_row_offset[t] + indices
+    global_rows: torch.Tensor | None = None  # int64 [N]: global row of row 0 of table t + indices
     bag_of_index: torch.Tensor | None = None  # int32 [N]: t*B + b of the bag holding each lookup
 
     @property

@@ -15,7 +15,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .addressing import POOLING_MEAN_CONSTEXPR, POOLING_NONE_CONSTEXPR, row_pointers, table_row_zero
+from .addressing import (
+    DIM,
+    OUTPUT_OFFSET,
+    POOLING_MEAN_CONSTEXPR,
+    POOLING_NONE_CONSTEXPR,
+    ROW_OFFSET,
+    STATE_ADDRESS,
+    STATE_STRIDE,
+    WEIGHTS_ADDRESS,
+    WEIGHTS_STRIDE,
+    recomputed_tables,
+    row_pointers,
+    table_field,
+    table_field_int32,
+    table_row_zero,
+)
 
 STEP_INTS = 3
 MAX_HYPER = 8
@@ -102,8 +117,7 @@ def run_columns(
     first_positions,  # int64, scalar or [ROWS]: the first sorted position of each run
     valid,  # bool, same shape: which runs exist
     sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    descriptor_ptr,  # int64 [T, DESCRIPTOR_COLUMNS]: each table's dim and first output column (and more)
     batch_size,  # B
     ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
 ):
@@ -111,8 +125,8 @@ def run_columns(
     its embedding_dim and its first column in a grad_output row (0 where not valid). The hints
     are given here, where the values are loaded (Triton 3.6 drops them given by a caller)."""
     tables = tl.load(sorted_bags_ptr + first_positions, mask=valid, other=0) // batch_size
-    dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=valid, other=0), ALIGN)
-    first_columns = tl.multiple_of(tl.load(table_output_offset_ptr + tables, mask=valid, other=0), ALIGN)
+    dims = table_field_int32(descriptor_ptr, tables, valid, DIM, ALIGN)
+    first_columns = table_field_int32(descriptor_ptr, tables, valid, OUTPUT_OFFSET, ALIGN)
     return tables, dims, first_columns
 
 
@@ -266,11 +280,7 @@ def update_rows(
     dims,  # int32 [R]: embedding_dim of each row's table
     columns,  # int32 [BLOCK_D]
     mask,  # bool [R, BLOCK_D]: row_mask and the table's columns
-    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
-    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table's weights
-    table_state_address_ptr,  # int64 [T]: address of row 0 of each table's fp32 state (0: none)
-    table_state_stride_ptr,  # int64 [T]: elements between rows of each table's state
-    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
+    descriptor_ptr,  # int64 [T, DESCRIPTOR_COLUMNS]: each table's row 0 addresses, strides, global row offset
     cache_weights_ptr,  # [num_slots, row_width] slot rows; its element type is every row's
     cache_weights_stride,  # elements between consecutive slots of cache_weights
     cache_state_ptr,  # fp32 [num_slots, state_width]: optimizer state of cached rows
@@ -288,12 +298,13 @@ def update_rows(
 ):
     """Apply the optimizer to ``R`` rows in their slot or backing store, and store them."""
     element = cache_weights_ptr.dtype.element_ty
-    table_rows = global_rows - tl.load(table_row_offset_ptr + tables, mask=row_mask, other=0)
-    weight_rows = row_pointers(table_row_zero(table_weights_address_ptr, tables, element), table_rows,
-                               tl.load(table_weights_stride_ptr + tables, mask=row_mask, other=0), slots,
+    tables = recomputed_tables(tables)  # not the address of the rows read before the gradient loop
+    table_rows = global_rows - table_field(descriptor_ptr, tables, row_mask, ROW_OFFSET)
+    weight_rows = row_pointers(table_row_zero(descriptor_ptr, tables, None, WEIGHTS_ADDRESS, element), table_rows,
+                               table_field(descriptor_ptr, tables, row_mask, WEIGHTS_STRIDE), slots,
                                cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
-    state_rows = row_pointers(table_row_zero(table_state_address_ptr, tables, tl.float32), table_rows,
-                              tl.load(table_state_stride_ptr + tables, mask=row_mask, other=0), slots,
+    state_rows = row_pointers(table_row_zero(descriptor_ptr, tables, None, STATE_ADDRESS, tl.float32), table_rows,
+                              table_field(descriptor_ptr, tables, row_mask, STATE_STRIDE), slots,
                               cache_state_ptr, cache_state_stride, USE_CACHE, STATE_ALIGN_BYTES)
 
     # Every load of the rows and their state comes before the barrier below, every store after it.
