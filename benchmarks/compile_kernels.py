@@ -155,8 +155,8 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
             i32, i32, descriptor, i64, i64, n, 65536, BLOCK_B=block_b, BLOCK_L=block_l, grid=grid, num_warps=4), arch))
     config = backward.default_config(block_d)
     align = 16 // weights.element_size()
-    common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, ALIGN=align, GRAD_ALIGN_BYTES=16, CHUNK=config.chunk,
-                  BLOCK_D=block_d)
+    common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, ALIGN=align, GRAD_ALIGN_BYTES=16, SHARED_TABLES=False,
+                  CHUNK=config.chunk, BLOCK_D=block_d)
     # order, bags, weights, offsets, step arguments, grad stride, the tables' descriptor
     gradient_args = (i64, i32, f32, i64, i64, 3328, descriptor)
     results.append(_report("hot window sums", backward.hot_window_sums_kernel.warmup(
@@ -179,6 +179,10 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
         results.append(_report(label, backward._row_update_kernel.warmup(
             i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, ROWS=config.rows,
             BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
+        if name == (optimizers or list(OPTIMIZERS))[0]:  # features sharing a table: a column read per lookup
+            results.append(_report(f"{label}, shared tables", backward._row_update_kernel.warmup(
+                i32, i32, *gradient_args, *update_args, n, 65536, **dict(common, SHARED_TABLES=True), **updating,
+                ROWS=config.rows, BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
         results.append(_report(f"hot row update ({name})", backward.hot_row_update_kernel.warmup(
             f32, f32, i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, GROUP=32,
             WINDOWS=config.hot_windows, BLOCK_P=32, BLOCK_L=backward.HOT_LANES, grid=grid, num_warps=4), arch))

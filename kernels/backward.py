@@ -126,10 +126,10 @@ def _row_update_kernel(
     order_ptr,  # int32 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
-    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
+    offsets_ptr,  # int32/int64 [F*B+1]: bag boundaries
     step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: grad_output, seed, step)
     grad_output_stride,  # elements between consecutive rows of grad_output
-    descriptor_ptr,  # int64 [T, DESCRIPTOR_COLUMNS]: each table's rows, dim, output column (base/descriptors.py)
+    descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: each feature's table and output column (base/descriptors.py)
     sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
     sorted_slots_ptr,  # int32 [N]: slot of the row at each sorted position, or -1 (read only if USE_CACHE)
     cache_weights_ptr,  # [num_slots, row_width] slot rows
@@ -143,6 +143,7 @@ def _row_update_kernel(
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
     ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
     GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
+    SHARED_TABLES: tl.constexpr,  # some table is looked up by several features (a run's lookups may differ in theirs)
     CHUNK: tl.constexpr,  # sorted positions per window: runs holding a whole one are hot
     USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
     OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
@@ -165,32 +166,34 @@ def _row_update_kernel(
         if tl.max(row_mask.to(tl.int32), axis=0) > 0:  # not a tile of hot runs only
             columns = tl.arange(0, BLOCK_D)
             grad_output_ptr = grad_output_of_step(step_args_ptr)
-            tables, dims, first_columns = run_columns(starts, row_mask, sorted_bags_ptr, descriptor_ptr,
+            features, dims, first_columns = run_columns(starts, row_mask, sorted_bags_ptr, descriptor_ptr,
                                                       batch_size, ALIGN)
             mask = row_mask[:, None] & (columns[None, :] < dims[:, None])
             longest = tl.max(tl.where(row_mask, ends - starts, 0), axis=0)
             gradient_args = (order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
-                             grad_output_stride, batch_size, columns)
+                             grad_output_stride, batch_size, descriptor_ptr, columns)
             if BLOCK_L == 1:
-                grad = _sum_runs_one_lane(starts, ends, row_mask, tables, first_columns, mask, longest, gradient_args,
-                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, BLOCK_D)
+                grad = _sum_runs_one_lane(starts, ends, row_mask, features, first_columns, mask, longest, gradient_args,
+                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, SHARED_TABLES,
+                                          ALIGN, BLOCK_D)
             elif longest == 1:  # runs of one lookup (most tiles at uniform lookups): no idle lanes
-                grad = _sum_runs_one_lane(starts, ends, row_mask, tables, first_columns, mask, longest, gradient_args,
-                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, BLOCK_D)
+                grad = _sum_runs_one_lane(starts, ends, row_mask, features, first_columns, mask, longest, gradient_args,
+                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, SHARED_TABLES,
+                                          ALIGN, BLOCK_D)
             else:  # [ROWS, BLOCK_L, BLOCK_D] tiles, summed over their lanes in registers
                 lanes = tl.arange(0, BLOCK_L)
                 grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
                 for step_start in range(0, longest, BLOCK_L):
                     positions = starts[:, None] + step_start + lanes[None, :]
                     grad += tl.sum(lookup_gradients(positions, (positions < ends[:, None]) & row_mask[:, None],
-                                                    tables[:, None], first_columns[:, None], mask[:, None, :],
+                                                    features[:, None], first_columns[:, None], mask[:, None, :],
                                                     *gradient_args, POOLING, HAS_PER_SAMPLE_WEIGHTS,
-                                                    GRAD_ALIGN_BYTES), axis=1)
+                                                    GRAD_ALIGN_BYTES, SHARED_TABLES, ALIGN), axis=1)
             global_rows = tl.load(sorted_rows_ptr + starts, mask=row_mask, other=0).to(tl.int64)
-            slots = tl.zeros_like(tables)
+            slots = tl.zeros_like(features)
             if USE_CACHE:
                 slots = tl.load(sorted_slots_ptr + starts, mask=row_mask, other=-1)
-            update_rows(global_rows, tables, slots, grad, row_mask, dims, columns, mask, descriptor_ptr,
+            update_rows(global_rows, features, slots, grad, row_mask, dims, columns, mask, descriptor_ptr,
                         cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr,
                         hyper_ptr, NUM_HYPER, OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE,
                         STOCHASTIC_ROUNDING, ALIGN_BYTES, STATE_ALIGN_BYTES)
@@ -201,13 +204,14 @@ def _sum_runs_one_lane(
     starts,  # int64 [ROWS]: first sorted position of each run
     ends,  # int64 [ROWS]: one past its last
     row_mask,  # bool [ROWS]: which runs count
-    tables,  # int32 [ROWS]: each run's table
+    features,  # int32 [ROWS]: the feature of each run's first lookup
     first_columns,  # int32 [ROWS]: its first column in a grad_output row
     in_row,  # bool [ROWS, BLOCK_D]: its columns
     longest,  # scalar: the longest run of the tile
     gradient_args,  # lookup_gradients' pointer and size arguments, as _row_update_kernel passes them
     ROWS: tl.constexpr, POOLING: tl.constexpr, HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,
-    GRAD_ALIGN_BYTES: tl.constexpr, BLOCK_D: tl.constexpr,  # as _row_update_kernel's
+    GRAD_ALIGN_BYTES: tl.constexpr, SHARED_TABLES: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # as _row_update_kernel's
 ):
     """fp32 [ROWS, BLOCK_D]: each run's gradient, one lookup of every run a step.
 
@@ -216,16 +220,17 @@ def _sum_runs_one_lane(
     step's rows are waited for, so a step waits for one round trip (neutral to 0.07 ms faster on
     the H200's backwards, fifteenth session)."""
     order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size, \
-        columns = gradient_args
+        descriptor_ptr, columns = gradient_args
     grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     keys = lookup_keys(starts, (starts < ends) & row_mask, order_ptr, sorted_bags_ptr, POOLING)
     for step_start in range(0, longest):
         positions = starts + step_start
         following = positions + 1
         next_keys = lookup_keys(following, (following < ends) & row_mask, order_ptr, sorted_bags_ptr, POOLING)
-        grad += gradients_of_keys(keys, positions, (positions < ends) & row_mask, tables, first_columns, in_row,
+        grad += gradients_of_keys(keys, positions, (positions < ends) & row_mask, features, first_columns, in_row,
                                   offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size,
-                                  columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES)
+                                  descriptor_ptr, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES,
+                                  SHARED_TABLES, ALIGN)
         keys = next_keys
     return grad
 
@@ -378,7 +383,8 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     hyper = hyper_view(step_args, plan.num_hyper)
     load_state, update, store_state = plan.optimizer_triton
     common = dict(POOLING=plan.mode, HAS_PER_SAMPLE_WEIGHTS=has_per_sample_weights, ALIGN=stores.alignment,
-                  GRAD_ALIGN_BYTES=plan.grad_align_bytes, CHUNK=chunk, BLOCK_D=block_d)
+                  GRAD_ALIGN_BYTES=plan.grad_align_bytes, SHARED_TABLES=stores.shares_tables, CHUNK=chunk,
+                  BLOCK_D=block_d)
     updating = dict(USE_CACHE=plan.use_cache, OPTIMIZER_LOAD_STATE=load_state, OPTIMIZER_UPDATE=update,
                     OPTIMIZER_STORE_STATE=store_state, STOCHASTIC_ROUNDING=plan.stochastic_rounding,
                     NUM_HYPER=plan.num_hyper, ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,

@@ -73,22 +73,26 @@ def make_stores(dims, num_rows, dtype, optimizer, num_slots, device) -> RowStore
 
 
 def make_batch(dims=(3, 17, 33, 1), num_rows=(7, 1, 40, 5), batch_size=5, max_bag=6, dtype=torch.float32,
-               optimizer=None, weighted=False, num_slots=8, index_dtype=torch.int64, device="cpu"):
+               optimizer=None, weighted=False, num_slots=8, index_dtype=torch.int64, device="cpu",
+               feature_table_map=None):
     """``(stores, lookups, slot_of_index)``: a random batch over random tables.
 
     Every fourth bag is empty; half the lookups hit one of a table's first three rows, so rows
-    repeat within bags and across bags. Up to ``num_slots`` of the rows used sit in the slot cache,
-    where their (newer) copy differs from the backing store's.
+    repeat within bags and across bags (and across features, when several look up one table:
+    ``feature_table_map``). Up to ``num_slots`` of the rows used sit in the slot cache, where
+    their (newer) copy differs from the backing store's.
     """
-    num_tables = len(dims)
     stores = make_stores(dims, num_rows, dtype, optimizer, num_slots, device)
-    lengths = torch.randint(0, max_bag + 1, (num_tables * batch_size,), device=device)
+    if feature_table_map is not None:
+        stores = stores.replace(feature_table_map=tuple(feature_table_map))
+    num_features = stores.num_features
+    lengths = torch.randint(0, max_bag + 1, (num_features * batch_size,), device=device)
     lengths[::4] = 0
-    offsets = torch.zeros(num_tables * batch_size + 1, dtype=torch.int64, device=device)
+    offsets = torch.zeros(num_features * batch_size + 1, dtype=torch.int64, device=device)
     offsets[1:] = torch.cumsum(lengths, 0)
-    bag_of_index = torch.repeat_interleave(torch.arange(num_tables * batch_size, device=device), lengths)
+    bag_of_index = torch.repeat_interleave(torch.arange(num_features * batch_size, device=device), lengths)
     num_lookups = bag_of_index.numel()
-    table_of_index = bag_of_index // batch_size
+    table_of_index = torch.tensor(stores.features, device=device)[bag_of_index // batch_size]
     rows_of_table = torch.tensor(num_rows, device=device)[table_of_index]
     uniform = (torch.rand(num_lookups, device=device) * rows_of_table).long()
     hot = (torch.rand(num_lookups, device=device) * rows_of_table.clamp(max=3)).long()

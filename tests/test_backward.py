@@ -43,6 +43,31 @@ def test_backward_update_matches_reference(pooling, name, device):
     assert_stores_close(stores, expected, torch.float32)
 
 
+@pytest.mark.parametrize("name", sorted(ALL_OPTIMIZERS))
+def test_features_sharing_a_table_update_each_row_once(name, device):
+    """Two features of table 0 and three of table 2 (out of order): a row's lookups from several
+    features are one run, their gradients (each from its own feature's columns) summed before one
+    update. Small windows put the shared rows through the hot-row kernels too, and the row-update
+    kernel walks them one lane and two lanes a step."""
+    optimizer = ALL_OPTIMIZERS[name]
+    feature_table_map = (2, 0, 1, 2, 3, 0, 2)
+    for lanes, pooling in ((1, "sum"), (2, "mean")):
+        stores, lookups, slot_of_index = make_batch(optimizer=optimizer, weighted=pooling == "sum", batch_size=6,
+                                                    max_bag=8, feature_table_map=feature_table_map, device=device)
+        bags = torch.repeat_interleave(torch.arange(lookups.offsets.numel() - 1, device=device),
+                                       lookups.offsets.diff())
+        features = bags // lookups.batch_size
+        table_rows = torch.tensor(feature_table_map, device=device)[features] * 1000 + lookups.indices
+        shared = [row for row in table_rows.unique() if features[table_rows == row].unique().numel() > 1]
+        assert shared, "no row is looked up by two features"
+        grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
+        expected = stores.clone()
+        reference_backward_update(grad_output, expected, lookups, slot_of_index, pooling, optimizer, STEP)
+        backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, STEP,
+                        config=BackwardConfig(rows=2, lanes=lanes, num_warps=4, chunk=4))
+        assert_stores_close(stores, expected, torch.float32)
+
+
 @pytest.mark.parametrize("lanes", [1, 4])
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 def test_backward_row_update_lanes(pooling, lanes, device):
@@ -86,10 +111,13 @@ def test_backward_update_low_precision_weights(name, dtype, device):
     assert_stores_close(stores, expected, dtype)
 
 
+@pytest.mark.parametrize("feature_table_map", [None, (2, 0, 1, 2, 3, 0, 2)], ids=["a_feature_a_table", "shared"])
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
-def test_reference_sgd_step_is_the_autograd_gradient(pooling, device):
-    """The reference itself, checked once: its SGD step is -lr times autograd's gradient of every row."""
-    stores, lookups, slot_of_index = make_batch(dtype=torch.float64, weighted=True, device=device)
+def test_reference_sgd_step_is_the_autograd_gradient(pooling, feature_table_map, device):
+    """The reference itself, checked once: its SGD step is -lr times autograd's gradient of every row
+    (with features sharing tables: the sum over the features naming a row)."""
+    stores, lookups, slot_of_index = make_batch(dtype=torch.float64, weighted=True, device=device,
+                                                feature_table_map=feature_table_map)
     leaves = [w.clone().requires_grad_() for w in stores.table_weights]
     cache_leaf = stores.cache_weights.clone().requires_grad_()
     output = reference_forward(stores.replace(table_weights=tuple(leaves), cache_weights=cache_leaf), lookups,

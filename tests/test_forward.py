@@ -48,6 +48,44 @@ def test_pooled_forward_matches_reference(pooling, weighted, dtype, device):
     torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+# Features looking up tables (RowStores.feature_table_map): two of table 0, three of table 2 out of order.
+SHARED_MAP = (2, 0, 1, 2, 3, 0, 2)
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean", "none"])
+def test_features_sharing_a_table_pool_their_own_bags(pooling, device):
+    """Each feature's bags in its own columns (or rows, pooling none), rows read from the table it
+    names; slots beside backing rows, per-sample weights."""
+    dims = (8, 8, 8, 8) if pooling == "none" else (3, 17, 33, 1)
+    stores, lookups, slot_of_index = make_batch(dims=dims, weighted=True, feature_table_map=SHARED_MAP,
+                                                batch_size=6, device=device)
+    assert stores.num_features == 7 and stores.shares_tables
+    assert stores.output_offsets == (0, 33, 36, 53, 86, 87, 90) if pooling != "none" else True
+    output = pooled_forward(stores, lookups, slot_of_index, pooling)
+    assert output.shape == ((lookups.batch_size, 123) if pooling != "none" else (lookups.num_lookups, 8))
+    torch.testing.assert_close(output.double(), reference_forward(stores, lookups, slot_of_index, pooling),
+                               rtol=1e-5, atol=1e-5)
+    grad_output = torch.randn(output.shape, device=device)
+    torch.testing.assert_close(
+        per_sample_weights_grad(grad_output, stores, lookups, slot_of_index, pooling).double(),
+        reference_per_sample_weights_grad(grad_output, stores, lookups, slot_of_index, pooling), rtol=1e-5, atol=1e-5)
+
+
+def test_features_sharing_a_table_share_its_descriptor_rows(device):
+    """A descriptor row per feature: a table's features have its addresses, strides, dim and
+    global row offset, and each its own output column; offsets of the wrong count name F."""
+    stores, lookups, _ = make_batch(feature_table_map=SHARED_MAP, device=device)
+    for f, t in enumerate(SHARED_MAP):
+        row = descriptor_row(stores.descriptor, f)
+        assert row["weights_address"] == stores.table_weights[t].data_ptr()
+        assert row["row_offset"] == stores.row_offsets[t] and row["dim"] == stores.dims[t]
+        assert row["output_offset"] == stores.output_offsets[f] == sum(stores.dims[u] for u in SHARED_MAP[:f])
+    with pytest.raises(ValueError, match=r"F\*B\+1 = 15 entries \(7 features\)"):
+        pooled_forward(stores, lookups._replace(offsets=lookups.offsets[:14], batch_size=2), None, "sum")
+    with pytest.raises(ValueError, match="feature_table_map must name tables"):
+        stores.replace(feature_table_map=(0, 4))
+
+
 @pytest.mark.parametrize("pooling", ["sum", "mean", "none"])
 def test_every_forward_tile_matches_reference(pooling, device):
     """Each tile shape the GPU autotuner may pick (the interpreter runs a single one otherwise):

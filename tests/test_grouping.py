@@ -15,14 +15,19 @@ from tiered_tbe.kernels.backward import sort_lookups
 from tiered_tbe.kernels.linearize import linearize, linearize_tile
 
 
+@pytest.mark.parametrize("feature_table_map", [None, (2, 0, 1, 2, 3, 0, 2)], ids=["a_feature_a_table", "shared"])
 @pytest.mark.parametrize("tile", [(2, 2), (128, 1), (16, 8), (4, 32)])
-def test_linearize_every_tile_matches_torch(tile, device):
-    """Each lookup's global row and bag, for the tiles linearize_tile picks (one lane a bag up to
-    a warp a bag), over bags of 0 to 70 lookups (several steps of 32 lanes) and int32 indices."""
-    stores, lookups, _ = make_batch(batch_size=9, max_bag=70, index_dtype=torch.int32, device=device)
+def test_linearize_every_tile_matches_torch(tile, feature_table_map, device):
+    """Each lookup's global row (its feature's table's) and bag, for the tiles linearize_tile picks
+    (one lane a bag up to a warp a bag), over bags of 0 to 70 lookups (several steps of 32 lanes)
+    and int32 indices."""
+    stores, lookups, _ = make_batch(batch_size=9, max_bag=70, index_dtype=torch.int32, device=device,
+                                    feature_table_map=feature_table_map)
     lengths = lookups.offsets[1:] - lookups.offsets[:-1]
     bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths.long())
-    expected_rows = torch.tensor(stores.row_offsets, device=device)[bags // lookups.batch_size] + lookups.indices.long()
+    table_of_feature = torch.tensor(stores.features, device=device)
+    expected_rows = (torch.tensor(stores.row_offsets, device=device)[table_of_feature[bags // lookups.batch_size]]
+                     + lookups.indices.long())
     for key_dtype in (torch.int32, torch.int64):
         result = linearize(stores, lookups, key_dtype=key_dtype, tile=tile)
         assert result.global_rows.dtype == key_dtype and result.bag_of_index.dtype == torch.int32
