@@ -18,10 +18,12 @@ the last measured commit is ``benchmarks/compiled_triton36.json`` (``--save`` wr
 ``bash benchmarks/compile_like_device.sh --compare benchmarks/compiled_triton36.json`` says in a
 minute whether a change lost 16-byte loads on the device's compiler.
 
-``--count-compilations`` runs the real host functions (``pooled_forward``, ``backward_update``)
-over batches whose sizes, steps and seeds vary, every launch compiled and none run, and prints
-how many kernels each Triton function compiled: one per model shape (per tile the autotuner
-tries, for the forward) when no per-batch integer is specialized.
+``--count-compilations`` runs the real host functions (``pooled_forward``, ``per_sample_weights_grad``,
+``backward_update``) over batches whose sizes, steps and seeds vary, every launch compiled and none
+run, and prints how many kernels each Triton function compiled: one per model shape (per tile the
+autotuner tries, for the forward) when no per-batch integer is specialized; then how many of them
+Triton compiled and how many it loaded from its disk cache (a second run with the same
+``TRITON_CACHE_DIR`` compiles none, and loads the forward's winning tile only).
 
 Run it as its own process (it must set TRITON_INTERPRET before triton is imported).
 """
@@ -235,34 +237,43 @@ def compilations() -> dict[str, int]:
 
 
 def count_compilations(batches: int = 6) -> dict[str, int]:
-    """Forward and backward (row-wise Adagrad, SGD) over ``batches`` batches of one model shape whose
-    lookup counts, batch sizes, steps and seeds vary; returns ``compilations()``."""
+    """Forward, per-sample-weight gradient and backward (row-wise Adagrad, SGD) over ``batches``
+    batches of one model shape (three tables, a slot cache, weighted lookups) whose batch sizes
+    (1 and 16 among them), lookup counts (multiples of 16 and not), steps and seeds vary; returns
+    ``compilations()``."""
     compile_only()
     from tiered_tbe.kernels.backward import backward_update
     from tiered_tbe.kernels.forward import pooled_forward
     from tiered_tbe.kernels.optimizers import SGD, RowwiseAdagrad
-    from tiered_tbe.kernels.rows import Lookups, RowStores, no_cache
+    from tiered_tbe.kernels.per_sample_weights import per_sample_weights_grad
+    from tiered_tbe.kernels.rows import Lookups, RowStores
 
     generator = torch.Generator().manual_seed(0)
     tables = [1000, 50, 7]
     dim = 64
     state = [torch.zeros(n, 1) for n in tables]
-    stores = RowStores(tuple(torch.randn(n, dim) for n in tables), tuple(state), *no_cache(torch.float32, "cpu"))
+    stores = RowStores(tuple(torch.randn(n, dim) for n in tables), tuple(state), torch.randn(32, dim),
+                       torch.zeros(32, 1))
     for batch in range(batches):
-        batch_size = 512 if batch < batches - 1 else 77  # a last, smaller batch
-        lengths = torch.randint(1, 5, (len(tables) * batch_size,), generator=generator)  # mean 2.5: one class
-        # Lookup counts that are multiples of 16 in some batches, odd or even in others.
-        lengths[-1] += (16 - int(lengths.sum()) + (0, 1, 2, 16, 9, 0)[batch % 6]) % 16
+        batch_size = (512, 1, 16, 512, 2, 77)[batch % 6]
+        # Bags of 2 or 3 lookups: the same bag-length class (one set of forward tiles) in every batch.
+        lengths = torch.randint(2, 4, (len(tables) * batch_size,), generator=generator)
+        if batch_size == 2:  # 16 lookups
+            lengths = torch.tensor([3, 3, 3, 3, 2, 2])
+        elif batch_size > 16:  # lookup counts that are multiples of 16 in some batches, odd or even in others
+            lengths[0] += (16 - int(lengths.sum()) + (0, 0, 0, 1, 0, 9)[batch % 6]) % 16
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
         offsets[1:] = lengths.cumsum(0)
         num_lookups = int(offsets[-1])
         table_of = torch.arange(len(tables)).repeat_interleave(batch_size).repeat_interleave(lengths)
         indices = (torch.rand(num_lookups, generator=generator) * torch.tensor(tables)[table_of]).long()
-        lookups = Lookups(indices, offsets, batch_size)
-        pooled_forward(stores, lookups, None, "sum")
+        slots = torch.randint(-1, 32, (num_lookups,), generator=generator, dtype=torch.int32)
+        lookups = Lookups(indices, offsets, batch_size, torch.rand(num_lookups, generator=generator))
+        pooled_forward(stores, lookups, slots, "sum")
         grad = torch.randn(batch_size, dim * len(tables), generator=generator)
+        per_sample_weights_grad(grad, stores, lookups, slots, "sum")
         for optimizer in (RowwiseAdagrad(lr=0.01 * (batch + 1)), SGD(lr=0.1)):
-            backward_update(grad, stores, lookups, None, "sum", optimizer, step=batch + 1, seed=batch)
+            backward_update(grad, stores, lookups, slots, "sum", optimizer, step=batch + 1, seed=batch)
     return compilations()
 
 
@@ -280,8 +291,12 @@ def main(argv=None) -> int:
                              "that changed, exit 1 if one lost 16-byte loads or stores or gained spills")
     args = parser.parse_args(argv)
     if args.count_compilations:
+        from tiered_tbe.base import compiling
+
         for name, count in sorted(count_compilations().items()):
             print(f"{name:<36} {count} compiled")
+        # Of those, what Triton compiled and what it loaded from its disk cache (TRITON_CACHE_DIR).
+        print(f"triton: {compiling.COUNTS['triton compiled']} compiled, {compiling.COUNTS['triton loaded']} loaded")
         return 0
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     print(f"triton {triton.__version__}: compiling for sm_{args.arch}, dim {args.dim}, {args.dtype} (nothing runs)")

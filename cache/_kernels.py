@@ -1,6 +1,7 @@
 """Numba CUDA kernels of the slot cache. Host code: :mod:`tiered_tbe.cache.slot_cache`.
 
-Every kernel loops grid-stride over its entries, so one launch shape serves the GPU (many
+Every kernel is declared with numba's on-disk cache (``launch.cached_kernel``: a new process
+loads what an earlier one compiled) and loops grid-stride over its entries, so one launch shape serves the GPU (many
 blocks) and the CUDA simulator (one small block: the simulator starts a Python thread per CUDA
 thread). Entries past the end of the real data are marked in the data itself (a row of
 ``NOT_CACHED``, a flag of 0), so launches are sized from host-known bounds and the GPU path
@@ -25,6 +26,7 @@ from tiered_tbe.base.descriptors import (
     WEIGHTS_ADDRESS,
     WEIGHTS_STRIDE,
 )
+from tiered_tbe.cache.launch import cached_kernel
 from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
@@ -49,7 +51,7 @@ OUTCOME_NO_SLOT = 3  # missed, every way of its set locked: slot -1
 WINDOW_BITS = 64
 
 
-@cuda.jit
+@cached_kernel
 def assign_slots_kernel(
     set_of_position,  # int64 [N]: sets of the unique rows, sorted (stable: rows ascending within a set)
     unique_of_position,  # int32 [N]: index into unique_rows of each sorted position
@@ -174,7 +176,7 @@ def _lowest_set_bit(word):
     return index
 
 
-@cuda.jit
+@cached_kernel
 def window_bits_kernel(
     rows,  # int64 [M]: the rows of one hinted step's batch, NOT_CACHED outside the cached tables (skipped)
     step_bit,  # int64: that step's bit, 1 << (step % WINDOW_BITS) (bit 63 is the sign bit)
@@ -199,7 +201,7 @@ def window_bits_kernel(
 COPY_EVERY_ROW = -1
 
 
-@cuda.jit
+@cached_kernel
 def copy_rows_kernel(
     selected,  # uint8 or int8 [N]: entry e is copied only where selected[e] == wanted (any [N] array when
     #            wanted is COPY_EVERY_ROW)
@@ -302,7 +304,7 @@ def _copy_row(to_words, to_words_base, from_words, from_words_base, words,
         to_state[to_state_base + column] = from_state[from_state_base + column]
 
 
-@cuda.jit
+@cached_kernel
 def lookup_kernel(
     rows,  # int64 [N]: global rows, NOT_CACHED outside every cached table
     num_sets,  # int64
@@ -320,7 +322,7 @@ def lookup_kernel(
         slot_of_index[i] = slot
 
 
-@cuda.jit
+@cached_kernel
 def mark_dirty_kernel(
     slot_of_index,  # int32 [N]: slots of a batch's lookups, NO_SLOT for uncached ones
     dirty,  # uint8 [S]
@@ -333,7 +335,7 @@ def mark_dirty_kernel(
             dirty[slot] = 1  # repeated slots write the same value: no atomics needed
 
 
-@cuda.jit
+@cached_kernel
 def release_kernel(
     locked_slots,  # int32 [N]: the slots a batch's prefetch locked, each once; NO_SLOT padding
     bypassed_rows,  # int64 [N]: the rows it gave no slot, each once; NOT_CACHED padding

@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 import tiered_tbe.base.mode  # noqa: F401  (first: picks GPU or simulation mode before kernels are defined)
-from tiered_tbe.base import descriptors
+from tiered_tbe.base import compiling, descriptors
+
+compiling.watch_triton_compiles()  # count compiles, and say so when the kernels of a new shape compile
 
 # Triton runs its interpreter in CPU simulation mode (TRITON_INTERPRET=1, set by base.mode). Read
 # from the environment, as Triton does, so the kernels can also be compiled for a GPU on a machine

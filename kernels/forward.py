@@ -113,6 +113,9 @@ def _prune_configs(configs, named_args, **kwargs):
     configs=_forward_configs(),
     key=["bag_length_class", "BLOCK_D", "POOLING", "HAS_PER_SAMPLE_WEIGHTS", "USE_CACHE", "ALIGN_BYTES"],
     prune_configs_by={"early_config_prune": _prune_configs},
+    # The winner is kept in Triton's cache folder: a later process of the same model shape loads the
+    # winning tile only, instead of compiling and timing every candidate (seconds at start-up).
+    cache_results=True,
 )
 @triton.jit(do_not_specialize=["batch_size"])
 def _pooled_forward_kernel(
