@@ -31,12 +31,15 @@ MAPS = {"two_share": [0, 0, 1], "three_share": [1, 0, 1, 1]}
 
 def shared_batch(specs, feature_table_map, batch_size, max_bag, generator):
     """A feature-major batch whose features of one table draw from the same few rows, so rows
-    repeat across features (and within bags)."""
+    repeat across features (and within bags); every feature's first bag names its table's row 0."""
     indices, lengths = [], []
     for t in feature_table_map:
-        for _ in range(batch_size):
-            n = int(torch.randint(0, max_bag + 1, (1,), generator=generator))
-            indices.append(torch.randint(0, min(specs[t].num_embeddings, 4), (n,), generator=generator))
+        for b in range(batch_size):
+            n = int(torch.randint(1 if b == 0 else 0, max_bag + 1, (1,), generator=generator))
+            rows = torch.randint(0, min(specs[t].num_embeddings, 4), (n,), generator=generator)
+            if b == 0:
+                rows[0] = 0
+            indices.append(rows)
             lengths.append(n)
     return torch.cat(indices).long(), torch.tensor([0] + lengths).cumsum(0)
 
