@@ -1,6 +1,7 @@
 """Numba CUDA kernels of the slot cache. Host code: :mod:`tiered_tbe.cache.slot_cache`.
 
-Every kernel loops grid-stride over its entries, so one launch shape serves the GPU (many
+Every kernel is declared with numba's on-disk cache (``launch.cached_kernel``: a new process
+loads what an earlier one compiled) and loops grid-stride over its entries, so one launch shape serves the GPU (many
 blocks) and the CUDA simulator (one small block: the simulator starts a Python thread per CUDA
 thread). Entries past the end of the real data are marked in the data itself (a row of
 ``NOT_CACHED``, a flag of 0), so launches are sized from host-known bounds and the GPU path
@@ -15,6 +16,17 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from tiered_tbe.base.descriptors import (
+    DIM,
+    NUM_ROWS,
+    ROW_OFFSET,
+    STATE_ADDRESS,
+    STATE_STRIDE,
+    STATE_WIDTH,
+    WEIGHTS_ADDRESS,
+    WEIGHTS_STRIDE,
+)
+from tiered_tbe.cache.launch import cached_kernel
 from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
@@ -39,7 +51,7 @@ OUTCOME_NO_SLOT = 3  # missed, every way of its set locked: slot -1
 WINDOW_BITS = 64
 
 
-@cuda.jit
+@cached_kernel
 def assign_slots_kernel(
     set_start,  # int32 [N]: first sorted position of each set the batch touches, in order, then N (padding)
     set_of_position,  # int64 [N]: sets of the unique rows, sorted (stable: rows ascending within a set)
@@ -168,7 +180,7 @@ def _lowest_set_bit(word):
     return index
 
 
-@cuda.jit
+@cached_kernel
 def window_bits_kernel(
     rows,  # int64 [M]: the rows of one hinted step's batch, NOT_CACHED outside the cached tables (skipped)
     step_bit,  # int64: that step's bit, 1 << (step % WINDOW_BITS) (bit 63 is the sign bit)
@@ -189,22 +201,11 @@ def window_bits_kernel(
         window_bits[row] = (word | step_bit) if set_bit else (word & ~step_bit)
 
 
-# Columns of ``table_info``, the int64 [G, TABLE_INFO_COLUMNS] description of the G tables whose
-# backing rows share one buffer (a copy launch moves rows of all of them at once).
-INFO_GLOBAL_START = 0  # global row of the table's row 0 (rows of the group ascend with it)
-INFO_GLOBAL_END = 1  # one past its last global row
-INFO_WEIGHTS_OFFSET = 2  # word offset of its row 0 in the group's weights buffer
-INFO_WEIGHTS_STRIDE = 3  # words between consecutive rows
-INFO_WORDS = 4  # words of a row (dim * element size / word size)
-INFO_STATE_OFFSET = 5  # fp32 offset of its row 0 in the group's state buffer
-INFO_STATE_STRIDE = 6  # fp32 values between consecutive rows
-INFO_STATE_WIDTH = 7  # optimizer-state values per row (0: none)
-TABLE_INFO_COLUMNS = 8
 # ``wanted`` of copy_rows_kernel that copies every entry whose row lies in the group's tables.
 COPY_EVERY_ROW = -1
 
 
-@cuda.jit
+@cached_kernel
 def copy_rows_kernel(
     selected,  # uint8 or int8 [N]: entry e is copied only where selected[e] == wanted (any [N] array when
     #            wanted is COPY_EVERY_ROW)
@@ -213,12 +214,16 @@ def copy_rows_kernel(
     slot_of_entry,  # int32 or int64 [N]: its slot
     num_entries,  # int32 or int64 [1]: only entries before num_entries[0] are looked at (a count the device
     #               knows: the batch's unique rows, which fills and write-backs lie among)
-    table_info,  # int64 [G, TABLE_INFO_COLUMNS]: the group's tables, ascending global rows (see INFO_*)
+    descriptor,  # int64 [G, DESCRIPTOR_COLUMNS]: the group's tables, ascending global rows (base/descriptors.py)
     to_backing,  # bool: True copies slot -> backing store (write-back), False the reverse (fill)
     cache_weights,  # [S, row_words]: slot rows, reinterpreted as integer words
     cache_state,  # fp32 [S, state_width] (or a [1, 1] dummy when no table has state)
     store_weights,  # [W] the group's whole weights buffer, the same integer words
+    store_weights_address,  # int64: the byte address of store_weights[0]
     store_state,  # fp32 [V] the group's whole optimizer-state buffer (or a [1] dummy)
+    store_state_address,  # int64: the byte address of store_state[0]
+    element_shift,  # int64: log2 of a weight's bytes
+    word_shift,  # int64: log2 of a word's bytes (a word holds one or more whole elements)
 ):
     """Copy whole rows (weights and optimizer state) between slots and the backing stores of a
     group of tables that share one buffer: one launch for all of them.
@@ -229,7 +234,8 @@ def copy_rows_kernel(
     copy (H200, RESULTS.md sixth session), hence ``num_entries``. Weights travel as integer
     words (up to 8 bytes, several elements each where rows allow): a copy needs no arithmetic,
     and bf16 has no numba type. A binary search over the group's table starts finds an entry's
-    table.
+    table; its descriptor row (the TBE kernels' layout: byte addresses, strides in elements)
+    gives the row's place in the group's buffers.
     """
     column_start = cuda.threadIdx.x
     column_stride = cuda.blockDim.x
@@ -238,11 +244,12 @@ def copy_rows_kernel(
     for entry in range(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y, end, entry_stride):
         if wanted != COPY_EVERY_ROW and selected[entry] != wanted:
             continue
-        _move_row(row_of_entry[entry], slot_of_entry[entry], to_backing, table_info, cache_weights, cache_state,
-                  store_weights, store_state, column_start, column_stride)
+        _move_row(row_of_entry[entry], slot_of_entry[entry], to_backing, descriptor, cache_weights, cache_state,
+                  store_weights, store_weights_address, store_state, store_state_address, element_shift, word_shift,
+                  column_start, column_stride)
 
 
-@cuda.jit
+@cached_kernel
 def move_rows_kernel(
     outcome,  # int8 [N]: OUTCOME_* of each unique row of a prefetch (only OUTCOME_FILLED entries move)
     unique_rows,  # int64 [N]: the unique rows, ascending
@@ -250,18 +257,22 @@ def move_rows_kernel(
     victim_row,  # int64 [N]: the row that slot held, EMPTY if none
     victim_was_dirty,  # uint8 [N]: 1 when that row must be written back first
     num_entries,  # int32 or int64 [1]: only entries before num_entries[0] are looked at (the unique rows)
-    table_info,  # int64 [G, TABLE_INFO_COLUMNS]: every cached table (one group: one buffer), see INFO_*
+    descriptor,  # int64 [G, DESCRIPTOR_COLUMNS]: every cached table (one group: one buffer), base/descriptors.py
     cache_weights,  # [S, row_words]: slot rows, reinterpreted as integer words
     cache_state,  # fp32 [S, state_width] (or a [1, 1] dummy)
     store_weights,  # [W]: the tables' weights buffer, the same integer words
+    store_weights_address,  # int64: the byte address of store_weights[0]
     store_state,  # fp32 [V]: their optimizer-state buffer (or a [1] dummy)
+    store_state_address,  # int64: the byte address of store_state[0]
+    element_shift,  # int64: log2 of a weight's bytes
+    word_shift,  # int64: log2 of a word's bytes
 ):
     """A prefetch's moves in one pass, as FBGEMM's insert kernel orders them: the warp of a filled
-    slot writes its dirty victim back, then reads the missed row in. Writes to and reads from host
-    memory then run side by side over the whole batch (the link is full duplex), where the two
-    launches of ``copy_rows_kernel`` (write-backs in row order, then fills) use one direction at a
-    time. A victim is read before its slot is refilled (one warp, in program order); a row is
-    never both a victim and a fill of one prefetch (a victim is cached, a fill is not)."""
+    slot writes its dirty victim back, then reads the missed row in. SM reads and writes of host
+    memory share one limit (two launches take the sum of their times), but interleaved in each warp
+    they moved ~55-62 GB/s where two launches moved ~36-45 (H200, docs/performance.md). A victim is
+    read before its slot is refilled (one warp, in program order); a row is never both a victim and a
+    fill of one prefetch (a victim is cached, a fill is not)."""
     column_start = cuda.threadIdx.x
     column_stride = cuda.blockDim.x
     entry_stride = cuda.gridDim.x * cuda.blockDim.y
@@ -272,25 +283,34 @@ def move_rows_kernel(
         slot = slot_of_unique[entry]
         victim = victim_row[entry]
         if victim != EMPTY and victim_was_dirty[entry] != 0:
-            _move_row(victim, slot, True, table_info, cache_weights, cache_state, store_weights, store_state,
+            _move_row(victim, slot, True, descriptor, cache_weights, cache_state, store_weights,
+                      store_weights_address, store_state, store_state_address, element_shift, word_shift,
                       column_start, column_stride)
-        _move_row(unique_rows[entry], slot, False, table_info, cache_weights, cache_state, store_weights,
-                  store_state, column_start, column_stride)
+        _move_row(unique_rows[entry], slot, False, descriptor, cache_weights, cache_state, store_weights,
+                  store_weights_address, store_state, store_state_address, element_shift, word_shift,
+                  column_start, column_stride)
 
 
 @cuda.jit(device=True, inline=True)
-def _move_row(row, slot, to_backing, table_info, cache_weights, cache_state, store_weights, store_state,
-              column_start, column_stride):
-    """Copy one row (weights and optimizer state) between slot ``slot`` and its backing store, by
-    the calling warp; nothing when ``row`` lies outside the group's tables."""
-    low = table_of_row(row, table_info[:, INFO_GLOBAL_START])
-    if row < table_info[low, INFO_GLOBAL_START] or row >= table_info[low, INFO_GLOBAL_END]:
+def _move_row(row, slot, to_backing, descriptor, cache_weights, cache_state, store_weights, store_weights_address,
+              store_state, store_state_address, element_shift, word_shift, column_start, column_stride):
+    """Copy one row (weights and optimizer state) between slot ``slot`` and its backing store, by the
+    calling warp; nothing when ``row`` lies outside the group's tables. A binary search over the
+    group's table starts finds the row's table; its descriptor row (the TBE kernels' layout: byte
+    addresses, strides in elements) gives the row's place in the group's buffers."""
+    low = table_of_row(row, descriptor[:, ROW_OFFSET])
+    first_row = descriptor[low, ROW_OFFSET]
+    if row < first_row or row >= first_row + descriptor[low, NUM_ROWS]:
         return  # a row of another group's table
-    local_row = row - table_info[low, INFO_GLOBAL_START]
-    weights_base = table_info[low, INFO_WEIGHTS_OFFSET] + local_row * table_info[low, INFO_WEIGHTS_STRIDE]
-    state_base = table_info[low, INFO_STATE_OFFSET] + local_row * table_info[low, INFO_STATE_STRIDE]
-    words = table_info[low, INFO_WORDS]
-    state_width = table_info[low, INFO_STATE_WIDTH]
+    local_row = row - first_row
+    weights_base = (((descriptor[low, WEIGHTS_ADDRESS] - store_weights_address) >> word_shift)
+                    + ((local_row * descriptor[low, WEIGHTS_STRIDE]) << element_shift >> word_shift))
+    words = descriptor[low, DIM] << element_shift >> word_shift
+    state_width = descriptor[low, STATE_WIDTH]
+    state_base = 0
+    if state_width > 0:
+        state_base = ((descriptor[low, STATE_ADDRESS] - store_state_address) >> 2
+                      ) + local_row * descriptor[low, STATE_STRIDE]
     state_slot = slot if state_width > 0 else 0  # the [1, 1] dummy when there is no state
     if to_backing:
         _copy_row(store_weights, weights_base, cache_weights[slot], 0, words,
@@ -340,7 +360,7 @@ def _copy_row(to_words, to_words_base, from_words, from_words_base, words,
         to_state[to_state_base + column] = from_state[from_state_base + column]
 
 
-@cuda.jit
+@cached_kernel
 def lookup_kernel(
     rows,  # int64 [N]: global rows, NOT_CACHED outside every cached table
     num_sets,  # int64
@@ -358,7 +378,7 @@ def lookup_kernel(
         slot_of_index[i] = slot
 
 
-@cuda.jit
+@cached_kernel
 def mark_dirty_kernel(
     slot_of_index,  # int32 [N]: slots of a batch's lookups, NO_SLOT for uncached ones
     dirty,  # uint8 [S]
@@ -371,7 +391,7 @@ def mark_dirty_kernel(
             dirty[slot] = 1  # repeated slots write the same value: no atomics needed
 
 
-@cuda.jit
+@cached_kernel
 def release_kernel(
     locked_slots,  # int32 [N]: the slots a batch's prefetch locked, each once; NO_SLOT padding
     bypassed_rows,  # int64 [N]: the rows it gave no slot, each once; NOT_CACHED padding

@@ -47,6 +47,7 @@ from tiered_tbe.cache._kernels import (
     OUTCOME_NONE,
     table_of_row,
 )
+from tiered_tbe.cache.launch import cached_kernel
 from tiered_tbe.cache.policy import EMPTY, NO_SLOT, set_of_row_device
 
 # The device counters a prefetch adds to, in this order (the CacheStats fields but ``batches``).
@@ -60,7 +61,7 @@ NUM_COUNTERS = len(COUNTER_NAMES)
 REDUCE_BLOCKS = 512
 
 
-@cuda.jit
+@cached_kernel
 def sort_keys_kernel(
     rows,  # int32 or int64 [N]: global row of each lookup
     table_starts,  # int64 [T]: first global row of each cached table, ascending
@@ -78,7 +79,7 @@ def sort_keys_kernel(
         keys[i] = row if inside else none_key
 
 
-@cuda.jit
+@cached_kernel
 def run_heads_kernel(
     sorted_keys,  # int32 or int64 [N]: the sort keys, ascending
     none_key,  # int64: the key of no row (sorts last)
@@ -91,7 +92,7 @@ def run_heads_kernel(
         is_head[i] = 1 if key != none_key and (i == 0 or sorted_keys[i - 1] != key) else 0
 
 
-@cuda.jit
+@cached_kernel
 def unique_rows_kernel(
     sorted_keys,  # int32 or int64 [N]: the sort keys, ascending
     unique_number,  # int32 [N]: inclusive prefix sum of run_heads_kernel's is_head
@@ -127,7 +128,7 @@ def unique_rows_kernel(
             set_of_unique[u] = set_of_row_device(row, num_sets)
 
 
-@cuda.jit
+@cached_kernel
 def set_starts_kernel(
     is_set_head,  # int32 [N]: 1 at the first sorted position of each set the batch touches, else 0
     set_number,  # int32 [N]: inclusive prefix sum of is_set_head
@@ -146,7 +147,7 @@ def set_starts_kernel(
             set_start[set_number[i] - 1] = i
 
 
-@cuda.jit
+@cached_kernel
 def batch_outcomes_kernel(
     sorted_keys,  # int32 or int64 [N]: the sort keys, ascending
     order,  # int32 [N]: the lookup at each sorted position

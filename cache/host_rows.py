@@ -159,7 +159,9 @@ def set_copy_threads(threads: int) -> None:
 
 # ---------------------------------------------------------------------- the numba copies
 
-@numba.njit(parallel=True, nogil=True)
+# cache=True: a new process loads the compiled copy from numba's cache (it calls nothing outside
+# this function, so numba's check of this file's stamp is enough).
+@numba.njit(parallel=True, nogil=True, cache=True)
 def _copy_kernel(rows, first_row, weights, state, staged_weights, staged_state, to_backing):  # pragma: no cover
     """Between backing row ``rows[i] - first_row`` of ``weights``/``state`` and staging row ``i``
     (machine words [*, words]): to the backing store if ``to_backing`` (rows distinct: no two

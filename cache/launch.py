@@ -1,17 +1,108 @@
-"""Launching the slot cache's Numba kernels on torch tensors, on torch's current stream.
+"""Declaring and launching the slot cache's Numba kernels on torch tensors, on torch's current stream.
 
-Two jobs, kept out of the cache logic: turning torch tensors into what a Numba kernel takes
-(a device array view on the GPU, a numpy view of the same memory in the CUDA simulator),
-and launching grid-stride kernels on the stream torch's work is ordered on.
+Three jobs, kept out of the cache logic: declaring a kernel with numba's on-disk cache
+(:func:`cached_kernel`), turning torch tensors into what a Numba kernel takes (a device array
+view on the GPU, a numpy view of the same memory in the CUDA simulator), and launching
+grid-stride kernels on the stream torch's work is ordered on.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+from pathlib import Path
 
 import torch
 
+from tiered_tbe.base import compiling
 from tiered_tbe.base.mode import SIMULATION
+
+# The sources the cache's GPU kernels are compiled from: the kernels, and the policy and descriptor
+# definitions they call or read. Numba's on-disk cache checks a kernel's own file only: an edit of
+# policy.py alone would keep running the kernels compiled before it. The cache folder is named by
+# a hash of all of them (and numba-cuda's version), so any edit compiles afresh.
+_PACKAGE = Path(__file__).resolve().parent
+KERNEL_SOURCES = (_PACKAGE / "_kernels.py", _PACKAGE / "batch_kernels.py", _PACKAGE / "policy.py",
+                  _PACKAGE.parent / "base" / "descriptors.py")
+
+
+def kernel_cache_dir(sources=KERNEL_SOURCES) -> Path:
+    """Where the cache's compiled Numba kernels are kept: ``$NUMBA_CACHE_DIR`` (else
+    ``$XDG_CACHE_HOME/tiered-tbe/numba``, default ``~/.cache``) / ``tiered-tbe-<hash of the
+    kernels' sources and numba-cuda's version>``."""
+    root = os.environ.get("NUMBA_CACHE_DIR")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tiered-tbe" / "numba"
+    stamps = tuple((str(source), os.stat(source).st_mtime_ns, os.stat(source).st_size) for source in sources)
+    return Path(root) / f"tiered-tbe-{_sources_digest(stamps)}"
+
+
+@functools.lru_cache(maxsize=8)
+def _sources_digest(stamps: tuple[tuple[str, int, int], ...]) -> str:
+    """The hash of the files ``stamps`` names (path, mtime, size: read again when a file changes)."""
+    digest = hashlib.sha256()
+    try:
+        from importlib.metadata import version
+
+        digest.update(version("numba-cuda").encode())
+    except Exception:  # not installed as a distribution: the sources alone
+        pass
+    for source, _, _ in stamps:
+        digest.update(Path(source).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cached_kernel(function):
+    """``numba.cuda.jit(function)`` with numba's on-disk cache in :func:`kernel_cache_dir`: a new
+    process loads the kernels an earlier one compiled (each took ~1 s to compile on the H200
+    machine) instead of compiling them again. The simulator compiles nothing: a plain kernel."""
+    import numba
+    from numba import cuda
+
+    if numba.config.ENABLE_CUDASIM:  # (not SIMULATION: compile_cache_kernels.py compiles for a GPU without one)
+        return cuda.jit(function)
+    settings = _numba_configs()
+    saved = [config.CACHE_DIR for config in settings]
+    folder = str(kernel_cache_dir())
+    try:
+        for config in settings:  # read by numba's cache locator when the kernel is declared, and only then
+            config.CACHE_DIR = folder
+        return cuda.jit(cache=True)(function)
+    except RuntimeError:  # no folder numba can write: compiled in each process, as without the cache
+        return cuda.jit(function)
+    finally:
+        for config, value in zip(settings, saved):
+            config.CACHE_DIR = value
+
+
+def _numba_configs() -> list:
+    """numba's configuration modules whose CACHE_DIR the CUDA cache locator may read (numba-cuda
+    0.30 has its own, older versions read numba's)."""
+    import numba.core.config
+
+    configs = [numba.core.config]
+    try:
+        import numba.cuda.core.config
+
+        if numba.cuda.core.config is not numba.core.config:
+            configs.append(numba.cuda.core.config)
+    except ImportError:
+        pass
+    return configs
+
+
+def _count_compiles(kernel) -> None:
+    """Tell :mod:`tiered_tbe.base.compiling` what ``kernel`` compiled or loaded from disk since it
+    was last asked (its new overloads' cache misses and hits)."""
+    stats = kernel.stats
+    misses, hits = sum(stats.cache_misses.values()), sum(stats.cache_hits.values())
+    seen_misses, seen_hits = _COUNTED.get(kernel, (0, 0))
+    _COUNTED[kernel] = misses, hits
+    compiling.count("numba", compiled=misses - seen_misses, loaded=hits - seen_hits)
+
+
+_COUNTED: dict = {}
 
 # Threads per launch in the CUDA simulator, where each is a Python thread (~0.2 ms to start).
 # The kernels are grid-stride loops, correct for any count; long CPU tests set 1 for speed
@@ -65,8 +156,11 @@ class KernelLauncher:
         pointer = torch.cuda.current_stream(self.device).cuda_stream
         if pointer != self._stream_pointer:
             self._stream_pointer, self._numba_stream = pointer, cuda.external_stream(pointer)
+        known = len(kernel.overloads)
         with cuda.gpus[self.device.index if self.device.index is not None else torch.cuda.current_device()]:
             kernel[grid, block, self._numba_stream](*args)
+        if len(kernel.overloads) != known:  # compiled or loaded for these argument types
+            _count_compiles(kernel)
 
 
 # Numba device-array views of torch tensors, by (address, shape, strides, dtype). Building one

@@ -9,9 +9,11 @@ when its prefetch's stream reaches them, and nothing else needs waiting for.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
+from tiered_tbe.base.descriptors import describe_tables
 from tiered_tbe.base.mode import SIMULATION
 from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.cache import _kernels
@@ -56,13 +58,15 @@ class ZeroCopyMover(RowMover):
 
     def enqueue(self, moves: Moves) -> tuple[torch.Tensor, ...]:
         if self.fused_moves and len(self._copy_groups) == 1:
-            # Write-backs and fills side by side: a victim of one group may be replaced by a row of another
-            # only with several groups, whose launches would not keep a victim's read before its refill.
-            _tensors, k_info, k_cache_weights, k_cache_state, k_store_weights, k_store_state = self._copy_groups[0]
+            # Write-backs and fills side by side. Not with several groups: a victim of one group may be
+            # replaced by a row of another, and one launch per group would not keep its read before its refill.
+            group = self._copy_groups[0]
             self.launcher.launch_configured(
                 _kernels.move_rows_kernel, *self._copy_shape(moves.outcome.numel(), moves.num_unique), moves.outcome,
                 moves.unique_rows, moves.slot_of_unique, moves.victim_row, moves.victim_was_dirty, moves.num_unique,
-                k_info, k_cache_weights, k_cache_state, k_store_weights, k_store_state)
+                group.descriptor, group.cache_weights, group.cache_state, group.store_weights,
+                group.store_weights_address, group.store_state, group.store_state_address, group.element_shift,
+                group.word_shift)
             return ()
         # A slot's old row leaves before its new row arrives: write-backs first, then fills. The
         # dirty victims are distinct rows, written in ascending order (the GPU writes host memory
@@ -92,10 +96,12 @@ class ZeroCopyMover(RowMover):
         if num_entries is None:
             num_entries = torch.full((1,), selected.numel(), dtype=torch.int64, device=selected.device)
         grid, block = self._copy_shape(selected.numel(), num_entries)
-        for _tensors, k_info, k_cache_weights, k_cache_state, k_store_weights, k_store_state in self._copy_groups:
+        for group in self._copy_groups:
             self.launcher.launch_configured(
                 _kernels.copy_rows_kernel, grid, block, selected, wanted, row_of_entry, slot_of_entry, num_entries,
-                k_info, to_backing, k_cache_weights, k_cache_state, k_store_weights, k_store_state)
+                group.descriptor, to_backing, group.cache_weights, group.cache_state, group.store_weights,
+                group.store_weights_address, group.store_state, group.store_state_address, group.element_shift,
+                group.word_shift)
 
     def _copy_shape(self, num_entries: int, entries_to_look_at: torch.Tensor) -> tuple[int, tuple[int, int]]:
         """``(grid, block)`` of a copy launch over ``num_entries`` entries, of which the first
@@ -111,11 +117,10 @@ class ZeroCopyMover(RowMover):
         rows_per_block = self.copy_rows_per_block
         return max(1, min(-(-num_entries // rows_per_block), self.copy_blocks)), (32, rows_per_block)
 
-    def _make_copy_groups(self, weights, state, tables) -> list[tuple]:
+    def _make_copy_groups(self, weights, state, tables) -> list[_CopyGroup]:
         """Kernel arguments of ``copy_rows_kernel`` for each group of tables whose weights (and
         state) share one buffer, as a module's tables of one tier do: one launch copies rows of
-        every table of a group. Each group: (table_info, cache words, cache state, store words,
-        store state), converted for the kernels once.
+        every table of a group, converted for the kernels once.
 
         Rows travel as the widest integer words (up to 8 bytes) that divide every row, row
         stride and row offset involved: a warp then moves up to 256 bytes per instruction.
@@ -139,22 +144,28 @@ class ZeroCopyMover(RowMover):
         k_cache_state = array(state if state.shape[1] else dummy_state)
 
         result = []
-        for group in groups.values():
+        for group in groups.values():  # tables ascend by global row (see check_tables)
             store_weights = flat_view(group[0].weights, word_dtype)
             store_state = flat_view(group[0].state, torch.float32) if group[0].state is not None else dummy_state[0]
-            info = torch.zeros(len(group), _kernels.TABLE_INFO_COLUMNS, dtype=torch.int64)
-            for g, t in enumerate(group):  # tables ascend by global row (see check_tables)
-                info[g, _kernels.INFO_GLOBAL_START] = t.global_row_start
-                info[g, _kernels.INFO_GLOBAL_END] = t.global_row_end
-                info[g, _kernels.INFO_WEIGHTS_OFFSET] = (t.weights.data_ptr() - store_weights.data_ptr()) // word
-                info[g, _kernels.INFO_WEIGHTS_STRIDE] = t.weights.stride(0) * element // word
-                info[g, _kernels.INFO_WORDS] = t.dim * element // word
-                if t.state is not None:
-                    info[g, _kernels.INFO_STATE_OFFSET] = (t.state.data_ptr() - store_state.data_ptr()) // 4
-                    info[g, _kernels.INFO_STATE_STRIDE] = t.state.stride(0)
-                    info[g, _kernels.INFO_STATE_WIDTH] = t.state_width
-            # The tensors stay referenced with their kernel views (which do not own memory on the GPU).
-            tensors = (info.to(self.device), store_weights, store_state)
-            result.append((tensors, array(tensors[0]), k_cache_weights, k_cache_state,
-                           array(store_weights), array(store_state)))
+            descriptor = describe_tables([t.weights for t in group], [t.state for t in group],
+                                         [t.global_row_start for t in group], device=self.device)
+            result.append(_CopyGroup(
+                (descriptor, store_weights, store_state), array(descriptor), k_cache_weights, k_cache_state,
+                array(store_weights), store_weights.data_ptr(), array(store_state), store_state.data_ptr(),
+                element.bit_length() - 1, word.bit_length() - 1))
         return result
+
+
+class _CopyGroup(NamedTuple):
+    """``copy_rows_kernel``'s arguments for one group of tables sharing a buffer, as kernel views."""
+
+    tensors: tuple  # (descriptor, store words, store state): the views below do not own memory on the GPU
+    descriptor: object  # int64 [G, DESCRIPTOR_COLUMNS] of the group's tables (base/descriptors.py)
+    cache_weights: object  # the slot rows as words
+    cache_state: object  # the slots' state (or a [1, 1] dummy)
+    store_weights: object  # the group's weights buffer as words
+    store_weights_address: int  # its byte address
+    store_state: object  # the group's state buffer (or a [1] dummy)
+    store_state_address: int
+    element_shift: int  # log2 of a weight's bytes
+    word_shift: int  # log2 of a word's bytes

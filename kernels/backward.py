@@ -126,18 +126,12 @@ def _row_update_kernel(
     order_ptr,  # int32 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
-    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
+    offsets_ptr,  # int32/int64 [F*B+1]: bag boundaries
     step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: grad_output, seed, step)
     grad_output_stride,  # elements between consecutive rows of grad_output
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: each feature's table and output column (base/descriptors.py)
     sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
     sorted_slots_ptr,  # int32 [N]: slot of the row at each sorted position, or -1 (read only if USE_CACHE)
-    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
-    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table's weights
-    table_state_address_ptr,  # int64 [T]: address of row 0 of each table's state
-    table_state_stride_ptr,  # int64 [T]: elements between rows of each table's state
-    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
     cache_weights_ptr,  # [num_slots, row_width] slot rows
     cache_weights_stride,  # elements between consecutive slots
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
@@ -149,6 +143,7 @@ def _row_update_kernel(
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
     ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
     GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
+    SHARED_TABLES: tl.constexpr,  # some table is looked up by several features (a run's lookups may differ in theirs)
     CHUNK: tl.constexpr,  # sorted positions per window: runs holding a whole one are hot
     USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
     OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
@@ -171,37 +166,37 @@ def _row_update_kernel(
         if tl.max(row_mask.to(tl.int32), axis=0) > 0:  # not a tile of hot runs only
             columns = tl.arange(0, BLOCK_D)
             grad_output_ptr = grad_output_of_step(step_args_ptr)
-            tables, dims, first_columns = run_columns(starts, row_mask, sorted_bags_ptr, table_dim_ptr,
-                                                      table_output_offset_ptr, batch_size, ALIGN)
+            features, dims, first_columns = run_columns(starts, row_mask, sorted_bags_ptr, descriptor_ptr,
+                                                      batch_size, ALIGN)
             mask = row_mask[:, None] & (columns[None, :] < dims[:, None])
             longest = tl.max(tl.where(row_mask, ends - starts, 0), axis=0)
             gradient_args = (order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr,
-                             grad_output_stride, batch_size, columns)
+                             grad_output_stride, batch_size, descriptor_ptr, columns)
             if BLOCK_L == 1:
-                grad = _sum_runs_one_lane(starts, ends, row_mask, tables, first_columns, mask, longest, gradient_args,
-                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, BLOCK_D)
+                grad = _sum_runs_one_lane(starts, ends, row_mask, features, first_columns, mask, longest, gradient_args,
+                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, SHARED_TABLES,
+                                          ALIGN, BLOCK_D)
             elif longest == 1:  # runs of one lookup (most tiles at uniform lookups): no idle lanes
-                grad = _sum_runs_one_lane(starts, ends, row_mask, tables, first_columns, mask, longest, gradient_args,
-                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, BLOCK_D)
+                grad = _sum_runs_one_lane(starts, ends, row_mask, features, first_columns, mask, longest, gradient_args,
+                                          ROWS, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, SHARED_TABLES,
+                                          ALIGN, BLOCK_D)
             else:  # [ROWS, BLOCK_L, BLOCK_D] tiles, summed over their lanes in registers
                 lanes = tl.arange(0, BLOCK_L)
                 grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
                 for step_start in range(0, longest, BLOCK_L):
                     positions = starts[:, None] + step_start + lanes[None, :]
                     grad += tl.sum(lookup_gradients(positions, (positions < ends[:, None]) & row_mask[:, None],
-                                                    tables[:, None], first_columns[:, None], mask[:, None, :],
+                                                    features[:, None], first_columns[:, None], mask[:, None, :],
                                                     *gradient_args, POOLING, HAS_PER_SAMPLE_WEIGHTS,
-                                                    GRAD_ALIGN_BYTES), axis=1)
+                                                    GRAD_ALIGN_BYTES, SHARED_TABLES, ALIGN), axis=1)
             global_rows = tl.load(sorted_rows_ptr + starts, mask=row_mask, other=0).to(tl.int64)
-            slots = tl.zeros_like(tables)
+            slots = tl.zeros_like(features)
             if USE_CACHE:
                 slots = tl.load(sorted_slots_ptr + starts, mask=row_mask, other=-1)
-            update_rows(global_rows, tables, slots, grad, row_mask, dims, columns, mask,
-                         table_weights_address_ptr, table_weights_stride_ptr,
-                         table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr, cache_weights_ptr,
-                         cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr, hyper_ptr, NUM_HYPER,
-                         OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, STOCHASTIC_ROUNDING,
-                         ALIGN_BYTES, STATE_ALIGN_BYTES)
+            update_rows(global_rows, features, slots, grad, row_mask, dims, columns, mask, descriptor_ptr,
+                        cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr,
+                        hyper_ptr, NUM_HYPER, OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE,
+                        STOCHASTIC_ROUNDING, ALIGN_BYTES, STATE_ALIGN_BYTES)
 
 
 @triton.jit
@@ -209,13 +204,14 @@ def _sum_runs_one_lane(
     starts,  # int64 [ROWS]: first sorted position of each run
     ends,  # int64 [ROWS]: one past its last
     row_mask,  # bool [ROWS]: which runs count
-    tables,  # int32 [ROWS]: each run's table
+    features,  # int32 [ROWS]: the feature of each run's first lookup
     first_columns,  # int32 [ROWS]: its first column in a grad_output row
     in_row,  # bool [ROWS, BLOCK_D]: its columns
     longest,  # scalar: the longest run of the tile
     gradient_args,  # lookup_gradients' pointer and size arguments, as _row_update_kernel passes them
     ROWS: tl.constexpr, POOLING: tl.constexpr, HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,
-    GRAD_ALIGN_BYTES: tl.constexpr, BLOCK_D: tl.constexpr,  # as _row_update_kernel's
+    GRAD_ALIGN_BYTES: tl.constexpr, SHARED_TABLES: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # as _row_update_kernel's
 ):
     """fp32 [ROWS, BLOCK_D]: each run's gradient, one lookup of every run a step.
 
@@ -224,16 +220,17 @@ def _sum_runs_one_lane(
     step's rows are waited for, so a step waits for one round trip (neutral to 0.07 ms faster on
     the H200's backwards, fifteenth session)."""
     order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size, \
-        columns = gradient_args
+        descriptor_ptr, columns = gradient_args
     grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     keys = lookup_keys(starts, (starts < ends) & row_mask, order_ptr, sorted_bags_ptr, POOLING)
     for step_start in range(0, longest):
         positions = starts + step_start
         following = positions + 1
         next_keys = lookup_keys(following, (following < ends) & row_mask, order_ptr, sorted_bags_ptr, POOLING)
-        grad += gradients_of_keys(keys, positions, (positions < ends) & row_mask, tables, first_columns, in_row,
+        grad += gradients_of_keys(keys, positions, (positions < ends) & row_mask, features, first_columns, in_row,
                                   offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size,
-                                  columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES)
+                                  descriptor_ptr, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES,
+                                  SHARED_TABLES, ALIGN)
         keys = next_keys
     return grad
 
@@ -386,7 +383,8 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     hyper = hyper_view(step_args, plan.num_hyper)
     load_state, update, store_state = plan.optimizer_triton
     common = dict(POOLING=plan.mode, HAS_PER_SAMPLE_WEIGHTS=has_per_sample_weights, ALIGN=stores.alignment,
-                  GRAD_ALIGN_BYTES=plan.grad_align_bytes, CHUNK=chunk, BLOCK_D=block_d)
+                  GRAD_ALIGN_BYTES=plan.grad_align_bytes, SHARED_TABLES=stores.shares_tables, CHUNK=chunk,
+                  BLOCK_D=block_d)
     updating = dict(USE_CACHE=plan.use_cache, OPTIMIZER_LOAD_STATE=load_state, OPTIMIZER_UPDATE=update,
                     OPTIMIZER_STORE_STATE=store_state, STOCHASTIC_ROUNDING=plan.stochastic_rounding,
                     NUM_HYPER=plan.num_hyper, ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
@@ -396,11 +394,9 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     sorted_weights = per_sample_weights[order] if has_per_sample_weights else hyper
     sorted_slots = slot_of_index[order] if plan.use_cache else s.run_end
     gradient_args = (order, s.sorted_bags, sorted_weights, offsets, step_args, plan.grad_output_stride,
-                     stores.table_dim, stores.table_output_offset)
-    update_args = (s.sorted_rows, sorted_slots, stores.table_weights_address, stores.table_weights_stride,
-                   stores.table_state_address, stores.table_state_stride, stores.table_row_offset,
-                   stores.cache_weights, stores.cache_weights.stride(0), stores.cache_state,
-                   stores.cache_state.stride(0), hyper)
+                     stores.descriptor)
+    update_args = (s.sorted_rows, sorted_slots, stores.cache_weights, stores.cache_weights.stride(0),
+                   stores.cache_state, stores.cache_state.stride(0), hyper)
 
     num_windows = triton.cdiv(num_lookups, chunk)
     window_sums = torch.empty(num_windows, block_d, dtype=torch.float32, device=device)

@@ -1,7 +1,7 @@
 """Pooled forward of table-batched embedding bags, reading each row from its slot or its backing store.
 
 One launch covers every table: program ``(i, t)`` pools bags ``i * BLOCK_B .. + BLOCK_B - 1``
-of table ``t``, ``BLOCK_L`` lookups of each bag per step, so a tile holds ``BLOCK_B x BLOCK_L``
+of feature ``t``, ``BLOCK_L`` lookups of each bag per step, so a tile holds ``BLOCK_B x BLOCK_L``
 rows of ``BLOCK_D`` columns loaded at once (``kernels/addressing.py``). One lookup per bag (the
 common DLRM shape) runs 32-64 bags a program; long bags few bags and long steps. The autotuner
 picks the tile per bag-length class, so one compiled kernel serves a model shape.
@@ -31,12 +31,18 @@ import triton
 import triton.language as tl
 
 from .addressing import (
+    DIM,
     INTERPRETING,
+    OUTPUT_OFFSET,
     POOLING_MEAN_CONSTEXPR,
     POOLING_NONE,
     POOLING_NONE_CONSTEXPR,
+    WEIGHTS_ADDRESS,
+    WEIGHTS_STRIDE,
     bag_length_class,
     bag_tile_bounds,
+    descriptor_field,
+    descriptor_field_int32,
     lookup_rows,
     pooling_code,
     row_slice_alignment_bytes,
@@ -107,6 +113,9 @@ def _prune_configs(configs, named_args, **kwargs):
     configs=_forward_configs(),
     key=["bag_length_class", "BLOCK_D", "POOLING", "HAS_PER_SAMPLE_WEIGHTS", "USE_CACHE", "ALIGN_BYTES"],
     prune_configs_by={"early_config_prune": _prune_configs},
+    # The winner is kept in Triton's cache folder: a later process of the same model shape loads the
+    # winning tile only, instead of compiling and timing every candidate (seconds at start-up).
+    cache_results=True,
 )
 @triton.jit(do_not_specialize=["batch_size"])
 def _pooled_forward_kernel(
@@ -115,14 +124,11 @@ def _pooled_forward_kernel(
     output_ptr,  # fp32 [B, total_dim] (sum, mean) or [N, output_width] (none): out
     output_stride,  # elements between consecutive output rows
     output_width,  # pooling none: columns of an output row (zeros past the table's dim)
-    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
-    table_weights_stride_ptr,  # int64 [T]: elements between consecutive rows of each table
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first output column of each table
+    descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: each feature's table rows, dim and output column
     cache_weights_ptr,  # [num_slots, row_width] slot rows; its element type is every row's
     cache_weights_stride,  # elements between consecutive slots
-    indices_ptr,  # int32/int64 [N]: row within its table of each lookup
-    offsets_ptr,  # int32/int64 [T*B+1]: bag t*B+b is lookups offsets[t*B+b] : offsets[t*B+b+1]
+    indices_ptr,  # int32/int64 [N]: row within its feature's table of each lookup
+    offsets_ptr,  # int32/int64 [F*B+1]: bag f*B+b is lookups offsets[f*B+b] : offsets[f*B+b+1]
     slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1 (read only if USE_CACHE)
     per_sample_weights_ptr,  # fp32 [N]: multiplies each row (read only if HAS_PER_SAMPLE_WEIGHTS)
     batch_size,  # B: bags per table (not specialized: a last, smaller batch compiles nothing new)
@@ -142,7 +148,7 @@ def _pooled_forward_kernel(
     OUTPUT_ALIGN_BYTES: tl.constexpr,  # every output row slice of a table starts at a multiple of this
     INPUT_ALIGN_BYTES: tl.constexpr,  # with ADDRESSES: the indices', offsets', slots' and weights' alignment
 ):
-    table = tl.program_id(1)
+    feature = tl.program_id(1)
     if ADDRESSES:
         # Hinted where they are made: Triton knows nothing of a loaded address (kernels/addressing.py).
         output_ptr = tl.multiple_of(tl.load(addresses_ptr).to(output_ptr.dtype), OUTPUT_ALIGN_BYTES)
@@ -152,11 +158,11 @@ def _pooled_forward_kernel(
         per_sample_weights_ptr = tl.multiple_of(tl.load(addresses_ptr + 4).to(per_sample_weights_ptr.dtype),
                                                 INPUT_ALIGN_BYTES)
     element = cache_weights_ptr.dtype.element_ty
-    table_rows = table_row_zero(table_weights_address_ptr, table, element)
-    row_stride = tl.load(table_weights_stride_ptr + table)
+    table_rows = table_row_zero(descriptor_ptr, feature, None, WEIGHTS_ADDRESS, element)
+    row_stride = descriptor_field(descriptor_ptr, feature, None, WEIGHTS_STRIDE)
     # A multiple of the alignment (in elements), so masks stay constant across a vector.
-    dim = tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
-    output_column = tl.multiple_of(tl.load(table_output_offset_ptr + table), ALIGN)
+    dim = descriptor_field_int32(descriptor_ptr, feature, None, DIM, ALIGN)
+    output_column = descriptor_field_int32(descriptor_ptr, feature, None, OUTPUT_OFFSET, ALIGN)
     columns = tl.arange(0, BLOCK_D)
     in_row = columns < dim
     # GROUPS tiles a program, one after the other: fewer, longer programs (the H200 launches
@@ -166,7 +172,7 @@ def _pooled_forward_kernel(
         accumulator = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
         if POOLING != POOLING_NONE_CONSTEXPR:
             # A [bags, lanes, columns] tile a step, summed over its lanes in registers.
-            _, _, starts, ends = bag_tile_bounds(offsets_ptr, table, first_bag, batch_size, BLOCK_B, 1)
+            _, _, starts, ends = bag_tile_bounds(offsets_ptr, feature, first_bag, batch_size, BLOCK_B, 1)
             for step_start in tl.range(0, tl.max(ends - starts, axis=0), BLOCK_L, num_stages=STAGES):
                 positions = starts[:, None] + step_start + tl.arange(0, BLOCK_L)[None, :]  # int64 [BLOCK_B, BLOCK_L]
                 in_bag = positions < ends[:, None]
@@ -177,7 +183,7 @@ def _pooled_forward_kernel(
                 accumulator += tl.sum(tile, axis=1)
         else:  # every lookup is its own output row
             # The tile's rows are (bag, lane) pairs: BLOCK_L lookups of each of BLOCK_B bags per step.
-            _, _, starts, ends = bag_tile_bounds(offsets_ptr, table, first_bag, batch_size, BLOCK_B, BLOCK_L)
+            _, _, starts, ends = bag_tile_bounds(offsets_ptr, feature, first_bag, batch_size, BLOCK_B, BLOCK_L)
             lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
             for step_start in tl.range(0, tl.max(ends - starts, axis=0), BLOCK_L, num_stages=STAGES):
                 positions = starts + step_start + lanes  # int64 [BLOCK_B * BLOCK_L]
@@ -195,7 +201,7 @@ def _pooled_forward_kernel(
         if POOLING != POOLING_NONE_CONSTEXPR:
             bags = first_bag + tl.arange(0, BLOCK_B)
             if POOLING == POOLING_MEAN_CONSTEXPR:  # an empty bag stays all zeros
-                bag_ids = table.to(tl.int64) * batch_size + bags
+                bag_ids = feature.to(tl.int64) * batch_size + bags
                 lengths = (tl.load(offsets_ptr + bag_ids + 1, mask=bags < batch_size, other=1)
                            - tl.load(offsets_ptr + bag_ids, mask=bags < batch_size, other=0))
                 accumulator = accumulator / tl.maximum(lengths, 1).to(tl.float32)[:, None]
@@ -230,7 +236,7 @@ def pooled_forward(
 
     Args:
         stores: the rows (every table's backing rows and the slot cache), see ``kernels/rows.py``.
-        lookups: ``N`` lookups in ``T * B`` bags (table-major offsets), int32 or int64.
+        lookups: ``N`` lookups in ``F * B`` bags (feature-major offsets), int32 or int64.
         slot_of_index: int32 [N]: slot of ``stores.cache_weights`` holding each lookup's row, or -1
             to read the row from its table's backing store; ``None``: no lookup has a slot.
         pooling: ``"sum"``, ``"mean"`` (an empty bag gives zeros) or ``"none"``.
@@ -242,9 +248,10 @@ def pooled_forward(
             microseconds where Triton's launch path cost tens).
 
     Returns:
-        fp32 ``[B, stores.total_dim]`` for sum and mean: table ``t``'s bag ``b`` at columns
-        ``table_output_offset[t] : + dim_t``. For ``"none"``: fp32 ``[N, stores.max_dim]``, row
-        ``i`` the (per-sample weighted) row of lookup ``i`` (zeros past a smaller table's dim).
+        fp32 ``[B, stores.total_dim]`` for sum and mean: feature ``f``'s bag ``b`` in the dim of its
+        table's columns from ``stores.output_offsets[f]`` (the dims of the features before it).
+        For ``"none"``: fp32 ``[N, stores.max_dim]``, row ``i`` the (per-sample weighted) row of
+        lookup ``i`` (zeros past a smaller table's dim).
     """
     mode = pooling_code(pooling)
     check_lookups(stores, lookups, slot_of_index)
@@ -264,7 +271,7 @@ def pooled_forward(
                lookups.per_sample_weights)
     plan = _ForwardPlan(mode, batch_size, tuple(output.shape), row_slice_alignment_bytes(output, stores),
                         min(_alignment_bytes(tensor) for tensor in tensors[1:] if tensor is not None),
-                        bag_length_class(lookups.num_lookups, stores.num_tables * batch_size),
+                        bag_length_class(lookups.num_lookups, stores.num_features * batch_size),
                         (lookups.indices.dtype, lookups.offsets.dtype), use_cache, tensors[4] is not None, tile)
     # Launched directly where no graph will be replayed (graphs off) or inside a caller's capture (a
     # capture bakes the addresses in; the address block's pinned copy would be replayed stale).
@@ -296,7 +303,7 @@ def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, addresses, output, i
     tile = plan.tile
 
     def grid(meta):
-        return triton.cdiv(plan.batch_size, meta["BLOCK_B"] * meta["GROUPS"]), stores.num_tables
+        return triton.cdiv(plan.batch_size, meta["BLOCK_B"] * meta["GROUPS"]), stores.num_features
 
     kernel, shape = _pooled_forward_kernel, {}
     if tile is not None:
@@ -306,8 +313,7 @@ def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, addresses, output, i
     output_stride, output_width = plan.output_shape[1], plan.output_shape[1]  # a contiguous output
     kernel[grid](
         addresses if addresses is not None else offsets, output, output_stride, output_width,
-        stores.table_weights_address, stores.table_weights_stride, stores.table_dim, stores.table_output_offset,
-        stores.cache_weights, stores.cache_weights.stride(0),
+        stores.descriptor, stores.cache_weights, stores.cache_weights.stride(0),
         indices, offsets, slot_of_index if plan.use_cache else indices,
         per_sample_weights if plan.has_per_sample_weights else output,
         plan.batch_size, plan.bag_length_class,

@@ -30,7 +30,7 @@ class SortedLookups(NamedTuple):
 
     sorted_rows: torch.Tensor  # int32/int64 [N]: global rows, ascending
     order: torch.Tensor | None  # int32 [N]: lookup at each sorted position (None: sort_lookups' need_order)
-    sorted_bags: torch.Tensor  # int32 [N]: bag t*B+b of the lookup at each sorted position
+    sorted_bags: torch.Tensor  # int32 [N]: bag f*B+b of the lookup at each sorted position
     run_count: torch.Tensor  # int32 [N]: runs (distinct rows) begun up to and including each position
     run_end: torch.Tensor  # int32 [N]: one past the last sorted position of run u; N past the last run
     num_runs: torch.Tensor  # int32 [1]: distinct rows of the batch
@@ -42,7 +42,7 @@ def _run_starts_kernel(
     sorted_bags_ptr,  # int32 [N] out (if GATHER_BAGS): bag of the lookup at each sorted position
     sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
     order_ptr,  # int32 [N]: lookup at each sorted position (read if GATHER_BAGS)
-    bag_of_index_ptr,  # int32 [N]: bag t*B+b of each lookup (read if GATHER_BAGS)
+    bag_of_index_ptr,  # int32 [N]: bag f*B+b of each lookup (read if GATHER_BAGS)
     num_lookups,  # N
     GATHER_BAGS: tl.constexpr,  # False when the sort carried the bags (sorted_bags is filled already)
     BLOCK: tl.constexpr,  # positions per program

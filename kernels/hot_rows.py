@@ -22,17 +22,17 @@ def hot_window_sums_kernel(
     order_ptr,  # int32 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
-    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
+    offsets_ptr,  # int32/int64 [F*B+1]: bag boundaries
     step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: grad_output's address)
     grad_output_stride,  # elements between consecutive rows of grad_output
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: each feature's table and output column (base/descriptors.py)
     num_lookups,  # N
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
     ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
     GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
+    SHARED_TABLES: tl.constexpr,  # some table is looked up by several features (a run's lookups may differ in theirs)
     CHUNK: tl.constexpr,  # sorted positions per window: runs holding a whole one are hot
     WINDOWS: tl.constexpr,  # windows per program
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
@@ -52,12 +52,12 @@ def hot_window_sums_kernel(
                 window = tl.program_id(0).to(tl.int64) * WINDOWS + lane
                 positions = window * CHUNK + tl.arange(0, CHUNK)
                 # A pure window lies in one run: one table, read once.
-                table, dims, first_column = run_columns(window * CHUNK, window >= 0, sorted_bags_ptr, table_dim_ptr,
-                                                        table_output_offset_ptr, batch_size, ALIGN)
+                feature, dims, first_column = run_columns(window * CHUNK, window >= 0, sorted_bags_ptr, descriptor_ptr,
+                                                          batch_size, ALIGN)
                 tile = lookup_gradients(
-                    positions, positions >= 0, table, first_column, (columns < dims)[None, :], order_ptr,
+                    positions, positions >= 0, feature, first_column, (columns < dims)[None, :], order_ptr,
                     sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size,
-                    columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES)
+                    descriptor_ptr, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, SHARED_TABLES, ALIGN)
                 tl.store(window_sums_ptr + window * BLOCK_D + columns, tl.sum(tile, axis=0))
 
 
@@ -112,18 +112,12 @@ def hot_row_update_kernel(
     order_ptr,  # int32 [N]: lookup at each sorted position (read for pooling none only)
     sorted_bags_ptr,  # int32 [N]: bag of the lookup at each sorted position
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
-    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
+    offsets_ptr,  # int32/int64 [F*B+1]: bag boundaries
     step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: grad_output, seed, step)
     grad_output_stride,  # elements between consecutive rows of grad_output
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: each feature's table and output column (base/descriptors.py)
     sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
     sorted_slots_ptr,  # int32 [N]: slot of the row at each sorted position, or -1 (read only if USE_CACHE)
-    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
-    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table's weights
-    table_state_address_ptr,  # int64 [T]: address of row 0 of each table's state
-    table_state_stride_ptr,  # int64 [T]: elements between rows of each table's state
-    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
     cache_weights_ptr,  # [num_slots, row_width] slot rows
     cache_weights_stride,  # elements between consecutive slots
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
@@ -135,6 +129,7 @@ def hot_row_update_kernel(
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
     ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
     GRAD_ALIGN_BYTES: tl.constexpr,  # alignment of grad_output row slices
+    SHARED_TABLES: tl.constexpr,  # some table is looked up by several features (a run's lookups may differ in theirs)
     CHUNK: tl.constexpr,  # sorted positions per window: runs holding a whole one are hot
     USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
     OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
@@ -169,11 +164,11 @@ def hot_row_update_kernel(
             first_window = tl.program_id(0).to(tl.int64) * WINDOWS + lane
             _update_hot_run(
                 start, end, first_window, window_sums_ptr, group_sums_ptr, order_ptr, sorted_bags_ptr,
-                sorted_weights_ptr, offsets_ptr, step_args_ptr, grad_output_stride, table_dim_ptr,
-                table_output_offset_ptr, sorted_rows_ptr, sorted_slots_ptr, table_weights_address_ptr,
-                table_weights_stride_ptr, table_state_address_ptr, table_state_stride_ptr, table_row_offset_ptr,
-                cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride, hyper_ptr, batch_size,
-                POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES, CHUNK, USE_CACHE, OPTIMIZER_LOAD_STATE,
+                sorted_weights_ptr, offsets_ptr, step_args_ptr, grad_output_stride, descriptor_ptr, sorted_rows_ptr,
+                sorted_slots_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride,
+                hyper_ptr, batch_size,
+                POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES, SHARED_TABLES, CHUNK, USE_CACHE,
+                OPTIMIZER_LOAD_STATE,
                 OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, STOCHASTIC_ROUNDING, NUM_HYPER, ALIGN_BYTES,
                 STATE_ALIGN_BYTES, GROUP, BLOCK_P, BLOCK_L, BLOCK_D)
 
@@ -184,22 +179,20 @@ def _update_hot_run(
     end,  # int64: one past its last
     first_window,  # int64: its first pure window
     window_sums_ptr, group_sums_ptr, order_ptr, sorted_bags_ptr, sorted_weights_ptr, offsets_ptr, step_args_ptr,
-    grad_output_stride, table_dim_ptr, table_output_offset_ptr, sorted_rows_ptr, sorted_slots_ptr,
-    table_weights_address_ptr, table_weights_stride_ptr, table_state_address_ptr, table_state_stride_ptr,
-    table_row_offset_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride, hyper_ptr,
+    grad_output_stride, descriptor_ptr, sorted_rows_ptr, sorted_slots_ptr, cache_weights_ptr, cache_weights_stride,
+    cache_state_ptr, cache_state_stride, hyper_ptr,
     batch_size,  # the rest: as hot_row_update_kernel's
     POOLING: tl.constexpr, HAS_PER_SAMPLE_WEIGHTS: tl.constexpr, ALIGN: tl.constexpr, GRAD_ALIGN_BYTES: tl.constexpr,
-    CHUNK: tl.constexpr, USE_CACHE: tl.constexpr, OPTIMIZER_LOAD_STATE: tl.constexpr, OPTIMIZER_UPDATE: tl.constexpr,
-    OPTIMIZER_STORE_STATE: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr, NUM_HYPER: tl.constexpr,
-    ALIGN_BYTES: tl.constexpr, STATE_ALIGN_BYTES: tl.constexpr, GROUP: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    SHARED_TABLES: tl.constexpr, CHUNK: tl.constexpr, USE_CACHE: tl.constexpr, OPTIMIZER_LOAD_STATE: tl.constexpr,
+    OPTIMIZER_UPDATE: tl.constexpr, OPTIMIZER_STORE_STATE: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr,
+    NUM_HYPER: tl.constexpr, ALIGN_BYTES: tl.constexpr, STATE_ALIGN_BYTES: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Sum one hot run's gradient and apply the optimizer to its row: the run's pure groups of
     windows, its windows outside them, then its lookups before the first and after the last pure
     window."""
     last_window = end // CHUNK - 1
-    table, dim, first_column = run_columns(start, start >= 0, sorted_bags_ptr, table_dim_ptr, table_output_offset_ptr,
-                                           batch_size, ALIGN)
+    feature, dim, first_column = run_columns(start, start >= 0, sorted_bags_ptr, descriptor_ptr, batch_size, ALIGN)
     columns = tl.arange(0, BLOCK_D)
     one = tl.zeros([1], dtype=tl.int32)
     dims = one + dim
@@ -220,19 +213,18 @@ def _update_hot_run(
         head = start + offset + lanes
         tail = tail_start + offset + lanes
         grad += tl.sum(lookup_gradients(
-            head, head < head_end, table, first_column, in_row, order_ptr, sorted_bags_ptr, offsets_ptr,
-            sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size, columns, POOLING,
-            HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES), axis=0)
+            head, head < head_end, feature, first_column, in_row, order_ptr, sorted_bags_ptr, offsets_ptr,
+            sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size, descriptor_ptr, columns,
+            POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, SHARED_TABLES, ALIGN), axis=0)
         grad += tl.sum(lookup_gradients(
-            tail, tail < end, table, first_column, in_row, order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr,
-            grad_output_ptr, grad_output_stride, batch_size, columns, POOLING, HAS_PER_SAMPLE_WEIGHTS,
-            GRAD_ALIGN_BYTES), axis=0)
+            tail, tail < end, feature, first_column, in_row, order_ptr, sorted_bags_ptr, offsets_ptr,
+            sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size, descriptor_ptr, columns,
+            POOLING, HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, SHARED_TABLES, ALIGN), axis=0)
     slots = one
     if USE_CACHE:
         slots = one + tl.load(sorted_slots_ptr + start)
     global_rows = one.to(tl.int64) + tl.load(sorted_rows_ptr + start).to(tl.int64)
-    update_rows(global_rows, one + table, slots, grad[None, :], one == 0, dims, columns, in_row,
-                table_weights_address_ptr, table_weights_stride_ptr, table_state_address_ptr, table_state_stride_ptr,
-                table_row_offset_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride,
+    update_rows(global_rows, one + feature, slots, grad[None, :], one == 0, dims, columns, in_row,
+                descriptor_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride,
                 step_args_ptr, hyper_ptr, NUM_HYPER, OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE,
                 USE_CACHE, STOCHASTIC_ROUNDING, ALIGN_BYTES, STATE_ALIGN_BYTES)

@@ -1,8 +1,9 @@
 """Linearize a batch: the global row id and the bag of every lookup, in one pass over the bags.
 
-All tables of a module share one global row id space (``g = table_row_offset[t] + r``); the
+All tables of a module share one global row id space (``g = row_offset[t] + r``, the
+descriptor's ``ROW_OFFSET``); the
 cache keys its slots by ``g`` and the backward sorts lookups by ``g``. Both also need the bag
-``t * B + b`` of each lookup, which the TBE layout gives only as bag boundaries (``offsets``).
+``f * B + b`` of each lookup, which the TBE layout gives only as bag boundaries (``offsets``).
 One launch, tiled like the forward (``kernels/addressing.py``), writes both.
 """
 
@@ -14,27 +15,27 @@ import triton.language as tl
 
 from tiered_tbe.base.codes import INT32_MAX
 
-from .addressing import INTERPRETING, bag_length_class, bag_tile_bounds
+from .addressing import INTERPRETING, ROW_OFFSET, bag_length_class, bag_tile_bounds, descriptor_field
 from .rows import Lookups, RowStores
 
 
 @triton.jit(do_not_specialize=["num_lookups", "batch_size"])
 def _linearize_kernel(
-    global_rows_ptr,  # int32/int64 [N] out: table_row_offset[t] + indices[i]
-    bag_of_index_ptr,  # int32 [N] out: t*B + b of the bag holding lookup i
-    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
-    indices_ptr,  # int32/int64 [N]: row within its table of each lookup
-    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries, table-major
+    global_rows_ptr,  # int32/int64 [N] out: the global row of row 0 of the lookup's table + indices[i]
+    bag_of_index_ptr,  # int32 [N] out: f*B + b of the bag holding lookup i
+    descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: the global row id of row 0 of each feature's table
+    indices_ptr,  # int32/int64 [N]: row within its feature's table of each lookup
+    offsets_ptr,  # int32/int64 [F*B+1]: bag boundaries, feature-major
     num_lookups,  # N: positions past it are never written, whatever the offsets say
     batch_size,  # B
     BLOCK_B: tl.constexpr,  # bags per program
     BLOCK_L: tl.constexpr,  # lookups of each bag per step
 ):
-    table = tl.program_id(1)
-    bags, _, starts, ends = bag_tile_bounds(offsets_ptr, table, tl.program_id(0) * BLOCK_B, batch_size, BLOCK_B,
-                                                  BLOCK_L)
-    row_offset = tl.load(table_row_offset_ptr + table)
-    bag_ids = (table * batch_size + bags).to(tl.int32)
+    feature = tl.program_id(1)
+    bags, _, starts, ends = bag_tile_bounds(offsets_ptr, feature, tl.program_id(0) * BLOCK_B, batch_size, BLOCK_B,
+                                            BLOCK_L)
+    row_offset = descriptor_field(descriptor_ptr, feature, None, ROW_OFFSET)
+    bag_ids = (feature * batch_size + bags).to(tl.int32)
     lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
     for step_start in range(0, tl.max(ends - starts, axis=0), BLOCK_L):
         positions = starts + step_start + lanes
@@ -72,10 +73,10 @@ def linearize(stores: RowStores, lookups: Lookups, key_dtype: torch.dtype = torc
     bag_of_index = torch.empty(num_lookups, dtype=torch.int32, device=device)
     if num_lookups > 0 and lookups.batch_size > 0:
         if tile is None:
-            tile = (2, 2) if INTERPRETING else linearize_tile(num_lookups, stores.num_tables * lookups.batch_size)
+            tile = (2, 2) if INTERPRETING else linearize_tile(num_lookups, stores.num_features * lookups.batch_size)
         block_b, block_l = tile
-        grid = (triton.cdiv(lookups.batch_size, block_b), stores.num_tables)
-        _linearize_kernel[grid](global_rows, bag_of_index, stores.table_row_offset, lookups.indices,
+        grid = (triton.cdiv(lookups.batch_size, block_b), stores.num_features)
+        _linearize_kernel[grid](global_rows, bag_of_index, stores.descriptor, lookups.indices,
                                 lookups.offsets, num_lookups, lookups.batch_size, BLOCK_B=block_b, BLOCK_L=block_l,
                                 num_warps=4)
     return lookups._replace(global_rows=global_rows, bag_of_index=bag_of_index)

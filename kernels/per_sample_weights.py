@@ -11,10 +11,16 @@ import triton
 import triton.language as tl
 
 from .addressing import (
+    DIM,
     INTERPRETING,
+    OUTPUT_OFFSET,
     POOLING_MEAN_CONSTEXPR,
     POOLING_NONE_CONSTEXPR,
+    WEIGHTS_ADDRESS,
+    WEIGHTS_STRIDE,
     bag_tile_bounds,
+    descriptor_field,
+    descriptor_field_int32,
     lookup_rows,
     pooling_code,
     table_row_zero,
@@ -28,14 +34,11 @@ def _per_sample_weights_grad_kernel(
     per_sample_weights_grad_ptr,  # fp32 [N] out: d loss / d per_sample_weights[i]
     grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
     grad_output_stride,  # elements between consecutive rows of grad_output
-    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
-    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: each feature's table rows, dim and output column
     cache_weights_ptr,  # [num_slots, row_width] slot rows
     cache_weights_stride,  # elements between consecutive slots
-    indices_ptr,  # int32/int64 [N]: row within its table of each lookup
-    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries
+    indices_ptr,  # int32/int64 [N]: row within its feature's table of each lookup
+    offsets_ptr,  # int32/int64 [F*B+1]: bag boundaries
     slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1 (read only if USE_CACHE)
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code
@@ -46,19 +49,20 @@ def _per_sample_weights_grad_kernel(
     BLOCK_L: tl.constexpr,  # lookups of each bag per step
     BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
 ):
-    table = tl.program_id(1)
+    feature = tl.program_id(1)
     element = cache_weights_ptr.dtype.element_ty
-    bags, in_batch, starts, ends = bag_tile_bounds(offsets_ptr, table, tl.program_id(0) * BLOCK_B, batch_size, BLOCK_B,
-                                                  BLOCK_L)
+    bags, in_batch, starts, ends = bag_tile_bounds(offsets_ptr, feature, tl.program_id(0) * BLOCK_B, batch_size,
+                                                   BLOCK_B, BLOCK_L)
     lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
-    table_rows = table_row_zero(table_weights_address_ptr, table, element)
-    row_stride = tl.load(table_weights_stride_ptr + table)
+    table_rows = table_row_zero(descriptor_ptr, feature, None, WEIGHTS_ADDRESS, element)
+    row_stride = descriptor_field(descriptor_ptr, feature, None, WEIGHTS_STRIDE)
     columns = tl.arange(0, BLOCK_D)
-    in_row = columns < tl.multiple_of(tl.load(table_dim_ptr + table), ALIGN)
+    in_row = columns < descriptor_field_int32(descriptor_ptr, feature, None, DIM, ALIGN)
     if POOLING != POOLING_NONE_CONSTEXPR:
         # Every lookup of a bag shares its output row's gradient (one load per tile row, from L1).
         bag_grads = tl.load(grad_output_ptr + bags[:, None].to(tl.int64) * grad_output_stride
-                            + tl.multiple_of(tl.load(table_output_offset_ptr + table), ALIGN) + columns[None, :],
+                            + descriptor_field_int32(descriptor_ptr, feature, None, OUTPUT_OFFSET, ALIGN)
+                            + columns[None, :],
                             mask=in_batch[:, None] & in_row[None, :], other=0.0)
         if POOLING == POOLING_MEAN_CONSTEXPR:
             bag_grads = bag_grads / tl.maximum(ends - starts, 1).to(tl.float32)[:, None]
@@ -91,11 +95,10 @@ def per_sample_weights_grad(
         return result
     use_cache = slot_of_index is not None and stores.uses_cache
     block_b, block_l = (2, 2) if INTERPRETING else (8, 4)
-    grid = (triton.cdiv(lookups.batch_size, block_b), stores.num_tables)
+    grid = (triton.cdiv(lookups.batch_size, block_b), stores.num_features)
     _per_sample_weights_grad_kernel[grid](
         result, grad_output, grad_output.stride(0),
-        stores.table_weights_address, stores.table_weights_stride, stores.table_dim, stores.table_output_offset,
-        stores.cache_weights, stores.cache_weights.stride(0),
+        stores.descriptor, stores.cache_weights, stores.cache_weights.stride(0),
         lookups.indices, lookups.offsets, slot_of_index if use_cache else lookups.indices, lookups.batch_size,
         POOLING=mode, USE_CACHE=use_cache, ALIGN=stores.alignment,
         ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,

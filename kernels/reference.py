@@ -1,7 +1,8 @@
 """Plain-torch references of the Triton kernels, for tests: slow, short, computed in float64.
 
 Each function takes the same arguments as its kernel (``kernels/forward.py``,
-``kernels/backward.py``) and computes the same thing table by table with gathers and
+``kernels/backward.py``) and computes the same thing feature by feature (the output) and table
+by table (the update: the lookups of all features of a table summed per row) with gathers and
 ``index_add_``: no tiles, no sorting, no fused loops. Rows come from ``cache_weights[slot]``
 when a lookup's slot is ``>= 0``, else from the table's backing rows, as in ``kernels/rows.py``;
 the optimizers' math is each optimizer's ``reference_update`` (``kernels/optimizers/``).
@@ -16,9 +17,15 @@ from .rows import Lookups, RowStores
 
 
 def _bags_of_lookups(lookups: Lookups) -> torch.Tensor:
-    """int64 [N]: the bag ``t*B + b`` of each lookup."""
+    """int64 [N]: the bag ``f*B + b`` of each lookup."""
     positions = torch.arange(lookups.num_lookups, device=lookups.indices.device)
     return torch.searchsorted(lookups.offsets.long(), positions, right=True) - 1
+
+
+def _tables_of_lookups(stores: RowStores, lookups: Lookups) -> torch.Tensor:
+    """int64 [N]: the table each lookup reads (its feature's)."""
+    features = _bags_of_lookups(lookups) // max(lookups.batch_size, 1)
+    return torch.tensor(stores.features, device=features.device)[features]
 
 
 def _slots(slot_of_index: torch.Tensor | None, lookups: Lookups) -> torch.Tensor:
@@ -33,7 +40,7 @@ def reference_rows(
     """``dtype`` [N, max_dim]: the newest copy of each lookup's row (no per-sample weight), zero-padded."""
     device = lookups.indices.device
     rows = torch.zeros(lookups.num_lookups, stores.max_dim, dtype=dtype, device=device)
-    tables = _bags_of_lookups(lookups) // max(lookups.batch_size, 1)
+    tables = _tables_of_lookups(stores, lookups)
     slots = _slots(slot_of_index, lookups)
     for table, weights in enumerate(stores.table_weights):
         ids = torch.nonzero(tables == table).flatten()
@@ -66,18 +73,17 @@ def reference_forward(
     batch_size = lookups.batch_size
     output = torch.zeros(batch_size, stores.total_dim, dtype=dtype, device=rows.device)
     bags = _bags_of_lookups(lookups)
-    tables, samples = bags // max(batch_size, 1), bags % max(batch_size, 1)
+    features, samples = bags // max(batch_size, 1), bags % max(batch_size, 1)
     offsets = lookups.offsets.long()
-    column = 0
-    for table, dim in enumerate(stores.dims):
-        in_table = tables == table
+    for feature, (table, column) in enumerate(zip(stores.features, stores.output_offsets)):
+        dim = stores.dims[table]
+        in_feature = features == feature
         pooled = torch.zeros(batch_size, dim, dtype=dtype, device=rows.device)
-        pooled.index_add_(0, samples[in_table], rows[in_table, :dim])
+        pooled.index_add_(0, samples[in_feature], rows[in_feature, :dim])
         if pooling == "mean":
-            bounds = offsets[table * batch_size : (table + 1) * batch_size + 1]
+            bounds = offsets[feature * batch_size : (feature + 1) * batch_size + 1]
             pooled = pooled / (bounds[1:] - bounds[:-1]).clamp(min=1).to(dtype)[:, None]
         output[:, column : column + dim] = pooled
-        column += dim
     return output
 
 
@@ -92,15 +98,14 @@ def reference_lookup_gradients(
     device = grad_output.device
     gradients = torch.zeros(lookups.num_lookups, stores.max_dim, dtype=dtype, device=device)
     bags = _bags_of_lookups(lookups)
-    tables, samples = bags // max(lookups.batch_size, 1), bags % max(lookups.batch_size, 1)
-    column = 0
-    for table, dim in enumerate(stores.dims):
-        ids = torch.nonzero(tables == table).flatten()
+    features, samples = bags // max(lookups.batch_size, 1), bags % max(lookups.batch_size, 1)
+    for feature, (table, column) in enumerate(zip(stores.features, stores.output_offsets)):
+        dim = stores.dims[table]
+        ids = torch.nonzero(features == feature).flatten()
         if pooling == "none":
             gradients[ids, :dim] = grad_output[ids, :dim].to(dtype)
         else:
             gradients[ids, :dim] = grad_output[samples[ids], column : column + dim].to(dtype)
-        column += dim
     if lookups.per_sample_weights is not None:
         gradients *= lookups.per_sample_weights.to(dtype)[:, None]
     if pooling == "mean":
@@ -138,7 +143,7 @@ def reference_backward_update(
         return
     device = lookups.indices.device
     gradients = reference_lookup_gradients(grad_output, stores, lookups, pooling)
-    tables = _bags_of_lookups(lookups) // max(lookups.batch_size, 1)
+    tables = _tables_of_lookups(stores, lookups)  # the lookups of every feature of a table update it together
     slots = _slots(slot_of_index, lookups)
     for table, weights_store in enumerate(stores.table_weights):
         ids = torch.nonzero(tables == table).flatten()

@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from tiered_tbe.base.descriptors import describe_tables
+
 # Weights dtypes the kernels take; the plain-torch references also take float64.
 WEIGHTS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REFERENCE_DTYPES = (*WEIGHTS_DTYPES, torch.float64)
@@ -31,27 +33,28 @@ class RowStores:
     slot ``s`` of the cache, its newest copy is ``cache_weights[s, :dim_t]`` and
     ``cache_state[s, :width]``. All weights share one dtype (fp32, fp16 or bf16).
 
-    The kernels read the derived per-table tensors (built here once, on the cache's device):
-    ``table_weights_address`` / ``table_state_address`` (int64 [T], byte addresses of row 0),
-    ``table_weights_stride`` / ``table_state_stride`` (int64 [T], elements between rows),
-    ``table_dim`` (int32 [T]), ``table_output_offset`` (int32 [T]: first column of table ``t``
-    in a pooled output row) and ``table_row_offset`` (int64 [T]: global row id of row 0; all
-    tables share one global row id space).
+    A batch looks the tables up through ``F`` features (FBGEMM's ``feature_table_map``: feature
+    ``f`` looks up table ``feature_table_map[f]``; default: feature ``t`` is table ``t``). Two
+    features of one table read and update the same rows: a row has one global row id, whichever
+    feature names it. A pooled output row holds the features side by side, in order.
+
+    The kernels read one int64 tensor built here once, on the cache's device: ``descriptor``
+    (``[F, DESCRIPTOR_COLUMNS]``, ``base/descriptors.py``), a row per feature: its table's byte
+    addresses of row 0 of weights and state, their row strides, dim and global row offset (all
+    tables share one global row id space), and the feature's first column in a pooled output row.
     """
 
     table_weights: tuple[torch.Tensor, ...]
     table_state: tuple[torch.Tensor | None, ...]
     cache_weights: torch.Tensor  # [num_slots, row_width] weights dtype ([0, 1] without a cache)
     cache_state: torch.Tensor  # fp32 [num_slots, state_width] ([0, 1] without state)
-    table_weights_address: torch.Tensor = field(init=False)
-    table_state_address: torch.Tensor = field(init=False)
-    table_weights_stride: torch.Tensor = field(init=False)
-    table_state_stride: torch.Tensor = field(init=False)
-    table_dim: torch.Tensor = field(init=False)
-    table_output_offset: torch.Tensor = field(init=False)
-    table_row_offset: torch.Tensor = field(init=False)
+    feature_table_map: tuple[int, ...] | None = None  # table of each feature; None: feature t is table t
+    descriptor: torch.Tensor = field(init=False)  # int64 [F, DESCRIPTOR_COLUMNS] (base/descriptors.py)
     dims: tuple[int, ...] = field(init=False)  # embedding_dim of each table, on the host
     row_offsets: tuple[int, ...] = field(init=False)  # global row id of row 0 of each table
+    features: tuple[int, ...] = field(init=False)  # the table of each feature (feature_table_map resolved)
+    output_offsets: tuple[int, ...] = field(init=False)  # first column of each feature in a pooled output row
+    shares_tables: bool = field(init=False)  # some table is looked up by two or more features
     num_rows: int = field(init=False)  # global rows of all tables (sorts use int32 keys below 2^31)
     alignment: int = field(init=False)  # elements that every weights row start and dim is a multiple of
     state_alignment: int = field(init=False)  # fp32 values that every state row start is a multiple of
@@ -90,9 +93,6 @@ class RowStores:
             total += int(weights.shape[0])
         element = self.table_weights[0].element_size()
 
-        def address(tensor):
-            return 0 if tensor is None else tensor.data_ptr()
-
         def stride(tensor):
             return 0 if tensor is None else int(tensor.stride(0))
 
@@ -109,17 +109,18 @@ class RowStores:
 
         alignment = math.gcd(alignment_of(self.table_weights, self.cache_weights, element), *dims)
         state_alignment = alignment_of(self.table_state, self.cache_state, 4)
-        on = dict(device=device)
+        features = tuple(range(len(dims))) if self.feature_table_map is None else tuple(
+            int(t) for t in self.feature_table_map)
+        if not features or any(not 0 <= t < len(dims) for t in features):
+            raise ValueError(f"feature_table_map must name tables 0..{len(dims) - 1}, got {list(features)}")
+        output_offsets = tuple(sum(dims[t] for t in features[:f]) for f in range(len(features)))
         values = {
-            "table_weights_address": torch.tensor([address(w) for w in self.table_weights], dtype=torch.int64, **on),
-            "table_state_address": torch.tensor([address(s) for s in self.table_state], dtype=torch.int64, **on),
-            "table_weights_stride": torch.tensor([stride(w) for w in self.table_weights], dtype=torch.int64, **on),
-            "table_state_stride": torch.tensor([stride(s) for s in self.table_state], dtype=torch.int64, **on),
-            "table_dim": torch.tensor(dims, dtype=torch.int32, **on),
-            "table_output_offset": torch.tensor([sum(dims[:t]) for t in range(len(dims))], dtype=torch.int32, **on),
-            "table_row_offset": torch.tensor(row_offsets, dtype=torch.int64, **on),
-            "dims": dims, "row_offsets": tuple(row_offsets), "num_rows": total, "alignment": alignment,
-            "state_alignment": state_alignment,
+            "descriptor": describe_tables([self.table_weights[t] for t in features],
+                                          [self.table_state[t] for t in features],
+                                          [row_offsets[t] for t in features], output_offsets, device),
+            "dims": dims, "row_offsets": tuple(row_offsets), "features": features, "output_offsets": output_offsets,
+            "shares_tables": len(set(features)) < len(features), "num_rows": total,
+            "alignment": alignment, "state_alignment": state_alignment,
             # Computed once: triton.next_power_of_2 took 3.4 us a call on the training path's host.
             "block_d": 1 << max(max(dims, default=1) - 1, 0).bit_length(),
         }
@@ -131,13 +132,18 @@ class RowStores:
         return len(self.table_weights)
 
     @property
+    def num_features(self) -> int:
+        """``F``: the features a batch has bags of (``offsets`` has ``F * B + 1`` entries)."""
+        return len(self.features)
+
+    @property
     def max_dim(self) -> int:
         return max(self.dims)
 
     @property
     def total_dim(self) -> int:
-        """Width of a pooled output row: the sum of the dims."""
-        return sum(self.dims)
+        """Width of a pooled output row: the sum over features of their tables' dims."""
+        return sum(self.dims[t] for t in self.features)
 
     @property
     def weights_dtype(self) -> torch.dtype:
@@ -148,14 +154,15 @@ class RowStores:
         return self.cache_weights.shape[0] > 0
 
     def replace(self, **changes) -> RowStores:
-        """A copy with some of ``table_weights, table_state, cache_weights, cache_state`` replaced."""
+        """A copy with some of ``table_weights, table_state, cache_weights, cache_state,
+        feature_table_map`` replaced."""
         return replace(self, **changes)
 
     def clone(self) -> RowStores:
         """Deep copy of every row and state value (tests, benchmarks)."""
         return RowStores(tuple(w.clone() for w in self.table_weights),
                          tuple(None if s is None else s.clone() for s in self.table_state),
-                         self.cache_weights.clone(), self.cache_state.clone())
+                         self.cache_weights.clone(), self.cache_state.clone(), self.feature_table_map)
 
 
 def no_cache(dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,19 +173,20 @@ def no_cache(dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tens
 class Lookups(NamedTuple):
     """One batch in FBGEMM's TBE layout.
 
-    ``N`` lookups into ``T`` tables of ``B`` bags each; bag ``t * B + b`` is
-    ``indices[offsets[t*B+b] : offsets[t*B+b+1]]`` (table-major). ``indices`` and ``offsets``
+    ``N`` lookups in ``F`` features of ``B`` bags each (a feature looks up one table:
+    ``RowStores.features``); bag ``f * B + b`` is ``indices[offsets[f*B+b] : offsets[f*B+b+1]]``
+    (feature-major; with one feature a table, table-major). ``indices`` and ``offsets``
     may be int32 or int64 (the kernels read either). ``global_rows`` (int32 or int64 [N]) and
     ``bag_of_index`` (int32 [N]) may come along when the caller computed them already (the
     cache's prefetch needs them); else the backward computes them (``kernels/linearize.py``).
     """
 
-    indices: torch.Tensor  # int32 / int64 [N]: row within its table
-    offsets: torch.Tensor  # int32 / int64 [T*B+1]: non-decreasing, offsets[0] == 0, offsets[-1] == N
+    indices: torch.Tensor  # int32 / int64 [N]: row within its feature's table
+    offsets: torch.Tensor  # int32 / int64 [F*B+1]: non-decreasing, offsets[0] == 0, offsets[-1] == N
     batch_size: int  # B
     per_sample_weights: torch.Tensor | None = None  # fp32 [N] or None
-    global_rows: torch.Tensor | None = None  # int64 [N]: table_row_offset[t] + indices
-    bag_of_index: torch.Tensor | None = None  # int32 [N]: t*B + b of the bag holding each lookup
+    global_rows: torch.Tensor | None = None  # int64 [N]: global row of row 0 of the feature's table + indices
+    bag_of_index: torch.Tensor | None = None  # int32 [N]: f*B + b of the bag holding each lookup
 
     @property
     def num_lookups(self) -> int:
@@ -190,9 +198,10 @@ def check_lookups(stores: RowStores, lookups: Lookups, slot_of_index: torch.Tens
     if stores.weights_dtype not in WEIGHTS_DTYPES:
         raise TypeError(f"the kernels take float32, float16 or bfloat16 weights, got {stores.weights_dtype}")
     num_lookups = lookups.num_lookups
-    num_bags = stores.num_tables * lookups.batch_size
+    num_bags = stores.num_features * lookups.batch_size
     if lookups.offsets.numel() != num_bags + 1:
-        raise ValueError(f"offsets must have T*B+1 = {num_bags + 1} entries, got {lookups.offsets.numel()}")
+        raise ValueError(f"offsets must have F*B+1 = {num_bags + 1} entries ({stores.num_features} features), got "
+                         f"{lookups.offsets.numel()}")
     for name in ("indices", "offsets"):
         tensor = getattr(lookups, name)
         if tensor.dtype not in (torch.int32, torch.int64) or tensor.dim() != 1:

@@ -15,7 +15,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .addressing import POOLING_MEAN_CONSTEXPR, POOLING_NONE_CONSTEXPR, row_pointers, table_row_zero
+from .addressing import (
+    DIM,
+    OUTPUT_OFFSET,
+    POOLING_MEAN_CONSTEXPR,
+    POOLING_NONE_CONSTEXPR,
+    ROW_OFFSET,
+    STATE_ADDRESS,
+    STATE_STRIDE,
+    WEIGHTS_ADDRESS,
+    WEIGHTS_STRIDE,
+    descriptor_field,
+    descriptor_field_int32,
+    recomputed_features,
+    row_pointers,
+    table_row_zero,
+)
 
 STEP_INTS = 3
 MAX_HYPER = 8
@@ -101,19 +116,19 @@ def load_hyper(
 def run_columns(
     first_positions,  # int64, scalar or [ROWS]: the first sorted position of each run
     valid,  # bool, same shape: which runs exist
-    sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
-    table_dim_ptr,  # int32 [T]: embedding_dim of each table
-    table_output_offset_ptr,  # int32 [T]: first column of each table in a grad_output row
+    sorted_bags_ptr,  # int32 [N]: bag f*B+b of the lookup at each sorted position
+    descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: each feature's dim and first output column (and more)
     batch_size,  # B
     ALIGN: tl.constexpr,  # every dim and output column offset is a multiple of this many elements
 ):
-    """``(tables, dims, first_columns)``, int32 of ``first_positions``' shape: each run's table,
-    its embedding_dim and its first column in a grad_output row (0 where not valid). The hints
+    """``(features, dims, first_columns)``, int32 of ``first_positions``' shape: the feature of each
+    run's first lookup, its table's embedding_dim and its first column in a grad_output row (0
+    where not valid; every lookup of a run has the run's table, so its dim). The hints
     are given here, where the values are loaded (Triton 3.6 drops them given by a caller)."""
-    tables = tl.load(sorted_bags_ptr + first_positions, mask=valid, other=0) // batch_size
-    dims = tl.multiple_of(tl.load(table_dim_ptr + tables, mask=valid, other=0), ALIGN)
-    first_columns = tl.multiple_of(tl.load(table_output_offset_ptr + tables, mask=valid, other=0), ALIGN)
-    return tables, dims, first_columns
+    features = tl.load(sorted_bags_ptr + first_positions, mask=valid, other=0) // batch_size
+    dims = descriptor_field_int32(descriptor_ptr, features, valid, DIM, ALIGN)
+    first_columns = descriptor_field_int32(descriptor_ptr, features, valid, OUTPUT_OFFSET, ALIGN)
+    return features, dims, first_columns
 
 
 @triton.jit
@@ -121,7 +136,7 @@ def lookup_keys(
     positions,  # int64 tensor: sorted positions
     valid,  # bool, same shape: which positions count
     order_ptr,  # int32 [N]: lookup at each sorted position (read for pooling none only)
-    sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
+    sorted_bags_ptr,  # int32 [N]: bag f*B+b of the lookup at each sorted position
     POOLING: tl.constexpr,  # pooling code (kernels/addressing.py)
 ):
     """int32, the shape of ``positions``: what locates each position's gradient row, its bag
@@ -135,46 +150,54 @@ def lookup_keys(
 
 @triton.jit
 def lookup_gradients(
-    positions,  # int64 [F] or [ROWS, LANES]: sorted positions, each run's positions in one row of the tile
+    positions,  # int64 [P] or [ROWS, LANES]: sorted positions, each run's positions in one row of the tile
     valid,  # bool, same shape: which positions count
-    tables,  # int32, broadcastable to positions: the table of each position's run (scalar, [F] or [ROWS, 1])
-    first_columns,  # int32, as tables: that table's first column in a grad_output row
-    in_row,  # bool, broadcastable to [*positions.shape, BLOCK_D]: the columns of that table
+    features,  # int32, broadcastable to positions: the feature of each run's first lookup (scalar, [P], [ROWS, 1])
+    first_columns,  # int32, as features: that feature's first column in a grad_output row
+    in_row,  # bool, broadcastable to [*positions.shape, BLOCK_D]: the columns of the run's table
     order_ptr,  # int32 [N]: lookup at each sorted position (read for pooling none only)
-    sorted_bags_ptr,  # int32 [N]: bag t*B+b of the lookup at each sorted position
-    offsets_ptr,  # int32/int64 [T*B+1]: bag boundaries (mean pooling's bag lengths)
+    sorted_bags_ptr,  # int32 [N]: bag f*B+b of the lookup at each sorted position
+    offsets_ptr,  # int32/int64 [F*B+1]: bag boundaries (mean pooling's bag lengths)
     sorted_weights_ptr,  # fp32 [N]: per-sample weight at each sorted position (if HAS_PER_SAMPLE_WEIGHTS)
     grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
     grad_output_stride,  # elements between consecutive rows of grad_output
     batch_size,  # B
+    descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: each feature's first output column (read if SHARED_TABLES)
     columns,  # int32 [BLOCK_D]
     POOLING: tl.constexpr,  # pooling code (kernels/addressing.py)
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether lookups carry per-sample weights
     GRAD_ALIGN_BYTES: tl.constexpr,  # every grad_output row slice starts at a multiple of this
+    SHARED_TABLES: tl.constexpr,  # a table is looked up by several features: a run's lookups may differ in theirs
+    ALIGN: tl.constexpr,  # every output column offset is a multiple of this many elements
 ):
     """fp32 [*positions.shape, BLOCK_D]: d loss / d row of the lookup at each sorted position
     (zeros where not valid or outside ``in_row``).
 
-    The lookups of a run share its row, so its table: the caller reads the table, its dim and its
+    The lookups of a run share its row, so its table: the caller reads the feature, its dim and its
     first column once per run (``run_columns``), and a lookup costs one dependent load (its bag)
-    before its gradient row, not three (bag, then the table's dim and first column).
+    before its gradient row, not three (bag, then the dim and first column). Only when features
+    share a table (``SHARED_TABLES``) may a run's lookups come from different features, whose
+    output columns differ: each lookup then reads its own feature's column (one load more, from
+    the descriptor's few cache lines).
 
     A 2-D tile of positions (a row of lanes per run) lets a run's lanes be summed in registers
     (``tl.sum(axis=1)``), as the forward's tiles (kernels/addressing.py ``lookup_rows``)."""
     keys = lookup_keys(positions, valid, order_ptr, sorted_bags_ptr, POOLING)
-    return gradients_of_keys(keys, positions, valid, tables, first_columns, in_row, offsets_ptr, sorted_weights_ptr,
-                             grad_output_ptr, grad_output_stride, batch_size, columns, POOLING,
-                             HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES)
+    return gradients_of_keys(keys, positions, valid, features, first_columns, in_row, offsets_ptr, sorted_weights_ptr,
+                             grad_output_ptr, grad_output_stride, batch_size, descriptor_ptr, columns, POOLING,
+                             HAS_PER_SAMPLE_WEIGHTS, GRAD_ALIGN_BYTES, SHARED_TABLES, ALIGN)
 
 
 @triton.jit
 def gradients_of_keys(
     keys,  # int32, the shape of positions: lookup_keys of the positions
-    positions,  # int64 [F] or [ROWS, LANES]: sorted positions
+    positions,  # int64 [P] or [ROWS, LANES]: sorted positions
     valid,  # bool, same shape: which positions count
-    tables, first_columns, in_row,  # as lookup_gradients'
-    offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size, columns,  # as lookup_gradients'
+    features, first_columns, in_row,  # as lookup_gradients'
+    offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size, descriptor_ptr,
+    columns,  # as lookup_gradients'
     POOLING: tl.constexpr, HAS_PER_SAMPLE_WEIGHTS: tl.constexpr, GRAD_ALIGN_BYTES: tl.constexpr,
+    SHARED_TABLES: tl.constexpr, ALIGN: tl.constexpr,  # as lookup_gradients'
 ):
     """``lookup_gradients`` of positions whose keys (``lookup_keys``) are loaded already.
 
@@ -184,7 +207,10 @@ def gradients_of_keys(
     if POOLING == POOLING_NONE_CONSTEXPR:
         pointers = grad_output_ptr + keys.to(tl.int64) * grad_output_stride  # int32 lookups: 64-bit addresses
     else:
-        samples = keys - tables * batch_size
+        if SHARED_TABLES:  # each lookup's own feature and its output column
+            features = keys // batch_size
+            first_columns = descriptor_field_int32(descriptor_ptr, features, valid, OUTPUT_OFFSET, ALIGN)
+        samples = keys - features * batch_size
         pointers = grad_output_ptr + samples.to(tl.int64) * grad_output_stride + first_columns
     if len(positions.shape) == 2:  # tl.multiple_of takes one value per dimension
         pointers = tl.multiple_of(pointers, [GRAD_ALIGN_BYTES, GRAD_ALIGN_BYTES])
@@ -259,18 +285,14 @@ def stochastic_round(
 @triton.jit
 def update_rows(
     global_rows,  # int64 [R]: the rows to update
-    tables,  # int32 [R]: their tables
+    features,  # int32 [R]: a feature of each row's table (its descriptor row)
     slots,  # int32 [R]: the slot of each row, or -1 (ignored unless USE_CACHE)
     grad,  # fp32 [R, BLOCK_D]: each row's summed gradient (zeros outside mask)
     row_mask,  # bool [R]: which rows to update
     dims,  # int32 [R]: embedding_dim of each row's table
     columns,  # int32 [BLOCK_D]
     mask,  # bool [R, BLOCK_D]: row_mask and the table's columns
-    table_weights_address_ptr,  # int64 [T]: address of row 0 of each table's weights
-    table_weights_stride_ptr,  # int64 [T]: elements between rows of each table's weights
-    table_state_address_ptr,  # int64 [T]: address of row 0 of each table's fp32 state (0: none)
-    table_state_stride_ptr,  # int64 [T]: elements between rows of each table's state
-    table_row_offset_ptr,  # int64 [T]: global row id of row 0 of each table
+    descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: each feature's table: row 0 addresses, strides, row offset
     cache_weights_ptr,  # [num_slots, row_width] slot rows; its element type is every row's
     cache_weights_stride,  # elements between consecutive slots of cache_weights
     cache_state_ptr,  # fp32 [num_slots, state_width]: optimizer state of cached rows
@@ -288,12 +310,13 @@ def update_rows(
 ):
     """Apply the optimizer to ``R`` rows in their slot or backing store, and store them."""
     element = cache_weights_ptr.dtype.element_ty
-    table_rows = global_rows - tl.load(table_row_offset_ptr + tables, mask=row_mask, other=0)
-    weight_rows = row_pointers(table_row_zero(table_weights_address_ptr, tables, element), table_rows,
-                               tl.load(table_weights_stride_ptr + tables, mask=row_mask, other=0), slots,
+    features = recomputed_features(features)  # not the address of the rows read before the gradient loop
+    table_rows = global_rows - descriptor_field(descriptor_ptr, features, row_mask, ROW_OFFSET)
+    weight_rows = row_pointers(table_row_zero(descriptor_ptr, features, None, WEIGHTS_ADDRESS, element), table_rows,
+                               descriptor_field(descriptor_ptr, features, row_mask, WEIGHTS_STRIDE), slots,
                                cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
-    state_rows = row_pointers(table_row_zero(table_state_address_ptr, tables, tl.float32), table_rows,
-                              tl.load(table_state_stride_ptr + tables, mask=row_mask, other=0), slots,
+    state_rows = row_pointers(table_row_zero(descriptor_ptr, features, None, STATE_ADDRESS, tl.float32), table_rows,
+                              descriptor_field(descriptor_ptr, features, row_mask, STATE_STRIDE), slots,
                               cache_state_ptr, cache_state_stride, USE_CACHE, STATE_ALIGN_BYTES)
 
     # Every load of the rows and their state comes before the barrier below, every store after it.

@@ -1,5 +1,8 @@
 """A plain-torch, fp64 model of TieredEmbeddingBags: one dense tensor per table, the
-optimizers written out from their docstrings. The tests train it beside the real module."""
+optimizers written out from their docstrings. The tests train it beside the real module.
+
+Features look up tables by ``feature_table_map`` (default: feature t is table t): a pooled
+output row holds the features side by side, and a table's gradient sums every feature's."""
 
 from __future__ import annotations
 
@@ -9,8 +12,9 @@ from tiered_tbe.optimizers import LAMB, SGD, Adagrad, Adam, PartialRowwiseAdam, 
 
 
 class ReferenceBags:
-    def __init__(self, weights: list[torch.Tensor], pooling: str, optimizer):
+    def __init__(self, weights: list[torch.Tensor], pooling: str, optimizer, feature_table_map=None):
         self.weights = [w.detach().double().clone() for w in weights]
+        self.features = list(range(len(weights))) if feature_table_map is None else list(feature_table_map)
         self.pooling = pooling
         self.optimizer = optimizer
         self.step = 0
@@ -25,23 +29,26 @@ class ReferenceBags:
             self.state = [(torch.zeros_like(w), torch.zeros(w.shape[0], dtype=torch.float64)) for w in self.weights]
 
     def _bags(self, indices, offsets):
-        num_tables = len(self.weights)
-        batch_size = (offsets.numel() - 1) // num_tables
-        for t in range(num_tables):
+        """``(table, first output column, sample, start, end)`` of every bag, feature by feature."""
+        num_features = len(self.features)
+        batch_size = (offsets.numel() - 1) // num_features
+        column = 0
+        for f, t in enumerate(self.features):
             for b in range(batch_size):
-                start, end = int(offsets[t * batch_size + b]), int(offsets[t * batch_size + b + 1])
-                yield t, b, start, end
+                start, end = int(offsets[f * batch_size + b]), int(offsets[f * batch_size + b + 1])
+                yield t, column, b, start, end
+            column += self.weights[t].shape[1]
 
     def forward(self, indices, offsets, per_sample_weights=None) -> torch.Tensor:
         indices, offsets = indices.cpu().long(), offsets.cpu().long()
         psw = None if per_sample_weights is None else per_sample_weights.detach().cpu().double()
         dims = [w.shape[1] for w in self.weights]
-        batch_size = (offsets.numel() - 1) // len(self.weights)
+        batch_size = (offsets.numel() - 1) // len(self.features)
         if self.pooling == "none":
             out = torch.zeros(indices.numel(), dims[0], dtype=torch.float64)
         else:
-            out = torch.zeros(batch_size, sum(dims), dtype=torch.float64)
-        for t, b, start, end in self._bags(indices, offsets):
+            out = torch.zeros(batch_size, sum(dims[t] for t in self.features), dtype=torch.float64)
+        for t, col, b, start, end in self._bags(indices, offsets):
             rows = self.weights[t][indices[start:end]]
             if psw is not None:
                 rows = rows * psw[start:end, None]
@@ -51,7 +58,6 @@ class ReferenceBags:
                 pooled = rows.sum(0)
                 if self.pooling == "mean" and end > start:
                     pooled = pooled / (end - start)
-                col = sum(dims[:t])
                 out[b, col : col + dims[t]] = pooled
         return out
 
@@ -62,12 +68,11 @@ class ReferenceBags:
         dims = [w.shape[1] for w in self.weights]
         grads = [torch.zeros_like(w) for w in self.weights]
         touched = [torch.zeros(w.shape[0], dtype=torch.bool) for w in self.weights]
-        for t, b, start, end in self._bags(indices, offsets):
+        for t, col, b, start, end in self._bags(indices, offsets):
             for i in range(start, end):
                 if self.pooling == "none":
                     g = grad_output[i]
                 else:
-                    col = sum(dims[:t])
                     g = grad_output[b, col : col + dims[t]]
                     if self.pooling == "mean":
                         g = g / (end - start)

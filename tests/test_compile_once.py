@@ -9,10 +9,12 @@ other), so a per-batch count that is not marked ``do_not_specialize`` would comp
 again for batch after batch (the slow first steps of a new model shape).
 """
 
+import atexit
 import copy
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -20,22 +22,29 @@ from pathlib import Path
 import pytest
 from background import run_in_background
 
+from tiered_tbe.base import compiling
+
 SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "compile_kernels.py"
 REPORT = Path(tempfile.gettempdir()) / f"tiered_tbe_compile_report_{os.getpid()}.json"
 sys.path.insert(0, str(SCRIPT.parent))
 from compile_reports import compare_reports  # noqa: E402  (tools/, no side effects)
 
+# Triton's disk cache of the compilation runs: empty at the first, kept for the second.
+TRITON_CACHE = Path(tempfile.mkdtemp(prefix="tiered_tbe_triton_cache_"))
+atexit.register(shutil.rmtree, TRITON_CACHE, ignore_errors=True)
 
-def _start(*flags: str):
+
+def _start(*flags: str, **env_vars: str):
     """``compile_kernels.py`` with ``flags`` in a fresh process, started now (tests/background.py)."""
     env = dict(os.environ, TRITON_INTERPRET="0", TIERED_TBE_COMPILE_ONLY="1", NUMBA_ENABLE_CUDASIM="1",
-               TRITON_DEFAULT_FP_FUSION="1", CUDA_VISIBLE_DEVICES="")
+               TRITON_DEFAULT_FP_FUSION="1", CUDA_VISIBLE_DEVICES="", **env_vars)
     return run_in_background([sys.executable, str(SCRIPT), *flags], env=env, timeout=600)
 
 
-# Both compile runs start as this module is collected.
+# The compile runs start as this module is collected, one after the other (the second after the first).
 _RUNS = {"vector loads": _start("--optimizers", "sgd", "rowwise_adagrad", "lamb", "--save", str(REPORT)),
-         "compilations": _start("--count-compilations")}
+         "compilations": _start("--count-compilations", TRITON_CACHE_DIR=str(TRITON_CACHE)),
+         "compilations again": _start("--count-compilations", TRITON_CACHE_DIR=str(TRITON_CACHE))}
 
 
 def _run(name: str) -> str:
@@ -86,15 +95,36 @@ def test_saved_report_compares_and_flags_lost_vector_loads(capsys):
     REPORT.unlink()
 
 
+def _counts(out: str) -> dict[str, int]:
+    return {line.split()[0]: int(line.split()[1]) for line in out.splitlines() if line.endswith(" compiled")}
+
+
 def test_each_kernel_compiles_once_per_model_shape():
+    """Batch sizes of 1, 2, 16, 77 and 512 and lookup counts of every class (a multiple of 16 or not)
+    compile each kernel once: no per-batch integer is specialized."""
     out = _run("compilations")
-    counts = {line.split()[0]: int(line.split()[1]) for line in out.splitlines() if line.endswith("compiled")}
     forward_candidates = 6  # the autotuner's tiles for the batches' bag-length class, each compiled once
     expected = {"_pooled_forward_kernel": forward_candidates, "_linearize_kernel": 1, "_run_starts_kernel": 1,
                 "_run_ends_kernel": 1, "hot_window_sums_kernel": 1, "hot_group_sums_kernel": 1,
+                "_per_sample_weights_grad_kernel": 1,
                 # once per optimizer (two are used)
                 "hot_row_update_kernel": 2, "_row_update_kernel": 2}
-    assert {name: counts.get(name) for name in expected} == expected, out
+    assert {name: _counts(out).get(name) for name in expected} == expected, out
+    assert "triton: 16 compiled, 0 loaded" in out, out
+
+
+def test_a_second_process_loads_every_kernel_from_triton_s_disk_cache():
+    """A new process of the same model shape compiles nothing (nothing defeats Triton's disk cache:
+    no per-process value in a kernel's key), and the forward's autotuner loads its winner from the
+    disk (``cache_results``) instead of compiling and timing every candidate tile."""
+    first, second = _run("compilations"), _run("compilations again")
+    assert "triton: 0 compiled" in second, second
+    counts = _counts(second)
+    assert counts["_pooled_forward_kernel"] == 1, second
+    assert {k: v for k, v in counts.items() if k != "_pooled_forward_kernel"} == \
+        {k: v for k, v in _counts(first).items() if k != "_pooled_forward_kernel"}, (first, second)
+    assert compiling.MESSAGE in _RUNS["compilations"].result().stderr
+    assert compiling.MESSAGE not in _RUNS["compilations again"].result().stderr
 
 
 @pytest.mark.gpu

@@ -40,7 +40,8 @@ class TieredEmbeddingBagsFunction(torch.autograd.Function):
             lookups = batch.lookups
             try:
                 validation.check_finite_update(module.tables, module.pooling, grad_output, lookups.offsets,
-                                               lookups.batch_size, lookups.per_sample_weights)
+                                               lookups.batch_size, lookups.per_sample_weights,
+                                               module._features_if_shared)
             except ValueError:
                 batch.release()
                 raise

@@ -33,6 +33,12 @@ class TieredEmbeddingBags(nn.Module):
 
     Args:
         tables: one :class:`TableSpec` per table (name, rows, dim, placement).
+        feature_table_map: FBGEMM's: ``feature_table_map[f]`` is the table feature ``f`` looks up,
+            for ``F`` features in the order of the batch's bags (several features may look up one
+            table, e.g. ``[0, 0, 1]``: the user's and the item's history in one id table; every
+            table needs a feature). Default: feature ``t`` is table ``t``. A row has one identity
+            whichever feature names it: its gradients from every feature of a batch are summed
+            before its one fused update, and the cache holds it once. ``state_dict`` stays per table.
         pooling: ``"sum"``, ``"mean"`` or ``"none"`` (all tables must share one dim).
         optimizer: a fused optimizer of :mod:`tiered_tbe.optimizers` (``SGD``, ``RowwiseAdagrad``,
             ``Adagrad``, ``Adam``, ``PartialRowwiseAdam``, ``LAMB``; applied once per unique row per
@@ -60,9 +66,18 @@ class TieredEmbeddingBags(nn.Module):
             waiting for the device; bit-identical to running its launches one by one;
             ``base/graphs.py``). ``TIERED_TBE_CUDA_GRAPHS=0`` turns it off too.
 
-    Forward: ``indices`` (int32/int64 [N]) and ``offsets`` (int32/int64 [T*B+1]) in FBGEMM's
-    table-major TBE layout, optional ``per_sample_weights`` (float [N]). Returns fp32
-    ``[B, sum of dims]`` (``pooling="none"``: ``[N, dim]``).
+    Forward: ``indices`` (int32/int64 [N]) and ``offsets`` (int32/int64 [F*B+1]) in FBGEMM's
+    TBE layout, feature-major (``F`` = the features, the tables by default; bag ``f * B + b`` is
+    sample ``b`` of feature ``f``; ``indices`` are rows of the feature's table), optional
+    ``per_sample_weights`` (float [N]). Returns fp32 ``[B, sum over features of their tables'
+    dims]``, the features' columns side by side in order (``pooling="none"``: ``[N, dim]``).
+
+    Example (two features of one table, then a second table)::
+
+        emb = TieredEmbeddingBags([TableSpec(1000, 16, name="ids"), TableSpec(50, 8, name="country")],
+                                  feature_table_map=[0, 0, 1], optimizer=SGD(lr=0.1))
+        # B = 2: bags [f0 b0, f0 b1, f1 b0, f1 b1, f2 b0, f2 b1]
+        out = emb(torch.tensor([3, 4, 3, 7, 999, 1]), torch.tensor([0, 1, 2, 3, 5, 5, 6]))  # [2, 16 + 16 + 8]
     """
 
     def __init__(
@@ -80,6 +95,7 @@ class TieredEmbeddingBags(nn.Module):
         nan_check: str = "off",
         cuda_graphs: bool = True,
         state_layout: str = "separate",
+        feature_table_map: list[int] | None = None,
     ):
         super().__init__()
         if not tables:
@@ -98,12 +114,16 @@ class TieredEmbeddingBags(nn.Module):
         names = [s.name or f"table_{t}" for t, s in enumerate(tables)]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
+        features = _check_feature_table_map(feature_table_map, names)
         if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
             raise TypeError(f"optimizer must be one of tiered_tbe.optimizers (e.g. RowwiseAdagrad(lr=0.01)), got "
                             f"{type(optimizer).__name__}")
         self.backend = backend_named(backend)
         self.tables = list(tables)
         self.table_names = names
+        self.feature_table_map = features  # the table of each feature
+        # None where each feature is its table: validation then speaks of tables only, as it always did.
+        self._features_if_shared = None if features == list(range(len(tables))) else features
         self.pooling = pooling
         self.optimizer = optimizer
         self.weights_dtype = weights_dtype
@@ -158,11 +178,13 @@ class TieredEmbeddingBags(nn.Module):
             cache_weights, cache_state = self.cache.weights, self.cache.state
         else:
             cache_weights, cache_state = no_cache(weights_dtype, self.device)
-        self.row_stores = self.storage.row_stores(cache_weights, cache_state)
-        self._num_rows_of_table = torch.tensor(
-            [s.num_embeddings for s in tables], dtype=torch.int64, device=self.device
+        self.row_stores = self.storage.row_stores(cache_weights, cache_state, features)
+        # Per feature: the rows of its table and the global row of the table's row 0.
+        self._num_rows_of_feature = torch.tensor(
+            [tables[t].num_embeddings for t in features], dtype=torch.int64, device=self.device
         )
-        self._row_offset = torch.tensor(self.storage.row_offset, dtype=torch.int64, device=self.device)
+        self._row_offset = torch.tensor([self.storage.row_offset[t] for t in features], dtype=torch.int64,
+                                        device=self.device)
         self._prefetched: deque[tuple[torch.Tensor, torch.Tensor, PreparedBatch]] = deque()
         self._deferred_unlocks = DeferredUnlocks()  # of the batches prefetched with defer_unlock
         # An empty leaf that requires grad, so autograd calls backward (the fused update).
@@ -177,7 +199,7 @@ class TieredEmbeddingBags(nn.Module):
         the GPU. Until then the batch only moves rows into the cache (no value changes).
         """
         self.run_deferred_unlocks()  # batches finished since the last prefetch free their slots first
-        batch_size = validation.check_static(self.tables, indices, offsets, self.device)
+        batch_size = validation.check_static(self.tables, indices, offsets, self.device, self._features_if_shared)
         value_check = None
         if self.bounds_check == "off":
             if self.cache is None:
@@ -194,18 +216,19 @@ class TieredEmbeddingBags(nn.Module):
             indices = indices.long()
             offsets = offsets.long()
             bag_of_index = self._bag_of_index(indices, offsets)
-            table_of_index = self._table_of_index(bag_of_index, batch_size)
+            feature_of_index = self._feature_of_index(bag_of_index, batch_size)
             value_check = validation.start_value_check(
-                self.tables, indices, offsets, table_of_index, self._num_rows_of_table, batch_size
+                self.tables, indices, offsets, feature_of_index, self._num_rows_of_feature, batch_size,
+                self._features_if_shared
             )
             if not ahead:
                 value_check.raise_if_bad()  # before any lock: bad input changes nothing
                 value_check = None
             # A batch prefetched ahead may be malformed (its verdict is read at its forward): each lookup's
-            # table is clamped into range above, so nothing here indexes out of bounds; an index outside its
+            # feature is clamped into range above, so nothing here indexes out of bounds; an index outside its
             # table names another table's row or none (the cache leaves rows outside its tables alone), and
             # the prefetch only moves rows into the cache. The forward raises before any value changes.
-            global_rows = self._row_offset[table_of_index] + indices
+            global_rows = self._row_offset[feature_of_index] + indices
             lookups = Lookups(indices, offsets, batch_size, global_rows=global_rows, bag_of_index=bag_of_index)
             if self.cache is None:
                 return PreparedBatch(lookups, None, None, value_check=value_check)
@@ -222,14 +245,14 @@ class TieredEmbeddingBags(nn.Module):
             batch.unlock()
 
     def _bag_of_index(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """int64 [N]: the bag (t*B + b) of each lookup; empty bags are skipped by searchsorted."""
+        """int32 [N]: the bag (f*B + b) of each lookup; empty bags are skipped by searchsorted."""
         positions = torch.arange(indices.numel(), device=self.device)
         return torch.searchsorted(offsets, positions, right=True, out_int32=True) - 1
 
-    def _table_of_index(self, bag_of_index: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """[N], the dtype of ``bag_of_index``: the table of each lookup, clamped into ``[0, T)``: with malformed
+    def _feature_of_index(self, bag_of_index: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """[N], the dtype of ``bag_of_index``: the feature of each lookup, clamped into ``[0, F)``: with malformed
         offsets (``offsets[0] > 0``, ``offsets[-1] < N``, decreasing) a lookup's bag can fall outside the batch."""
-        return (bag_of_index // max(batch_size, 1)).clamp_(0, len(self.tables) - 1)
+        return (bag_of_index // max(batch_size, 1)).clamp_(0, len(self.feature_table_map) - 1)
 
     def rows_for_hint(self, indices: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The distinct global rows of a batch not yet validated, for :meth:`hint_upcoming`.
@@ -240,13 +263,14 @@ class TieredEmbeddingBags(nn.Module):
         the GPU). ``rows[:count]`` is the same hint, shorter. Out-of-range indices are clamped
         into their tables: that can only make a hint less exact, never a result wrong (values
         are checked at the batch's prefetch)."""
-        batch_size = max(validation.check_static(self.tables, indices, offsets, self.device), 1)
+        batch_size = max(validation.check_static(self.tables, indices, offsets, self.device,
+                                                 self._features_if_shared), 1)
 
         def enqueue(tensors):
             indices, offsets = (t.long() for t in tensors)
-            table_of_index = (self._bag_of_index(indices, offsets) // batch_size).clamp_(0, len(self.tables) - 1)
-            rows = torch.minimum(indices.clamp(min=0), self._num_rows_of_table[table_of_index] - 1)
-            rows = self._row_offset[table_of_index] + rows
+            feature_of_index = self._feature_of_index(self._bag_of_index(indices, offsets), batch_size)
+            rows = torch.minimum(indices.clamp(min=0), self._num_rows_of_feature[feature_of_index] - 1)
+            rows = self._row_offset[feature_of_index] + rows
             num_rows = self.row_stores.num_rows
             sorted_rows = sort_ids(rows, num_rows)[0]
             first = torch.ones_like(sorted_rows, dtype=torch.bool)
@@ -364,7 +388,7 @@ class TieredEmbeddingBags(nn.Module):
             # Checked before the batch is prefetched: a bad call locks nothing, and a batch prefetched
             # for these tensors goes with it, as one whose value check fails at its forward does.
             try:
-                validation.check_static(self.tables, indices, offsets, self.device)
+                validation.check_static(self.tables, indices, offsets, self.device, self._features_if_shared)
                 validation.check_per_sample_weights(per_sample_weights, indices.numel(), self.device)
             except ValueError:
                 self.drop_prefetched(indices, offsets)
@@ -485,7 +509,28 @@ class TieredEmbeddingBags(nn.Module):
 
     def extra_repr(self) -> str:
         lines = [f"pooling={self.pooling!r}, optimizer={self.optimizer}, weights_dtype={self.weights_dtype}"]
+        if self._features_if_shared is not None:
+            lines.append(f"feature_table_map={self.feature_table_map}")
         for name, spec in zip(self.table_names, self.tables):
             lines.append(f"{name}: {spec.num_embeddings} x {spec.embedding_dim}, {spec.placement.value}")
         return "\n".join(lines)
 
+
+def _check_feature_table_map(feature_table_map, table_names: list[str]) -> list[int]:
+    """The table of each feature (default: feature t is table t); ValueError naming the entry or table
+    that is wrong. Every table needs a feature, as in FBGEMM's TBE."""
+    num_tables = len(table_names)
+    if feature_table_map is None:
+        return list(range(num_tables))
+    features = list(feature_table_map)
+    if not features:
+        raise ValueError("feature_table_map is empty: give the table of each feature, e.g. [0, 0, 1]")
+    for f, t in enumerate(features):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < num_tables:
+            raise ValueError(f"feature_table_map[{f}] = {t!r} names no table: the module has {num_tables} tables "
+                             f"(0..{num_tables - 1})")
+    unused = [t for t in range(num_tables) if t not in features]
+    if unused:
+        raise ValueError(f"table {unused[0]} ({table_names[unused[0]]!r}) has no feature in feature_table_map "
+                         f"{features}: every table needs one")
+    return features

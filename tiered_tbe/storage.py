@@ -45,10 +45,13 @@ class TableStorage:
             if spec.placement.is_cached
         ]
 
-    def row_stores(self, cache_weights: torch.Tensor, cache_state: torch.Tensor) -> RowStores:
+    def row_stores(self, cache_weights: torch.Tensor, cache_state: torch.Tensor,
+                   feature_table_map: list[int] | None = None) -> RowStores:
         """The kernels' view of every table: its rows and state wherever they live (one table of
-        row stores; the kernels never see tiers)."""
-        return RowStores(tuple(self.table_weights), tuple(self.table_state), cache_weights, cache_state)
+        row stores; the kernels never see tiers), looked up by the features of ``feature_table_map``
+        (the table of each feature; default: feature t is table t)."""
+        return RowStores(tuple(self.table_weights), tuple(self.table_state), cache_weights, cache_state,
+                         None if feature_table_map is None else tuple(feature_table_map))
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -24,8 +24,17 @@ def _name(tables: list[TableSpec], t: int) -> str:
     return f"table {t} ({tables[t].name!r})" if tables[t].name else f"table {t}"
 
 
-def check_static(tables: list[TableSpec], indices, offsets, device: torch.device) -> int:
-    """Shapes, dtypes and devices (no sync). Returns the batch size ``B``.
+def _feature_name(tables: list[TableSpec], feature_table_map: list[int] | None, f: int) -> str:
+    """``table t (...)`` when each feature is its table, else ``feature f (table t ...)``."""
+    if feature_table_map is None:
+        return _name(tables, f)
+    return f"feature {f} ({_name(tables, feature_table_map[f])})"
+
+
+def check_static(tables: list[TableSpec], indices, offsets, device: torch.device,
+                 feature_table_map: list[int] | None = None) -> int:
+    """Shapes, dtypes and devices (no sync). Returns the batch size ``B``. ``feature_table_map``:
+    the table of each feature (None: one feature per table), so offsets has ``F * B + 1`` entries.
 
     Raises:
         ValueError: naming the argument and the value that is wrong.
@@ -40,6 +49,14 @@ def check_static(tables: list[TableSpec], indices, offsets, device: torch.device
             raise ValueError(f"{arg_name} must be int32 or int64, got {tensor.dtype}")
         if tensor.device.type != device.type:
             raise ValueError(f"{arg_name} is on {tensor.device}, the module's tables are on {device}")
+    if feature_table_map is not None:
+        num_features = len(feature_table_map)
+        if (offsets.numel() - 1) % num_features != 0 or offsets.numel() < 1:
+            raise ValueError(
+                f"offsets has {offsets.numel()} entries; FBGEMM's TBE layout needs F*B+1 with F={num_features} "
+                f"features (feature-major, feature_table_map's order), e.g. {num_features * 4 + 1} for B=4"
+            )
+        return (offsets.numel() - 1) // num_features
     if (offsets.numel() - 1) % num_tables != 0 or offsets.numel() < 1:
         raise ValueError(
             f"offsets has {offsets.numel()} entries; FBGEMM's TBE layout needs T*B+1 with T={num_tables} "
@@ -76,11 +93,12 @@ class ValueCheck:
 
     tables: list[TableSpec]
     indices: torch.Tensor  # int64 [N]
-    offsets: torch.Tensor  # int64 [T*B+1]
-    table_of_index: torch.Tensor  # int64 [N], clamped into [0, T)
+    offsets: torch.Tensor  # int64 [F*B+1]
+    table_of_index: torch.Tensor  # int64 [N], the feature of each lookup, clamped into [0, F) (F = T by default)
     index_bad: torch.Tensor  # bool [N]: index out of its table's range
     bad: torch.Tensor  # bool scalar: any index or offset wrong
     batch_size: int
+    feature_table_map: list[int] | None = None  # the table of each feature; None: feature t is table t
 
     def raise_if_bad(self) -> None:
         """Raises:
@@ -92,13 +110,14 @@ class ValueCheck:
         if problem is not None:
             if problem.decreasing_at is None:
                 raise ValueError(problem.message)
-            t, b = divmod(problem.decreasing_at, max(self.batch_size, 1))  # the bag that ends before it starts
-            raise ValueError(f"{problem.message} ({_name(self.tables, t)}, bag {b})")
+            f, b = divmod(problem.decreasing_at, max(self.batch_size, 1))  # the bag that ends before it starts
+            raise ValueError(f"{problem.message} ({_feature_name(self.tables, self.feature_table_map, f)}, bag {b})")
         position = int(torch.nonzero(self.index_bad.cpu())[0])
-        t = int(self.table_of_index[position])
+        f = int(self.table_of_index[position])
+        t = f if self.feature_table_map is None else self.feature_table_map[f]
         raise ValueError(
-            f"{_name(self.tables, t)}: index {int(self.indices[position])} at position {position} is out of "
-            f"range [0, {self.tables[t].num_embeddings})"
+            f"{_feature_name(self.tables, self.feature_table_map, f)}: index {int(self.indices[position])} at "
+            f"position {position} is out of range [0, {self.tables[t].num_embeddings})"
         )
 
 
@@ -109,32 +128,38 @@ def start_value_check(
     table_of_index: torch.Tensor,
     num_rows_of_table: torch.Tensor,
     batch_size: int,
+    feature_table_map: list[int] | None = None,
 ) -> ValueCheck:
     """Queue the checks that offsets are well formed and every index is in range of its table.
 
     Args:
-        indices: int64 [N]; offsets: int64 [T*B+1]; table_of_index: int64 [N], the table of each
-        lookup, clamped into ``[0, T)`` (with malformed offsets a lookup's bag can fall outside the
-        batch); num_rows_of_table: int64 [T] on the same device.
+        indices: int64 [N]; offsets: int64 [F*B+1]; table_of_index: int64 [N], the feature of each
+        lookup (its table when each feature is its table), clamped into ``[0, F)`` (with malformed
+        offsets a lookup's bag can fall outside the batch); num_rows_of_table: int64 [F], the rows
+        of each feature's table, on the same device; feature_table_map: the table of each feature
+        (None: feature t is table t), for the error messages.
     """
     index_bad = (indices < 0) | (indices >= num_rows_of_table[table_of_index])
     offsets_bad = offsets_are_bad(offsets, indices.numel())
-    return ValueCheck(tables, indices, offsets, table_of_index, index_bad, index_bad.any() | offsets_bad, batch_size)
+    return ValueCheck(tables, indices, offsets, table_of_index, index_bad, index_bad.any() | offsets_bad, batch_size,
+                      feature_table_map)
 
 
 NAN_CHECKS = ("off", "raise")
 
 
 def check_finite_update(tables: list[TableSpec], pooling: str, grad_output: torch.Tensor, offsets: torch.Tensor,
-                        batch_size: int, per_sample_weights: torch.Tensor | None) -> None:
+                        batch_size: int, per_sample_weights: torch.Tensor | None,
+                        feature_table_map: list[int] | None = None) -> None:
     """``nan_check="raise"``: refuse an update whose inputs are not all finite.
 
     Args:
         grad_output: fp32 ``[B, sum of dims]`` (``pooling="none"``: ``[N, dim]``), the gradient
             arriving at the module's output.
-        offsets: int32/int64 ``[T*B+1]``, the batch's (a valid batch: it went through forward);
+        offsets: int32/int64 ``[F*B+1]``, the batch's (a valid batch: it went through forward);
             batch_size: ``B``.
         per_sample_weights: fp32 [N] of the batch, or None.
+        feature_table_map: the table of each feature (None: feature t is table t).
 
     Cost: one elementwise pass over each tensor and one host sync. Only when something is not
     finite are the culprit's position, table and value found.
@@ -148,21 +173,26 @@ def check_finite_update(tables: list[TableSpec], pooling: str, grad_output: torc
     if not bool(any_bad):  # the one sync
         return
 
-    def table_of_lookup(position: int) -> int:
+    features = list(range(len(tables))) if feature_table_map is None else list(feature_table_map)
+
+    def name(feature: int) -> str:
+        return _feature_name(tables, feature_table_map, feature)
+
+    def feature_of_lookup(position: int) -> int:
         bag = int(torch.searchsorted(offsets.cpu(), torch.tensor(position), right=True)) - 1
-        return min(max(bag, 0) // max(batch_size, 1), len(tables) - 1)
+        return min(max(bag, 0) // max(batch_size, 1), len(features) - 1)
 
     refused = "nan_check='raise' refused the update of this batch (every row is as it was)"
     if bad_weights is not None and bool(bad_weights.any()):
         position = int(torch.nonzero(bad_weights)[0])
         raise ValueError(f"{refused}: per_sample_weights has {int(bad_weights.sum())} NaN/inf values, the first "
-                         f"at position {position} ({_name(tables, table_of_lookup(position))}) = "
+                         f"at position {position} ({name(feature_of_lookup(position))}) = "
                          f"{float(per_sample_weights[position])}")
     row, column = (int(i) for i in torch.nonzero(bad_grad)[0])
     if pooling == "none":  # one output row per lookup
-        t, where = table_of_lookup(row), f"lookup {row}"
-    else:  # columns: the tables' dims side by side
-        ends = torch.tensor([s.embedding_dim for s in tables]).cumsum(0)
-        t, where = int(torch.searchsorted(ends, column, right=True)), f"sample {row}"
+        f, where = feature_of_lookup(row), f"lookup {row}"
+    else:  # columns: the features' dims side by side
+        ends = torch.tensor([tables[t].embedding_dim for t in features]).cumsum(0)
+        f, where = int(torch.searchsorted(ends, column, right=True)), f"sample {row}"
     raise ValueError(f"{refused}: the gradient of the output has {int(bad_grad.sum())} NaN/inf values, the first "
-                     f"at [{row}, {column}] ({_name(tables, t)}, {where}) = {float(grad_output[row, column])}")
+                     f"at [{row}, {column}] ({name(f)}, {where}) = {float(grad_output[row, column])}")

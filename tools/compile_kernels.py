@@ -18,10 +18,12 @@ the last measured commit is ``tools/compiled_triton36.json`` (``--save`` writes 
 ``bash tools/compile_like_device.sh --compare tools/compiled_triton36.json`` says in a
 minute whether a change lost 16-byte loads on the device's compiler.
 
-``--count-compilations`` runs the real host functions (``pooled_forward``, ``backward_update``)
-over batches whose sizes, steps and seeds vary, every launch compiled and none run, and prints
-how many kernels each Triton function compiled: one per model shape (per tile the autotuner
-tries, for the forward) when no per-batch integer is specialized.
+``--count-compilations`` runs the real host functions (``pooled_forward``, ``per_sample_weights_grad``,
+``backward_update``) over batches whose sizes, steps and seeds vary, every launch compiled and none
+run, and prints how many kernels each Triton function compiled: one per model shape (per tile the
+autotuner tries, for the forward) when no per-batch integer is specialized; then how many of them
+Triton compiled and how many it loaded from its disk cache (a second run with the same
+``TRITON_CACHE_DIR`` compiles none, and loads the forward's winning tile only).
 
 Run it as its own process (it must set TRITON_INTERPRET before triton is imported).
 """
@@ -133,6 +135,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     i32, i64, f32 = (torch.zeros(n, dtype=t) for t in (torch.int32, torch.int64, torch.float32))
     weights = torch.zeros(64, dim, dtype=dtype)
     addresses = torch.zeros(4, dtype=torch.int64)
+    descriptor = torch.zeros(4, 16, dtype=torch.int64)
     results = []
     grid = (1,)
 
@@ -142,7 +145,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
         # loaded from a tensor, the alignment hints all Triton knows of them): the same 16-byte accesses.
         for graphed, label in ((False, ""), (True, ", addresses")):
             kernel = tuned.fn.warmup(
-                addresses, f32, 3328, dim, addresses, addresses, i32, i32, weights, dim, i64, i64, i32, f32, 65536, 0,
+                addresses, f32, 3328, dim, descriptor, weights, dim, i64, i64, i32, f32, 65536, 0,
                 POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, ALIGN=16 // weights.element_size(),
                 ALIGN_BYTES=16, BLOCK_D=block_d, ADDRESSES=graphed, OUTPUT_ALIGN_BYTES=16, INPUT_ALIGN_BYTES=16,
                 grid=grid, num_warps=config.num_warps, **config.kwargs)
@@ -151,13 +154,13 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
                                    f"G{shape['GROUPS']} S{shape['STAGES']}{label}", kernel, arch))
     for block_b, block_l in ((128, 1), (4, 32)):  # bags of one (Criteo) and of 32 (linearize_tile)
         results.append(_report(f"linearize B{block_b} L{block_l}", linearize._linearize_kernel.warmup(
-            i32, i32, addresses, i64, i64, n, 65536, BLOCK_B=block_b, BLOCK_L=block_l, grid=grid, num_warps=4), arch))
+            i32, i32, descriptor, i64, i64, n, 65536, BLOCK_B=block_b, BLOCK_L=block_l, grid=grid, num_warps=4), arch))
     config = backward.default_config(block_d)
     align = 16 // weights.element_size()
-    common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, ALIGN=align, GRAD_ALIGN_BYTES=16, CHUNK=config.chunk,
-                  BLOCK_D=block_d)
-    # order, bags, weights, offsets, step arguments, grad stride, table dims and output offsets
-    gradient_args = (i64, i32, f32, i64, i64, 3328, i32, i32)
+    common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, ALIGN=align, GRAD_ALIGN_BYTES=16, SHARED_TABLES=False,
+                  CHUNK=config.chunk, BLOCK_D=block_d)
+    # order, bags, weights, offsets, step arguments, grad stride, the tables' descriptor
+    gradient_args = (i64, i32, f32, i64, i64, 3328, descriptor)
     results.append(_report("hot window sums", backward.hot_window_sums_kernel.warmup(
         f32, i32, *gradient_args, n, 65536, **common, WINDOWS=config.sum_windows, grid=grid,
         num_warps=config.sum_warps), arch))
@@ -173,19 +176,22 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
                         NUM_HYPER=num_hyper,
                         ALIGN_BYTES=16,
                         STATE_ALIGN_BYTES=4 if optimizer.state_width(dim) % 4 else 16)
-        update_args = (i32, i32, addresses, addresses, addresses, addresses, addresses, weights, dim, state, 2 * dim,
-                       f32)
+        update_args = (i32, i32, weights, dim, state, 2 * dim, f32)
         label = f"row update ({name}) R{config.rows} L{config.lanes} w{config.num_warps}"
         results.append(_report(label, backward._row_update_kernel.warmup(
             i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, ROWS=config.rows,
             BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
+        if name == (optimizers or list(OPTIMIZERS))[0]:  # features sharing a table: a column read per lookup
+            results.append(_report(f"{label}, shared tables", backward._row_update_kernel.warmup(
+                i32, i32, *gradient_args, *update_args, n, 65536, **dict(common, SHARED_TABLES=True), **updating,
+                ROWS=config.rows, BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
         results.append(_report(f"hot row update ({name})", backward.hot_row_update_kernel.warmup(
             f32, f32, i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, GROUP=32,
             WINDOWS=config.hot_windows, BLOCK_P=32, BLOCK_L=backward.HOT_LANES, grid=grid, num_warps=4), arch))
     import tiered_tbe.kernels.per_sample_weights as per_sample_weights
 
     results.append(_report("per-sample-weight grad", per_sample_weights._per_sample_weights_grad_kernel.warmup(
-        f32, f32, 3328, addresses, addresses, i32, i32, weights, dim, i64, i64, i32, 65536, POOLING=0,
+        f32, f32, 3328, descriptor, weights, dim, i64, i64, i32, 65536, POOLING=0,
         USE_CACHE=True, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16, BLOCK_B=8, BLOCK_L=4, BLOCK_D=block_d,
         grid=grid, num_warps=4), arch))
     return results
@@ -231,34 +237,43 @@ def compilations() -> dict[str, int]:
 
 
 def count_compilations(batches: int = 6) -> dict[str, int]:
-    """Forward and backward (row-wise Adagrad, SGD) over ``batches`` batches of one model shape whose
-    lookup counts, batch sizes, steps and seeds vary; returns ``compilations()``."""
+    """Forward, per-sample-weight gradient and backward (row-wise Adagrad, SGD) over ``batches``
+    batches of one model shape (three tables, a slot cache, weighted lookups) whose batch sizes
+    (1 and 16 among them), lookup counts (multiples of 16 and not), steps and seeds vary; returns
+    ``compilations()``."""
     compile_only()
     from tiered_tbe.kernels.backward import backward_update
     from tiered_tbe.kernels.forward import pooled_forward
     from tiered_tbe.kernels.optimizers import SGD, RowwiseAdagrad
-    from tiered_tbe.kernels.rows import Lookups, RowStores, no_cache
+    from tiered_tbe.kernels.per_sample_weights import per_sample_weights_grad
+    from tiered_tbe.kernels.rows import Lookups, RowStores
 
     generator = torch.Generator().manual_seed(0)
     tables = [1000, 50, 7]
     dim = 64
     state = [torch.zeros(n, 1) for n in tables]
-    stores = RowStores(tuple(torch.randn(n, dim) for n in tables), tuple(state), *no_cache(torch.float32, "cpu"))
+    stores = RowStores(tuple(torch.randn(n, dim) for n in tables), tuple(state), torch.randn(32, dim),
+                       torch.zeros(32, 1))
     for batch in range(batches):
-        batch_size = 512 if batch < batches - 1 else 77  # a last, smaller batch
-        lengths = torch.randint(1, 5, (len(tables) * batch_size,), generator=generator)  # mean 2.5: one class
-        # Lookup counts that are multiples of 16 in some batches, odd or even in others.
-        lengths[-1] += (16 - int(lengths.sum()) + (0, 1, 2, 16, 9, 0)[batch % 6]) % 16
+        batch_size = (512, 1, 16, 512, 2, 77)[batch % 6]
+        # Bags of 2 or 3 lookups: the same bag-length class (one set of forward tiles) in every batch.
+        lengths = torch.randint(2, 4, (len(tables) * batch_size,), generator=generator)
+        if batch_size == 2:  # 16 lookups
+            lengths = torch.tensor([3, 3, 3, 3, 2, 2])
+        elif batch_size > 16:  # lookup counts that are multiples of 16 in some batches, odd or even in others
+            lengths[0] += (16 - int(lengths.sum()) + (0, 0, 0, 1, 0, 9)[batch % 6]) % 16
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
         offsets[1:] = lengths.cumsum(0)
         num_lookups = int(offsets[-1])
         table_of = torch.arange(len(tables)).repeat_interleave(batch_size).repeat_interleave(lengths)
         indices = (torch.rand(num_lookups, generator=generator) * torch.tensor(tables)[table_of]).long()
-        lookups = Lookups(indices, offsets, batch_size)
-        pooled_forward(stores, lookups, None, "sum")
+        slots = torch.randint(-1, 32, (num_lookups,), generator=generator, dtype=torch.int32)
+        lookups = Lookups(indices, offsets, batch_size, torch.rand(num_lookups, generator=generator))
+        pooled_forward(stores, lookups, slots, "sum")
         grad = torch.randn(batch_size, dim * len(tables), generator=generator)
+        per_sample_weights_grad(grad, stores, lookups, slots, "sum")
         for optimizer in (RowwiseAdagrad(lr=0.01 * (batch + 1)), SGD(lr=0.1)):
-            backward_update(grad, stores, lookups, None, "sum", optimizer, step=batch + 1, seed=batch)
+            backward_update(grad, stores, lookups, slots, "sum", optimizer, step=batch + 1, seed=batch)
     return compilations()
 
 
@@ -276,8 +291,12 @@ def main(argv=None) -> int:
                              "that changed, exit 1 if one lost 16-byte loads or stores or gained spills")
     args = parser.parse_args(argv)
     if args.count_compilations:
+        from tiered_tbe.base import compiling
+
         for name, count in sorted(count_compilations().items()):
             print(f"{name:<36} {count} compiled")
+        # Of those, what Triton compiled and what it loaded from its disk cache (TRITON_CACHE_DIR).
+        print(f"triton: {compiling.COUNTS['triton compiled']} compiled, {compiling.COUNTS['triton loaded']} loaded")
         return 0
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     print(f"triton {triton.__version__}: compiling for sm_{args.arch}, dim {args.dim}, {args.dtype} (nothing runs)")
