@@ -38,7 +38,7 @@ from dataclasses import fields
 
 import torch
 
-from tiered_tbe.base.graphs import StepGraphs, padded_size
+from tiered_tbe.base.graphs import PADDED_GRAPHS, StepGraphs, padded_size
 from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.cache import _kernels, batch_kernels
@@ -244,11 +244,11 @@ class SlotCache:
         self.mover = make_mover(mover, self.weights, self.state, self.tables, self.device, self._launcher,
                                 self._rows_end, threads=mover_threads, staging_rows=staging_rows)
         # CUDA graphs of the prefetch (assign and move), per batch shape.
-        self._prefetch_graphs = StepGraphs(enabled=None if cuda_graphs else False)
+        self._prefetch_graphs = StepGraphs(PADDED_GRAPHS, enabled=None if cuda_graphs else False)
         # ... and of the unlock and mark_dirty launches: a Numba launch costs ~0.3 ms of host time on
         # the H200 machine (the cached backward's host time was 1.0 ms against 0.7 without a cache;
         # benchmarks/RESULTS.md, thirteenth session), a replay a fraction of that.
-        self._release_graphs = StepGraphs(enabled=None if cuda_graphs else False)
+        self._release_graphs = StepGraphs(2 * PADDED_GRAPHS, enabled=None if cuda_graphs else False)
         # Prefetches not yet unlocked, by step -> the batch as its prefetch made it.
         self._unreleased: dict[int, CacheBatch] = {}
         # (stream, event) after the latest operation on the metadata, on CUDA: an operation on

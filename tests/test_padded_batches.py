@@ -11,7 +11,7 @@ from tiered_tbe.cache import CachedTable, SlotCache
 def test_padded_size_bounds_and_buckets():
     sizes = [padded_size(n) for n in range(0, 1 << 16)]
     for n, size in enumerate(sizes):
-        assert n <= size <= n + n // SIZES_PER_DOUBLING + 1
+        assert n <= size <= n + n // SIZES_PER_DOUBLING + 1, (n, size)
         assert padded_size(size) == size  # a bucket pads to itself
     assert sizes == sorted(sizes)
     for octave in range(5, 16):
