@@ -17,17 +17,19 @@ from tiered_tbe.batch import DeferredUnlocks, PreparedBatch
 from tiered_tbe.cache.mover import default_mover
 from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD, SlotCache
 from tiered_tbe.cache.stats import CacheStats
+from tiered_tbe.fbgemm_access import FbgemmAccess
 from tiered_tbe.function import TieredEmbeddingBagsFunction
 from tiered_tbe.kernels.linearize import linearize
 from tiered_tbe.kernels.rows import Lookups, no_cache
 from tiered_tbe.optimizers import FusedOptimizer
 from tiered_tbe.specs import CacheConfig, TableSpec
 from tiered_tbe.storage import lay_out
+from tiered_tbe.variable_batch import VariableBatch
 
 _WEIGHTS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class TieredEmbeddingBags(nn.Module):
+class TieredEmbeddingBags(FbgemmAccess, nn.Module):
     """Pooled embedding lookups over tables in HBM, host memory, managed memory or a GPU cache.
 
     Args:
@@ -61,7 +63,14 @@ class TieredEmbeddingBags(nn.Module):
 
     Forward: ``indices`` (int32/int64 [N]) and ``offsets`` (int32/int64 [T*B+1]) in FBGEMM's
     table-major TBE layout, optional ``per_sample_weights`` (float [N]). Returns fp32
-    ``[B, sum of dims]`` (``pooling="none"``: ``[N, dim]``).
+    ``[B, sum of dims]`` (``pooling="none"``: ``[N, dim]``). With ``batch_size_per_feature_per_rank``
+    (``[T][R]`` ints: TorchRec's variable batch size per feature, "VBE") ``offsets`` has
+    ``sum(batch sizes) + 1`` entries, each table's bags rank by rank, and the output is FBGEMM's
+    flat VBE layout, rank by rank, then table by table (:mod:`tiered_tbe.variable_batch`).
+
+    FBGEMM's accessors (``split_embedding_weights``, ``get_optimizer_state``, the learning rate and
+    the other hyper-parameters, the optimizer step, ``reset_cache_states``) are in
+    :class:`~tiered_tbe.fbgemm_access.FbgemmAccess`.
     """
 
     def __init__(
@@ -259,24 +268,51 @@ class TieredEmbeddingBags(nn.Module):
         # One graph replay per batch shape (the batch size is part of the key: the kernels bake it in).
         return self._hint_graphs.run(("hint rows", batch_size), (indices, offsets), enqueue, self.device)
 
-    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, defer_unlock: bool = False) -> None:
-        """Fill the cache for a batch ahead of its forward.
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream: torch.cuda.Stream | None = None,
+                 batch_size_per_feature_per_rank: list[list[int]] | None = None, *, defer_unlock: bool = False) -> None:
+        """Fill the cache for a batch ahead of its forward (FBGEMM's and TorchRec's signature).
 
         Batches queue in order: the next forward called with these same ``indices`` and
-        ``offsets`` tensors uses this prefetch instead of prefetching itself.
+        ``offsets`` tensors (or views of the same ``indices`` memory with as many offsets: TorchRec
+        splits its KeyedJaggedTensor anew for the forward) uses this prefetch instead of
+        prefetching itself. ``batch_size_per_feature_per_rank``: a variable-batch input (see the
+        class docstring); give the forward the same.
+
+        ``forward_stream``: the prefetch runs on the current stream for a forward on that one
+        (TorchRec's prefetch pipeline). The forward waits for the prefetch by an event, and the
+        batch's unlock is deferred, as with ``defer_unlock``.
 
         ``defer_unlock``: the batch's unlock waits for the next prefetch (which runs it first, on
         its own stream) instead of running where the batch's backward runs. A pipeline that
         prefetches on a side stream asks for it, so that unlocks and prefetches never run side by
         side and backwards need not wait for prefetches (see :class:`PreparedBatch`).
         """
-        batch = self._prepare(indices, offsets, ahead=True)
+        layout = self._variable_batch(batch_size_per_feature_per_rank)
+        batch = self._prepare(indices, self._fixed_batch_offsets(offsets, layout), ahead=True)
         if self.device.type == "cuda":
             batch.ready = torch.cuda.Event()
             batch.ready.record()
-        if defer_unlock:
+        if defer_unlock or forward_stream is not None:
             batch.deferred = self._deferred_unlocks
         self._prefetched.append((indices, offsets, batch))
+
+    def _variable_batch(self, batch_size_per_feature_per_rank) -> VariableBatch | None:
+        """The layout of a variable-batch input, or None for a fixed batch."""
+        if batch_size_per_feature_per_rank is None:
+            return None
+        if self.pooling == "none":
+            raise ValueError("batch_size_per_feature_per_rank needs pooled outputs (pooling 'sum' or 'mean'), "
+                             "as FBGEMM's variable batch size")
+        return VariableBatch(batch_size_per_feature_per_rank, [s.embedding_dim for s in self.tables], self.device)
+
+    @staticmethod
+    def _fixed_batch_offsets(offsets: torch.Tensor, layout: VariableBatch | None) -> torch.Tensor:
+        """``offsets`` for the kernels: as given, or a variable batch's padded to a fixed one."""
+        if layout is None:
+            return offsets
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1:
+            raise ValueError("offsets must be a 1-D torch.Tensor")
+        return layout.padded_offsets(offsets)
 
     @property
     def uses_lookahead(self) -> bool:
@@ -326,8 +362,8 @@ class TieredEmbeddingBags(nn.Module):
         if not self._prefetched:
             return None
         queued_indices, queued_offsets, batch = self._prefetched[0]
-        if queued_indices is not indices or queued_offsets is not offsets:
-            if any(i is indices and o is offsets for i, o, _ in self._prefetched):
+        if not _same_batch(queued_indices, queued_offsets, indices, offsets):
+            if any(_same_batch(i, o, indices, offsets) for i, o, _ in self._prefetched):
                 raise ValueError(
                     "forward got a batch prefetched after the one prefetched next: call forward with the "
                     "prefetched indices/offsets tensors in the order they were prefetched"
@@ -347,13 +383,29 @@ class TieredEmbeddingBags(nn.Module):
                 raise
         return batch
 
-    def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None) -> torch.Tensor:
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None,
+                batch_size_per_feature_per_rank: list[list[int]] | None = None) -> torch.Tensor:
+        layout = self._variable_batch(batch_size_per_feature_per_rank)
+        if layout is not None:
+            layout.check_offsets(offsets)
         if per_sample_weights is not None:
             # Checked before the batch is prefetched or taken from the queue: a bad call locks
             # nothing, and a batch prefetched for these tensors stays queued as it was.
-            validation.check_static(self.tables, indices, offsets, self.device)
+            if layout is None:
+                validation.check_static(self.tables, indices, offsets, self.device)
             validation.check_per_sample_weights(per_sample_weights, indices.numel(), self.device)
-        batch = self._take_prefetched(indices, offsets) or self._prepare(indices, offsets)
+        batch = self._take_prefetched(indices, offsets) or self._prepare(indices,
+                                                                         self._fixed_batch_offsets(offsets, layout))
+        kernel_offsets = offsets.numel() if layout is None else len(self.tables) * layout.batch_size + 1
+        if batch.lookups.offsets.numel() != kernel_offsets:  # prefetched with other batch sizes, or none
+            batch.release()
+            raise ValueError("forward and the prefetch of its batch got different batch_size_per_feature_per_rank: "
+                             "give both the same (None for a fixed batch)")
+        pooled = self._pooled_forward(batch, per_sample_weights)
+        return pooled if layout is None else layout.gather_output(pooled)
+
+    def _pooled_forward(self, batch: PreparedBatch, per_sample_weights) -> torch.Tensor:
+        """The kernels' forward of a prepared batch (an autograd node when a backward will come)."""
         if per_sample_weights is not None:
             batch.lookups = batch.lookups._replace(per_sample_weights=per_sample_weights.detach().float())
         grad_enabled = torch.is_grad_enabled()
@@ -467,3 +519,13 @@ class TieredEmbeddingBags(nn.Module):
             lines.append(f"{name}: {spec.num_embeddings} x {spec.embedding_dim}, {spec.placement.value}")
         return "\n".join(lines)
 
+
+def _same_batch(queued_indices, queued_offsets, indices, offsets) -> bool:
+    """Whether a forward's ``(indices, offsets)`` are a prefetched batch's: the same tensors, or (TorchRec
+    splits its KeyedJaggedTensor anew between prefetch and forward) ``indices`` in the same memory and
+    as many offsets. The queue holds the prefetched tensors, so their memory cannot hold another batch."""
+    if queued_indices is indices and queued_offsets is offsets:
+        return True
+    return (queued_offsets.numel() == offsets.numel() and queued_indices.numel() == indices.numel()
+            and queued_indices.dtype == indices.dtype and queued_indices.device == indices.device
+            and queued_indices.data_ptr() == indices.data_ptr())
