@@ -100,10 +100,12 @@ class FbgemmAccess:
             raise ValueError(f"set_optimizer_step: step must be a whole number >= 0, got {step!r}")
         self.optimizer_step = int(step)
 
-    def reset_cache_states(self) -> None:
-        """Empty the slot cache: every dirty row is written back first, then every slot is dropped, so
-        the next batches read their rows from the backing stores. (FBGEMM's method drops the cache
-        without writing it back; here no update is lost.) Nothing to do without a cache.
+    def reset_cache_states(self, write_back: bool = True) -> None:
+        """Empty the slot cache, so the next batches read their rows from the backing stores. Every
+        dirty row is written back first (FBGEMM's method drops the cache without writing it back; here
+        no update is lost), unless ``write_back=False``: after the backing stores were written (a
+        checkpoint loaded into the views of :meth:`split_embedding_weights`), the cached copies are
+        stale and are dropped. Nothing to do without a cache.
 
         Raises:
             RuntimeError: while a batch is in flight (prefetched, or forwarded and awaiting its backward).
@@ -113,5 +115,6 @@ class FbgemmAccess:
         self.run_deferred_unlocks()
         if self._prefetched or self.cache.num_locked():
             raise RuntimeError("reset_cache_states while batches are in flight (prefetched, or awaiting backward)")
-        self.cache.flush()
+        if write_back:
+            self.cache.flush()
         self.cache.invalidate()
