@@ -22,7 +22,8 @@ managed memory behind the slot cache (``MANAGED_CACHED``), sized by the plan's
 
 and these of tiered-tbe: ``cache_config`` (a :class:`~tiered_tbe.CacheConfig`: its policy,
 associativity, mover, ...; its size, when it gives one, instead of ``cache_load_factor``),
-``backend``, ``state_layout``, ``cuda_graphs``, ``nan_check``, ``seed`` (the module's arguments).
+``backend``, ``cuda_graphs``, ``nan_check``, ``seed`` (the module's arguments; ``state_layout`` stays
+``"separate"``: TorchRec's sharded tensors want each table's weights contiguous).
 Other FBGEMM options (momentum, gradient clipping, counter-based regularization, ...) have no
 counterpart: they raise ``ValueError``, as does any other key.
 """
@@ -52,7 +53,7 @@ _POLICY_OF_ALGORITHM = {"LRU": "lru", "LFU": "lfu"}
 _POOLING = {PoolingMode.SUM: "sum", PoolingMode.MEAN: "mean", PoolingMode.NONE: "none"}
 _HYPER = tuple(FBGEMM_DEFAULTS)
 _NO_EFFECT = ("cache_reserved_memory", "prefetch_pipeline", "enforce_hbm", "multipass_prefetch_config")
-_OURS = ("cache_config", "backend", "state_layout", "cuda_graphs", "nan_check", "seed")
+_OURS = ("cache_config", "backend", "cuda_graphs", "nan_check", "seed")
 _HANDLED = ("optimizer", *_HYPER, "stochastic_rounding", "weights_precision", "cache_algorithm", "cache_load_factor",
             "cache_precision", "output_dtype", "bounds_check_mode", "weight_decay_mode", *_NO_EFFECT, *_OURS)
 
@@ -82,7 +83,7 @@ class ModuleArguments:
     stochastic_rounding: bool
     cache: CacheConfig | None
     bounds_check: str
-    extra: dict  # backend, state_layout, cuda_graphs, nan_check, seed, when given
+    extra: dict  # backend, cuda_graphs, nan_check, seed, when given
 
     def as_kwargs(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}

@@ -41,21 +41,54 @@ def table_specs(config: GroupedEmbeddingConfig) -> list[TableSpec]:
 
 
 class TieredEmbeddingFusedOptimizer(EmbeddingFusedOptimizer):
-    """TorchRec's fused optimizer of one kernel, over a TieredEmbeddingBags.
+    """TorchRec's fused optimizer of one kernel (``EmbeddingFusedOptimizer``), over a TieredEmbeddingBags.
 
     The optimizer state lives beside each row, in the slot cache too: reading ``state`` (what
     ``state_dict`` and ``load_state_dict`` do) flushes the cache first, so it holds every update;
-    after a load wrote the backing stores, the cached copies are dropped."""
+    after a load wrote the backing stores, the cached copies are dropped.
+
+    A sharded tensor wants contiguous shards, and a row's state is one stretch of memory (Adam's
+    ``exp_avg`` and ``exp_avg_sq`` of a row side by side), so ``exp_avg`` of a table is a strided
+    view. For such states each read of ``state`` builds the sharded tensors over fresh contiguous
+    copies (no copy is kept between reads), and ``post_load_state_dict`` writes the copies of the
+    last read, which a load filled, back into the rows.
+    """
 
     def __init__(self, config: GroupedEmbeddingConfig, emb_module: TieredEmbeddingBags,
                  pg: dist.ProcessGroup | None = None, **kwargs):
         self._tiered_module = emb_module
+        self._interleaved = False  # decided below, once the base class has built its state
+        self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows' view, copy) of the last read
+        states = kwargs.get("all_optimizer_states") or (
+            emb_module.get_optimizer_state() if emb_module.optimizer is not None else [])
+        interleaved = any(not view.is_contiguous() for state in states for view in state.values())
+        if interleaved:
+            kwargs["all_optimizer_states"] = self._contiguous_copies(states)
+        self._rebuild = (config, pg, kwargs)
         super().__init__(config, emb_module, pg, **kwargs)
+        if interleaved:
+            self._interleaved, self._tiered_state, self._copied = True, None, []  # built afresh at each read
+
+    def _contiguous_copies(self, states: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        self._copied = []
+        copies = []
+        for state in states:
+            copies.append({})
+            for name, view in state.items():
+                copies[-1][name] = view if view.is_contiguous() else view.contiguous()
+                if copies[-1][name] is not view:
+                    self._copied.append((view, copies[-1][name]))
+        return copies
 
     @property
     def state(self):
         self._tiered_module.flush()
-        return self._tiered_state
+        if not self._interleaved:
+            return self._tiered_state
+        config, pg, kwargs = self._rebuild
+        fresh = EmbeddingFusedOptimizer(config, self._tiered_module, pg, **dict(
+            kwargs, all_optimizer_states=self._contiguous_copies(self._tiered_module.get_optimizer_state())))
+        return {self.params[key]: fresh.state[fresh.params[key]] for key in self.params}
 
     @state.setter
     def state(self, value) -> None:
@@ -63,6 +96,9 @@ class TieredEmbeddingFusedOptimizer(EmbeddingFusedOptimizer):
 
     def post_load_state_dict(self) -> None:
         super().post_load_state_dict()
+        for view, copy in self._copied:
+            view.copy_(copy)
+        self._copied = []
         self._tiered_module.reset_cache_states(write_back=False)  # the stores hold what was loaded
 
 

@@ -1,0 +1,155 @@
+"""tiered-tbe inside TorchRec: DistributedModelParallel with our sharder, 2 ranks over gloo, in CPU simulation.
+
+Each test spawns one small job (tests/torchrec_ranks.py) and checks many plans in it: a job's start
+(two processes importing torch, triton, numba and torchrec) is most of its cost. TorchRec's own
+``fused`` kernel (FBGEMM's CPU TBE) under the same plan is the baseline for the optimizers FBGEMM's
+CPU TBE has (EXACT_SGD, EXACT_ROWWISE_ADAGRAD, EXACT_ADAGRAD); the fp64 reference
+(tests/reference_model.py) for the others.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchrec")
+pytest.importorskip("fbgemm_gpu")
+
+import torch  # noqa: E402
+import torchrec_ranks as ranks  # noqa: E402
+
+WORLD = 2
+SMALL_CACHE = "small cache"  # a marker in fused_params replaced by a CacheConfig of 4 slots in each rank
+
+
+def fused_params(optimizer: str = "EXACT_ROWWISE_ADAGRAD", **extra) -> dict:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return dict(optimizer=EmbOptimType[optimizer], learning_rate=0.1, eps=1e-6) | extra
+
+
+def ours_params(params: dict, backend: str = "torch", small_cache: bool = True) -> dict:
+    from tiered_tbe import CacheConfig
+
+    extra = dict(backend=backend)
+    if small_cache:  # 4 slots in 2 sets of 2 ways per rank's cached group: heavy eviction
+        extra["cache_config"] = CacheConfig(slots=4, associativity=2)
+    return params | extra
+
+
+# Every table on one kind of sharding, then a mix with HBM, managed and cached tables.
+PLANS = {
+    "table-wise": {"t0": ("tw0", "fused"), "t1": ("tw1", "fused"), "t2": ("tw1", "fused"), "t3": ("tw0", "fused")},
+    "row-wise": {name: ("rw", "fused") for name, _, _ in ranks.TABLES},
+    "column-wise": {"t0": ("cw", "fused"), "t1": ("tw1", "fused"), "t2": ("tw0", "fused"), "t3": ("cw", "fused")},
+    "table-row-wise": {name: ("twrw", "fused") for name, _, _ in ranks.TABLES},
+    "mixed": {"t0": ("tw0", "fused"), "t1": ("rw", "fused_uvm_caching"), "t2": ("twrw", "fused_uvm"),
+              "t3": ("cw", "fused_uvm_caching")},
+    "cached": {"t0": ("rw", "fused_uvm_caching"), "t1": ("tw1", "fused_uvm_caching"),
+               "t2": ("tw0", "fused_uvm_caching"), "t3": ("twrw", "fused_uvm_caching")},
+}
+STEPS = 4
+
+
+def _train_side_by_side(rank, world, layout, params, ours, batch_sizes=None, steps=STEPS, label=""):
+    stock = ranks.dmp(ranks.fbgemm_kernel_layout(layout), world, ranks.stock_sharder(params))
+    model = ranks.dmp(layout, world, ranks.ours_sharder(ours))
+    model.load_state_dict(stock.state_dict())
+    for step in range(steps):
+        kjt = ranks.batch(step, rank, batch_sizes=batch_sizes)
+        expected = ranks.train_step(stock, kjt, step, rank)
+        actual = ranks.train_step(model, kjt, step, rank)
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5, msg=lambda m, s=step: f"{label} step {s}: {m}")
+    ranks.assert_states_close(stock, model)
+    return stock, model
+
+
+def _every_plan_equals_fbgemm(rank, world):
+    for name, layout in PLANS.items():
+        _train_side_by_side(rank, world, layout, fused_params(), ours_params(fused_params()), label=name)
+    for optimizer in ("EXACT_SGD", "EXACT_ADAGRAD"):
+        _train_side_by_side(rank, world, PLANS["mixed"], fused_params(optimizer), ours_params(fused_params(optimizer)),
+                            label=optimizer)
+    # The Triton kernels (the others ran their plain-torch reference, far faster in simulation).
+    _train_side_by_side(rank, world, PLANS["mixed"], fused_params(), ours_params(fused_params(), backend="triton"),
+                        steps=2, label="triton")
+
+
+def test_every_sharding_type_and_placement_trains_as_torchrecs_fused_kernel():
+    """Table-, row-, column-, table-row-wise and mixed plans; HBM, managed and cached tables (4 slots a
+    rank: heavy eviction); variable bag lengths with empty bags and hot rows; forward and 4 fused
+    updates equal TorchRec's own kernel within 1e-5, weights and optimizer state, for SGD, row-wise
+    Adagrad and Adagrad."""
+    ranks.spawn(_every_plan_equals_fbgemm, WORLD)
+
+
+def _reference_batch(kjts):
+    """All ranks' batches as one TBE-layout batch for the fp64 reference: rank 0's samples first."""
+    keys = kjts[0].keys()
+    indices, lengths = [], []
+    for key in keys:
+        for kjt in kjts:
+            indices.append(kjt[key].values())
+            lengths.append(kjt[key].lengths())
+    lengths = torch.cat(lengths)
+    return torch.cat(indices).long(), torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+
+
+def _optimizers_and_lr_schedule_equal_the_reference(rank, world):
+    """Adam, PartialRowwiseAdam and LAMB (no FBGEMM CPU kernel) against the fp64 reference trained on every
+    rank's batch, with the learning rate changed between steps through model.fused_optimizer (an LR
+    schedule, TorchRec's way: param_groups, then step()) and by hand in the reference."""
+    import dataclasses
+
+    from reference_model import ReferenceBags
+
+    from tiered_tbe.optimizers import LAMB, Adam, PartialRowwiseAdam
+
+    names = [name for name, _, _ in ranks.TABLES]
+    schedule = {1: 0.02, 3: 0.2}
+    # No column-wise table: a row-wise quantity (PartialRowwiseAdam's second moment, LAMB's norms) is
+    # then each column shard's, as in FBGEMM, where the reference has whole rows.
+    layout = {"t0": ("tw0", "fused"), "t1": ("rw", "fused_uvm_caching"), "t2": ("twrw", "fused_uvm"),
+              "t3": ("tw1", "fused_uvm_caching")}
+    for optimizer in (Adam(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01),
+                      PartialRowwiseAdam(lr=0.05, betas=(0.8, 0.95), eps=1e-6), LAMB(lr=0.05, eps=1e-6)):
+        model = ranks.dmp(layout, world, ranks.ours_sharder(ours_params({"optimizer": optimizer})))
+        generator = torch.Generator().manual_seed(11)
+        weights = {name: torch.rand(rows, dim, generator=generator) - 0.5 for name, rows, dim in ranks.TABLES}
+        ranks.load_full_weights(model, weights)
+        reference = ReferenceBags([weights[name] for name in names], "sum", optimizer)
+        for step in range(STEPS):
+            if step in schedule:
+                for group in model.fused_optimizer.param_groups:
+                    group["lr"] = schedule[step]
+                model.fused_optimizer.step()
+                reference.optimizer = dataclasses.replace(reference.optimizer, lr=schedule[step])
+            kjts = [ranks.batch(step, r) for r in range(world)]
+            actual = ranks.train_step(model, kjts[rank], step, rank)
+            indices, offsets = _reference_batch(kjts)
+            expected = reference.forward(indices, offsets)[rank * ranks.BATCH:(rank + 1) * ranks.BATCH]
+            torch.testing.assert_close(actual.double(), expected, rtol=0, atol=1e-5,
+                                       msg=lambda m, s=step, o=optimizer: f"{o} step {s}: {m}")
+            # TorchRec averages the gradient over the ranks, as data parallelism does.
+            grad = torch.cat([ranks.loss_weights(step, r, actual.shape) for r in range(world)]) / world
+            reference.backward(indices, offsets, grad.double())
+        ranks.assert_weights_equal_reference(model, reference, names)
+        assert all(m.get_learning_rate() == schedule[3] for m in model.module.tiered_modules())
+
+    # Row-wise Adagrad under the same schedule against TorchRec's own kernel, which sets it in FBGEMM.
+    stock = ranks.dmp(ranks.fbgemm_kernel_layout(PLANS["mixed"]), world, ranks.stock_sharder(fused_params()))
+    model = ranks.dmp(PLANS["mixed"], world, ranks.ours_sharder(ours_params(fused_params())))
+    model.load_state_dict(stock.state_dict())
+    for step in range(STEPS):
+        for side in (stock, model):
+            if step in schedule:
+                for group in side.fused_optimizer.param_groups:
+                    group["lr"] = schedule[step]
+                side.fused_optimizer.step()
+        kjt = ranks.batch(step, rank)
+        torch.testing.assert_close(ranks.train_step(model, kjt, step, rank), ranks.train_step(stock, kjt, step, rank),
+                                   rtol=0, atol=1e-5)
+    ranks.assert_states_close(stock, model)
+
+
+def test_optimizers_without_an_fbgemm_cpu_kernel_and_an_lr_schedule_equal_the_reference():
+    ranks.spawn(_optimizers_and_lr_schedule_equal_the_reference, WORLD)
