@@ -153,3 +153,59 @@ def _optimizers_and_lr_schedule_equal_the_reference(rank, world):
 
 def test_optimizers_without_an_fbgemm_cpu_kernel_and_an_lr_schedule_equal_the_reference():
     ranks.spawn(_optimizers_and_lr_schedule_equal_the_reference, WORLD)
+
+
+def _variable_batch_and_train_pipeline(rank, world):
+    """TorchRec's variable batch size per feature (VBE; one row-wise lookup of two kernels writes into one
+    output), then TrainPipelineSparseDist, then an evaluation batch under no_grad: no slot stays locked."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    layout = {"t0": ("tw0", "fused"), "t1": ("rw", "fused"), "t2": ("tw1", "fused_uvm"),
+              "t3": ("rw", "fused_uvm_caching")}
+    for optimizer in ("EXACT_ROWWISE_ADAGRAD", "EXACT_SGD"):  # FBGEMM's VBE has these two on the CPU
+        stock = ranks.dmp(ranks.fbgemm_kernel_layout(layout), world, ranks.stock_sharder(fused_params(optimizer)))
+        model = ranks.dmp(layout, world, ranks.ours_sharder(ours_params(fused_params(optimizer))))
+        model.load_state_dict(stock.state_dict())
+        for step in range(STEPS):
+            # Per feature, and per rank for the table-wise ones (TorchRec's row-wise VBE over gloo
+            # gathers the gradient with all_gather, which needs the same sizes on every rank).
+            sizes = [2 + rank, 3, 1 + rank + step % 2, 4 - step % 2]
+            kjt = ranks.batch(step, rank, batch_sizes=sizes)
+            expected = ranks.train_step(stock, kjt, step, rank)
+            actual = ranks.train_step(model, kjt, step, rank)
+            torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+        ranks.assert_states_close(stock, model)
+
+    models = [ranks.click_dmp(PLANS["mixed"], world, sharder) for sharder in (
+        ranks.stock_sharder(fused_params()), ranks.ours_sharder(ours_params(fused_params())))]
+    models[1][0].load_state_dict(models[0][0].state_dict())
+    outputs, pipelines = [], []
+    for model, optimizer in models:
+        pipelines.append(TrainPipelineSparseDist(model, optimizer, device=torch.device("cpu")))
+        batches = iter(ranks.click_batches(rank, STEPS))
+        outputs.append([pipelines[-1].progress(batches) for _ in range(STEPS)])
+    for expected, actual in zip(*outputs):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+    ranks.assert_states_close(models[0][0], models[1][0])
+
+    # Evaluation: through a pipeline in eval mode under no_grad, then called directly.
+    model, optimizer = models[1]
+    pipelines[1].detach()
+    cached = [m for m in model.module.ebc.tiered_modules() if m.cache is not None]
+    assert cached, "the mixed plan has cached tables"
+    before = ranks.local_shards(model.state_dict())
+    model.eval()
+    with torch.no_grad():
+        evaluation = TrainPipelineSparseDist(model, optimizer, device=torch.device("cpu"))
+        batches = iter(ranks.click_batches(rank, 2, seed=1))
+        for _ in range(2):
+            evaluation.progress(batches)
+        evaluation.detach()
+        model(next(ranks.click_batches(rank, 1, seed=2)))
+    assert all(m.cache.num_locked() == 0 and not m._prefetched for m in cached)
+    after = ranks.local_shards(model.state_dict())
+    assert all(torch.equal(a, b) for key in before for (_, a), (_, b) in zip(before[key], after[key]))
+
+
+def test_variable_batch_size_train_pipeline_and_evaluation():
+    ranks.spawn(_variable_batch_and_train_pipeline, WORLD)

@@ -16,6 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 # t0..t3: rows that do not divide by 2 (uneven row-wise blocks), dims of 4, 8 and 12 (FBGEMM's CPU
 # TBE wants multiples of 4; 8 splits column-wise in two).
@@ -56,7 +57,7 @@ def table_configs(tables=TABLES, features_of=None):
                                feature_names=features_of.get(name, [f"f{name[1:]}"])) for name, rows, dim in tables]
 
 
-def plan(ebc, layout: dict, world_size: int):
+def plan(ebc, layout: dict, world_size: int, path: str = ""):
     """``layout``: table -> (sharding, compute kernel), sharding ``"tw0"`` / ``"tw1"`` (table-wise on that
     rank), ``"rw"``, ``"cw"`` (two column shards, on ranks 0 and 1, or both on rank 0 in a 1-rank job),
     ``"twrw"``."""
@@ -83,7 +84,7 @@ def plan(ebc, layout: dict, world_size: int):
             generators[name] = _with_kernel(table_row_wise(host_index=0), kernel)
     module_plan = construct_module_sharding_plan(ebc, generators, world_size=world_size, device_type="cpu",
                                                  sharder=TieredEmbeddingBagCollectionSharder())
-    return ShardingPlan({"": module_plan})
+    return ShardingPlan({path: module_plan})
 
 
 def _with_kernel(generator, kernel):
@@ -229,3 +230,50 @@ def assert_weights_equal_reference(model, reference, names, atol=1e-5) -> None:
             (row, column), (rows, columns) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
             expected = reference.weights[t][row:row + rows, column:column + columns].float()
             torch.testing.assert_close(shard.tensor, expected, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ------------------------------------------------------------------ a model for the train pipelines
+NUM_DENSE = 2
+
+
+class ClickModel(nn.Module):
+    """EmbeddingBagCollection + dense features -> a linear click logit; ``forward(batch) -> (loss, logits)``,
+    as TorchRec's train pipelines call a model."""
+
+    def __init__(self, ebc, total_dim: int):
+        super().__init__()
+        self.ebc = ebc
+        self.head = nn.Linear(total_dim + NUM_DENSE, 1)
+
+    def forward(self, batch):
+        pooled = self.ebc(batch.sparse_features)
+        logits = self.head(torch.cat([pooled.values(), batch.dense_features], dim=1)).squeeze(1)
+        return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
+
+
+def click_dmp(layout: dict, world_size: int, sharder):
+    """A ClickModel whose collection is sharded by ``layout``, with its dense optimizer beside the fused one."""
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    ebc = EmbeddingBagCollection(tables=table_configs(), device=torch.device("meta"))
+    torch.manual_seed(5)  # the same head in every model
+    model = ClickModel(ebc, sum(dim for _, _, dim in TABLES))
+    model = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan(ebc, layout, world_size, "ebc"),
+                                     sharders=[sharder])
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=0.05))
+    return model, CombinedOptimizer([model.fused_optimizer, dense])
+
+
+def click_batches(rank: int, steps: int, seed: int = 0):
+    """TorchRec ``Batch``es of this rank: dense features, the KJT of :func:`batch`, 0/1 labels."""
+    from torchrec.datasets.utils import Batch
+
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(100 + 10 * step + rank)
+        yield Batch(dense_features=torch.randn(BATCH, NUM_DENSE, generator=generator),
+                    sparse_features=batch(step, rank, seed=seed),
+                    labels=(torch.rand(BATCH, generator=generator) < 0.5).float())
