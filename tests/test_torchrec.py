@@ -209,3 +209,111 @@ def _variable_batch_and_train_pipeline(rank, world):
 
 def test_variable_batch_size_train_pipeline_and_evaluation():
     ranks.spawn(_variable_batch_and_train_pipeline, WORLD)
+
+
+PLAN_A = {"t0": ("rw", "fused_uvm_caching"), "t1": ("tw0", "fused"), "t2": ("twrw", "fused_uvm_caching"),
+          "t3": ("tw1", "fused_uvm_caching")}
+PLAN_B = {"t0": ("tw1", "fused"), "t1": ("rw", "fused_uvm_caching"), "t2": ("tw0", "fused"),
+          "t3": ("twrw", "fused_uvm")}
+PLAN_ONE_RANK = {name: ("tw0", "fused_uvm_caching") for name, _, _ in ranks.TABLES}
+
+
+def _full_state(model) -> dict:
+    """Every sharded tensor of the model and of its fused optimizer, whole, on every rank (a rank's
+    optimizer state dict names only the tables it holds shards of)."""
+    import torch.distributed as dist
+
+    shards = []
+
+    def visit(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{prefix}{k}.", v)
+        elif hasattr(value, "local_shards"):
+            for shard in value.local_shards():
+                shards.append((prefix[:-1], tuple(value.size()), shard.metadata.shard_offsets,
+                               shard.metadata.shard_sizes, shard.tensor.clone()))
+
+    visit("", {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()})
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, shards)
+    found = {}
+    for key, size, offsets, sizes, tensor in (shard for rank_shards in everyone for shard in rank_shards):
+        full = found.setdefault(key, torch.zeros(size, dtype=tensor.dtype))
+        full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = tensor
+    return found
+
+
+def _save(model, path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}, checkpoint_id=path)
+
+
+def _load(model, path, step: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    model.fused_optimizer.load_state_dict(state["optim"])
+    model.fused_optimizer.set_optimizer_step(step)  # TorchRec keeps the step out of its state dicts
+
+
+def _checkpoints(rank, world, directory):
+    """Sharded checkpoints through torch.distributed.checkpoint: a resumed run equals the uninterrupted one
+    bitwise; a model with another plan loads the same state and trains on like the uninterrupted one."""
+    import os
+
+    from tiered_tbe.optimizers import Adam
+
+    for label, params in (("rowwise_adagrad", fused_params()),
+                          ("adam", {"optimizer": Adam(lr=0.05, betas=(0.8, 0.95), eps=1e-6)})):
+        path = os.path.join(directory, label)
+
+        def make(layout, params=params):
+            return ranks.dmp(layout, world, ranks.ours_sharder(ours_params(params)))
+
+        uninterrupted, interrupted = make(PLAN_A), make(PLAN_A)
+        interrupted.load_state_dict(uninterrupted.state_dict())
+        for step in range(STEPS):
+            ranks.train_step(uninterrupted, ranks.batch(step, rank), step, rank)
+            if step < STEPS // 2:
+                ranks.train_step(interrupted, ranks.batch(step, rank), step, rank)
+        _save(interrupted, path)
+        saved = _full_state(interrupted)
+        if rank == 0:
+            torch.save(saved, os.path.join(directory, f"{label}.pt"))
+
+        resumed, resharded = make(PLAN_A), make(PLAN_B)
+        for model in (resumed, resharded):
+            _load(model, path, STEPS // 2)
+            loaded = _full_state(model)
+            assert loaded.keys() == saved.keys()
+            assert all(torch.equal(loaded[key], saved[key]) for key in saved), label
+            for step in range(STEPS // 2, STEPS):
+                ranks.train_step(model, ranks.batch(step, rank), step, rank)
+        ranks.assert_states_close(uninterrupted, resumed, exact=True)
+        final = _full_state(uninterrupted)
+        for key, value in _full_state(resharded).items():
+            torch.testing.assert_close(value, final[key], rtol=0, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def _checkpoint_on_one_rank(rank, world, directory):
+    """The 2-rank checkpoints loaded by a 1-rank job (another world size, every table on rank 0)."""
+    import os
+
+    from tiered_tbe.optimizers import Adam
+
+    for label, params in (("rowwise_adagrad", fused_params()), ("adam", {"optimizer": Adam(lr=0.05)})):
+        model = ranks.dmp(PLAN_ONE_RANK, world, ranks.ours_sharder(ours_params(params)))
+        _load(model, os.path.join(directory, label), STEPS // 2)
+        saved = torch.load(os.path.join(directory, f"{label}.pt"))
+        loaded = _full_state(model)
+        assert loaded.keys() == saved.keys()
+        assert all(torch.equal(loaded[key], saved[key]) for key in saved), label
+
+
+def test_sharded_checkpoints_resume_bitwise_and_load_into_other_plans_and_world_sizes(tmp_path):
+    ranks.spawn(_checkpoints, WORLD, str(tmp_path))
+    ranks.spawn(_checkpoint_on_one_rank, 1, str(tmp_path))

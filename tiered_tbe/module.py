@@ -303,6 +303,8 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
         if self.pooling == "none":
             raise ValueError("batch_size_per_feature_per_rank needs pooled outputs (pooling 'sum' or 'mean'), "
                              "as FBGEMM's variable batch size")
+        # One dim per feature: the features are the tables, in order (several features of one table: the
+        # dims of their tables, in feature order).
         return VariableBatch(batch_size_per_feature_per_rank, [s.embedding_dim for s in self.tables], self.device)
 
     @staticmethod
@@ -396,7 +398,7 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
             validation.check_per_sample_weights(per_sample_weights, indices.numel(), self.device)
         batch = self._take_prefetched(indices, offsets) or self._prepare(indices,
                                                                          self._fixed_batch_offsets(offsets, layout))
-        kernel_offsets = offsets.numel() if layout is None else len(self.tables) * layout.batch_size + 1
+        kernel_offsets = offsets.numel() if layout is None else len(layout.feature_dims) * layout.batch_size + 1
         if batch.lookups.offsets.numel() != kernel_offsets:  # prefetched with other batch sizes, or none
             batch.release()
             raise ValueError("forward and the prefetch of its batch got different batch_size_per_feature_per_rank: "

@@ -88,7 +88,11 @@ class TieredEmbeddingFusedOptimizer(EmbeddingFusedOptimizer):
         config, pg, kwargs = self._rebuild
         fresh = EmbeddingFusedOptimizer(config, self._tiered_module, pg, **dict(
             kwargs, all_optimizer_states=self._contiguous_copies(self._tiered_module.get_optimizer_state())))
-        return {self.params[key]: fresh.state[fresh.params[key]] for key in self.params}
+        # TorchRec re-keys a kernel's params under its module ("embedding_bags.<table>.weight").
+        fresh_by_key = {key: fresh.state[param] for key, param in fresh.params.items()}
+        return {param: next(state for fresh_key, state in fresh_by_key.items()
+                            if key == fresh_key or key.endswith("." + fresh_key))
+                for key, param in self.params.items()}
 
     @state.setter
     def state(self, value) -> None:
