@@ -317,3 +317,38 @@ def _checkpoint_on_one_rank(rank, world, directory):
 def test_sharded_checkpoints_resume_bitwise_and_load_into_other_plans_and_world_sizes(tmp_path):
     ranks.spawn(_checkpoints, WORLD, str(tmp_path))
     ranks.spawn(_checkpoint_on_one_rank, 1, str(tmp_path))
+
+
+def _shares_tables() -> bool:
+    import inspect
+
+    from tiered_tbe.module import TieredEmbeddingBags
+
+    return "feature_table_map" in inspect.signature(TieredEmbeddingBags).parameters
+
+
+SHARED = {"t1": ["f1", "f4"], "t3": ["f3", "f5", "f6"]}  # t1 and t3 looked up by several features
+
+
+def _shared_tables_equal_fbgemm(rank, world):
+    def side_by_side(layout, batch_sizes=None, optimizer="EXACT_ROWWISE_ADAGRAD"):
+        stock = ranks.dmp(ranks.fbgemm_kernel_layout(layout), world, ranks.stock_sharder(fused_params(optimizer)),
+                          features_of=SHARED)
+        model = ranks.dmp(layout, world, ranks.ours_sharder(ours_params(fused_params(optimizer))), features_of=SHARED)
+        model.load_state_dict(stock.state_dict())
+        for step in range(STEPS):
+            kjt = ranks.batch(step, rank, batch_sizes=batch_sizes and batch_sizes(step), features_of=SHARED)
+            expected = ranks.train_step(stock, kjt, step, rank)
+            torch.testing.assert_close(ranks.train_step(model, kjt, step, rank), expected, rtol=0, atol=1e-5)
+        ranks.assert_states_close(stock, model)
+
+    for name in ("table-wise", "row-wise", "column-wise", "table-row-wise", "mixed"):
+        side_by_side(PLANS[name])
+    # Variable batch: features of one table with their own batch sizes (table-wise: per rank too).
+    side_by_side(PLANS["table-wise"], batch_sizes=lambda step: [2 + rank, 3, 1 + step % 2, 2, 4 - rank, 1, 3])
+
+
+@pytest.mark.skipif(not _shares_tables(), reason="several features of one table need "
+                    "TieredEmbeddingBags(feature_table_map=...), which this build lacks")
+def test_several_features_looking_up_one_table_train_as_torchrecs_fused_kernel():
+    ranks.spawn(_shared_tables_equal_fbgemm, WORLD)

@@ -135,20 +135,28 @@ def fbgemm_kernel_layout(layout: dict) -> dict:
 
 
 # ------------------------------------------------------------------ batches
-def batch(step: int, rank: int, tables=TABLES, batch_sizes=None, seed: int = 0):
+def features_of_tables(tables=TABLES, features_of=None) -> list[tuple[str, int]]:
+    """``(feature, rows of its table)`` of every feature, in the collection's order."""
+    features_of = features_of or {}
+    return [(feature, rows) for name, rows, _ in tables for feature in features_of.get(name, [f"f{name[1:]}"])]
+
+
+def batch(step: int, rank: int, tables=TABLES, batch_sizes=None, seed: int = 0, features_of=None):
     """This rank's KeyedJaggedTensor of ``step``: bags of 0-3 lookups (empty bags, repeated rows).
-    ``batch_sizes``: per feature (a variable batch, TorchRec's VBE), else ``BATCH`` for all."""
+    ``batch_sizes``: per feature (a variable batch, TorchRec's VBE), else ``BATCH`` for all.
+    ``features_of``: table -> its features, when not one ``f<i>`` per table ``t<i>``."""
     from torchrec import KeyedJaggedTensor
 
     generator = torch.Generator().manual_seed(1000 * seed + 10 * step + rank)
-    sizes = batch_sizes or [BATCH] * len(tables)
+    features = features_of_tables(tables, features_of)
+    sizes = batch_sizes or [BATCH] * len(features)
     values, lengths = [], []
-    for (_, rows, _), size in zip(tables, sizes):
+    for (_, rows), size in zip(features, sizes):
         length = torch.randint(0, 4, (size,), generator=generator)
         hot = step % 2 == 1  # every other step a few hot rows, repeated within and across bags
         values.append(torch.randint(0, 3 if hot else rows, (int(length.sum()),), generator=generator))
         lengths.append(length)
-    keys = [f"f{name[1:]}" for name, _, _ in tables]
+    keys = [feature for feature, _ in features]
     values, lengths = torch.cat(values), torch.cat(lengths)
     if batch_sizes is None:
         return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)

@@ -303,9 +303,9 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
         if self.pooling == "none":
             raise ValueError("batch_size_per_feature_per_rank needs pooled outputs (pooling 'sum' or 'mean'), "
                              "as FBGEMM's variable batch size")
-        # One dim per feature: the features are the tables, in order (several features of one table: the
-        # dims of their tables, in feature order).
-        return VariableBatch(batch_size_per_feature_per_rank, [s.embedding_dim for s in self.tables], self.device)
+        table_of_feature = getattr(self, "feature_table_map", None) or range(len(self.tables))
+        return VariableBatch(batch_size_per_feature_per_rank, [self.tables[t].embedding_dim for t in table_of_feature],
+                             self.device)
 
     @staticmethod
     def _fixed_batch_offsets(offsets: torch.Tensor, layout: VariableBatch | None) -> torch.Tensor:
