@@ -14,8 +14,12 @@ import pytest
 pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
 
+import socket  # noqa: E402
+import sys  # noqa: E402
+
 import torch  # noqa: E402
 import torchrec_ranks as ranks  # noqa: E402
+from background import run_in_background  # noqa: E402
 
 WORLD = 2
 SMALL_CACHE = "small cache"  # a marker in fused_params replaced by a CacheConfig of 4 slots in each rank
@@ -352,3 +356,54 @@ def _shared_tables_equal_fbgemm(rank, world):
                     "TieredEmbeddingBags(feature_table_map=...), which this build lacks")
 def test_several_features_looking_up_one_table_train_as_torchrecs_fused_kernel():
     ranks.spawn(_shared_tables_equal_fbgemm, WORLD)
+
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# Subprocess checks, started as this module is collected (tests/background.py).
+_NO_TORCHREC = run_in_background([sys.executable, "-c", (
+    "import sys, tiered_tbe, tiered_tbe.cli, tiered_tbe.train, tiered_tbe.torchrec\n"
+    "tiered_tbe.TieredEmbeddingBags, tiered_tbe.cli.build_parser(['train'])\n"
+    "print(sorted(m for m in sys.modules if m == 'torchrec' or m.startswith('torchrec.')))")],
+    timeout=120, check=True)
+TRAIN_FLAGS = ["--tables", "3", "--rows", "50", "--dim", "8", "--batch-size", "8", "--steps", "8", "--backend", "torch"]
+_TRAIN_ON_TWO = run_in_background([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                   "--master-port", str(_free_port()), "-m", "tiered_tbe", "train", "--torchrec",
+                                   *TRAIN_FLAGS, "--sharding", "table-row-wise", "--torchrec-pipeline", "sparse-dist"],
+                                  timeout=300)
+
+
+def test_tiered_tbe_imports_no_torchrec():
+    """``import tiered_tbe`` (and ``tiered-tbe train``'s flags, and tiered_tbe.torchrec itself) load no torchrec."""
+    assert _NO_TORCHREC.result().stdout.strip() == "[]"
+
+
+def test_train_torchrec_on_two_processes():
+    """``torchrun --nproc-per-node 2 -m tiered_tbe train --torchrec``: gloo, table-row-wise, cached tables,
+    TorchRec's TrainPipelineSparseDist."""
+    result = _TRAIN_ON_TWO.result()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 process(es), gloo" in result.stdout and "table_row_wise" in result.stdout
+    assert "over 8 steps (mean of 2 ranks)" in result.stdout
+
+
+def test_train_torchrec_in_one_process_and_flags_it_refuses(capsys):
+    from tiered_tbe import train
+
+    parser = train.build_parser()
+    result = train.run(parser.parse_args([*TRAIN_FLAGS, "--torchrec", "--placement", "device", "--steps", "3"]))
+    assert result["world_size"] == 1 and result["steps"] == 3
+    assert "1 process(es), gloo" in capsys.readouterr().out
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the group it made is gone
+    for flags, message in ((["--save", "x"], "--save is not supported with --torchrec"),
+                           (["--pipeline-depth", "2"], "--torchrec-pipeline"),
+                           (["--torchrec-pipeline", "prefetch"], "needs CUDA streams")):
+        with pytest.raises(ValueError, match=message):
+            train.run(parser.parse_args([*TRAIN_FLAGS, "--torchrec", *flags]))
