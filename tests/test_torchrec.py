@@ -105,3 +105,30 @@ def test_train_torchrec_in_one_process_and_flags_it_refuses(capsys):
                            (["--torchrec-pipeline", "prefetch"], "needs CUDA streams")):
         with pytest.raises(ValueError, match=message):
             train.run(parser.parse_args([*TRAIN_FLAGS, "--torchrec", *flags]))
+
+
+def test_bench_torchrec_runs_in_simulation(tmp_path, capsys):
+    """``tiered-tbe bench torchrec`` at a tiny size, both configurations simulation runs, with --profile and
+    --record (the times mean nothing here; the GPU run is the lead's)."""
+    import json
+
+    from tiered_tbe.cli import main
+
+    record = tmp_path / "torchrec.jsonl"
+    assert main(["bench", "torchrec", "--tables", "2", "--steps", "1", "--warmup", "0", "--profile",
+                 "--record", str(record)]) == 0
+    out = capsys.readouterr().out
+    assert "ours/TorchRec" in out and "fused " in out and "cached " in out
+    line = json.loads(record.read_text().splitlines()[-1])
+    assert line["simulation"] and set(line["results"]) == {"fused", "cached"}
+    assert line["results"]["cached"]["ours"]["step_ms"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_equal_fbgemms_cuda_tbe():
+    ranks.spawn(scenarios.gpu_kernels_equal_fbgemm, 1, nccl=True)
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_train_pipeline_equals_serial_and_evaluation_leaves_no_lock():
+    ranks.spawn(scenarios.prefetch_pipeline_equals_serial, 1, nccl=True)

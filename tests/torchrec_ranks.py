@@ -24,14 +24,19 @@ TABLES = [("t0", 40, 8), ("t1", 24, 4), ("t2", 17, 12), ("t3", 33, 8)]
 BATCH = 3  # samples per rank
 
 
-def spawn(function, world_size: int, *args) -> None:
+DEVICE = torch.device("cpu")  # where a rank's model runs: cuda:<rank> in a job spawned with nccl=True
+
+
+def spawn(function, world_size: int, *args, nccl: bool = False) -> None:
+    """``nccl``: one GPU per rank, NCCL (gpu-marked tests); else the CPU and gloo."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    mp.spawn(_rank_entry, args=(function, world_size, port, args), nprocs=world_size, join=True)
+    mp.spawn(_rank_entry, args=(function, world_size, port, args, nccl), nprocs=world_size, join=True)
 
 
-def _rank_entry(rank: int, function, world_size: int, port: int, args) -> None:
+def _rank_entry(rank: int, function, world_size: int, port: int, args, nccl: bool = False) -> None:
+    global DEVICE
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     warnings.filterwarnings("ignore")
@@ -40,7 +45,10 @@ def _rank_entry(rank: int, function, world_size: int, port: int, args) -> None:
     logging.disable(logging.WARNING)  # TorchRec logs a warning per plan and kernel
     import tiered_tbe  # noqa: F401  (CPU simulation mode before triton / numba load)
 
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if nccl:
+        DEVICE = torch.device("cuda", rank)
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world_size)
     try:
         torch.manual_seed(0)
         function(rank, world_size, *args)
@@ -82,7 +90,7 @@ def plan(ebc, layout: dict, world_size: int, path: str = ""):
             generators[name] = column_wise(ranks=[0, 1] if world_size > 1 else [0, 0], compute_kernel=kernel)
         else:
             generators[name] = _with_kernel(table_row_wise(host_index=0), kernel)
-    module_plan = construct_module_sharding_plan(ebc, generators, world_size=world_size, device_type="cpu",
+    module_plan = construct_module_sharding_plan(ebc, generators, world_size=world_size, device_type=DEVICE.type,
                                                  sharder=TieredEmbeddingBagCollectionSharder())
     return ShardingPlan({path: module_plan})
 
@@ -104,8 +112,7 @@ def dmp(layout: dict, world_size: int, sharder, tables=TABLES, features_of=None)
     from torchrec.distributed import DistributedModelParallel
 
     ebc = EmbeddingBagCollection(tables=table_configs(tables, features_of), device=torch.device("meta"))
-    return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan(ebc, layout, world_size),
-                                    sharders=[sharder])
+    return DistributedModelParallel(ebc, device=DEVICE, plan=plan(ebc, layout, world_size), sharders=[sharder])
 
 
 def stock_sharder(fused_params: dict):
@@ -173,11 +180,11 @@ def train_step(model, kjt, step: int, rank: int) -> torch.Tensor:
     """Forward, ``loss = sum(pooled * fixed random weights)``, backward (the fused update). Returns the
     pooled values ``[B, sum of dims]``, the features in the input's order (TorchRec's output puts them in
     the order of its shardings)."""
-    pooled = model(kjt)
+    pooled = model(kjt.to(DEVICE))
     pooled = pooled.wait() if hasattr(pooled, "wait") else pooled
     by_feature = pooled.to_dict()
     values = torch.cat([by_feature[key] for key in kjt.keys()], dim=1)
-    (values * loss_weights(step, rank, values.shape)).sum().backward()
+    (values * loss_weights(step, rank, values.shape).to(DEVICE)).sum().backward()
     return values.detach()
 
 
@@ -211,23 +218,13 @@ def assert_states_close(expected_model, model, atol=1e-5, exact=False) -> None:
                     torch.testing.assert_close(actual, expected, rtol=0, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
 
 
-def full_tensor(sharded) -> torch.Tensor:
-    """The whole of a ShardedTensor on every rank (its shards summed into zeros: they do not overlap)."""
-    full = torch.zeros(sharded.size(), dtype=sharded.dtype)
-    for shard in sharded.local_shards():
-        index = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes))
-        full[index] = shard.tensor
-    dist.all_reduce(full)
-    return full
-
-
 def load_full_weights(model, weights: dict) -> None:
     """Write whole tables (``{table: [rows, dim]}``) into a model's shards, through load_state_dict."""
     state = model.state_dict()
     for name, full in weights.items():
         for shard in state[f"embedding_bags.{name}.weight"].local_shards():
             (row, column), (rows, columns) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-            shard.tensor.copy_(full[row:row + rows, column:column + columns])
+            shard.tensor.copy_(full[row:row + rows, column:column + columns].to(shard.tensor.device))
     model.load_state_dict(state)
 
 
@@ -237,7 +234,8 @@ def assert_weights_equal_reference(model, reference, names, atol=1e-5) -> None:
         for shard in state[f"embedding_bags.{name}.weight"].local_shards():
             (row, column), (rows, columns) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
             expected = reference.weights[t][row:row + rows, column:column + columns].float()
-            torch.testing.assert_close(shard.tensor, expected, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(shard.tensor.cpu(), expected, rtol=0, atol=atol,
+                                       msg=lambda m, n=name: f"{n}: {m}")
 
 
 # ------------------------------------------------------------------ a model for the train pipelines
@@ -269,7 +267,7 @@ def click_dmp(layout: dict, world_size: int, sharder):
     ebc = EmbeddingBagCollection(tables=table_configs(), device=torch.device("meta"))
     torch.manual_seed(5)  # the same head in every model
     model = ClickModel(ebc, sum(dim for _, _, dim in TABLES))
-    model = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan(ebc, layout, world_size, "ebc"),
+    model = DistributedModelParallel(model, device=DEVICE, plan=plan(ebc, layout, world_size, "ebc"),
                                      sharders=[sharder])
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
                                   lambda params: torch.optim.SGD(params, lr=0.05))

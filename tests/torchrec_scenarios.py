@@ -314,3 +314,65 @@ def shared_tables_equal_fbgemm(rank, world):
         side_by_side(PLANS[name])
     # Variable batch: features of one table with their own batch sizes (table-wise: per rank too).
     side_by_side(PLANS["table-wise"], batch_sizes=lambda step: [2 + rank, 3, 1 + step % 2, 2, 4 - rank, 1, 3])
+
+
+# ------------------------------------------------------------------ on one GPU (gpu-marked tests, NCCL)
+GPU_KERNELS = {"t0": ("tw0", "fused"), "t1": ("tw0", "fused_uvm"), "t2": ("tw0", "fused_uvm_caching"),
+               "t3": ("tw0", "fused_uvm_caching")}
+
+
+def gpu_kernels_equal_fbgemm(rank, world):
+    """On the GPU: fused, fused_uvm and fused_uvm_caching tables (a cache of a few slots: heavy eviction), our
+    Triton kernels against FBGEMM's CUDA TBE under the same plan, 4 steps, row-wise Adagrad, SGD and Adam."""
+    for optimizer in ("EXACT_ROWWISE_ADAGRAD", "EXACT_SGD", "ADAM"):
+        params = fused_params(optimizer)
+        stock = ranks.dmp(GPU_KERNELS, world, ranks.stock_sharder(params))
+        model = ranks.dmp(GPU_KERNELS, world, ranks.ours_sharder(ours_params(params, backend="triton")))
+        model.load_state_dict(stock.state_dict())
+        for step in range(STEPS):
+            kjt = ranks.batch(step, rank)
+            expected = ranks.train_step(stock, kjt, step, rank)
+            torch.testing.assert_close(ranks.train_step(model, kjt, step, rank), expected, rtol=0, atol=1e-5,
+                                       msg=lambda m, o=optimizer, s=step: f"{o} step {s}: {m}")
+        ranks.assert_states_close(stock, model)
+
+
+def prefetch_pipeline_equals_serial(rank, world):
+    """PrefetchTrainPipelineSparseDist (our prefetch on TorchRec's prefetch stream, a batch ahead) trains
+    fused_uvm_caching tables bitwise as a plain serial loop does; evaluation batches through the same
+    pipeline under no_grad leave no slot locked once their deferred unlocks have run (at the next prefetch
+    or forward, here called directly), however many there are."""
+    from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist
+
+    layout = {name: ("tw0", "fused_uvm_caching") for name, _, _ in ranks.TABLES}
+    layout["t1"] = ("tw0", "fused")
+    steps = 12
+    serial, serial_optimizer = ranks.click_dmp(layout, world, ranks.ours_sharder(ours_params(fused_params())))
+    model, optimizer = ranks.click_dmp(layout, world, ranks.ours_sharder(ours_params(fused_params())))
+    model.load_state_dict(serial.state_dict())
+    for batch in ranks.click_batches(rank, steps):
+        serial_optimizer.zero_grad()
+        loss, _ = serial(batch.to(ranks.DEVICE))
+        loss.backward()
+        serial_optimizer.step()
+    pipeline = PrefetchTrainPipelineSparseDist(model, optimizer, ranks.DEVICE)
+    batches = iter(ranks.click_batches(rank, steps))
+    for _ in range(steps):
+        pipeline.progress(batches)
+    torch.cuda.synchronize()
+    ranks.assert_states_close(serial, model, exact=True)
+
+    pipeline.detach()
+    cached = [m for m in model.module.ebc.tiered_modules() if m.cache is not None]
+    model.eval()
+    with torch.no_grad():
+        evaluation = PrefetchTrainPipelineSparseDist(model, optimizer, ranks.DEVICE)
+        batches = iter(ranks.click_batches(rank, 3 * steps, seed=1))
+        for _ in range(3 * steps):
+            evaluation.progress(batches)
+            assert all(m.cache.num_locked() <= m.cache.num_slots // 2 for m in cached)  # nothing piles up
+        evaluation.detach()
+    for m in cached:
+        m.run_deferred_unlocks()
+    torch.cuda.synchronize()
+    assert all(m.cache.num_locked() == 0 and not m._prefetched for m in cached)
