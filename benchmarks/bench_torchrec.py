@@ -169,11 +169,11 @@ def build_model(args, side: str, kernel: str, pipeline: str, device: torch.devic
 
 
 def host_batches(args, count: int, rank: int, device: torch.device) -> list:
-    """``count`` TorchRec ``Batch``es on the host (pinned on a GPU machine), one Zipf lookup per feature."""
+    """``count`` batches on the host (pinned on a GPU machine), one Zipf lookup per feature."""
     import numpy as np
     from torchrec import KeyedJaggedTensor
-    from torchrec.datasets.utils import Batch
 
+    from tiered_tbe.torchrec.batch import SparseBatch
     from tiered_tbe.zipf import DeviceZipfSampler, ZipfSampler
 
     rows = table_rows(args)
@@ -187,7 +187,7 @@ def host_batches(args, count: int, rank: int, device: torch.device) -> list:
     for _ in range(count):
         values = sampler.sample(args.batch_size).cpu()
         labels = (torch.rand(args.batch_size) < 0.5).float()
-        batch = Batch(dense_features=torch.zeros(args.batch_size, 0), labels=labels,
+        batch = SparseBatch(dense_features=torch.zeros(args.batch_size, 0), labels=labels,
                       sparse_features=KeyedJaggedTensor.from_lengths_sync(keys, values, lengths))
         batches.append(batch.pin_memory() if device.type == "cuda" else batch)
     return batches

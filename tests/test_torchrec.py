@@ -21,9 +21,14 @@ import torchrec_ranks as ranks  # noqa: E402
 import torchrec_scenarios as scenarios  # noqa: E402
 from background import run_in_background  # noqa: E402
 
+from tiered_tbe.base.mode import SIMULATION  # noqa: E402
+
 WORLD = 2
+# The 2-rank jobs run on the CPU (gloo, CPU simulation); a GPU machine runs the gpu-marked tests.
+on_the_cpu = pytest.mark.skipif(not SIMULATION, reason="2 ranks over gloo in CPU simulation (GPU: the gpu tests)")
 
 
+@on_the_cpu
 def test_every_sharding_type_and_placement_trains_as_torchrecs_fused_kernel():
     """Table-, row-, column-, table-row-wise and mixed plans; HBM, managed and cached tables (4 slots a
     rank: heavy eviction); variable bag lengths with empty bags and hot rows; forward and 4 fused
@@ -32,24 +37,28 @@ def test_every_sharding_type_and_placement_trains_as_torchrecs_fused_kernel():
     ranks.spawn(scenarios.every_plan_equals_fbgemm, WORLD)
 
 
+@on_the_cpu
 def test_optimizers_without_an_fbgemm_cpu_kernel_and_an_lr_schedule_equal_the_reference():
     """Adam, PartialRowwiseAdam and LAMB against the fp64 reference, with the learning rate changed
     between steps through model.fused_optimizer; row-wise Adagrad under that schedule against TorchRec's."""
     ranks.spawn(scenarios.optimizers_and_lr_schedule_equal_the_reference, WORLD)
 
 
+@on_the_cpu
 def test_variable_batch_size_train_pipeline_and_evaluation():
     """VBE against TorchRec's own; TrainPipelineSparseDist against TorchRec's kernel; evaluation under
     no_grad leaves no slot locked."""
     ranks.spawn(scenarios.variable_batch_and_train_pipeline, WORLD)
 
 
+@on_the_cpu
 def test_sharded_checkpoints_resume_bitwise_and_load_into_other_plans_and_world_sizes(tmp_path):
     """torch.distributed.checkpoint: resumed = uninterrupted bitwise; another plan, and a 1-rank job, load it."""
     ranks.spawn(scenarios.checkpoints, WORLD, str(tmp_path))
     ranks.spawn(scenarios.checkpoint_on_one_rank, 1, str(tmp_path))
 
 
+@on_the_cpu
 @pytest.mark.skipif(not scenarios.shares_tables(), reason="several features of one table need "
                     "TieredEmbeddingBags(feature_table_map=...), which this build lacks")
 def test_several_features_looking_up_one_table_train_as_torchrecs_fused_kernel():
@@ -73,7 +82,7 @@ TRAIN_FLAGS = ["--tables", "3", "--rows", "50", "--dim", "8", "--batch-size", "8
 _TRAIN_ON_TWO = run_in_background([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                    "--master-port", str(_free_port()), "-m", "tiered_tbe", "train", "--torchrec",
                                    *TRAIN_FLAGS, "--sharding", "table-row-wise", "--torchrec-pipeline", "sparse-dist"],
-                                  timeout=300)
+                                  timeout=300) if SIMULATION else None
 
 
 def test_tiered_tbe_imports_no_torchrec():
@@ -81,6 +90,7 @@ def test_tiered_tbe_imports_no_torchrec():
     assert _NO_TORCHREC.result().stdout.strip() == "[]"
 
 
+@on_the_cpu
 def test_train_torchrec_on_two_processes():
     """``torchrun --nproc-per-node 2 -m tiered_tbe train --torchrec``: gloo, table-row-wise, cached tables,
     TorchRec's TrainPipelineSparseDist."""
@@ -90,6 +100,7 @@ def test_train_torchrec_on_two_processes():
     assert "over 8 steps (mean of 2 ranks)" in result.stdout
 
 
+@on_the_cpu
 def test_train_torchrec_in_one_process_and_flags_it_refuses(capsys):
     from tiered_tbe import train
 
@@ -107,6 +118,7 @@ def test_train_torchrec_in_one_process_and_flags_it_refuses(capsys):
             train.run(parser.parse_args([*TRAIN_FLAGS, "--torchrec", *flags]))
 
 
+@on_the_cpu
 def test_bench_torchrec_runs_in_simulation(tmp_path, capsys):
     """``tiered-tbe bench torchrec`` at a tiny size, both configurations simulation runs, with --profile and
     --record (the times mean nothing here; the GPU run is the lead's)."""
@@ -132,3 +144,15 @@ def test_gpu_kernels_equal_fbgemms_cuda_tbe():
 @pytest.mark.gpu
 def test_gpu_prefetch_train_pipeline_equals_serial_and_evaluation_leaves_no_lock():
     ranks.spawn(scenarios.prefetch_pipeline_equals_serial, 1, nccl=True)
+
+
+def test_device_script_is_valid_bash():
+    import pathlib
+    import shutil
+    import subprocess
+
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    script = pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu_torchrec.sh"
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -153,13 +153,13 @@ def check_args(args: argparse.Namespace) -> None:
 def run_torchrec(args: argparse.Namespace) -> dict:
     """Train through DistributedModelParallel; return the losses and throughput (every rank's mean)."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-    from torchrec.datasets.utils import Batch
     from torchrec.distributed import DistributedModelParallel
     from torchrec.modules.embedding_configs import DataType
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from tiered_tbe.torchrec import TieredEmbeddingBagCollectionSharder
+    from tiered_tbe.torchrec.batch import SparseBatch
 
     check_args(args)
     made_group, device = _join_process_group()
@@ -197,7 +197,7 @@ def run_torchrec(args: argparse.Namespace) -> dict:
         def batches():
             for step in range(args.steps):
                 click = data.batch(world_size * step + rank)
-                yield Batch(dense_features=click.dense, labels=click.labels,
+                yield SparseBatch(dense_features=click.dense, labels=click.labels,
                             sparse_features=KeyedJaggedTensor.from_offsets_sync(keys, click.indices, click.offsets))
 
         return _train(model, optimizer, batches(), args, device, rank, world_size)
