@@ -97,3 +97,16 @@ class PreparedBatch:
         """Release the batch's locks, and the rows it left in their backing stores, on the current
         stream (``mark_dirty``: its slots become dirty in the same launch)."""
         self.cache.unlock(self.cache_batch, mark_dirty=mark_dirty)
+
+
+def same_batch(queued_indices, queued_offsets, indices, offsets) -> bool:
+    """Whether a forward's ``(indices, offsets)`` are a prefetched batch's: the same tensors, or (TorchRec
+    splits its KeyedJaggedTensor anew between prefetch and forward) ``indices`` in the same memory and
+    as many offsets. The queue holds the prefetched tensors, so their memory cannot hold another batch."""
+    if queued_indices is indices and queued_offsets is offsets:
+        return True
+    if not (isinstance(indices, torch.Tensor) and isinstance(offsets, torch.Tensor)):
+        return False  # bad input: the forward's checks name it
+    return (queued_offsets.numel() == offsets.numel() and queued_indices.numel() == indices.numel()
+            and queued_indices.dtype == indices.dtype and queued_indices.device == indices.device
+            and queued_indices.data_ptr() == indices.data_ptr())

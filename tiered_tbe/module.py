@@ -13,7 +13,7 @@ from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
 from tiered_tbe.base.graphs import StepGraphs
 from tiered_tbe.base.mode import default_device
 from tiered_tbe.base.sorting import sort_ids
-from tiered_tbe.batch import DeferredUnlocks, PreparedBatch
+from tiered_tbe.batch import DeferredUnlocks, PreparedBatch, same_batch
 from tiered_tbe.cache.mover import default_mover
 from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD, SlotCache
 from tiered_tbe.cache.stats import CacheStats
@@ -24,7 +24,7 @@ from tiered_tbe.kernels.rows import Lookups, no_cache
 from tiered_tbe.optimizers import FusedOptimizer
 from tiered_tbe.specs import CacheConfig, TableSpec
 from tiered_tbe.storage import lay_out
-from tiered_tbe.variable_batch import VariableBatch
+from tiered_tbe.variable_batch import VariableBatch, fixed_batch_offsets
 
 _WEIGHTS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -288,7 +288,7 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
         side and backwards need not wait for prefetches (see :class:`PreparedBatch`).
         """
         layout = self._variable_batch(batch_size_per_feature_per_rank)
-        batch = self._prepare(indices, self._fixed_batch_offsets(offsets, layout), ahead=True)
+        batch = self._prepare(indices, fixed_batch_offsets(offsets, layout), ahead=True)
         if self.device.type == "cuda":
             batch.ready = torch.cuda.Event()
             batch.ready.record()
@@ -307,14 +307,6 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
         return VariableBatch(batch_size_per_feature_per_rank, [self.tables[t].embedding_dim for t in table_of_feature],
                              self.device)
 
-    @staticmethod
-    def _fixed_batch_offsets(offsets: torch.Tensor, layout: VariableBatch | None) -> torch.Tensor:
-        """``offsets`` for the kernels: as given, or a variable batch's padded to a fixed one."""
-        if layout is None:
-            return offsets
-        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1:
-            raise ValueError("offsets must be a 1-D torch.Tensor")
-        return layout.padded_offsets(offsets)
 
     @property
     def uses_lookahead(self) -> bool:
@@ -364,8 +356,8 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
         if not self._prefetched:
             return None
         queued_indices, queued_offsets, batch = self._prefetched[0]
-        if not _same_batch(queued_indices, queued_offsets, indices, offsets):
-            if any(_same_batch(i, o, indices, offsets) for i, o, _ in self._prefetched):
+        if not same_batch(queued_indices, queued_offsets, indices, offsets):
+            if any(same_batch(i, o, indices, offsets) for i, o, _ in self._prefetched):
                 raise ValueError(
                     "forward got a batch prefetched after the one prefetched next: call forward with the "
                     "prefetched indices/offsets tensors in the order they were prefetched"
@@ -396,8 +388,8 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
             if layout is None:
                 validation.check_static(self.tables, indices, offsets, self.device)
             validation.check_per_sample_weights(per_sample_weights, indices.numel(), self.device)
-        batch = self._take_prefetched(indices, offsets) or self._prepare(indices,
-                                                                         self._fixed_batch_offsets(offsets, layout))
+        batch = self._take_prefetched(indices, offsets)
+        batch = batch or self._prepare(indices, fixed_batch_offsets(offsets, layout))
         kernel_offsets = offsets.numel() if layout is None else len(layout.feature_dims) * layout.batch_size + 1
         if batch.lookups.offsets.numel() != kernel_offsets:  # prefetched with other batch sizes, or none
             batch.release()
@@ -521,13 +513,3 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
             lines.append(f"{name}: {spec.num_embeddings} x {spec.embedding_dim}, {spec.placement.value}")
         return "\n".join(lines)
 
-
-def _same_batch(queued_indices, queued_offsets, indices, offsets) -> bool:
-    """Whether a forward's ``(indices, offsets)`` are a prefetched batch's: the same tensors, or (TorchRec
-    splits its KeyedJaggedTensor anew between prefetch and forward) ``indices`` in the same memory and
-    as many offsets. The queue holds the prefetched tensors, so their memory cannot hold another batch."""
-    if queued_indices is indices and queued_offsets is offsets:
-        return True
-    return (queued_offsets.numel() == offsets.numel() and queued_indices.numel() == indices.numel()
-            and queued_indices.dtype == indices.dtype and queued_indices.device == indices.device
-            and queued_indices.data_ptr() == indices.data_ptr())

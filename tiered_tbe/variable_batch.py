@@ -64,6 +64,8 @@ class VariableBatch:
 
     def check_offsets(self, offsets: torch.Tensor) -> None:
         """``offsets`` must have one entry per bag, plus one (no sync)."""
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1:
+            raise ValueError("offsets must be a 1-D torch.Tensor")
         if offsets.numel() != self.num_bags + 1:
             raise ValueError(f"offsets has {offsets.numel()} entries; with batch_size_per_feature_per_rank it needs "
                              f"sum of the batch sizes + 1 = {self.num_bags + 1}")
@@ -116,3 +118,8 @@ class VariableBatch:
         width = widths_t[segment]
         source = (first_rows_t[segment] + within // width) * units_per_row + first_unit_t[segment] + within % width
         return pooled.reshape(-1, unit).index_select(0, source).reshape(-1)
+
+
+def fixed_batch_offsets(offsets: torch.Tensor, layout: VariableBatch | None) -> torch.Tensor:
+    """``offsets`` for the kernels: as given (a fixed batch), or a variable batch's padded to a fixed one."""
+    return offsets if layout is None else layout.padded_offsets(offsets)
