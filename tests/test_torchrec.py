@@ -33,7 +33,7 @@ def test_every_sharding_type_and_placement_trains_as_torchrecs_fused_kernel():
     """Table-, row-, column-, table-row-wise and mixed plans; HBM, managed and cached tables (4 slots a
     rank: heavy eviction); variable bag lengths with empty bags and hot rows; forward and 4 fused
     updates equal TorchRec's own kernel within 1e-5, weights and optimizer state, for SGD, row-wise
-    Adagrad and Adagrad."""
+    Adagrad and Adagrad; a weighted collection (per-sample weights)."""
     ranks.spawn(scenarios.every_plan_equals_fbgemm, WORLD)
 
 
@@ -156,3 +156,59 @@ def test_device_script_is_valid_bash():
     script = pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu_torchrec.sh"
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_fused_params_map_fbgemms_names_and_refuse_what_they_cannot_honour():
+    import torch
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, CacheAlgorithm
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+    from torchrec.modules.embedding_configs import DataType
+
+    from tiered_tbe import CacheConfig
+    from tiered_tbe.optimizers import Adam, RowwiseAdagrad
+    from tiered_tbe.torchrec.fused_params import module_arguments
+
+    arguments = module_arguments({"optimizer": EmbOptimType.ADAM, "learning_rate": 0.5, "beta2": 0.9,
+                                  "weight_decay": 0.1, "cache_algorithm": CacheAlgorithm.LFU,
+                                  "bounds_check_mode": BoundsCheckMode.NONE, "prefetch_pipeline": True,
+                                  "cache_precision": SparseType.FP16}, DataType.FP16, cached=True)
+    assert arguments.optimizer == Adam(lr=0.5, betas=(0.9, 0.9), eps=1e-8, weight_decay=0.1)
+    assert arguments.weights_dtype == torch.float16 and arguments.stochastic_rounding  # FBGEMM's default
+    assert arguments.cache == CacheConfig(fraction=0.2, policy="lfu") and arguments.bounds_check == "off"
+    defaults = module_arguments(None, DataType.FP32, cached=False)  # FBGEMM's: EXACT_SGD at 0.01
+    assert defaults.optimizer.name == "sgd" and defaults.optimizer.lr == 0.01 and defaults.cache is None
+    assert defaults.bounds_check == "raise" and not defaults.stochastic_rounding  # fp32 rounds nothing
+    ours = module_arguments({"optimizer": RowwiseAdagrad(lr=0.3), "cache_load_factor": 0.1,
+                             "cache_config": CacheConfig(slots=64, policy="lookahead"), "backend": "torch"},
+                            DataType.FP32, cached=True)
+    assert ours.optimizer == RowwiseAdagrad(lr=0.3) and ours.cache.slots == 64 and ours.cache.policy == "lookahead"
+    assert ours.as_kwargs()["backend"] == "torch"
+    assert module_arguments({"cache_load_factor": 0.1}, DataType.FP32, cached=True).cache.fraction == 0.1
+    for params, message in (
+            ({"momentum": 0.9}, "no counterpart"),
+            ({"optimizer": RowwiseAdagrad(), "learning_rate": 0.1}, "carries its hyper-parameters"),
+            ({"weight_decay_mode": WeightDecayMode.DECOUPLE, "weight_decay": 0.1}, "weight_decay_mode"),
+            ({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "weight_decay": 0.1}, "weight_decay"),
+            ({"cache_precision": SparseType.FP16}, "caches rows in their weights precision"),
+            ({"output_dtype": SparseType.FP16}, "returns fp32"),
+            ({"weights_precision": SparseType.INT8}, "fp32, fp16 or bf16"),
+            ({"optimizer": EmbOptimType.LARS_SGD}, "no tiered-tbe counterpart"),
+            ({"cache_config": "big"}, "CacheConfig")):
+        with pytest.raises(ValueError, match=message):
+            module_arguments(params, DataType.FP32, cached=True)
+
+
+def test_the_sharder_refuses_kernels_and_sharding_types_it_does_not_run():
+    from torchrec.distributed.types import ParameterSharding
+
+    from tiered_tbe.torchrec import TieredEmbeddingBagCollectionSharder
+
+    sharder = TieredEmbeddingBagCollectionSharder()
+    assert sharder.sharding_types("cpu") == ["table_wise", "row_wise", "column_wise", "table_row_wise"]
+    assert sharder.compute_kernels("row_wise", "cpu") == ["fused", "fused_uvm", "fused_uvm_caching"]
+    for sharding_type, kernel, message in (("table_wise", "dense", "compute kernel 'dense'"),
+                                           ("data_parallel", "fused", "sharding type 'data_parallel'")):
+        with pytest.raises(ValueError, match=message):
+            sharder.shard(None, {"t0": ParameterSharding(sharding_type=sharding_type, compute_kernel=kernel,
+                                                         ranks=[0])}, env=None)

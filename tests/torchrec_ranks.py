@@ -106,12 +106,13 @@ def _with_kernel(generator, kernel):
     return with_kernel
 
 
-def dmp(layout: dict, world_size: int, sharder, tables=TABLES, features_of=None):
+def dmp(layout: dict, world_size: int, sharder, tables=TABLES, features_of=None, weighted: bool = False):
     """An EmbeddingBagCollection of ``tables`` under ``sharder``, planned by ``layout``."""
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed import DistributedModelParallel
 
-    ebc = EmbeddingBagCollection(tables=table_configs(tables, features_of), device=torch.device("meta"))
+    ebc = EmbeddingBagCollection(tables=table_configs(tables, features_of), device=torch.device("meta"),
+                                 is_weighted=weighted)
     return DistributedModelParallel(ebc, device=DEVICE, plan=plan(ebc, layout, world_size), sharders=[sharder])
 
 
@@ -148,10 +149,12 @@ def features_of_tables(tables=TABLES, features_of=None) -> list[tuple[str, int]]
     return [(feature, rows) for name, rows, _ in tables for feature in features_of.get(name, [f"f{name[1:]}"])]
 
 
-def batch(step: int, rank: int, tables=TABLES, batch_sizes=None, seed: int = 0, features_of=None):
+def batch(step: int, rank: int, tables=TABLES, batch_sizes=None, seed: int = 0, features_of=None,
+          weighted: bool = False):
     """This rank's KeyedJaggedTensor of ``step``: bags of 0-3 lookups (empty bags, repeated rows).
     ``batch_sizes``: per feature (a variable batch, TorchRec's VBE), else ``BATCH`` for all.
-    ``features_of``: table -> its features, when not one ``f<i>`` per table ``t<i>``."""
+    ``features_of``: table -> its features, when not one ``f<i>`` per table ``t<i>``. ``weighted``: a
+    weight per lookup (a weighted collection's per-sample weights)."""
     from torchrec import KeyedJaggedTensor
 
     generator = torch.Generator().manual_seed(1000 * seed + 10 * step + rank)
@@ -165,6 +168,9 @@ def batch(step: int, rank: int, tables=TABLES, batch_sizes=None, seed: int = 0, 
         lengths.append(length)
     keys = [feature for feature, _ in features]
     values, lengths = torch.cat(values), torch.cat(lengths)
+    if weighted:
+        weights = torch.rand(values.numel(), generator=generator) + 0.5
+        return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths, weights=weights)
     if batch_sizes is None:
         return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
     inverse = torch.stack([torch.randint(0, max(size, 1), (max(sizes),), generator=generator) for size in sizes])

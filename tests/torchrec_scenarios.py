@@ -39,12 +39,13 @@ PLANS = {
 STEPS = 4
 
 
-def _train_side_by_side(rank, world, layout, params, ours, batch_sizes=None, steps=STEPS, label=""):
-    stock = ranks.dmp(ranks.fbgemm_kernel_layout(layout), world, ranks.stock_sharder(params))
-    model = ranks.dmp(layout, world, ranks.ours_sharder(ours))
+def _train_side_by_side(rank, world, layout, params, ours, batch_sizes=None, steps=STEPS, label="",
+                        weighted=False):
+    stock = ranks.dmp(ranks.fbgemm_kernel_layout(layout), world, ranks.stock_sharder(params), weighted=weighted)
+    model = ranks.dmp(layout, world, ranks.ours_sharder(ours), weighted=weighted)
     model.load_state_dict(stock.state_dict())
     for step in range(steps):
-        kjt = ranks.batch(step, rank, batch_sizes=batch_sizes)
+        kjt = ranks.batch(step, rank, batch_sizes=batch_sizes, weighted=weighted)
         expected = ranks.train_step(stock, kjt, step, rank)
         actual = ranks.train_step(model, kjt, step, rank)
         torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5, msg=lambda m, s=step: f"{label} step {s}: {m}")
@@ -58,6 +59,9 @@ def every_plan_equals_fbgemm(rank, world):
     for optimizer in ("EXACT_SGD", "EXACT_ADAGRAD"):
         _train_side_by_side(rank, world, PLANS["mixed"], fused_params(optimizer), ours_params(fused_params(optimizer)),
                             label=optimizer)
+    # A weighted collection: a weight per lookup (per-sample weights) scales its row in the bag.
+    _train_side_by_side(rank, world, PLANS["mixed"], fused_params(), ours_params(fused_params()), label="weighted",
+                        weighted=True)
     # The Triton kernels (the others ran their plain-torch reference, far faster in simulation).
     _train_side_by_side(rank, world, PLANS["mixed"], fused_params(), ours_params(fused_params(), backend="triton"),
                         steps=2, label="triton")

@@ -103,6 +103,9 @@ def module_arguments(fused_params: dict | None, data_type, cached: bool) -> Modu
     if unknown:
         raise ValueError(f"fused_params {unknown}: tiered-tbe has no counterpart (it takes {sorted(_HANDLED)})")
 
+    if _member_name(params.get("weight_decay_mode")) not in (None, "NONE"):
+        raise ValueError(f"fused_params: weight_decay_mode={params['weight_decay_mode']} has no tiered-tbe "
+                         "counterpart (Adam, PartialRowwiseAdam and LAMB take weight_decay as FBGEMM's ADAM does)")
     optimizer = params.get("optimizer", "EXACT_SGD")
     if isinstance(optimizer, FusedOptimizer):
         given = [k for k in _HYPER if k in params]
@@ -110,9 +113,6 @@ def module_arguments(fused_params: dict | None, data_type, cached: bool) -> Modu
             raise ValueError(f"fused_params: optimizer={optimizer} carries its hyper-parameters; drop {given}")
     else:
         optimizer = optimizer_from_fbgemm(optimizer, **{k: params[k] for k in _HYPER if k in params})
-    if _member_name(params.get("weight_decay_mode")) not in (None, "NONE"):
-        raise ValueError(f"fused_params: weight_decay_mode={params['weight_decay_mode']} has no tiered-tbe "
-                         "counterpart (Adam, PartialRowwiseAdam and LAMB take weight_decay as FBGEMM's ADAM does)")
 
     weights_dtype = data_type_to_dtype(data_type)
     if params.get("weights_precision") is not None:
