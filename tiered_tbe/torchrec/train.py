@@ -42,7 +42,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("TorchRec (--torchrec)")
     group.add_argument("--torchrec", action="store_true",
                        help="train through TorchRec's DistributedModelParallel with tiered-tbe's sharder, on every "
-                            "process torchrun started (one without torchrun); needs torchrec")
+                            "process torchrun started (one without torchrun); needs torchrec (default: "
+                            "tiered-tbe's own module, one process)")
     group.add_argument("--sharding", choices=SHARDINGS, default="auto",
                        help="the plan of every table: auto = TorchRec's planner on a GPU (row-wise in CPU "
                             "simulation, where the planner cannot cost managed or cached kernels); default auto")
