@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import socket
@@ -79,6 +80,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="cache size of the cached configurations, a fraction of the rows (default 0.05)")
     parser.add_argument("--steps", type=int, default=_default("steps"), help="timed steps per side (40; 3 in sim.)")
     parser.add_argument("--warmup", type=int, default=_default("warmup"), help="untimed steps first (20; 1 in sim.)")
+    parser.add_argument("--vbe", action="store_true",
+                        help="variable batch size per feature (TorchRec's VBE): feature f looks up B / 2^(f mod 4) "
+                             "distinct samples, expanded to B by the output (default: every feature B)")
     parser.add_argument("--bounds-check", choices=("none", "default"), default="none",
                         help="none: both sides skip the index checks (FBGEMM's BoundsCheckMode.NONE); default: "
                              "each side's default (FBGEMM warns on device, ours raises: one host sync a step)")
@@ -182,13 +186,21 @@ def host_batches(args, count: int, rank: int, device: torch.device) -> list:
     draw_on = device if device.type == "cuda" else torch.device("cpu")
     sampler = DeviceZipfSampler(samplers, draw_on, torch.Generator(device=draw_on).manual_seed(args.seed + rank))
     keys = [f"f{t}" for t in range(len(rows))]
-    lengths = torch.ones(len(rows) * args.batch_size, dtype=torch.int32)
+    sizes = [max(1, args.batch_size >> (t % 4)) if args.vbe else args.batch_size for t in range(len(rows))]
+    lengths = torch.ones(sum(sizes), dtype=torch.int32)
+    # VBE: sample b of feature t is its distinct sample b % sizes[t] (TorchRec's inverse indices).
+    inverse = torch.stack([torch.arange(args.batch_size) % size for size in sizes])
     batches = []
     for _ in range(count):
-        values = sampler.sample(args.batch_size).cpu()
+        drawn = sampler.sample(args.batch_size).cpu().view(len(rows), args.batch_size)
+        values = torch.cat([drawn[t, :size] for t, size in enumerate(sizes)])
         labels = (torch.rand(args.batch_size) < 0.5).float()
-        batch = SparseBatch(dense_features=torch.zeros(args.batch_size, 0), labels=labels,
-                      sparse_features=KeyedJaggedTensor.from_lengths_sync(keys, values, lengths))
+        if args.vbe:
+            features = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, inverse_indices=(keys, inverse),
+                                         stride_per_key_per_rank=[[size] for size in sizes])
+        else:
+            features = KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)
+        batch = SparseBatch(dense_features=torch.zeros(args.batch_size, 0), labels=labels, sparse_features=features)
         batches.append(batch.pin_memory() if device.type == "cuda" else batch)
     return batches
 
@@ -350,6 +362,7 @@ def run(args: argparse.Namespace) -> dict:
                 if args.profile:
                     results[name][side]["profile"] = profile_steps(pipeline, model, stream, PROFILED_STEPS)
                 del pipeline, model, optimizer
+                gc.collect()  # the side's tables go before the next side's are allocated
                 if not SIMULATION:
                     torch.cuda.empty_cache()
             results[name]["ratio"] = results[name]["ours"]["step_ms"] / results[name]["torchrec"]["step_ms"]
@@ -369,7 +382,8 @@ def run(args: argparse.Namespace) -> dict:
 def _print(args, results: dict, world_size: int) -> None:
     rows = table_rows(args)
     print(f"bench torchrec: {describe_mode()}; {world_size} rank(s); {len(rows)} Criteo tables x {args.dim} fp32 "
-          f"({sum(rows):,} rows), B={args.batch_size} per rank, one lookup per feature, Zipf {args.alpha:g}, "
+          f"({sum(rows):,} rows), B={args.batch_size} per rank{' (VBE)' if args.vbe else ''}, one lookup per "
+          f"feature, Zipf {args.alpha:g}, "
           f"row-wise Adagrad, a linear head; cache load factor {args.cache_load_factor:g}; median of {args.steps} "
           f"steps after {args.warmup}")
     print(f"{'config':<18}{'TorchRec ms':>13}{'ours ms':>10}{'ours/TorchRec':>15}")

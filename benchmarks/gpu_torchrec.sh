@@ -11,6 +11,7 @@
 #   CONFIGS        bench_torchrec configurations (default: fused cached cached-prefetch)
 #   STEPS, WARMUP  timed and warm-up steps per side (default 40, 20)
 #   PROFILE=0      skip bench_torchrec --profile (on by default)
+#   VBE=0          skip the second benchmark run with a variable batch size per feature (--vbe; fused and cached)
 #   SKIP_INSTALL=1 the project and wheels are installed already
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -44,3 +45,7 @@ echo "train --torchrec (1 GPU, prefetch pipeline): rc=$? $(grep '^loss' "$OUT/tr
 python3 -m tiered_tbe bench torchrec --configs ${CONFIGS:-fused cached cached-prefetch} --steps "${STEPS:-40}" \
     --warmup "${WARMUP:-20}" $([[ ${PROFILE:-1} == 1 ]] && echo --profile) --record "$OUT/bench_torchrec.jsonl" 2>&1 \
     | tee "$OUT/bench_torchrec.log" | grep -v -i "warn"
+if [[ ${VBE:-1} == 1 ]]; then
+    python3 -m tiered_tbe bench torchrec --vbe --configs fused cached --steps "${STEPS:-40}" --warmup "${WARMUP:-20}" \
+        --record "$OUT/bench_torchrec.jsonl" 2>&1 | tee "$OUT/bench_torchrec_vbe.log" | grep -v -i "warn"
+fi
