@@ -50,34 +50,39 @@ class TieredEmbeddingFusedOptimizer(EmbeddingFusedOptimizer):
     A sharded tensor wants contiguous shards, and a row's state is one stretch of memory (Adam's
     ``exp_avg`` and ``exp_avg_sq`` of a row side by side), so ``exp_avg`` of a table is a strided
     view. For such states each read of ``state`` builds the sharded tensors over fresh contiguous
-    copies (no copy is kept between reads), and ``post_load_state_dict`` writes the copies of the
-    last read, which a load filled, back into the rows.
+    copies (none is kept between reads: a read costs a copy of the optimizer's states, for the
+    time the caller holds them), and ``post_load_state_dict`` writes the copies of the last read,
+    which a load filled, back into the rows.
     """
 
     def __init__(self, config: GroupedEmbeddingConfig, emb_module: TieredEmbeddingBags,
                  pg: dist.ProcessGroup | None = None, **kwargs):
         self._tiered_module = emb_module
-        self._interleaved = False  # decided below, once the base class has built its state
+        self._interleaved = False  # the base class builds its state with this False
         self._copied: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows' view, copy) of the last read
+        self._table_names = [table.name for table in config.embedding_tables]
         states = kwargs.get("all_optimizer_states") or (
             emb_module.get_optimizer_state() if emb_module.optimizer is not None else [])
         interleaved = any(not view.is_contiguous() for state in states for view in state.values())
-        if interleaved:
-            kwargs["all_optimizer_states"] = self._contiguous_copies(states)
-        self._rebuild = (config, pg, kwargs)
+        self._rebuild = (config, pg, dict(kwargs))
+        if interleaved:  # no state at construction (nothing copied): each read builds it
+            kwargs["all_optimizer_states"] = [{} for _ in states]
         super().__init__(config, emb_module, pg, **kwargs)
-        if interleaved:
-            self._interleaved, self._tiered_state, self._copied = True, None, []  # built afresh at each read
+        self._interleaved = interleaved
 
     def _contiguous_copies(self, states: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-        self._copied = []
-        copies = []
-        for state in states:
+        """``states`` with each strided view copied to a contiguous tensor (only the tables this optimizer
+        keeps: one of them when it was made for one table)."""
+        only = self._rebuild[2].get("create_for_table")
+        self._copied, copies = [], []
+        for name, state in zip(self._table_names, states):
             copies.append({})
-            for name, view in state.items():
-                copies[-1][name] = view if view.is_contiguous() else view.contiguous()
-                if copies[-1][name] is not view:
-                    self._copied.append((view, copies[-1][name]))
+            if only is not None and name != only:
+                continue
+            for key, view in state.items():
+                copies[-1][key] = view if view.is_contiguous() else view.contiguous()
+                if copies[-1][key] is not view:
+                    self._copied.append((view, copies[-1][key]))
         return copies
 
     @property
