@@ -313,3 +313,28 @@ def test_forward_takes_a_prefetched_batch_through_views_of_its_memory(device):
     assert not module._prefetched
     out.sum().backward()
     assert module.cache.num_locked() == 0
+
+
+def test_a_batch_prefetched_for_a_forward_stream_and_never_forwarded_is_released(device):
+    """TorchRec's prefetch pipeline prefetches each batch a step ahead, with ``forward_stream``; stopped early
+    (training over, evaluation next), it leaves one prefetched. The next pipeline's first forward releases it
+    (TorchRec passes its stream; on the CPU any value stands for one). Prefetched without a forward stream,
+    the same forward is refused (the caller's order is wrong)."""
+    stream = torch.cuda.current_stream() if device.type == "cuda" else object()
+    generator = torch.Generator().manual_seed(10)
+    for forward_stream in (stream, None):
+        module = TieredEmbeddingBags(specs(Placement.MANAGED_CACHED), optimizer=SGD(lr=0.1), device=device,
+                                     cache=CacheConfig(slots=16, associativity=4), backend="torch")
+        left, evaluated = (tuple(t.to(device) for t in vbe_batch([[3], [3], [3]], generator)) for _ in range(2))
+        module.prefetch(*left, forward_stream=forward_stream, defer_unlock=True)
+        module.prefetch(*evaluated, forward_stream=forward_stream, defer_unlock=True)
+        if forward_stream is None:
+            with pytest.raises(ValueError, match="prefetched after the one prefetched next"):
+                module(*evaluated)
+            module.cancel_prefetched()
+        else:
+            with torch.no_grad():
+                module(*evaluated)
+            assert not module._prefetched
+        module.run_deferred_unlocks()
+        assert module.cache.num_locked() == 0

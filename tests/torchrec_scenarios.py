@@ -343,9 +343,10 @@ def gpu_kernels_equal_fbgemm(rank, world):
 
 def prefetch_pipeline_equals_serial(rank, world):
     """PrefetchTrainPipelineSparseDist (our prefetch on TorchRec's prefetch stream, a batch ahead) trains
-    fused_uvm_caching tables bitwise as a plain serial loop does; evaluation batches through the same
-    pipeline under no_grad leave no slot locked once their deferred unlocks have run (at the next prefetch
-    or forward, here called directly), however many there are."""
+    fused_uvm_caching tables bitwise as a plain serial loop does, and is stopped early (a batch prefetched,
+    never trained); evaluation batches through a new pipeline under no_grad then leave no slot locked once
+    their deferred unlocks have run (at the next prefetch or forward, here called directly), however many
+    there are, and the batch the training pipeline left is released."""
     from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist
 
     from tiered_tbe import CacheConfig
@@ -364,7 +365,7 @@ def prefetch_pipeline_equals_serial(rank, world):
         loss.backward()
         serial_optimizer.step()
     pipeline = PrefetchTrainPipelineSparseDist(model, optimizer, ranks.DEVICE)
-    batches = iter(ranks.click_batches(rank, steps))
+    batches = iter(ranks.click_batches(rank, steps + 2))  # stopped early: a batch stays prefetched, untrained
     for _ in range(steps):
         pipeline.progress(batches)
     torch.cuda.synchronize()

@@ -55,6 +55,7 @@ class PreparedBatch:
     ready: torch.cuda.Event | None = None  # recorded after its prefetch, on the stream that ran it
     value_check: validation.ValueCheck | None = None  # verdict still to read (prefetched ahead)
     deferred: DeferredUnlocks | None = None  # where release() queues the unlock, while open
+    for_forward_stream: bool = False  # prefetched for a forward on another stream (TorchRec's pipeline)
     _released: bool = field(default=False, repr=False)
     _rows_arrived: bool = field(default=False, repr=False)
 

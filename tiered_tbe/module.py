@@ -280,7 +280,8 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
 
         ``forward_stream``: the prefetch runs on the current stream for a forward on that one
         (TorchRec's prefetch pipeline). The forward waits for the prefetch by an event, and the
-        batch's unlock is deferred, as with ``defer_unlock``.
+        batch's unlock is deferred, as with ``defer_unlock``. A forward of a batch prefetched
+        later releases such batches still queued before it (their pipeline was stopped early).
 
         ``defer_unlock``: the batch's unlock waits for the next prefetch (which runs it first, on
         its own stream) instead of running where the batch's backward runs. A pipeline that
@@ -294,6 +295,7 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
             batch.ready.record()
         if defer_unlock or forward_stream is not None:
             batch.deferred = self._deferred_unlocks
+        batch.for_forward_stream = forward_stream is not None
         self._prefetched.append((indices, offsets, batch))
 
     def _variable_batch(self, batch_size_per_feature_per_rank) -> VariableBatch | None:
@@ -357,12 +359,18 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
             return None
         queued_indices, queued_offsets, batch = self._prefetched[0]
         if not same_batch(queued_indices, queued_offsets, indices, offsets):
-            if any(same_batch(i, o, indices, offsets) for i, o, _ in self._prefetched):
+            later = [same_batch(i, o, indices, offsets) for i, o, _ in self._prefetched]
+            if not any(later):
+                return None
+            skipped = self._prefetched_for_a_forward_stream(later.index(True))
+            if skipped is None:
                 raise ValueError(
                     "forward got a batch prefetched after the one prefetched next: call forward with the "
                     "prefetched indices/offsets tensors in the order they were prefetched"
                 )
-            return None
+            for stale in skipped:  # a pipeline left them (TorchRec's, stopped early): never forwarded
+                stale.release()
+            queued_indices, queued_offsets, batch = self._prefetched[0]
         self._prefetched.popleft()
         if batch.ready is not None:  # prefetched on another stream (PrefetchPipeline)
             training_stream = torch.cuda.current_stream(self.device)
@@ -376,6 +384,14 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
                 batch.release()
                 raise
         return batch
+
+    def _prefetched_for_a_forward_stream(self, count: int) -> list[PreparedBatch] | None:
+        """The ``count`` oldest prefetched batches, taken off the queue, if every one was prefetched for a
+        forward on another stream (TorchRec's prefetch pipeline, which forwards each batch it prefetched
+        in order, unless it was stopped early); else None and the queue stays as it was."""
+        if not all(self._prefetched[k][2].for_forward_stream for k in range(count)):
+            return None
+        return [self._prefetched.popleft()[2] for _ in range(count)]
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None,
                 batch_size_per_feature_per_rank: list[list[int]] | None = None) -> torch.Tensor:
