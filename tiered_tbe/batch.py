@@ -55,6 +55,7 @@ class PreparedBatch:
     ready: torch.cuda.Event | None = None  # recorded after its prefetch, on the stream that ran it
     value_check: validation.ValueCheck | None = None  # verdict still to read (prefetched ahead)
     deferred: DeferredUnlocks | None = None  # where release() queues the unlock, while open
+    for_forward_stream: bool = False  # prefetched for a forward on another stream (TorchRec's pipeline)
     _released: bool = field(default=False, repr=False)
     _rows_arrived: bool = field(default=False, repr=False)
 
@@ -97,3 +98,16 @@ class PreparedBatch:
         """Release the batch's locks, and the rows it left in their backing stores, on the current
         stream (``mark_dirty``: its slots become dirty in the same launch)."""
         self.cache.unlock(self.cache_batch, mark_dirty=mark_dirty)
+
+
+def same_batch(queued_indices, queued_offsets, indices, offsets) -> bool:
+    """Whether a forward's ``(indices, offsets)`` are a prefetched batch's: the same tensors, or (TorchRec
+    splits its KeyedJaggedTensor anew between prefetch and forward) ``indices`` in the same memory and
+    as many offsets. The queue holds the prefetched tensors, so their memory cannot hold another batch."""
+    if queued_indices is indices and queued_offsets is offsets:
+        return True
+    if not (isinstance(indices, torch.Tensor) and isinstance(offsets, torch.Tensor)):
+        return False  # bad input: the forward's checks name it
+    return (queued_offsets.numel() == offsets.numel() and queued_indices.numel() == indices.numel()
+            and queued_indices.dtype == indices.dtype and queued_indices.device == indices.device
+            and queued_indices.data_ptr() == indices.data_ptr())

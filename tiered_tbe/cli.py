@@ -11,6 +11,7 @@ wires them together, by module name::
     tiered-tbe bench cache ...        the slot cache vs all-HBM (benchmarks/bench_cache.py)
     tiered-tbe bench pipeline ...     the prefetch pipeline vs serial, all-HBM, managed (benchmarks/bench_pipeline.py)
     tiered-tbe bench fbgemm ...       ours beside FBGEMM_GPU's TBE on the same batches (benchmarks/bench_fbgemm.py)
+    tiered-tbe bench torchrec ...     a DMP step, our sharder against TorchRec's kernels (benchmarks/bench_torchrec.py)
 
 A command's module is imported only when that command runs (or its ``--help`` is asked for), so
 the library never imports the benchmarks, and ``tiered-tbe train`` loads none of them. A new
@@ -51,6 +52,9 @@ COMMANDS = (
             "all-HBM and managed memory (GPU)", "tiered_tbe.benchmarks.bench_pipeline", "run_command"),
     Command(("bench", "fbgemm"), "time training steps against FBGEMM_GPU's TBE side by side, in HBM and cached "
             "(GPU; needs fbgemm-gpu)", "tiered_tbe.benchmarks.bench_fbgemm", "run_command"),
+    Command(("bench", "torchrec"), "time a DistributedModelParallel training step with our sharder against "
+            "TorchRec's own kernels under the same plan (GPU; needs torchrec)", "tiered_tbe.benchmarks.bench_torchrec",
+            "run_command"),
 )
 GROUPS = {"bench": "benchmarks of tiered-tbe"}
 

@@ -13,10 +13,11 @@ from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
 from tiered_tbe.base.graphs import StepGraphs
 from tiered_tbe.base.mode import default_device
 from tiered_tbe.base.sorting import sort_ids
-from tiered_tbe.batch import DeferredUnlocks, PreparedBatch
+from tiered_tbe.batch import DeferredUnlocks, PreparedBatch, same_batch
 from tiered_tbe.cache.mover import default_mover
 from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD, SlotCache
 from tiered_tbe.cache.stats import CacheStats
+from tiered_tbe.fbgemm_access import FbgemmAccess
 from tiered_tbe.function import TieredEmbeddingBagsFunction
 from tiered_tbe.kernels.linearize import linearize
 from tiered_tbe.kernels.rows import Lookups, no_cache
@@ -24,11 +25,12 @@ from tiered_tbe.memory import check_memory, plan_cache
 from tiered_tbe.optimizers import FusedOptimizer
 from tiered_tbe.specs import CacheConfig, TableSpec
 from tiered_tbe.storage import lay_out
+from tiered_tbe.variable_batch import VariableBatch, fixed_batch_offsets
 
 _WEIGHTS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class TieredEmbeddingBags(nn.Module):
+class TieredEmbeddingBags(FbgemmAccess, nn.Module):
     """Pooled embedding lookups over tables in HBM, host memory, managed memory or a GPU cache.
 
     Args:
@@ -78,6 +80,13 @@ class TieredEmbeddingBags(nn.Module):
                                   feature_table_map=[0, 0, 1], optimizer=SGD(lr=0.1))
         # B = 2: bags [f0 b0, f0 b1, f1 b0, f1 b1, f2 b0, f2 b1]
         out = emb(torch.tensor([3, 4, 3, 7, 999, 1]), torch.tensor([0, 1, 2, 3, 5, 5, 6]))  # [2, 16 + 16 + 8]
+    With ``batch_size_per_feature_per_rank`` (``[F][R]`` ints: TorchRec's variable batch size per feature,
+    "VBE") ``offsets`` has ``sum(batch sizes) + 1`` entries, each feature's bags rank by rank, and the
+    output is FBGEMM's flat VBE layout, rank by rank, then feature by feature (:mod:`tiered_tbe.variable_batch`).
+
+    FBGEMM's accessors (``split_embedding_weights``, ``get_optimizer_state``, the learning rate and
+    the other hyper-parameters, the optimizer step, ``reset_cache_states``) are in
+    :class:`~tiered_tbe.fbgemm_access.FbgemmAccess`.
     """
 
     def __init__(
@@ -281,24 +290,45 @@ class TieredEmbeddingBags(nn.Module):
         # One graph replay per batch shape (the batch size is part of the key: the kernels bake it in).
         return self._hint_graphs.run(("hint rows", batch_size), (indices, offsets), enqueue, self.device)
 
-    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, defer_unlock: bool = False) -> None:
-        """Fill the cache for a batch ahead of its forward.
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream: torch.cuda.Stream | None = None,
+                 batch_size_per_feature_per_rank: list[list[int]] | None = None, *, defer_unlock: bool = False) -> None:
+        """Fill the cache for a batch ahead of its forward (FBGEMM's and TorchRec's signature).
 
         Batches queue in order: the next forward called with these same ``indices`` and
-        ``offsets`` tensors uses this prefetch instead of prefetching itself.
+        ``offsets`` tensors (or views of the same ``indices`` memory with as many offsets: TorchRec
+        splits its KeyedJaggedTensor anew for the forward) uses this prefetch instead of
+        prefetching itself. ``batch_size_per_feature_per_rank``: a variable-batch input (see the
+        class docstring); give the forward the same.
+
+        ``forward_stream``: the prefetch runs on the current stream for a forward on that one
+        (TorchRec's prefetch pipeline). The forward waits for the prefetch by an event, and the
+        batch's unlock is deferred, as with ``defer_unlock``. A forward of a batch prefetched
+        later releases such batches still queued before it (their pipeline was stopped early).
 
         ``defer_unlock``: the batch's unlock waits for the next prefetch (which runs it first, on
         its own stream) instead of running where the batch's backward runs. A pipeline that
         prefetches on a side stream asks for it, so that unlocks and prefetches never run side by
         side and backwards need not wait for prefetches (see :class:`PreparedBatch`).
         """
-        batch = self._prepare(indices, offsets, ahead=True)
+        layout = self._variable_batch(batch_size_per_feature_per_rank)
+        batch = self._prepare(indices, fixed_batch_offsets(offsets, layout), ahead=True)
         if self.device.type == "cuda":
             batch.ready = torch.cuda.Event()
             batch.ready.record()
-        if defer_unlock:
+        if defer_unlock or forward_stream is not None:
             batch.deferred = self._deferred_unlocks
+        batch.for_forward_stream = forward_stream is not None
         self._prefetched.append((indices, offsets, batch))
+
+    def _variable_batch(self, batch_size_per_feature_per_rank) -> VariableBatch | None:
+        """The layout of a variable-batch input, or None for a fixed batch."""
+        if batch_size_per_feature_per_rank is None:
+            return None
+        if self.pooling == "none":
+            raise ValueError("batch_size_per_feature_per_rank needs pooled outputs (pooling 'sum' or 'mean'), "
+                             "as FBGEMM's variable batch size")
+        return VariableBatch(batch_size_per_feature_per_rank,
+                             [self.tables[t].embedding_dim for t in self.feature_table_map], self.device)
 
     @property
     def uses_lookahead(self) -> bool:
@@ -346,9 +376,9 @@ class TieredEmbeddingBags(nn.Module):
         self._deferred_unlocks = DeferredUnlocks()
 
     def drop_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor) -> bool:
-        """Drop the batch prefetched next if it is this one (the same tensors), releasing its cache
-        locks, for a caller that will not forward it; returns whether it was queued."""
-        if not self._prefetched or self._prefetched[0][0] is not indices or self._prefetched[0][1] is not offsets:
+        """Drop the batch prefetched next if it is this one (:func:`~tiered_tbe.batch.same_batch`),
+        releasing its cache locks, for a caller that will not forward it; returns whether it was queued."""
+        if not self._prefetched or not same_batch(self._prefetched[0][0], self._prefetched[0][1], indices, offsets):
             return False
         self._prefetched.popleft()[2].release()
         return True
@@ -361,14 +391,20 @@ class TieredEmbeddingBags(nn.Module):
         if not self._prefetched:
             return None
         queued_indices, queued_offsets, batch = self._prefetched[0]
-        if queued_indices is not indices or queued_offsets is not offsets:
-            if any(i is indices and o is offsets for i, o, _ in self._prefetched):
+        if not same_batch(queued_indices, queued_offsets, indices, offsets):
+            later = [same_batch(i, o, indices, offsets) for i, o, _ in self._prefetched]
+            if not any(later):
+                return None
+            skipped = self._prefetched_for_a_forward_stream(later.index(True))
+            if skipped is None:
                 raise ValueError(
                     "forward got a batch prefetched after the one prefetched next: call forward with the "
                     "prefetched indices/offsets tensors in the order they were prefetched (cancel_prefetched() "
                     "drops every prefetched batch)"
                 )
-            return None
+            for stale in skipped:  # a pipeline left them (TorchRec's, stopped early): never forwarded
+                stale.release()
+            queued_indices, queued_offsets, batch = self._prefetched[0]
         self._prefetched.popleft()
         if batch.ready is not None:  # prefetched on another stream (PrefetchPipeline)
             training_stream = torch.cuda.current_stream(self.device)
@@ -383,17 +419,41 @@ class TieredEmbeddingBags(nn.Module):
                 raise
         return batch
 
-    def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None) -> torch.Tensor:
+    def _prefetched_for_a_forward_stream(self, count: int) -> list[PreparedBatch] | None:
+        """The ``count`` oldest prefetched batches, taken off the queue, if every one was prefetched for a
+        forward on another stream (TorchRec's prefetch pipeline, which forwards each batch it prefetched
+        in order, unless it was stopped early); else None and the queue stays as it was."""
+        if not all(self._prefetched[k][2].for_forward_stream for k in range(count)):
+            return None
+        return [self._prefetched.popleft()[2] for _ in range(count)]
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None,
+                batch_size_per_feature_per_rank: list[list[int]] | None = None) -> torch.Tensor:
+        layout = self._variable_batch(batch_size_per_feature_per_rank)
+        if layout is not None:
+            layout.check_offsets(offsets)
         if per_sample_weights is not None:
             # Checked before the batch is prefetched: a bad call locks nothing, and a batch prefetched
             # for these tensors goes with it, as one whose value check fails at its forward does.
             try:
-                validation.check_static(self.tables, indices, offsets, self.device, self._features_if_shared)
+                if layout is None:
+                    validation.check_static(self.tables, indices, offsets, self.device, self._features_if_shared)
                 validation.check_per_sample_weights(per_sample_weights, indices.numel(), self.device)
             except ValueError:
                 self.drop_prefetched(indices, offsets)
                 raise
-        batch = self._take_prefetched(indices, offsets) or self._prepare(indices, offsets)
+        batch = self._take_prefetched(indices, offsets)
+        batch = batch or self._prepare(indices, fixed_batch_offsets(offsets, layout))
+        kernel_offsets = offsets.numel() if layout is None else len(layout.feature_dims) * layout.batch_size + 1
+        if batch.lookups.offsets.numel() != kernel_offsets:  # prefetched with other batch sizes, or none
+            batch.release()
+            raise ValueError("forward and the prefetch of its batch got different batch_size_per_feature_per_rank: "
+                             "give both the same (None for a fixed batch)")
+        pooled = self._pooled_forward(batch, per_sample_weights)
+        return pooled if layout is None else layout.gather_output(pooled)
+
+    def _pooled_forward(self, batch: PreparedBatch, per_sample_weights) -> torch.Tensor:
+        """The kernels' forward of a prepared batch (an autograd node when a backward will come)."""
         if per_sample_weights is not None:
             batch.lookups = batch.lookups._replace(per_sample_weights=per_sample_weights.detach())
         grad_enabled = torch.is_grad_enabled()

@@ -168,6 +168,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                           help="triton: the kernels; torch: their plain-torch reference, faster in CPU simulation "
                                "(default triton)")
 
+    from tiered_tbe.torchrec.train import add_flags  # imports no torchrec
+
+    add_flags(parser)
     checkpoints = parser.add_argument_group("checkpoints")
     checkpoints.add_argument("--save", metavar="PATH",
                              help="write a checkpoint to PATH at the end (and every --save-every steps); "
@@ -263,6 +266,10 @@ def describe(args: argparse.Namespace, embeddings: TieredEmbeddingBags, start_st
 def run(args: argparse.Namespace) -> dict:
     """Train; return the losses, hit rate and throughput. ``ValueError`` for flags that do not fit."""
     check_args(args)
+    if getattr(args, "torchrec", False):
+        from tiered_tbe.torchrec.train import run_torchrec
+
+        return run_torchrec(args)
     config = _config(args)
     checkpoint = load_checkpoint(args.resume, config) if args.resume else None
     start_step = checkpoint["step"] if checkpoint else 0

@@ -1,0 +1,426 @@
+"""``tiered-tbe bench torchrec``: one DistributedModelParallel training step with our sharder against
+TorchRec's own kernels (FBGEMM's TBE) under the same plan.
+
+The model is a TorchRec ``EmbeddingBagCollection`` (the 26 Criteo Kaggle tables x 128 fp32 by
+default) and a linear click head; a step is one batch of ``--batch-size`` samples (a
+``KeyedJaggedTensor`` of one Zipf lookup per feature, with dense-free labels) handed on the host,
+as a data loader hands them (pinned), through TorchRec's train pipeline: input copy, input
+distribution, forward, loss, backward (the fused update), the dense optimizer. Both sides get the
+same plan (every table table-wise on the ranks), the same ``fused_params`` and the same batches.
+
+Configurations (``--configs``):
+
+- ``fused``: every table in HBM, ``TrainPipelineSparseDist``;
+- ``cached``: ``fused_uvm_caching`` at ``--cache-load-factor`` (FBGEMM's UVM cache / our slot cache
+  over managed memory), ``TrainPipelineSparseDist``;
+- ``cached-prefetch``: the same under ``PrefetchTrainPipelineSparseDist``, each batch's cache
+  prefetch on TorchRec's prefetch stream a step ahead (CUDA only).
+
+Prints each side's median step time (CUDA events on the training stream at each step's start:
+nothing waits for the device between steps) and ours / TorchRec. ``--profile`` adds, per side, the
+embedding lookups' GPU time (forward, fused backward, prefetch) and where the rest of the step's
+GPU time goes, by TorchRec's pipeline stages, and the host time of the adapter around our module.
+``--record PATH`` appends the results as one JSON line. One process by default (a process group of
+one); under ``torchrun`` every rank runs its share of the tables. In CPU simulation it runs at a tiny
+size, to check that it works (the times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import socket
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tiered_tbe import records
+from tiered_tbe.base.mode import SIMULATION, describe_mode
+from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
+
+CONFIGS = {  # name: (compute kernel, pipeline)
+    "fused": ("fused", "sparse-dist"),
+    "cached": ("fused_uvm_caching", "sparse-dist"),
+    "cached-prefetch": ("fused_uvm_caching", "prefetch"),
+}
+SIDES = ("torchrec", "ours")
+# GPU: the issue's shape; simulation: a few small tables.
+_SIZES = dict(tables=(26, 4), max_rows=(None, 300), dim=(128, 8), batch_size=(65536, 16), steps=(40, 3),
+              warmup=(20, 1))
+PROFILED_STEPS = 5
+
+
+def _default(name: str):
+    gpu, simulation = _SIZES[name]
+    return simulation if SIMULATION else gpu
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="tiered-tbe bench torchrec")
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
+                        help="configurations to run (default: all; in CPU simulation those without CUDA streams)")
+    parser.add_argument("--tables", type=int, default=_default("tables"),
+                        help="the first N Criteo Kaggle tables (26 on a GPU, 4 in simulation)")
+    parser.add_argument("--max-rows", type=int, default=_default("max_rows"),
+                        help="cap every table's rows (none on a GPU, 300 in simulation)")
+    parser.add_argument("--dim", type=int, default=_default("dim"), help="embedding dim (128; 8 in simulation)")
+    parser.add_argument("--batch-size", type=int, default=_default("batch_size"),
+                        help="samples per step and rank (65536; 16 in simulation)")
+    parser.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the lookups (default 1.05)")
+    parser.add_argument("--cache-load-factor", type=float, default=0.05,
+                        help="cache size of the cached configurations, a fraction of the rows (default 0.05)")
+    parser.add_argument("--steps", type=int, default=_default("steps"), help="timed steps per side (40; 3 in sim.)")
+    parser.add_argument("--warmup", type=int, default=_default("warmup"), help="untimed steps first (20; 1 in sim.)")
+    parser.add_argument("--vbe", action="store_true",
+                        help="variable batch size per feature (TorchRec's VBE): feature f looks up B / 2^(f mod 4) "
+                             "distinct samples, expanded to B by the output (default: every feature B)")
+    parser.add_argument("--bounds-check", choices=("none", "default"), default="none",
+                        help="none: both sides skip the index checks (FBGEMM's BoundsCheckMode.NONE); default: "
+                             "each side's default (FBGEMM warns on device, ours raises: one host sync a step)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"profile {PROFILED_STEPS} more steps per side: embedding GPU time, the rest by stage")
+    parser.add_argument("--record", metavar="PATH", help="append the results to PATH as one JSON line")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> argparse.Namespace:
+    for name in ("tables", "dim", "batch_size", "steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 1 <= args.tables <= len(CRITEO_KAGGLE_TABLE_ROWS):
+        raise ValueError(f"--tables must be between 1 and {len(CRITEO_KAGGLE_TABLE_ROWS)}, got {args.tables}")
+    if args.warmup < 0 or not 0 < args.cache_load_factor <= 1:
+        raise ValueError("--warmup must be >= 0 and --cache-load-factor in (0, 1]")
+    if args.configs is None:
+        args.configs = [name for name, (_, pipeline) in CONFIGS.items() if pipeline != "prefetch" or not SIMULATION]
+    if SIMULATION and any(CONFIGS[name][1] == "prefetch" for name in args.configs):
+        raise ValueError("cached-prefetch needs CUDA streams (PrefetchTrainPipelineSparseDist): a GPU")
+    return args
+
+
+# ------------------------------------------------------------------ model, plan, batches
+class ClickHead(nn.Module):
+    """The collection's pooled embeddings -> a linear click logit; ``forward(batch) -> (loss, logits)``."""
+
+    def __init__(self, collection: nn.Module, total_dim: int):
+        super().__init__()
+        self.embeddings = collection
+        self.head = nn.Linear(total_dim, 1)
+
+    def forward(self, batch):
+        logits = self.head(self.embeddings(batch.sparse_features).values()).squeeze(1)
+        return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
+
+
+def table_rows(args) -> list[int]:
+    rows = list(CRITEO_KAGGLE_TABLE_ROWS[: args.tables])
+    return [min(n, args.max_rows) for n in rows] if args.max_rows else rows
+
+
+def fused_params(args, kernel: str, pipeline: str) -> dict:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+    params = dict(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.01, eps=1e-8)
+    if args.bounds_check == "none":
+        params["bounds_check_mode"] = BoundsCheckMode.NONE
+    if kernel == "fused_uvm_caching":
+        params["prefetch_pipeline"] = pipeline == "prefetch"  # FBGEMM needs it to prefetch a step ahead
+    return params
+
+
+def build_model(args, side: str, kernel: str, pipeline: str, device: torch.device, world_size: int):
+    """The DMP model and its combined optimizer for ``side`` (``"torchrec"`` or ``"ours"``)."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import CacheParams, ShardingPlan
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from tiered_tbe.torchrec import TieredEmbeddingBagCollectionSharder
+
+    params = fused_params(args, kernel, pipeline)
+    sharder = (TieredEmbeddingBagCollectionSharder if side == "ours" else EmbeddingBagCollectionSharder)(
+        fused_params=params)
+    configs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=args.dim, num_embeddings=rows, feature_names=[f"f{t}"])
+               for t, rows in enumerate(table_rows(args))]
+    collection = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    plan = construct_module_sharding_plan(
+        collection, {f"t{t}": table_wise(rank=t % world_size, compute_kernel=kernel) for t in range(args.tables)},
+        world_size=world_size, device_type=device.type, sharder=TieredEmbeddingBagCollectionSharder())
+    if kernel == "fused_uvm_caching":
+        for parameter_sharding in plan.values():
+            parameter_sharding.cache_params = CacheParams(load_factor=args.cache_load_factor,
+                                                          prefetch_pipeline=pipeline == "prefetch")
+    torch.manual_seed(args.seed)
+    model = DistributedModelParallel(ClickHead(collection, args.tables * args.dim), device=device,
+                                     plan=ShardingPlan({"embeddings": plan}), sharders=[sharder])
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                  lambda p: torch.optim.SGD(p, lr=0.01))
+    return model, CombinedOptimizer([model.fused_optimizer, dense])
+
+
+def host_batches(args, count: int, rank: int, device: torch.device) -> list:
+    """``count`` batches on the host (pinned on a GPU machine), one Zipf lookup per feature."""
+    import numpy as np
+    from torchrec import KeyedJaggedTensor
+
+    from tiered_tbe.torchrec.batch import SparseBatch
+    from tiered_tbe.zipf import DeviceZipfSampler, ZipfSampler
+
+    rows = table_rows(args)
+    streams = np.random.SeedSequence(args.seed).spawn(len(rows))
+    samplers = [ZipfSampler(n, args.alpha, np.random.default_rng(s)) for n, s in zip(rows, streams)]
+    draw_on = device if device.type == "cuda" else torch.device("cpu")
+    sampler = DeviceZipfSampler(samplers, draw_on, torch.Generator(device=draw_on).manual_seed(args.seed + rank))
+    keys = [f"f{t}" for t in range(len(rows))]
+    sizes = [max(1, args.batch_size >> (t % 4)) if args.vbe else args.batch_size for t in range(len(rows))]
+    lengths = torch.ones(sum(sizes), dtype=torch.int32)
+    # VBE: sample b of feature t is its distinct sample b % sizes[t] (TorchRec's inverse indices).
+    inverse = torch.stack([torch.arange(args.batch_size) % size for size in sizes])
+    batches = []
+    for _ in range(count):
+        drawn = sampler.sample(args.batch_size).cpu().view(len(rows), args.batch_size)
+        values = torch.cat([drawn[t, :size] for t, size in enumerate(sizes)])
+        labels = (torch.rand(args.batch_size) < 0.5).float()
+        if args.vbe:
+            features = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, inverse_indices=(keys, inverse),
+                                         stride_per_key_per_rank=[[size] for size in sizes])
+        else:
+            features = KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)
+        batch = SparseBatch(dense_features=torch.zeros(args.batch_size, 0), labels=labels, sparse_features=features)
+        batches.append(batch.pin_memory() if device.type == "cuda" else batch)
+    return batches
+
+
+# ------------------------------------------------------------------ timing and profile
+def _stamp():
+    if SIMULATION:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _ms(before, after) -> float:
+    return (after - before) * 1e3 if SIMULATION else before.elapsed_time(after)
+
+
+def timed_steps(pipeline, batches, count: int) -> list[float]:
+    """Milliseconds of each of ``count`` steps: between CUDA events recorded as each step starts."""
+    stamps = [_stamp()]
+    for _ in range(count):
+        pipeline.progress(batches)
+        stamps.append(_stamp())
+    if not SIMULATION:
+        torch.cuda.synchronize()
+    return [_ms(a, b) for a, b in zip(stamps, stamps[1:])]
+
+
+EMBEDDING_MARK = "bench_torchrec: embedding"  # the TBE module's forward and prefetch
+KERNEL_MARK = "bench_torchrec: kernel"  # TorchRec's kernel around it (ours: the adapter)
+
+
+@contextlib.contextmanager
+def marked_embedding_calls(model):
+    """Profiler ranges around each TorchRec kernel's forward, its TBE module's forward and its prefetch."""
+    from torch.profiler import record_function
+
+    def mark(module, name: str) -> list:
+        def enter(mod, inputs):
+            mod.__dict__.setdefault("_bench_ranges", []).append(record_function(name))
+            mod._bench_ranges[-1].__enter__()
+
+        def leave(mod, inputs, output):
+            mod._bench_ranges.pop().__exit__(None, None, None)
+
+        return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+
+    handles, wrapped = [], []
+    for lookup in _lookups(model):
+        for kernel in getattr(lookup, "_emb_modules", []):
+            module = kernel.emb_module
+            handles += mark(kernel, KERNEL_MARK) + mark(module, f"{EMBEDDING_MARK} forward")
+            if hasattr(module, "prefetch"):
+                def prefetch(*a, original=module.prefetch, **k):
+                    with record_function(f"{EMBEDDING_MARK} prefetch"):
+                        return original(*a, **k)
+
+                module.prefetch = prefetch
+                wrapped.append(module)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module in wrapped:
+            del module.prefetch
+
+
+def _lookups(model):
+    return list(getattr(model.module.embeddings, "_lookups", []))
+
+
+def profile_steps(pipeline, model, batches, count: int) -> dict:
+    """Per step: GPU ms of the embedding lookups (forward, fused backward, prefetch) and of the rest by
+    TorchRec's pipeline stage (its ``## ... ##`` ranges), from ``torch.profiler``; host ms of TorchRec's
+    kernel forward and of the TBE module's inside it (the difference: what the kernel adds around it)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if not SIMULATION:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with marked_embedding_calls(model), torch.profiler.profile(activities=activities) as profile:
+        for _ in range(count):
+            pipeline.progress(batches)
+        if not SIMULATION:
+            torch.cuda.synchronize()
+    gpu: dict[str, float] = defaultdict(float)
+    host: dict[str, float] = defaultdict(float)
+    for event in profile.events():
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if event.name in (KERNEL_MARK, f"{EMBEDDING_MARK} forward"):
+            host["kernel" if event.name == KERNEL_MARK else "module"] += event.cpu_time_total / 1e3 / count
+        launched = sum(kernel.duration for kernel in event.kernels)  # us, kernels this op launched itself
+        if launched:
+            gpu[_stage_of(event)] += launched / 1e3 / count
+    return dict(gpu_ms=dict(sorted(gpu.items(), key=lambda item: -item[1])), host_ms=dict(host))
+
+
+def _stage_of(event) -> str:
+    """What a CPU op that launched kernels belongs to: an embedding lookup (our marks, or the backward of
+    a TBE's autograd function), TorchRec's kernel around it, else the outermost pipeline stage around it."""
+    stage, node = "other", event
+    while node is not None:
+        name = node.name
+        if name.startswith(EMBEDDING_MARK):
+            return "embedding " + name.removeprefix(EMBEDDING_MARK).strip()
+        if name == KERNEL_MARK:
+            return "kernel around the module (adapter)"
+        if "evaluate_function" in name and ("TieredEmbeddingBagsFunction" in name or "LookupFunction" in name):
+            return "embedding backward"
+        if name.startswith("## ") and name.endswith(" ##"):
+            stage = name.strip("# ")
+        elif "evaluate_function" in name and stage == "other":
+            stage = "backward (dense, communication)"
+        node = node.cpu_parent
+    return stage
+
+
+# ------------------------------------------------------------------ run
+def _join_process_group() -> tuple[bool, torch.device]:
+    made = False
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo" if SIMULATION else "nccl")
+        made = True
+    if SIMULATION:
+        return made, torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return made, device
+
+
+def run(args: argparse.Namespace) -> dict:
+    from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist, TrainPipelineSparseDist
+
+    check_args(args)
+    made, device = _join_process_group()
+    try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        count = args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0)
+        batches = host_batches(args, count, rank, device)
+        results = {}
+        for name in args.configs:
+            kernel, pipeline_kind = CONFIGS[name]
+            results[name] = {}
+            for side in SIDES:
+                model, optimizer = build_model(args, side, kernel, pipeline_kind, device, world_size)
+                kind = PrefetchTrainPipelineSparseDist if pipeline_kind == "prefetch" else TrainPipelineSparseDist
+                pipeline = kind(model, optimizer, device)
+                stream = iter(batches)
+                timed_steps(pipeline, stream, args.warmup)
+                times = timed_steps(pipeline, stream, args.steps)
+                results[name][side] = dict(step_ms=statistics.median(times))
+                if args.profile:
+                    results[name][side]["profile"] = profile_steps(pipeline, model, stream, PROFILED_STEPS)
+                del pipeline, model, optimizer
+                gc.collect()  # the side's tables go before the next side's are allocated
+                if not SIMULATION:
+                    torch.cuda.empty_cache()
+            results[name]["ratio"] = results[name]["ours"]["step_ms"] / results[name]["torchrec"]["step_ms"]
+        if rank == 0:
+            _print(args, results, world_size)
+            if args.record:
+                line = dict(records.context(), benchmark="bench_torchrec",
+                            command=getattr(args, "command_line", "tiered-tbe bench torchrec"), results=results)
+                with open(args.record, "a") as out:
+                    out.write(json.dumps(line) + "\n")
+        return results
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def _print(args, results: dict, world_size: int) -> None:
+    rows = table_rows(args)
+    print(f"bench torchrec: {describe_mode()}; {world_size} rank(s); {len(rows)} Criteo tables x {args.dim} fp32 "
+          f"({sum(rows):,} rows), B={args.batch_size} per rank{' (VBE)' if args.vbe else ''}, one lookup per "
+          f"feature, Zipf {args.alpha:g}, "
+          f"row-wise Adagrad, a linear head; cache load factor {args.cache_load_factor:g}; median of {args.steps} "
+          f"steps after {args.warmup}")
+    print(f"{'config':<18}{'TorchRec ms':>13}{'ours ms':>10}{'ours/TorchRec':>15}")
+    for name, result in results.items():
+        print(f"{name:<18}{result['torchrec']['step_ms']:>13.3f}{result['ours']['step_ms']:>10.3f}"
+              f"{result['ratio']:>15.3f}")
+    for name, result in results.items():
+        if "profile" not in result["ours"]:
+            continue
+        print(f"\n{name}: GPU ms per step by stage (embedding = the lookups' kernels), and the adapter's host ms")
+        stages = list(dict.fromkeys([*result["torchrec"]["profile"]["gpu_ms"], *result["ours"]["profile"]["gpu_ms"]]))
+        for stage in stages:
+            theirs, ours = (result[side]["profile"]["gpu_ms"].get(stage, 0.0) for side in SIDES)
+            print(f"  {stage:<40}{theirs:>10.3f}{ours:>10.3f}")
+        for side in SIDES:
+            gpu = result[side]["profile"]["gpu_ms"]
+            result[side]["embedding_gpu_ms"] = sum(v for k, v in gpu.items() if k.startswith("embedding"))
+        theirs, ours = result["torchrec"]["embedding_gpu_ms"], result["ours"]["embedding_gpu_ms"]
+        ratio = ours / theirs if theirs else float("nan")
+        print(f"  {'embedding lookups, all':<40}{theirs:>10.3f}{ours:>10.3f}   ours/TorchRec {ratio:.3f}")
+        for side in SIDES:
+            host = result[side]["profile"]["host_ms"]
+            around = host.get("kernel", 0.0) - host.get("module", 0.0)
+            print(f"  {side}: host ms of the kernel forward {host.get('kernel', 0.0):.3f}, of which around the "
+                  f"TBE module {around:.3f} ({100 * around / result[side]['step_ms']:.1f}% of the step)")
+    if SIMULATION:
+        print("(simulation mode: these times are of the CPU interpreter, not of any GPU)")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    run(args)
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_command(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

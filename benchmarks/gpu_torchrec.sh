@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# tiered-tbe inside TorchRec on the lent H200, in one device call: unpack the FBGEMM peer with TorchRec
+# 1.6.1 (carried as .peer: ../shared/peer/prepare-fbgemm.py, then ../shared/peer/prepare-torchrec.sh), run
+# the gpu-marked TorchRec tests (world size 1, NCCL), `tiered-tbe train --torchrec` under torchrun, then
+# `tiered-tbe bench torchrec`; logs and JSON lines under $OUT.
+#
+#   TIERED_TBE_COMMIT=<commit> OUT=$OUT bash benchmarks/gpu_torchrec.sh
+# Environment (all optional):
+#   TESTS          pytest targets run first (default tests/test_torchrec.py); "" skips
+#   TESTS_TIMEOUT  seconds for the tests (default 300)
+#   CONFIGS        bench_torchrec configurations (default: fused cached cached-prefetch)
+#   STEPS, WARMUP  timed and warm-up steps per side (default 40, 20)
+#   PROFILE=0      skip bench_torchrec --profile (on by default)
+#   VBE=0          skip the second benchmark run with a variable batch size per feature (--vbe; fused and cached)
+#   SKIP_INSTALL=1 the project and wheels are installed already
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
+    # numpy 2.4 and cuda-cccl (CUB's sorts), when their archive was carried (benchmarks/pack_gpu_site.sh)
+    if [[ -f .gpusite/site.tar.xz ]]; then
+        mkdir -p /tmp/site && tar -xJf .gpusite/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+        || { cat "$OUT/install.log"; exit 1; }
+    [[ -d .peer ]] || { echo "no .peer: carry FBGEMM's peer with TorchRec's wheels (../shared/peer/README.md)"; exit 1; }
+    bash .peer/install-on-device.sh .peer >>"$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+    export PYTHONPATH=/tmp/fbsite:${PYTHONPATH:-}
+fi
+python3 -c "import tiered_tbe, torch, torchrec, fbgemm_gpu; print(tiered_tbe.describe_mode(), 'torch', torch.__version__, \
+'torchrec', torchrec.__version__, 'fbgemm_gpu', fbgemm_gpu.__version__)" 2>&1 | tail -1
+
+TESTS=${TESTS-tests/test_torchrec.py}
+if [[ -n $TESTS ]]; then
+    # shellcheck disable=SC2086
+    timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider $TESTS >"$OUT/gpu-tests.log" 2>&1
+    echo "gpu tests: rc=$? $(tail -n 1 "$OUT/gpu-tests.log")"
+fi
+timeout 300 python3 -m torch.distributed.run --nproc-per-node 1 -m tiered_tbe train --torchrec --steps 60 \
+    --torchrec-pipeline prefetch >"$OUT/train-torchrec.log" 2>&1
+echo "train --torchrec (1 GPU, prefetch pipeline): rc=$? $(grep '^loss' "$OUT/train-torchrec.log")"
+# shellcheck disable=SC2086
+python3 -m tiered_tbe bench torchrec --configs ${CONFIGS:-fused cached cached-prefetch} --steps "${STEPS:-40}" \
+    --warmup "${WARMUP:-20}" $([[ ${PROFILE:-1} == 1 ]] && echo --profile) --record "$OUT/bench_torchrec.jsonl" 2>&1 \
+    | tee "$OUT/bench_torchrec.log" | grep -v -i "warn"
+if [[ ${VBE:-1} == 1 ]]; then
+    python3 -m tiered_tbe bench torchrec --vbe --configs fused cached --steps "${STEPS:-40}" --warmup "${WARMUP:-20}" \
+        --record "$OUT/bench_torchrec.jsonl" 2>&1 | tee "$OUT/bench_torchrec_vbe.log" | grep -v -i "warn"
+fi

@@ -1,0 +1,214 @@
+"""tiered-tbe inside TorchRec: DistributedModelParallel with our sharder, 2 ranks over gloo, in CPU simulation.
+
+Each test spawns one small job (tests/torchrec_ranks.py) and checks many plans in it: a job's start
+(two processes importing torch, triton, numba and torchrec) is most of its cost. TorchRec's own
+``fused`` kernel (FBGEMM's CPU TBE) under the same plan is the baseline for the optimizers FBGEMM's
+CPU TBE has (EXACT_SGD, EXACT_ROWWISE_ADAGRAD, EXACT_ADAGRAD); the fp64 reference
+(tests/reference_model.py) for the others.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchrec")
+pytest.importorskip("fbgemm_gpu")
+
+import socket  # noqa: E402
+import sys  # noqa: E402
+
+import torchrec_ranks as ranks  # noqa: E402
+import torchrec_scenarios as scenarios  # noqa: E402
+from background import run_in_background  # noqa: E402
+
+from tiered_tbe.base.mode import SIMULATION  # noqa: E402
+
+WORLD = 2
+# The 2-rank jobs run on the CPU (gloo, CPU simulation); a GPU machine runs the gpu-marked tests.
+on_the_cpu = pytest.mark.skipif(not SIMULATION, reason="2 ranks over gloo in CPU simulation (GPU: the gpu tests)")
+
+
+@on_the_cpu
+def test_every_sharding_type_and_placement_trains_as_torchrecs_fused_kernel():
+    """Table-, row-, column-, table-row-wise and mixed plans; HBM, managed and cached tables (4 slots a
+    rank: heavy eviction); variable bag lengths with empty bags and hot rows; forward and 4 fused
+    updates equal TorchRec's own kernel within 1e-5, weights and optimizer state, for SGD, row-wise
+    Adagrad and Adagrad; a weighted collection (per-sample weights)."""
+    ranks.spawn(scenarios.every_plan_equals_fbgemm, WORLD)
+
+
+@on_the_cpu
+def test_optimizers_without_an_fbgemm_cpu_kernel_and_an_lr_schedule_equal_the_reference():
+    """Adam, PartialRowwiseAdam and LAMB against the fp64 reference, with the learning rate changed
+    between steps through model.fused_optimizer; row-wise Adagrad under that schedule against TorchRec's."""
+    ranks.spawn(scenarios.optimizers_and_lr_schedule_equal_the_reference, WORLD)
+
+
+@on_the_cpu
+def test_variable_batch_size_train_pipeline_and_evaluation():
+    """VBE against TorchRec's own; TrainPipelineSparseDist against TorchRec's kernel; evaluation under
+    no_grad leaves no slot locked."""
+    ranks.spawn(scenarios.variable_batch_and_train_pipeline, WORLD)
+
+
+@on_the_cpu
+def test_sharded_checkpoints_resume_bitwise_and_load_into_other_plans_and_world_sizes(tmp_path):
+    """torch.distributed.checkpoint: resumed = uninterrupted bitwise; another plan, and a 1-rank job, load it."""
+    ranks.spawn(scenarios.checkpoints, WORLD, str(tmp_path))
+    ranks.spawn(scenarios.checkpoint_on_one_rank, 1, str(tmp_path))
+
+
+@on_the_cpu
+@pytest.mark.skipif(not scenarios.shares_tables(), reason="several features of one table need "
+                    "TieredEmbeddingBags(feature_table_map=...), which this build lacks")
+def test_several_features_looking_up_one_table_train_as_torchrecs_fused_kernel():
+    """Tables looked up by several features, in every plan and with a variable batch, against TorchRec's."""
+    ranks.spawn(scenarios.shared_tables_equal_fbgemm, WORLD)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# Subprocess checks, started as this module is collected (tests/background.py).
+_NO_TORCHREC = run_in_background([sys.executable, "-c", (
+    "import sys, tiered_tbe, tiered_tbe.cli, tiered_tbe.train, tiered_tbe.torchrec\n"
+    "tiered_tbe.TieredEmbeddingBags, tiered_tbe.cli.build_parser(['train'])\n"
+    "print(sorted(m for m in sys.modules if m == 'torchrec' or m.startswith('torchrec.')))")],
+    timeout=120, check=True)
+TRAIN_FLAGS = ["--tables", "3", "--rows", "50", "--dim", "8", "--batch-size", "8", "--steps", "8", "--backend", "torch"]
+_TRAIN_ON_TWO = run_in_background([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                   "--master-port", str(_free_port()), "-m", "tiered_tbe", "train", "--torchrec",
+                                   *TRAIN_FLAGS, "--sharding", "table-row-wise", "--torchrec-pipeline", "sparse-dist"],
+                                  timeout=300) if SIMULATION else None
+
+
+def test_tiered_tbe_imports_no_torchrec():
+    """``import tiered_tbe`` (and ``tiered-tbe train``'s flags, and tiered_tbe.torchrec itself) load no torchrec."""
+    assert _NO_TORCHREC.result().stdout.strip() == "[]"
+
+
+@on_the_cpu
+def test_train_torchrec_on_two_processes():
+    """``torchrun --nproc-per-node 2 -m tiered_tbe train --torchrec``: gloo, table-row-wise, cached tables,
+    TorchRec's TrainPipelineSparseDist."""
+    result = _TRAIN_ON_TWO.result()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 process(es), gloo" in result.stdout and "table_row_wise" in result.stdout
+    assert "over 8 steps (mean of 2 ranks)" in result.stdout
+
+
+@on_the_cpu
+def test_train_torchrec_in_one_process_and_flags_it_refuses(capsys):
+    from tiered_tbe import train
+
+    parser = train.build_parser()
+    result = train.run(parser.parse_args([*TRAIN_FLAGS, "--torchrec", "--placement", "device", "--steps", "3"]))
+    assert result["world_size"] == 1 and result["steps"] == 3
+    assert "1 process(es), gloo" in capsys.readouterr().out
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the group it made is gone
+    for flags, message in ((["--save", "x"], "--save is not supported with --torchrec"),
+                           (["--pipeline-depth", "2"], "--torchrec-pipeline"),
+                           (["--torchrec-pipeline", "prefetch"], "needs CUDA streams")):
+        with pytest.raises(ValueError, match=message):
+            train.run(parser.parse_args([*TRAIN_FLAGS, "--torchrec", *flags]))
+
+
+@on_the_cpu
+def test_bench_torchrec_runs_in_simulation(tmp_path, capsys):
+    """``tiered-tbe bench torchrec`` at a tiny size, both configurations simulation runs, with --profile and
+    --record (the times mean nothing here; the GPU run is the lead's)."""
+    import json
+
+    from tiered_tbe.cli import main
+
+    record = tmp_path / "torchrec.jsonl"
+    assert main(["bench", "torchrec", "--tables", "2", "--steps", "1", "--warmup", "0", "--profile",
+                 "--record", str(record)]) == 0
+    out = capsys.readouterr().out
+    assert "ours/TorchRec" in out and "fused " in out and "cached " in out
+    line = json.loads(record.read_text().splitlines()[-1])
+    assert line["simulation"] and set(line["results"]) == {"fused", "cached"}
+    assert line["results"]["cached"]["ours"]["step_ms"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_equal_fbgemms_cuda_tbe():
+    ranks.spawn(scenarios.gpu_kernels_equal_fbgemm, 1, nccl=True)
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_train_pipeline_equals_serial_and_evaluation_leaves_no_lock():
+    ranks.spawn(scenarios.prefetch_pipeline_equals_serial, 1, nccl=True)
+
+
+def test_device_script_is_valid_bash():
+    import pathlib
+    import shutil
+    import subprocess
+
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    script = pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu_torchrec.sh"
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_fused_params_map_fbgemms_names_and_refuse_what_they_cannot_honour():
+    import torch
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, CacheAlgorithm
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+    from torchrec.modules.embedding_configs import DataType
+
+    from tiered_tbe import CacheConfig
+    from tiered_tbe.optimizers import Adam, RowwiseAdagrad
+    from tiered_tbe.torchrec.fused_params import module_arguments
+
+    arguments = module_arguments({"optimizer": EmbOptimType.ADAM, "learning_rate": 0.5, "beta2": 0.9,
+                                  "weight_decay": 0.1, "cache_algorithm": CacheAlgorithm.LFU,
+                                  "bounds_check_mode": BoundsCheckMode.NONE, "prefetch_pipeline": True,
+                                  "cache_precision": SparseType.FP16}, DataType.FP16, cached=True)
+    assert arguments.optimizer == Adam(lr=0.5, betas=(0.9, 0.9), eps=1e-8, weight_decay=0.1)
+    assert arguments.weights_dtype == torch.float16 and arguments.stochastic_rounding  # FBGEMM's default
+    assert arguments.cache == CacheConfig(fraction=0.2, policy="lfu") and arguments.bounds_check == "off"
+    defaults = module_arguments(None, DataType.FP32, cached=False)  # FBGEMM's: EXACT_SGD at 0.01
+    assert defaults.optimizer.name == "sgd" and defaults.optimizer.lr == 0.01 and defaults.cache is None
+    assert defaults.bounds_check == "raise" and not defaults.stochastic_rounding  # fp32 rounds nothing
+    ours = module_arguments({"optimizer": RowwiseAdagrad(lr=0.3), "cache_load_factor": 0.1,
+                             "cache_config": CacheConfig(slots=64, policy="lookahead"), "backend": "torch"},
+                            DataType.FP32, cached=True)
+    assert ours.optimizer == RowwiseAdagrad(lr=0.3) and ours.cache.slots == 64 and ours.cache.policy == "lookahead"
+    assert ours.as_kwargs()["backend"] == "torch"
+    assert module_arguments({"cache_load_factor": 0.1}, DataType.FP32, cached=True).cache.fraction == 0.1
+    for params, message in (
+            ({"momentum": 0.9}, "no counterpart"),
+            ({"optimizer": RowwiseAdagrad(), "learning_rate": 0.1}, "carries its hyper-parameters"),
+            ({"weight_decay_mode": WeightDecayMode.DECOUPLE, "weight_decay": 0.1}, "weight_decay_mode"),
+            ({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "weight_decay": 0.1}, "weight_decay"),
+            ({"cache_precision": SparseType.FP16}, "caches rows in their weights precision"),
+            ({"output_dtype": SparseType.FP16}, "returns fp32"),
+            ({"weights_precision": SparseType.INT8}, "fp32, fp16 or bf16"),
+            ({"optimizer": EmbOptimType.LARS_SGD}, "no tiered-tbe counterpart"),
+            ({"cache_config": "big"}, "CacheConfig")):
+        with pytest.raises(ValueError, match=message):
+            module_arguments(params, DataType.FP32, cached=True)
+
+
+def test_the_sharder_refuses_kernels_and_sharding_types_it_does_not_run():
+    from torchrec.distributed.types import ParameterSharding
+
+    from tiered_tbe.torchrec import TieredEmbeddingBagCollectionSharder
+
+    sharder = TieredEmbeddingBagCollectionSharder()
+    assert sharder.sharding_types("cpu") == ["table_wise", "row_wise", "column_wise", "table_row_wise"]
+    assert sharder.compute_kernels("row_wise", "cpu") == ["fused", "fused_uvm", "fused_uvm_caching"]
+    for sharding_type, kernel, message in (("table_wise", "dense", "compute kernel 'dense'"),
+                                           ("data_parallel", "fused", "sharding type 'data_parallel'")):
+        with pytest.raises(ValueError, match=message):
+            sharder.shard(None, {"t0": ParameterSharding(sharding_type=sharding_type, compute_kernel=kernel,
+                                                         ranks=[0])}, env=None)
