@@ -20,7 +20,7 @@ Prints each side's median step time (CUDA events on the training stream at each 
 nothing waits for the device between steps) and ours / TorchRec. ``--profile`` adds, per side, the
 embedding lookups' GPU time (forward, fused backward, prefetch) and where the rest of the step's
 GPU time goes, by TorchRec's pipeline stages, and the host time of the adapter around our module.
-``--record PATH`` appends the results as one JSON line. One process by default (a process group of
+``--record PATH`` appends the results, one JSON line per configuration. One process by default (a process group of
 one); under ``torchrun`` every rank runs its share of the tables. In CPU simulation it runs at a tiny
 size, to check that it works (the times mean nothing).
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import socket
 import statistics
@@ -88,7 +87,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "each side's default (FBGEMM warns on device, ours raises: one host sync a step)")
     parser.add_argument("--profile", action="store_true",
                         help=f"profile {PROFILED_STEPS} more steps per side: embedding GPU time, the rest by stage")
-    parser.add_argument("--record", metavar="PATH", help="append the results to PATH as one JSON line")
+    parser.add_argument("--record", metavar="PATH", help="append the results to PATH, one JSON line per configuration")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -369,10 +368,12 @@ def run(args: argparse.Namespace) -> dict:
         if rank == 0:
             _print(args, results, world_size)
             if args.record:
-                line = dict(records.context(), benchmark="bench_torchrec",
-                            command=getattr(args, "command_line", "tiered-tbe bench torchrec"), results=results)
-                with open(args.record, "a") as out:
-                    out.write(json.dumps(line) + "\n")
+                command = getattr(args, "command_line", "tiered-tbe bench torchrec")
+                configuration = dict(world_size=world_size, tables=len(table_rows(args)), dim=args.dim,
+                                     batch_size=args.batch_size, alpha=args.alpha, vbe=bool(args.vbe),
+                                     cache_load_factor=args.cache_load_factor)
+                records.append(args.record, [records.measurement("torchrec", command, dict(configuration, name=name),
+                                                                 result) for name, result in results.items()])
         return results
     finally:
         if made:

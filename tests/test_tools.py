@@ -252,7 +252,8 @@ def test_plot_of_several_hit_rate_reports(capsys, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-@pytest.mark.parametrize("script", ["gpu_suite.sh", "gpu_fbgemm.sh", "pack_gpu_site.sh", "compile_like_device.sh"])
+@pytest.mark.parametrize("script", ["gpu_suite.sh", "gpu_fbgemm.sh", "gpu_torchrec.sh", "pack_gpu_site.sh",
+                                    "compile_like_device.sh"])
 def test_gpu_scripts_are_valid_bash(script):
     result = subprocess.run(["bash", "-n", str(TOOLS / script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

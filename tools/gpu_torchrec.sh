@@ -4,7 +4,7 @@
 # the gpu-marked TorchRec tests (world size 1, NCCL), `tiered-tbe train --torchrec` under torchrun, then
 # `tiered-tbe bench torchrec`; logs and JSON lines under $OUT.
 #
-#   TIERED_TBE_COMMIT=<commit> OUT=$OUT bash benchmarks/gpu_torchrec.sh
+#   TIERED_TBE_COMMIT=<commit> OUT=$OUT bash tools/gpu_torchrec.sh
 # Environment (all optional):
 #   TESTS          pytest targets run first (default tests/test_torchrec.py); "" skips
 #   TESTS_TIMEOUT  seconds for the tests (default 300)
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
-    # numpy 2.4 and cuda-cccl (CUB's sorts), when their archive was carried (benchmarks/pack_gpu_site.sh)
+    # numpy 2.4 and cuda-cccl (CUB's sorts), when their archive was carried (tools/pack_gpu_site.sh)
     if [[ -f .gpusite/site.tar.xz ]]; then
         mkdir -p /tmp/site && tar -xJf .gpusite/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
     fi
