@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tiered_tbe.base.graphs import padded_size
+
 from .addressing import (
     DIM,
     INTERPRETING,
@@ -258,12 +260,12 @@ def _pooled_forward_kernel(
 
 class _ForwardPlan(NamedTuple):
     """Everything a forward's launches bake in besides its tensors' addresses (hashable: part of a
-    graph's key). The lookup count is not in it (only its bag-length class), so a graph serves
-    batches of bags of any lengths."""
+    graph's key). The lookup count is not in it (only its bag-length class; pooling none: the
+    padded size of its output), so a graph serves batches of bags of any lengths."""
 
     mode: int
     batch_size: int
-    output_shape: tuple[int, int]
+    output_shape: tuple[int, int]  # of the output the kernels write (pooling none: padded_size(N) rows)
     grouped: bool  # one launch per column group (RowStores.column_groups), else one over every feature
     output_align_bytes: int
     input_align_bytes: int
@@ -298,16 +300,20 @@ def pooled_forward(
         fp32 ``[B, stores.total_dim]`` for sum and mean: feature ``f``'s bag ``b`` in the dim of its
         table's columns from ``stores.output_offsets[f]`` (the dims of the features before it).
         For ``"none"``: fp32 ``[N, stores.max_dim]``, row ``i`` the (per-sample weighted) row of
-        lookup ``i`` (zeros past a smaller table's dim).
+        lookup ``i`` (zeros past a smaller table's dim): the first ``N`` rows of an output of
+        ``padded_size(N)`` rows (``base/graphs.py``), so that batches whose lookup count changes
+        every step share a few graphs.
     """
     mode = pooling_code(pooling)
     check_lookups(stores, lookups, slot_of_index)
     device = lookups.indices.device
     batch_size = lookups.batch_size
     if mode == POOLING_NONE:
-        output = torch.empty(lookups.num_lookups, stores.max_dim, dtype=torch.float32, device=device)
+        num_lookups = lookups.num_lookups
+        padded = torch.empty(padded_size(num_lookups), stores.max_dim, dtype=torch.float32, device=device)
+        output = padded[:num_lookups]
     else:
-        output = torch.empty(batch_size, stores.total_dim, dtype=torch.float32, device=device)
+        output = padded = torch.empty(batch_size, stores.total_dim, dtype=torch.float32, device=device)
     if batch_size == 0 or output.numel() == 0:
         return output
     override = os.environ.get("TIERED_TBE_FORWARD_TILE")  # a tuning run's tile for every forward
@@ -316,7 +322,7 @@ def pooled_forward(
     use_cache = slot_of_index is not None and stores.uses_cache
     tensors = (output, lookups.indices, lookups.offsets, slot_of_index if use_cache else None,
                lookups.per_sample_weights)
-    plan = _ForwardPlan(mode, batch_size, tuple(output.shape), launches_per_group(stores, mode),
+    plan = _ForwardPlan(mode, batch_size, tuple(padded.shape), launches_per_group(stores, mode),
                         row_slice_alignment_bytes(output, stores),
                         min(_alignment_bytes(tensor) for tensor in tensors[1:] if tensor is not None),
                         bag_length_class(lookups.num_lookups, stores.num_features * batch_size),

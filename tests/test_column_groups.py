@@ -2,7 +2,9 @@
 dims round up to one power of two share a launch with that column tile, so a narrow table's rows are not
 tiled with the widest table's columns. A model whose features all round alike keeps its one launch. The
 results equal the plain-torch reference and, bit for bit, the one launch over every feature
-(``TIERED_TBE_FORWARD_ONE_LAUNCH=1``). Training through the module: tests/test_column_groups_training.py."""
+(``TIERED_TBE_FORWARD_ONE_LAUNCH=1``); pooling none pads its output to a few sizes (``padded_size``) so that
+batches whose lookup count changes every step share its graphs, and the padding changes no value.
+Training through the module: tests/test_column_groups_training.py."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 from kernel_inputs import make_batch, poison_empty  # noqa: F401  (poison_empty: an autouse fixture)
 
 from tiered_tbe.base import descriptors
+from tiered_tbe.base.graphs import padded_size
 from tiered_tbe.kernels import forward as forward_module
 from tiered_tbe.kernels.forward import pooled_forward
 from tiered_tbe.kernels.per_sample_weights import per_sample_weights_grad
@@ -138,3 +141,21 @@ def test_per_sample_weight_gradients_on_mixed_dims(pooling, monkeypatch, device)
     monkeypatch.setenv("TIERED_TBE_FORWARD_ONE_LAUNCH", "1")
     torch.testing.assert_close(per_sample_weights_grad(grad_output, stores, lookups, slots, pooling), grouped,
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_pooling_none_output_is_padded_and_exact(weighted, device):
+    """Pooling none returns N rows of an output of padded_size(N) rows (the graph's key holds the padded
+    size, so batches of changing N share a few graphs); each row is the lookup's row (times its weight),
+    exactly: one fp32 product an element, as the reference rounds it."""
+    stores, lookups, slots = make_batch(dims=(6, 6, 6, 6), num_rows=(7, 1, 40, 5), batch_size=9, max_bag=6,
+                                        weighted=weighted, device=device)
+    n = lookups.num_lookups - 1 + lookups.num_lookups % 2  # odd, past 32: not a padded size
+    lookups = lookups._replace(indices=lookups.indices[:n], offsets=lookups.offsets.clamp(max=n),
+                               per_sample_weights=None if not weighted else lookups.per_sample_weights[:n])
+    slots = slots[:n]
+    assert n > 32 and padded_size(n) > n
+    output = pooled_forward(stores, lookups, slots, "none")
+    assert output.shape == (lookups.num_lookups, 6) and output.is_contiguous()
+    assert output.untyped_storage().nbytes() == padded_size(lookups.num_lookups) * 6 * 4
+    assert torch.equal(output, reference_forward(stores, lookups, slots, "none").float())

@@ -1,6 +1,7 @@
 """Training through the module on batches whose lookup count changes every step: a forward launched per
-column group (kernels/rows.py ``ColumnGroup``) trains bit for bit as one launch over every feature, and on
-the GPU a few forward graphs serve every batch (the lookup count is not in a pooled forward's graph key)."""
+column group (kernels/rows.py ``ColumnGroup``) trains bit for bit as one launch over every feature, pooling
+none's padded outputs as outputs of exactly N rows, and on the GPU a few forward graphs serve every batch
+(the lookup count is not in a pooled forward's graph key; pooling none's is its padded size)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from tiered_tbe import CacheConfig, Placement, TableSpec, TieredEmbeddingBags
+from tiered_tbe.base.graphs import padded_size
 from tiered_tbe.kernels import forward as forward_module
 from tiered_tbe.optimizers import SGD, RowwiseAdagrad
 
@@ -60,10 +62,24 @@ def test_module_training_on_mixed_dims_equals_one_launch_bitwise(monkeypatch, de
         assert torch.equal(value, one_launch[1][key]), key
 
 
+def test_padded_pooling_none_trains_as_unpadded_bitwise(monkeypatch, device):
+    """Pooling none through the module over batches of changing N (each padded to its size's bucket):
+    outputs and tables bit for bit those of outputs of exactly N rows."""
+    batches = _ragged_batches((40, 3, 25, 60), 4, steps=4, batch_size=3, device=device)
+    assert any(padded_size(int(offsets[-1])) != int(offsets[-1]) for _, offsets, _ in batches)
+    padded = _train(_module((8,) * 4, device, pooling="none"), batches)
+    monkeypatch.setattr(forward_module, "padded_size", lambda n: n)
+    unpadded = _train(_module((8,) * 4, device, pooling="none"), batches)
+    for a, b in zip(padded[0], unpadded[0]):
+        assert torch.equal(a, b)
+    for key, value in padded[1].items():
+        assert torch.equal(value, unpadded[1][key]), key
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pooling", ["sum"])
+@pytest.mark.parametrize("pooling", ["sum", "none"])
 def test_batches_of_changing_lookup_counts_replay_a_few_forward_graphs(pooling):
     """On the GPU: 24 batches, each of its own lookup count, one batch size: the forward captures at most
     one graph per bag-length class (pooled: the count is not in its key) or per padded size (none), and
@@ -81,7 +97,11 @@ def test_batches_of_changing_lookup_counts_replay_a_few_forward_graphs(pooling):
     graphed_outputs, graphed_state = _train(graphed, batches)
     eager_outputs, eager_state = _train(eager, batches)
     torch.cuda.synchronize()
-    keys = len({forward_module.bag_length_class(int(offsets[-1]), offsets.numel() - 1) for _, offsets, _ in batches})
+    if pooling == "none":
+        keys = len({padded_size(int(offsets[-1])) for _, offsets, _ in batches})
+    else:
+        keys = len({forward_module.bag_length_class(int(offsets[-1]), offsets.numel() - 1)
+                    for _, offsets, _ in batches})
     assert keys <= 4 and 1 <= graphed._forward_graphs.captures <= keys
     assert graphed._forward_graphs.replays >= len(batches) - 2 * keys
     for a, b in zip(graphed_outputs, eager_outputs):
