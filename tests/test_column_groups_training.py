@@ -15,11 +15,14 @@ from tiered_tbe.optimizers import SGD, RowwiseAdagrad
 
 
 def _ragged_batches(table_rows, num_features, steps, batch_size, device, weighted=True, seed=0):
-    """Batches of one batch size whose lookup count changes every step: bags of 0..5 lookups."""
+    """Batches of one batch size whose lookup count changes every step (no count twice): bags of 0..5 lookups."""
     generator = torch.Generator(device=device).manual_seed(seed)
-    batches = []
+    batches, counts = [], set()
     for _ in range(steps):
         lengths = torch.randint(0, 6, (num_features * batch_size,), generator=generator, device=device)
+        while int(lengths.sum()) in counts:  # one more lookup in the first bag that can take one
+            lengths[int(torch.nonzero(lengths < 5)[0])] += 1
+        counts.add(int(lengths.sum()))
         offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
         feature_of = torch.arange(num_features, device=device).repeat_interleave(batch_size).repeat_interleave(lengths)
         rows = torch.tensor(table_rows, device=device)[feature_of]
@@ -30,7 +33,7 @@ def _ragged_batches(table_rows, num_features, steps, batch_size, device, weighte
     return batches
 
 
-def _train(module, batches, pooling_none=False):
+def _train(module, batches):
     """Train ``module`` on ``batches``; the outputs and the state after."""
     outputs = []
     for indices, offsets, weights in batches:
