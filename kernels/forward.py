@@ -76,26 +76,27 @@ _SHAPES_BY_CLASS = {
 # against 0.129 for (2, 8, 2) at bags of 32 fp32, Zipf 1.05 (fourteenth session).
 _LONG_BAG_SHAPES = [(2, 8, 2, 1, 1), (4, 8, 4, 1, 1), (4, 4, 2, 1, 1), (8, 4, 4, 1, 1), (16, 1, 4, 1, 4),
                     (8, 1, 2, 1, 4), (1, 32, 4, 1, 1), (2, 16, 4, 1, 1), (1, 64, 8, 1, 1), (1, 16, 1, 1, 1)]
-# The shapes above were tuned at 128 columns (Criteo, the big table). A group of narrower columns also
-# tries each with WIDER_BAGS(block_d) times the bags: the same elements a tile (bytes in flight per
-# program) as at 128 columns, where the tuned shape alone would leave a program a few bags of work.
+# The shapes above were tuned at 128 columns (Criteo, the big table). A group of narrower columns tries
+# each with wider_bags(block_d) times the bags instead: the elements of a tile (bytes in flight a
+# program) it has at 128 columns. Tuned as they are, at 8 columns a thread held 1-2 elements and no
+# load was 16 bytes wide (Triton 3.6, sm_90); trying both would double a narrow group's candidates,
+# each compiled at a model's first step (its autotuner's winner alone in a later process).
 TUNED_COLUMNS = 128
 MAX_WIDER_BAGS = 8
 
 
 def wider_bags(block_d: int) -> int:
-    """How many times a tuned shape's bags a group of ``block_d`` columns also tries (1: none)."""
+    """How many times a tuned shape's bags a group of ``block_d`` columns tries (1: as tuned)."""
     return max(1, min(MAX_WIDER_BAGS, TUNED_COLUMNS // block_d))
 
 
 def _candidate_shapes(bag_class: int, block_d: int) -> list[tuple[int, int, int, int, int]]:
     """(BLOCK_B, BLOCK_L, num_warps, GROUPS, STAGES) the autotuner tries for a bag-length class and a
-    column tile, before the tile budget: the class's tuned shapes, and for narrow columns each with
-    ``wider_bags(block_d)`` times its bags."""
-    shapes = _SHAPES_BY_CLASS.get(bag_class, _LONG_BAG_SHAPES)
+    column tile, before the tile budget: the class's tuned shapes, each with ``wider_bags(block_d)``
+    times its bags."""
     widen = wider_bags(block_d)
-    wider = [(bags * widen, lanes, warps, groups, stages) for bags, lanes, warps, groups, stages in shapes]
-    return list(dict.fromkeys(shapes + wider if widen > 1 else shapes))
+    return [(bags * widen, lanes, warps, groups, stages)
+            for bags, lanes, warps, groups, stages in _SHAPES_BY_CLASS.get(bag_class, _LONG_BAG_SHAPES)]
 
 
 class ForwardTile(NamedTuple):
