@@ -3,12 +3,16 @@
 A descriptor tensor is int64 ``[G, DESCRIPTOR_COLUMNS]``, row ``g`` describing one group of
 lookups: where row 0 of its table's weights and optimizer state lives (a byte address: any
 memory the GPU addresses, HBM, pinned host memory or managed memory), the strides between rows,
-the table's dim, rows and global row offset, and the group's first column in a pooled output
-row. The TBE kernels (Triton, ``kernels/``) read the rows of :class:`~tiered_tbe.kernels.rows.RowStores`'
-descriptor (a row per feature; two features of one table have the same table columns); the
-slot cache's copy kernel (Numba, ``cache/_kernels.py``) reads the rows of the cached tables of
-one buffer. Both read the columns by the names below, so no kernel takes a table's facts as
-separate arrays.
+the table's dim, rows and global row offset, the group's first column in a pooled output row,
+and the row's own number. The TBE kernels (Triton, ``kernels/``) read the rows of
+:class:`~tiered_tbe.kernels.rows.RowStores`' descriptor (a row per feature; two features of one
+table have the same table columns); the slot cache's copy kernel (Numba, ``cache/_kernels.py``)
+reads the rows of the cached tables of one buffer. Both read the columns by the names below, so
+no kernel takes a table's facts as separate arrays.
+
+A kernel may also be handed a copy of some of a descriptor's rows (the forward launches once per
+group of features of similar dims, each launch over its group's rows: ``kernels/rows.py``
+``ColumnGroup``): column ``FEATURE`` keeps each row's number in the descriptor it was made in.
 
 A row is 16 int64 values, 128 bytes: one cache line, so the loads of a table's facts on the
 hot path (a program's table, a run's row) touch one line. The int32 columns (dim, output
@@ -31,12 +35,13 @@ ROW_OFFSET = 5  # global row id of the table's row 0 (a module's tables share on
 NUM_ROWS = 6  # rows of the table
 DIM = 7  # embedding_dim of the table (an int32 value)
 OUTPUT_OFFSET = 8  # first column of the group in a pooled output row (an int32 value)
-DESCRIPTOR_COLUMNS = 16  # columns 9-15 are zero: a row is one 128-byte cache line
+FEATURE = 9  # the row's own number g (an int32 value), kept by a copy of some of the rows
+DESCRIPTOR_COLUMNS = 16  # columns 10-15 are zero: a row is one 128-byte cache line
 
 # Columns whose values fit int32, read as 32-bit words by the Triton kernels.
-INT32_COLUMNS = (DIM, OUTPUT_OFFSET)
+INT32_COLUMNS = (DIM, OUTPUT_OFFSET, FEATURE)
 COLUMN_NAMES = ("weights_address", "weights_stride", "state_address", "state_stride", "state_width", "row_offset",
-                "num_rows", "dim", "output_offset")
+                "num_rows", "dim", "output_offset", "feature")
 
 
 def describe_tables(
@@ -66,6 +71,7 @@ def describe_tables(
         rows[g, NUM_ROWS] = table.shape[0]
         rows[g, DIM] = table.shape[1]
         rows[g, OUTPUT_OFFSET] = output_offsets[g]
+        rows[g, FEATURE] = g
     if len(weights) and int(rows[:, list(INT32_COLUMNS)].max()) > torch.iinfo(torch.int32).max:
         raise ValueError("a dim or output column past 2^31 does not fit the descriptor's int32 columns")
     return rows.to(device)

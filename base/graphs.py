@@ -6,9 +6,9 @@ on the lent H200 the host took longer to enqueue them (0.8-1.3 ms for the backwa
 the prefetch) than the GPU took to run them (~0.7 ms, ~1.3 ms), so the GPU waited
 (benchmarks/RESULTS.md). A CUDA graph replays the whole sequence
 from one host call. The backward (``kernels/backward.py``) and the slot cache's prefetch
-(``cache/slot_cache.py``) use it, and the forward (``kernels/forward.py``): one launch, but
-Triton's launch path cost the host 2-3 times what a replay does (its output's address is a host
-input, below).
+(``cache/slot_cache.py``) use it, and the forward (``kernels/forward.py``): a launch or a few (one
+per column group), but Triton's launch path cost the host 2-3 times what a replay does (its
+output's address is a host input, below).
 
 A graph bakes in every launch's arguments, so what changes from batch to batch reaches it
 through tensors whose addresses do not change:

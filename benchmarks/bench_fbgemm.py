@@ -97,6 +97,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="also time our HBM steps with each of these forward tiles (bags, lanes, warps, "
                              "groups, stages: kernels.forward.ForwardTile) in place of the autotuner's: a tuning "
                              "sweep, each tile a module of its own taking turns with the others")
+    parser.add_argument("--forward-one-launch", action="store_true",
+                        help="also time our HBM steps with the forward launched once over every feature "
+                             "(TIERED_TBE_FORWARD_ONE_LAUNCH=1) instead of once per column group of dims")
     parser.add_argument("--profile", action="store_true",
                         help="also profile a few steps of each side: device ms per step of each kernel, and each "
                              "phase's fraction of the copy bandwidth measured in the same run")
@@ -304,6 +307,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     # rebuilt from the seed): each side's cache state runs on from step to step.
     variants = {f"ours backward {spec}": {"TIERED_TBE_BACKWARD": spec} for spec in args.backward_configs or []}
     variants.update({f"ours forward {spec}": {"TIERED_TBE_FORWARD_TILE": spec} for spec in args.forward_tiles or []})
+    if args.forward_one_launch:
+        variants["ours forward one-launch"] = {"TIERED_TBE_FORWARD_ONE_LAUNCH": "1"}
     results = []
     for base in configs:
         config = shape_of(base)

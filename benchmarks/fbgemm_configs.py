@@ -153,6 +153,8 @@ CONFIGS = [
     Config("criteo-adagrad-with-rows", CRITEO, state_layout="with_rows"),
     Config("cached-lru-pipelined", CRITEO, placement="host_cached", pipelined=True),
     # Mixed dims, bags of varying length, per-sample weights: where the cache moves the most bytes.
+    # In HBM, the kernels alone (the forward's column groups beside one launch: --forward-one-launch).
+    Config("mixed-weighted", **dict(_MIXED, placement="device")),
     Config("cached-mixed-weighted", **_MIXED),
     Config("cached-mixed-weighted-lfu", **_MIXED, policy="lfu"),
     Config("cached-mixed-weighted-pipelined", **_MIXED, pipelined=True),

@@ -9,7 +9,10 @@ are formed in int64 (row * stride passes 2^31 elements in large tables).
 The forward-type kernels (pooled forward, linearize, per-sample-weight gradients) share one
 tiling: program ``(i, f)`` takes bags ``i * BLOCK_B ..`` of feature ``f`` and walks them
 ``BLOCK_L`` lookups at a time, so one tile holds ``BLOCK_B x BLOCK_L`` lookups (many bags of
-one lookup, or few long bags) and every load of the tile is issued at once.
+one lookup, or few long bags) and every load of the tile is issued at once. The pooled forward
+and the per-sample-weight gradients launch once per column group (``kernels/rows.py``
+``ColumnGroup``: features of one column tile), each over its group's descriptor rows: program
+``(i, g)`` then pools the feature of row ``g`` (``program_feature``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ STATE_STRIDE = tl.constexpr(descriptors.STATE_STRIDE)
 ROW_OFFSET = tl.constexpr(descriptors.ROW_OFFSET)
 DIM = tl.constexpr(descriptors.DIM)
 OUTPUT_OFFSET = tl.constexpr(descriptors.OUTPUT_OFFSET)
+FEATURE = tl.constexpr(descriptors.FEATURE)
 DESCRIPTOR_COLUMNS = tl.constexpr(descriptors.DESCRIPTOR_COLUMNS)
 
 
@@ -96,7 +100,7 @@ def descriptor_field_int32(
     descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: the features' descriptor (base/descriptors.py)
     features,  # int32 scalar or tensor: the descriptor row (feature) of each element
     valid,  # bool, the shape of features: which rows to read (0 elsewhere); None: all of them
-    COLUMN: tl.constexpr,  # an int32 column (DIM, OUTPUT_OFFSET)
+    COLUMN: tl.constexpr,  # an int32 column (DIM, OUTPUT_OFFSET, FEATURE)
     MULTIPLE_OF: tl.constexpr,  # every value of the column is a multiple of this (the alignment hint)
 ):
     """int32 of ``features``' shape: column ``COLUMN`` of each feature's descriptor row, loaded as the
@@ -115,6 +119,21 @@ def descriptor_field_int32(
         return tl.multiple_of(values, [MULTIPLE_OF, MULTIPLE_OF])
     else:
         return tl.multiple_of(values, MULTIPLE_OF)
+
+
+@triton.jit
+def program_feature(
+    descriptor_ptr,  # int64 [G, DESCRIPTOR_COLUMNS]: the launch's descriptor rows
+    row,  # int32 scalar: the program's row of it (tl.program_id(1))
+    GROUPED: tl.constexpr,  # the rows are a column group's copy (kernels/rows.py ColumnGroup), not every feature's
+):
+    """The feature whose bags the program pools: ``row`` itself when the launch covers every
+    feature, else the row's ``FEATURE`` column: one load before the feature's offsets, of a line
+    that every program of the row reads (from L2)."""
+    if GROUPED:
+        return descriptor_field_int32(descriptor_ptr, row, None, FEATURE, 1)
+    else:
+        return row
 
 
 @triton.jit

@@ -1,10 +1,13 @@
 """Pooled forward of table-batched embedding bags, reading each row from its slot or its backing store.
 
-One launch covers every table: program ``(i, t)`` pools bags ``i * BLOCK_B .. + BLOCK_B - 1``
-of feature ``t``, ``BLOCK_L`` lookups of each bag per step, so a tile holds ``BLOCK_B x BLOCK_L``
-rows of ``BLOCK_D`` columns loaded at once (``kernels/addressing.py``). One lookup per bag (the
-common DLRM shape) runs 32-64 bags a program; long bags few bags and long steps. The autotuner
-picks the tile per bag-length class, so one compiled kernel serves a model shape.
+One launch per column group (``kernels/rows.py`` ``ColumnGroup``: the features whose dims round up
+to one power of two; one launch for every feature when they all do): program ``(i, g)`` pools bags
+``i * BLOCK_B .. + BLOCK_B - 1`` of the group's feature ``g``, ``BLOCK_L`` lookups of each bag per
+step, so a tile holds ``BLOCK_B x BLOCK_L`` rows of the group's ``BLOCK_D`` columns loaded at once
+(``kernels/addressing.py``). One lookup per bag (the common DLRM shape) runs 32-64 bags a program;
+long bags few bags and long steps; narrow columns more bags. The autotuner picks the tile per
+bag-length class and column tile, so one compiled kernel a group serves a model shape. Every bag is
+summed by one program in an order fixed by its tile: each call gives the same bits.
 
 Example (CPU simulation, one table of 10 rows of 4 columns, one bag of rows 1 and 2)::
 
@@ -30,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tiered_tbe.base.graphs import padded_size
+
 from .addressing import (
     DIM,
     INTERPRETING,
@@ -45,10 +50,11 @@ from .addressing import (
     descriptor_field_int32,
     lookup_rows,
     pooling_code,
+    program_feature,
     row_slice_alignment_bytes,
     table_row_zero,
 )
-from .rows import Lookups, RowStores, check_lookups
+from .rows import ColumnGroup, Lookups, RowStores, check_lookups
 
 # Tiles of more than this many elements spill registers: the autotuner never tries them.
 MAX_TILE_ELEMENTS = 8192
@@ -70,6 +76,27 @@ _SHAPES_BY_CLASS = {
 # against 0.129 for (2, 8, 2) at bags of 32 fp32, Zipf 1.05 (fourteenth session).
 _LONG_BAG_SHAPES = [(2, 8, 2, 1, 1), (4, 8, 4, 1, 1), (4, 4, 2, 1, 1), (8, 4, 4, 1, 1), (16, 1, 4, 1, 4),
                     (8, 1, 2, 1, 4), (1, 32, 4, 1, 1), (2, 16, 4, 1, 1), (1, 64, 8, 1, 1), (1, 16, 1, 1, 1)]
+# The shapes above were tuned at 128 columns (Criteo, the big table). A group of narrower columns tries
+# each with wider_bags(block_d) times the bags instead: the elements of a tile (bytes in flight a
+# program) it has at 128 columns. Tuned as they are, at 8 columns a thread held 1-2 elements and no
+# load was 16 bytes wide (Triton 3.6, sm_90); trying both would double a narrow group's candidates,
+# each compiled at a model's first step (its autotuner's winner alone in a later process).
+TUNED_COLUMNS = 128
+MAX_WIDER_BAGS = 8
+
+
+def wider_bags(block_d: int) -> int:
+    """How many times a tuned shape's bags a group of ``block_d`` columns tries (1: as tuned)."""
+    return max(1, min(MAX_WIDER_BAGS, TUNED_COLUMNS // block_d))
+
+
+def _candidate_shapes(bag_class: int, block_d: int) -> list[tuple[int, int, int, int, int]]:
+    """(BLOCK_B, BLOCK_L, num_warps, GROUPS, STAGES) the autotuner tries for a bag-length class and a
+    column tile, before the tile budget: the class's tuned shapes, each with ``wider_bags(block_d)``
+    times its bags."""
+    widen = wider_bags(block_d)
+    return [(bags * widen, lanes, warps, groups, stages)
+            for bags, lanes, warps, groups, stages in _SHAPES_BY_CLASS.get(bag_class, _LONG_BAG_SHAPES)]
 
 
 class ForwardTile(NamedTuple):
@@ -82,9 +109,25 @@ class ForwardTile(NamedTuple):
     stages: int = 1  # STAGES: steps of the bags' loop in flight
 
 
-# Every tile the autotuner may pick on a GPU, whatever the batch.
-FORWARD_TILES = sorted({ForwardTile(*shape) for shapes in (*_SHAPES_BY_CLASS.values(), _LONG_BAG_SHAPES)
-                        for shape in shapes})
+_BAG_CLASSES = (*_SHAPES_BY_CLASS, max(_SHAPES_BY_CLASS) + 1)  # every class: the last stands for the long bags
+_WIDER_BAGS = sorted({wider_bags(1 << bits) for bits in range(12)})  # every widening a column tile may take
+
+
+def forward_tiles(block_d: int) -> list[ForwardTile]:
+    """Every tile the autotuner may pick on a GPU for a column tile of ``block_d``, whatever the batch."""
+    return sorted({ForwardTile(*shape) for bag_class in _BAG_CLASSES
+                   for shape in _fitting(_candidate_shapes(bag_class, block_d), block_d)})
+
+
+def _fitting(shapes, block_d: int):
+    """The shapes whose tiles fit MAX_TILE_ELEMENTS at ``block_d`` columns (the smallest if none does)."""
+    fitting = [shape for shape in shapes if shape[0] * shape[1] * block_d <= MAX_TILE_ELEMENTS]
+    return fitting or [min(shapes, key=lambda shape: shape[0] * shape[1])]
+
+
+# Every tile the autotuner may pick on a GPU, whatever the batch and the columns.
+FORWARD_TILES = sorted({ForwardTile(bags * widen, *rest) for bag_class in _BAG_CLASSES
+                        for bags, *rest in _SHAPES_BY_CLASS.get(bag_class, _LONG_BAG_SHAPES) for widen in _WIDER_BAGS})
 
 
 def _forward_configs() -> list[triton.Config]:
@@ -92,21 +135,23 @@ def _forward_configs() -> list[triton.Config]:
     tests walk several steps of a bag, several tiles of a program and several programs of a table)."""
     if INTERPRETING:
         return [triton.Config({"BLOCK_B": 2, "BLOCK_L": 2, "GROUPS": 2, "STAGES": 1}, num_warps=4)]
-    shapes = {shape for shapes in _SHAPES_BY_CLASS.values() for shape in shapes} | set(_LONG_BAG_SHAPES)
-    return [triton.Config({"BLOCK_B": b, "BLOCK_L": lanes, "GROUPS": g, "STAGES": stages}, num_warps=w)
-            for b, lanes, w, g, stages in sorted(shapes)]
+    return [triton.Config({"BLOCK_B": tile.bags, "BLOCK_L": tile.lanes, "GROUPS": tile.groups, "STAGES": tile.stages},
+                          num_warps=tile.warps) for tile in FORWARD_TILES]
+
+
+def _config_shape(config: triton.Config) -> tuple[int, int, int, int, int]:
+    return (config.kwargs["BLOCK_B"], config.kwargs["BLOCK_L"], config.num_warps, config.kwargs["GROUPS"],
+            config.kwargs["STAGES"])
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """The shapes of the batch's bag-length class that fit MAX_TILE_ELEMENTS (the smallest if none)."""
+    """The shapes of the batch's bag-length class and the launch's column tile that fit
+    MAX_TILE_ELEMENTS (the smallest if none)."""
     if len(configs) == 1:
         return configs
     block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    wanted = set(_SHAPES_BY_CLASS.get(named_args["bag_length_class"], _LONG_BAG_SHAPES))
-    chosen = [c for c in configs if (c.kwargs["BLOCK_B"], c.kwargs["BLOCK_L"], c.num_warps, c.kwargs["GROUPS"],
-                                     c.kwargs["STAGES"]) in wanted]
-    fitting = [c for c in chosen if c.kwargs["BLOCK_B"] * c.kwargs["BLOCK_L"] * block_d <= MAX_TILE_ELEMENTS]
-    return fitting or [min(chosen, key=lambda c: c.kwargs["BLOCK_B"] * c.kwargs["BLOCK_L"])]
+    wanted = set(_fitting(_candidate_shapes(named_args["bag_length_class"], block_d), block_d))
+    return [c for c in configs if _config_shape(c) in wanted]
 
 
 @triton.autotune(
@@ -124,7 +169,8 @@ def _pooled_forward_kernel(
     output_ptr,  # fp32 [B, total_dim] (sum, mean) or [N, output_width] (none): out
     output_stride,  # elements between consecutive output rows
     output_width,  # pooling none: columns of an output row (zeros past the table's dim)
-    descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: each feature's table rows, dim and output column
+    descriptor_ptr,  # int64 [G, DESCRIPTOR_COLUMNS]: the launch's features' table rows, dim, output column (and
+    #                  feature, when GROUPED)
     cache_weights_ptr,  # [num_slots, row_width] slot rows; its element type is every row's
     cache_weights_stride,  # elements between consecutive slots
     indices_ptr,  # int32/int64 [N]: row within its feature's table of each lookup
@@ -142,13 +188,15 @@ def _pooled_forward_kernel(
     BLOCK_L: tl.constexpr,  # lookups of each bag per step
     GROUPS: tl.constexpr,  # tiles of BLOCK_B bags per program
     STAGES: tl.constexpr,  # steps of a bag whose loads are in flight at once (Triton's loop pipeliner)
-    BLOCK_D: tl.constexpr,  # columns per tile: next power of two of the largest embedding_dim
+    BLOCK_D: tl.constexpr,  # columns per tile: next power of two of the largest embedding_dim of the launch's features
+    GROUPED: tl.constexpr,  # descriptor_ptr holds a column group's rows: program (i, g) pools the feature of row g
     ADDRESSES: tl.constexpr,  # the five tensors are the ones at addresses_ptr's addresses (a CUDA graph
     #                           of the launch then reads and writes each call's own), typed as the arguments
     OUTPUT_ALIGN_BYTES: tl.constexpr,  # every output row slice of a table starts at a multiple of this
     INPUT_ALIGN_BYTES: tl.constexpr,  # with ADDRESSES: the indices', offsets', slots' and weights' alignment
 ):
-    feature = tl.program_id(1)
+    row = tl.program_id(1)  # of the launch's descriptor
+    feature = program_feature(descriptor_ptr, row, GROUPED)  # whose bags the program pools
     if ADDRESSES:
         # Hinted where they are made: Triton knows nothing of a loaded address (kernels/addressing.py).
         output_ptr = tl.multiple_of(tl.load(addresses_ptr).to(output_ptr.dtype), OUTPUT_ALIGN_BYTES)
@@ -158,11 +206,11 @@ def _pooled_forward_kernel(
         per_sample_weights_ptr = tl.multiple_of(tl.load(addresses_ptr + 4).to(per_sample_weights_ptr.dtype),
                                                 INPUT_ALIGN_BYTES)
     element = cache_weights_ptr.dtype.element_ty
-    table_rows = table_row_zero(descriptor_ptr, feature, None, WEIGHTS_ADDRESS, element)
-    row_stride = descriptor_field(descriptor_ptr, feature, None, WEIGHTS_STRIDE)
+    table_rows = table_row_zero(descriptor_ptr, row, None, WEIGHTS_ADDRESS, element)
+    row_stride = descriptor_field(descriptor_ptr, row, None, WEIGHTS_STRIDE)
     # A multiple of the alignment (in elements), so masks stay constant across a vector.
-    dim = descriptor_field_int32(descriptor_ptr, feature, None, DIM, ALIGN)
-    output_column = descriptor_field_int32(descriptor_ptr, feature, None, OUTPUT_OFFSET, ALIGN)
+    dim = descriptor_field_int32(descriptor_ptr, row, None, DIM, ALIGN)
+    output_column = descriptor_field_int32(descriptor_ptr, row, None, OUTPUT_OFFSET, ALIGN)
     columns = tl.arange(0, BLOCK_D)
     in_row = columns < dim
     # GROUPS tiles a program, one after the other: fewer, longer programs (the H200 launches
@@ -212,13 +260,14 @@ def _pooled_forward_kernel(
 
 
 class _ForwardPlan(NamedTuple):
-    """Everything a forward launch bakes in besides its tensors' addresses (hashable: part of a
-    graph's key). The lookup count is not in it (only its bag-length class), so a graph serves
-    batches of bags of any lengths."""
+    """Everything a forward's launches bake in besides its tensors' addresses (hashable: part of a
+    graph's key). The lookup count is not in it (only its bag-length class; pooling none: the
+    padded size of its output), so a graph serves batches of bags of any lengths."""
 
     mode: int
     batch_size: int
-    output_shape: tuple[int, int]
+    output_shape: tuple[int, int]  # of the output the kernels write (pooling none: padded_size(N) rows)
+    grouped: bool  # one launch per column group (RowStores.column_groups), else one over every feature
     output_align_bytes: int
     input_align_bytes: int
     bag_length_class: int
@@ -232,7 +281,8 @@ def pooled_forward(
     stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None, pooling: str,
     tile: ForwardTile | None = None, graphs=None,
 ) -> torch.Tensor:
-    """Pool the rows of every bag of every table in one launch.
+    """Pool the rows of every bag of every table: one launch per column group of the stores
+    (``RowStores.column_groups``; one for pooling none, and see :func:`launches_per_group`).
 
     Args:
         stores: the rows (every table's backing rows and the slot cache), see ``kernels/rows.py``.
@@ -251,16 +301,20 @@ def pooled_forward(
         fp32 ``[B, stores.total_dim]`` for sum and mean: feature ``f``'s bag ``b`` in the dim of its
         table's columns from ``stores.output_offsets[f]`` (the dims of the features before it).
         For ``"none"``: fp32 ``[N, stores.max_dim]``, row ``i`` the (per-sample weighted) row of
-        lookup ``i`` (zeros past a smaller table's dim).
+        lookup ``i`` (zeros past a smaller table's dim): the first ``N`` rows of an output of
+        ``padded_size(N)`` rows (``base/graphs.py``), so that batches whose lookup count changes
+        every step share a few graphs.
     """
     mode = pooling_code(pooling)
     check_lookups(stores, lookups, slot_of_index)
     device = lookups.indices.device
     batch_size = lookups.batch_size
     if mode == POOLING_NONE:
-        output = torch.empty(lookups.num_lookups, stores.max_dim, dtype=torch.float32, device=device)
+        num_lookups = lookups.num_lookups
+        padded = torch.empty(padded_size(num_lookups), stores.max_dim, dtype=torch.float32, device=device)
+        output = padded[:num_lookups]
     else:
-        output = torch.empty(batch_size, stores.total_dim, dtype=torch.float32, device=device)
+        output = padded = torch.empty(batch_size, stores.total_dim, dtype=torch.float32, device=device)
     if batch_size == 0 or output.numel() == 0:
         return output
     override = os.environ.get("TIERED_TBE_FORWARD_TILE")  # a tuning run's tile for every forward
@@ -269,7 +323,8 @@ def pooled_forward(
     use_cache = slot_of_index is not None and stores.uses_cache
     tensors = (output, lookups.indices, lookups.offsets, slot_of_index if use_cache else None,
                lookups.per_sample_weights)
-    plan = _ForwardPlan(mode, batch_size, tuple(output.shape), row_slice_alignment_bytes(output, stores),
+    plan = _ForwardPlan(mode, batch_size, tuple(padded.shape), launches_per_group(stores, mode),
+                        row_slice_alignment_bytes(output, stores),
                         min(_alignment_bytes(tensor) for tensor in tensors[1:] if tensor is not None),
                         bag_length_class(lookups.num_lookups, stores.num_features * batch_size),
                         (lookups.indices.dtype, lookups.offsets.dtype), use_cache, tensors[4] is not None, tile)
@@ -296,35 +351,55 @@ def _alignment_bytes(tensor: torch.Tensor) -> int:
     return math.gcd(tensor.data_ptr(), 16)
 
 
+def launches_per_group(stores: RowStores, mode: int) -> bool:
+    """Whether the forward-type kernels launch once per column group of ``stores`` for pooling
+    ``mode``: where the stores have several, unless pooling none (rows written whole, zeros past a
+    table's dim up to the widest) or ``TIERED_TBE_FORWARD_ONE_LAUNCH=1`` (one launch over every
+    feature at the widest dim's column tile, as before the groups: measurements side by side)."""
+    return (mode != POOLING_NONE and len(stores.column_groups) > 1
+            and os.environ.get("TIERED_TBE_FORWARD_ONE_LAUNCH", "0") != "1")
+
+
+def launch_groups(stores: RowStores, grouped: bool) -> tuple[ColumnGroup, ...]:
+    """The column groups a forward-type kernel launches over: the stores' (``grouped``), or one of
+    every feature with the widest dim's column tile and the whole descriptor."""
+    if grouped:
+        return stores.column_groups
+    return (ColumnGroup(stores.block_d, tuple(range(stores.num_features)), stores.descriptor),)
+
+
+def _grid(batch_size: int, num_features: int):
+    """The grid of a launch over ``num_features`` features: tiles of bags, features."""
+    return lambda meta: (triton.cdiv(batch_size, meta["BLOCK_B"] * meta["GROUPS"]), num_features)
+
+
 def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, addresses, output, indices, offsets, slot_of_index,
                      per_sample_weights) -> None:
-    """Launch the forward kernel on the tensors, or (``addresses``: an int64 [5] device tensor of
-    :func:`batch_addresses`) on the ones at those addresses, typed as these."""
+    """Launch the forward kernel (once per column group) on the tensors, or (``addresses``: an int64
+    [5] device tensor of :func:`batch_addresses`) on the ones at those addresses, typed as these."""
     tile = plan.tile
-
-    def grid(meta):
-        return triton.cdiv(plan.batch_size, meta["BLOCK_B"] * meta["GROUPS"]), stores.num_features
-
     kernel, shape = _pooled_forward_kernel, {}
     if tile is not None:
         kernel = _pooled_forward_kernel.fn
         shape = dict(BLOCK_B=tile.bags, BLOCK_L=tile.lanes, GROUPS=tile.groups, STAGES=tile.stages,
                      num_warps=tile.warps)
     output_stride, output_width = plan.output_shape[1], plan.output_shape[1]  # a contiguous output
-    kernel[grid](
-        addresses if addresses is not None else offsets, output, output_stride, output_width,
-        stores.descriptor, stores.cache_weights, stores.cache_weights.stride(0),
-        indices, offsets, slot_of_index if plan.use_cache else indices,
-        per_sample_weights if plan.has_per_sample_weights else output,
-        plan.batch_size, plan.bag_length_class,
-        POOLING=plan.mode,
-        HAS_PER_SAMPLE_WEIGHTS=plan.has_per_sample_weights,
-        USE_CACHE=plan.use_cache,
-        ALIGN=stores.alignment,
-        ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
-        BLOCK_D=stores.block_d,
-        ADDRESSES=addresses is not None,
-        OUTPUT_ALIGN_BYTES=plan.output_align_bytes,
-        INPUT_ALIGN_BYTES=plan.input_align_bytes,
-        **shape,
-    )
+    for group in launch_groups(stores, plan.grouped):
+        kernel[_grid(plan.batch_size, len(group.features))](
+            addresses if addresses is not None else offsets, output, output_stride, output_width,
+            group.descriptor, stores.cache_weights, stores.cache_weights.stride(0),
+            indices, offsets, slot_of_index if plan.use_cache else indices,
+            per_sample_weights if plan.has_per_sample_weights else output,
+            plan.batch_size, plan.bag_length_class,
+            POOLING=plan.mode,
+            HAS_PER_SAMPLE_WEIGHTS=plan.has_per_sample_weights,
+            USE_CACHE=plan.use_cache,
+            ALIGN=stores.alignment,
+            ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
+            BLOCK_D=group.block_d,
+            GROUPED=plan.grouped,
+            ADDRESSES=addresses is not None,
+            OUTPUT_ALIGN_BYTES=plan.output_align_bytes,
+            INPUT_ALIGN_BYTES=plan.input_align_bytes,
+            **shape,
+        )

@@ -1,7 +1,8 @@
 """Gradient of the per-sample weights: d loss / d w_i = dot(gradient of lookup i's output, row i).
 
 It reads the rows as they are before the update: the autograd wiring computes it before
-``backward_update`` (``kernels/backward.py``). Tiled like the forward (``kernels/addressing.py``).
+``backward_update`` (``kernels/backward.py``). Tiled like the forward (``kernels/addressing.py``),
+and like it launched once per column group of the stores for sum and mean pooling.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from .addressing import (
     descriptor_field_int32,
     lookup_rows,
     pooling_code,
+    program_feature,
     table_row_zero,
 )
 from .backward import check_grad_output
+from .forward import launch_groups, launches_per_group
 from .rows import Lookups, RowStores, check_lookups
 
 
@@ -34,7 +37,8 @@ def _per_sample_weights_grad_kernel(
     per_sample_weights_grad_ptr,  # fp32 [N] out: d loss / d per_sample_weights[i]
     grad_output_ptr,  # fp32 [B, total_dim] or [N, max_dim] (pooling none)
     grad_output_stride,  # elements between consecutive rows of grad_output
-    descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: each feature's table rows, dim and output column
+    descriptor_ptr,  # int64 [G, DESCRIPTOR_COLUMNS]: the launch's features' table rows, dim, output column (and
+    #                  feature, when GROUPED)
     cache_weights_ptr,  # [num_slots, row_width] slot rows
     cache_weights_stride,  # elements between consecutive slots
     indices_ptr,  # int32/int64 [N]: row within its feature's table of each lookup
@@ -47,21 +51,23 @@ def _per_sample_weights_grad_kernel(
     ALIGN_BYTES: tl.constexpr,  # ALIGN in bytes of a weight
     BLOCK_B: tl.constexpr,  # bags per program
     BLOCK_L: tl.constexpr,  # lookups of each bag per step
-    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
+    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim of the launch's features
+    GROUPED: tl.constexpr,  # descriptor_ptr holds a column group's rows: program (i, g) takes the feature of row g
 ):
-    feature = tl.program_id(1)
+    row = tl.program_id(1)  # of the launch's descriptor
+    feature = program_feature(descriptor_ptr, row, GROUPED)
     element = cache_weights_ptr.dtype.element_ty
     bags, in_batch, starts, ends = bag_tile_bounds(offsets_ptr, feature, tl.program_id(0) * BLOCK_B, batch_size,
                                                    BLOCK_B, BLOCK_L)
     lanes = tl.arange(0, BLOCK_B * BLOCK_L) % BLOCK_L
-    table_rows = table_row_zero(descriptor_ptr, feature, None, WEIGHTS_ADDRESS, element)
-    row_stride = descriptor_field(descriptor_ptr, feature, None, WEIGHTS_STRIDE)
+    table_rows = table_row_zero(descriptor_ptr, row, None, WEIGHTS_ADDRESS, element)
+    row_stride = descriptor_field(descriptor_ptr, row, None, WEIGHTS_STRIDE)
     columns = tl.arange(0, BLOCK_D)
-    in_row = columns < descriptor_field_int32(descriptor_ptr, feature, None, DIM, ALIGN)
+    in_row = columns < descriptor_field_int32(descriptor_ptr, row, None, DIM, ALIGN)
     if POOLING != POOLING_NONE_CONSTEXPR:
         # Every lookup of a bag shares its output row's gradient (one load per tile row, from L1).
         bag_grads = tl.load(grad_output_ptr + bags[:, None].to(tl.int64) * grad_output_stride
-                            + descriptor_field_int32(descriptor_ptr, feature, None, OUTPUT_OFFSET, ALIGN)
+                            + descriptor_field_int32(descriptor_ptr, row, None, OUTPUT_OFFSET, ALIGN)
                             + columns[None, :],
                             mask=in_batch[:, None] & in_row[None, :], other=0.0)
         if POOLING == POOLING_MEAN_CONSTEXPR:
@@ -95,13 +101,14 @@ def per_sample_weights_grad(
         return result
     use_cache = slot_of_index is not None and stores.uses_cache
     block_b, block_l = (2, 2) if INTERPRETING else (8, 4)
-    grid = (triton.cdiv(lookups.batch_size, block_b), stores.num_features)
-    _per_sample_weights_grad_kernel[grid](
-        result, grad_output, grad_output.stride(0),
-        stores.descriptor, stores.cache_weights, stores.cache_weights.stride(0),
-        lookups.indices, lookups.offsets, slot_of_index if use_cache else lookups.indices, lookups.batch_size,
-        POOLING=mode, USE_CACHE=use_cache, ALIGN=stores.alignment,
-        ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
-        BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=stores.block_d, num_warps=4,
-    )
+    grouped = launches_per_group(stores, mode)  # as the forward's
+    for group in launch_groups(stores, grouped):
+        _per_sample_weights_grad_kernel[(triton.cdiv(lookups.batch_size, block_b), len(group.features))](
+            result, grad_output, grad_output.stride(0),
+            group.descriptor, stores.cache_weights, stores.cache_weights.stride(0),
+            lookups.indices, lookups.offsets, slot_of_index if use_cache else lookups.indices, lookups.batch_size,
+            POOLING=mode, USE_CACHE=use_cache, ALIGN=stores.alignment,
+            ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
+            BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=group.block_d, GROUPED=grouped, num_warps=4,
+        )
     return result

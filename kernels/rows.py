@@ -22,6 +22,45 @@ from tiered_tbe.base.descriptors import describe_tables
 WEIGHTS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REFERENCE_DTYPES = (*WEIGHTS_DTYPES, torch.float64)
 
+# Features whose tables' dims round up to at most this many columns share one column group: a
+# launch of their own would cost more than the few masked columns of a shared tile.
+MIN_GROUP_COLUMNS = 8
+
+
+class ColumnGroup(NamedTuple):
+    """Features whose dims round up to one power of two: one launch of the forward-type kernels,
+    a column tile of ``block_d`` (a tile of the widest dim would leave a narrow table's rows mostly
+    mask, and fit fewer bags in a tile's budget)."""
+
+    block_d: int  # the group's column tile: its widest dim rounded up to a power of two
+    features: tuple[int, ...]  # its features, ascending
+    # int64 [len(features), DESCRIPTOR_COLUMNS]: their rows of RowStores.descriptor (column FEATURE says whose);
+    # the descriptor itself when the group holds every feature.
+    descriptor: torch.Tensor
+
+
+def power_of_two_at_least(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def column_groups(dims_of_features: tuple[int, ...], block_d: int, descriptor: torch.Tensor
+                  ) -> tuple[ColumnGroup, ...]:
+    """The features grouped by column tile (the next power of two of their dim, dims up to
+    ``MIN_GROUP_COLUMNS`` together), narrowest first; when they all fall in one: one group of every
+    feature, the whole ``descriptor`` and the stores' ``block_d`` (one launch, as of old)."""
+    classes: dict[int, list[int]] = {}
+    for f, dim in enumerate(dims_of_features):
+        classes.setdefault(max(power_of_two_at_least(dim), MIN_GROUP_COLUMNS), []).append(f)
+    if len(classes) == 1:
+        return (ColumnGroup(block_d, tuple(range(len(dims_of_features))), descriptor),)
+    groups = []
+    for _, features in sorted(classes.items()):
+        block_d = power_of_two_at_least(max(dims_of_features[f] for f in features))
+        rows = torch.tensor(features, dtype=torch.int64, device=descriptor.device)
+        groups.append(ColumnGroup(block_d, tuple(features), descriptor.index_select(0, rows)))
+    return tuple(groups)
+
 
 @dataclass(frozen=True, eq=False)
 class RowStores:
@@ -59,6 +98,8 @@ class RowStores:
     alignment: int = field(init=False)  # elements that every weights row start and dim is a multiple of
     state_alignment: int = field(init=False)  # fp32 values that every state row start is a multiple of
     block_d: int = field(init=False)  # the kernels' column tile: the widest row rounded up to a power of two
+    # The features by column tile: the forward launches once per group (one group when every dim rounds alike).
+    column_groups: tuple[ColumnGroup, ...] = field(init=False)
 
     def __post_init__(self):
         if not self.table_weights or len(self.table_weights) != len(self.table_state):
@@ -114,15 +155,16 @@ class RowStores:
         if not features or any(not 0 <= t < len(dims) for t in features):
             raise ValueError(f"feature_table_map must name tables 0..{len(dims) - 1}, got {list(features)}")
         output_offsets = tuple(sum(dims[t] for t in features[:f]) for f in range(len(features)))
+        descriptor = describe_tables([self.table_weights[t] for t in features], [self.table_state[t] for t in features],
+                                     [row_offsets[t] for t in features], output_offsets, device)
+        # Computed once: triton.next_power_of_2 took 3.4 us a call on the training path's host.
+        block_d = power_of_two_at_least(max(dims, default=1))
         values = {
-            "descriptor": describe_tables([self.table_weights[t] for t in features],
-                                          [self.table_state[t] for t in features],
-                                          [row_offsets[t] for t in features], output_offsets, device),
+            "descriptor": descriptor, "block_d": block_d,
+            "column_groups": column_groups(tuple(dims[t] for t in features), block_d, descriptor),
             "dims": dims, "row_offsets": tuple(row_offsets), "features": features, "output_offsets": output_offsets,
             "shares_tables": len(set(features)) < len(features), "num_rows": total,
             "alignment": alignment, "state_alignment": state_alignment,
-            # Computed once: triton.next_power_of_2 took 3.4 us a call on the training path's host.
-            "block_d": 1 << max(max(dims, default=1) - 1, 0).bit_length(),
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)

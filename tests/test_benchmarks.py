@@ -445,6 +445,15 @@ def test_bench_fbgemm_tuning_sweeps_print_a_row_each(capsys):
     assert "| criteo-sgd | backward, backward 2,2,4,4 |" in out
 
 
+def test_bench_fbgemm_times_the_forward_of_one_launch_beside_column_groups(capsys):
+    """--forward-one-launch times our HBM step again with the forward launched once over every feature."""
+    code = cli_main(["bench", "fbgemm", "--configs", "mixed-weighted", "--steps", "1", "--forward-one-launch"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| mixed-weighted | forward, forward one-launch |" in out
+    assert "| mixed-weighted | step, forward one-launch |" in out
+
+
 def test_bench_fbgemm_gives_a_cached_configuration_a_new_batch_every_step():
     """A cache that saw the batches before misses nothing: cached configurations never repeat a
     batch (warm-up, timed and profiled steps); the all-HBM ones cycle --distinct-batches."""

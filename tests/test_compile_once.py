@@ -103,7 +103,9 @@ def test_each_kernel_compiles_once_per_model_shape():
     """Batch sizes of 1, 2, 16, 77 and 512 and lookup counts of every class (a multiple of 16 or not)
     compile each kernel once: no per-batch integer is specialized."""
     out = _run("compilations")
-    forward_candidates = 6  # the autotuner's tiles for the batches' bag-length class, each compiled once
+    # The autotuner's tiles for the batches' bag-length class (its 6 tuned shapes, with twice the bags at 64
+    # columns), each compiled once.
+    forward_candidates = 6
     expected = {"_pooled_forward_kernel": forward_candidates, "_linearize_kernel": 1, "_run_starts_kernel": 1,
                 "_run_ends_kernel": 1, "hot_window_sums_kernel": 1, "hot_group_sums_kernel": 1,
                 "_per_sample_weights_grad_kernel": 1,

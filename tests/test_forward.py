@@ -19,11 +19,11 @@ from kernel_inputs import (  # noqa: F401  (poison_empty: an autouse fixture, ac
 
 from tiered_tbe.base import descriptors
 from tiered_tbe.base.descriptors import descriptor_row
-from tiered_tbe.base.graphs import StepGraphs
+from tiered_tbe.base.graphs import StepGraphs, padded_size
 from tiered_tbe.kernels import forward as forward_module
 from tiered_tbe.kernels.addressing import bag_length_class
 from tiered_tbe.kernels.backward import backward_update
-from tiered_tbe.kernels.forward import pooled_forward
+from tiered_tbe.kernels.forward import ForwardTile, pooled_forward
 from tiered_tbe.kernels.optimizers import SGD
 from tiered_tbe.kernels.per_sample_weights import per_sample_weights_grad
 from tiered_tbe.kernels.reference import (
@@ -90,10 +90,15 @@ def test_features_sharing_a_table_share_its_descriptor_rows(device):
 def test_every_forward_tile_matches_reference(pooling, device):
     """Each tile shape the GPU autotuner may pick (the interpreter runs a single one otherwise):
     bags shorter and longer than a step, more bags than a tile, weighted lookups, slots beside
-    backing rows."""
+    backing rows. Of the tiles with more bags for narrow columns, the widest of each shape (those
+    of 16 bags and more hold all 9 bags of a feature: their narrower siblings run the same way)."""
     stores, lookups, slot_of_index = make_batch(batch_size=9, max_bag=11, weighted=True, device=device)
     expected = reference_forward(stores, lookups, slot_of_index, pooling)
-    for tile in forward_module.FORWARD_TILES:
+    tuned = {ForwardTile(*shape) for shapes in (*forward_module._SHAPES_BY_CLASS.values(),
+                                                forward_module._LONG_BAG_SHAPES) for shape in shapes}
+    widest = {tile._replace(bags=tile.bags * forward_module.MAX_WIDER_BAGS) for tile in tuned}
+    assert tuned | widest <= set(forward_module.FORWARD_TILES)
+    for tile in sorted(tuned | widest):
         output = pooled_forward(stores, lookups, slot_of_index, pooling, tile=tile)
         torch.testing.assert_close(output.double(), expected, rtol=1e-5, atol=1e-5, msg=lambda m, t=tile: f"{t}: {m}")
 
@@ -103,8 +108,9 @@ def test_forward_through_step_graphs_reads_and_writes_each_calls_own_tensors(poo
     """Through a StepGraphs (the module's) the kernel reads the addresses of its batch's tensors and
     output from one small tensor, so that a CUDA graph of the launch serves every batch of a shape (on
     the GPU: captured on the second call, replayed from the third), bags of other lengths included
-    when pooled. Every call's output equals the direct launch's bit for bit, each kept alive while
-    later calls run: a replay reads its own call's lookups and writes its own output."""
+    when pooled (pooling none: of the same padded size). Every call's output equals the direct
+    launch's bit for bit, each kept alive while later calls run: a replay reads its own call's
+    lookups and writes its own output."""
     num_rows = (7, 1, 40, 5)
     stores, lookups, slot_of_index = make_batch(num_rows=num_rows, weighted=True, device=device)
     # Batches of one shape (the key of a graph): the same bags, the lookups' rows and weights redrawn.
@@ -127,8 +133,9 @@ def test_forward_through_step_graphs_reads_and_writes_each_calls_own_tensors(poo
                                    rtol=1e-5, atol=1e-5)
     if graphs.enabled:
         num_bags = batches[0].offsets.numel() - 1
-        same_key = pooling != "none" and (bag_length_class(shorter, num_bags)
-                                          == bag_length_class(batches[0].num_lookups, num_bags))
+        # Pooling none's key holds its output's padded size (padded_size): the same for both, or not.
+        same_key = (bag_length_class(shorter, num_bags) == bag_length_class(batches[0].num_lookups, num_bags)
+                    and (pooling != "none" or padded_size(shorter) == padded_size(batches[0].num_lookups)))
         assert graphs.captures == 1 and graphs.replays == (4 if same_key else 3)
 
 
@@ -141,7 +148,7 @@ def test_graphed_forward_replays_each_calls_tensors_on_the_gpu(pooling):
 
 def test_forward_tile_override_replaces_the_autotuner(monkeypatch, device):
     """TIERED_TBE_FORWARD_TILE (tuning sweeps: bench_fbgemm --forward-tiles) runs its tile, bypassing
-    the autotuner, with the same result."""
+    the autotuner, with the same result (in each launch: one per column group)."""
     stores, lookups, slot_of_index = make_batch(device=device)
     launched = []
     tuned = forward_module._pooled_forward_kernel
@@ -160,7 +167,8 @@ def test_forward_tile_override_replaces_the_autotuner(monkeypatch, device):
     monkeypatch.setattr(forward_module, "_pooled_forward_kernel", Recorder())
     monkeypatch.setenv("TIERED_TBE_FORWARD_TILE", "4,1,2")
     output = pooled_forward(stores, lookups, slot_of_index, "sum")
-    assert launched == [dict(BLOCK_B=4, BLOCK_L=1, num_warps=2, GROUPS=1, STAGES=1)]
+    assert len(stores.column_groups) == 3
+    assert launched == [dict(BLOCK_B=4, BLOCK_L=1, num_warps=2, GROUPS=1, STAGES=1)] * 3
     torch.testing.assert_close(output.double(), reference_forward(stores, lookups, slot_of_index, "sum"),
                                rtol=1e-5, atol=1e-5)
 
@@ -237,8 +245,8 @@ def test_row_stores_reject_mixed_dtypes_and_bad_pooling(device):
 
 def test_row_stores_describe_each_table_in_one_descriptor(device):
     """The kernels' one int64 descriptor (base/descriptors.py): per table, the addresses of row 0
-    of its weights and state, their strides, its rows, dim, global row offset and output column;
-    a table without state has address, stride and width 0; a row is one 128-byte line."""
+    of its weights and state, their strides, its rows, dim, global row offset, output column and
+    its own number (the feature); a table without state has address, stride and width 0; a row is one 128-byte line."""
     stores, _, _ = make_batch(optimizer=ALL_OPTIMIZERS["adam"], device=device)
     assert stores.descriptor.dtype == torch.int64 and stores.descriptor.shape == (stores.num_tables, 16)
     assert stores.descriptor.device == stores.cache_weights.device
@@ -247,7 +255,7 @@ def test_row_stores_describe_each_table_in_one_descriptor(device):
         assert descriptor_row(stores.descriptor, t) == dict(
             weights_address=weights.data_ptr(), weights_stride=weights.stride(0), state_address=state.data_ptr(),
             state_stride=state.stride(0), state_width=state.shape[1], row_offset=row_offset,
-            num_rows=weights.shape[0], dim=weights.shape[1], output_offset=column)
+            num_rows=weights.shape[0], dim=weights.shape[1], output_offset=column, feature=t)
         row_offset, column = row_offset + weights.shape[0], column + weights.shape[1]
     assert not stores.descriptor[:, len(descriptors.COLUMN_NAMES):].any()
     no_state = make_batch(optimizer=ALL_OPTIMIZERS["sgd"], device=device)[0]

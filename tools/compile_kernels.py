@@ -139,19 +139,20 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     results = []
     grid = (1,)
 
-    tuned = forward._pooled_forward_kernel
-    for config in tuned.configs:
+    for tile in forward.forward_tiles(block_d):
         # Launched directly (the tensors pointer arguments) and as a CUDA graph runs it (their addresses
         # loaded from a tensor, the alignment hints all Triton knows of them): the same 16-byte accesses.
-        for graphed, label in ((False, ""), (True, ", addresses")):
-            kernel = tuned.fn.warmup(
+        # Grouped: one launch of a column group (a model of mixed dims), its feature read from its descriptor row.
+        for graphed, grouped, label in ((False, False, ""), (True, False, ", addresses"),
+                                        (True, True, ", addresses, grouped")):
+            kernel = forward._pooled_forward_kernel.fn.warmup(
                 addresses, f32, 3328, dim, descriptor, weights, dim, i64, i64, i32, f32, 65536, 0,
                 POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, ALIGN=16 // weights.element_size(),
-                ALIGN_BYTES=16, BLOCK_D=block_d, ADDRESSES=graphed, OUTPUT_ALIGN_BYTES=16, INPUT_ALIGN_BYTES=16,
-                grid=grid, num_warps=config.num_warps, **config.kwargs)
-            shape = config.kwargs
-            results.append(_report(f"forward B{shape['BLOCK_B']} L{shape['BLOCK_L']} w{config.num_warps} "
-                                   f"G{shape['GROUPS']} S{shape['STAGES']}{label}", kernel, arch))
+                ALIGN_BYTES=16, BLOCK_D=block_d, GROUPED=grouped, ADDRESSES=graphed, OUTPUT_ALIGN_BYTES=16,
+                INPUT_ALIGN_BYTES=16, BLOCK_B=tile.bags, BLOCK_L=tile.lanes, GROUPS=tile.groups, STAGES=tile.stages,
+                grid=grid, num_warps=tile.warps)
+            results.append(_report(f"forward B{tile.bags} L{tile.lanes} w{tile.warps} G{tile.groups} "
+                                   f"S{tile.stages}{label}", kernel, arch))
     for block_b, block_l in ((128, 1), (4, 32)):  # bags of one (Criteo) and of 32 (linearize_tile)
         results.append(_report(f"linearize B{block_b} L{block_l}", linearize._linearize_kernel.warmup(
             i32, i32, descriptor, i64, i64, n, 65536, BLOCK_B=block_b, BLOCK_L=block_l, grid=grid, num_warps=4), arch))
@@ -193,7 +194,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     results.append(_report("per-sample-weight grad", per_sample_weights._per_sample_weights_grad_kernel.warmup(
         f32, f32, 3328, descriptor, weights, dim, i64, i64, i32, 65536, POOLING=0,
         USE_CACHE=True, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16, BLOCK_B=8, BLOCK_L=4, BLOCK_D=block_d,
-        grid=grid, num_warps=4), arch))
+        GROUPED=False, grid=grid, num_warps=4), arch))
     return results
 
 

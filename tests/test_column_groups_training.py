@@ -1,0 +1,113 @@
+"""Training through the module on batches whose lookup count changes every step: a forward launched per
+column group (kernels/rows.py ``ColumnGroup``) trains bit for bit as one launch over every feature, pooling
+none's padded outputs as outputs of exactly N rows, and on the GPU a few forward graphs serve every batch
+(the lookup count is not in a pooled forward's graph key; pooling none's is its padded size)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiered_tbe import CacheConfig, Placement, TableSpec, TieredEmbeddingBags
+from tiered_tbe.base.graphs import padded_size
+from tiered_tbe.kernels import forward as forward_module
+from tiered_tbe.optimizers import SGD, RowwiseAdagrad
+
+
+def _ragged_batches(table_rows, num_features, steps, batch_size, device, weighted=True, seed=0):
+    """Batches of one batch size whose lookup count changes every step (no count twice): bags of 0..5 lookups."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    batches, counts = [], set()
+    for _ in range(steps):
+        lengths = torch.randint(0, 6, (num_features * batch_size,), generator=generator, device=device)
+        while int(lengths.sum()) in counts:  # one more lookup in the first bag that can take one
+            lengths[int(torch.nonzero(lengths < 5)[0])] += 1
+        counts.add(int(lengths.sum()))
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        feature_of = torch.arange(num_features, device=device).repeat_interleave(batch_size).repeat_interleave(lengths)
+        rows = torch.tensor(table_rows, device=device)[feature_of]
+        indices = (torch.rand(int(offsets[-1]), generator=generator, device=device) ** 2 * rows).long()
+        weights = torch.rand(indices.numel(), generator=generator, device=device) if weighted else None
+        batches.append((indices, offsets, weights))
+    assert len({int(b[1][-1]) for b in batches}) == steps
+    return batches
+
+
+def _train(module, batches):
+    """Train ``module`` on ``batches``; the outputs and the state after."""
+    outputs = []
+    for indices, offsets, weights in batches:
+        output = module(indices, offsets, per_sample_weights=weights)
+        outputs.append(output.detach().clone())
+        grad = torch.linspace(-1, 1, output.numel(), device=output.device).view(output.shape)
+        output.backward(grad)
+    return outputs, {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _module(dims, device, pooling="sum", **kwargs):
+    tables = [TableSpec(rows, dim, name=f"t{t}", placement=Placement.MANAGED_CACHED)
+              for t, (rows, dim) in enumerate(zip((40, 3, 25, 60), dims))]
+    return TieredEmbeddingBags(tables, pooling=pooling, optimizer=RowwiseAdagrad(lr=0.1), device=device, seed=3,
+                               cache=CacheConfig(slots=16, associativity=4), bounds_check="off", **kwargs)
+
+
+def test_module_training_on_mixed_dims_equals_one_launch_bitwise(monkeypatch, device):
+    """A cached module of mixed dims trained on batches whose lookup count changes every step: its
+    outputs and its tables equal, bit for bit, those of the same training with one launch a forward."""
+    dims = (3, 16, 33, 120)
+    batches = _ragged_batches((40, 3, 25, 60), 4, steps=4, batch_size=3, device=device)
+    grouped = _train(_module(dims, device), batches)
+    monkeypatch.setenv("TIERED_TBE_FORWARD_ONE_LAUNCH", "1")
+    one_launch = _train(_module(dims, device), batches)
+    for a, b in zip(grouped[0], one_launch[0]):
+        assert torch.equal(a, b)
+    for key, value in grouped[1].items():
+        assert torch.equal(value, one_launch[1][key]), key
+
+
+def test_padded_pooling_none_trains_as_unpadded_bitwise(monkeypatch, device):
+    """Pooling none through the module over batches of changing N (each padded to its size's bucket):
+    outputs and tables bit for bit those of outputs of exactly N rows."""
+    batches = _ragged_batches((40, 3, 25, 60), 4, steps=4, batch_size=3, device=device)
+    assert any(padded_size(int(offsets[-1])) != int(offsets[-1]) for _, offsets, _ in batches)
+    padded = _train(_module((8,) * 4, device, pooling="none"), batches)
+    monkeypatch.setattr(forward_module, "padded_size", lambda n: n)
+    unpadded = _train(_module((8,) * 4, device, pooling="none"), batches)
+    for a, b in zip(padded[0], unpadded[0]):
+        assert torch.equal(a, b)
+    for key, value in padded[1].items():
+        assert torch.equal(value, unpadded[1][key]), key
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pooling", ["sum", "none"])
+def test_batches_of_changing_lookup_counts_replay_a_few_forward_graphs(pooling):
+    """On the GPU: 24 batches, each of its own lookup count, one batch size: the forward captures at most
+    one graph per bag-length class (pooled: the count is not in its key) or per padded size (none), and
+    every output equals the eager module's bit for bit, as do the tables after."""
+    device = torch.device("cuda")
+    dims = (8,) * 4 if pooling == "none" else (8, 24, 64, 256)
+    table_rows = (40_000, 3, 25_000, 60_000)
+    batches = _ragged_batches(table_rows, 4, steps=24, batch_size=512, device=device)
+    kwargs = dict(pooling=pooling, optimizer=SGD(lr=0.1), device=device, seed=3, bounds_check="off",
+                  cache=CacheConfig(slots=4096, associativity=32))
+    tables = [TableSpec(rows, dim, name=f"t{t}", placement=Placement.MANAGED_CACHED)
+              for t, (rows, dim) in enumerate(zip(table_rows, dims))]
+    graphed = TieredEmbeddingBags(tables, **kwargs)
+    eager = TieredEmbeddingBags(tables, cuda_graphs=False, **kwargs)
+    graphed_outputs, graphed_state = _train(graphed, batches)
+    eager_outputs, eager_state = _train(eager, batches)
+    torch.cuda.synchronize()
+    if pooling == "none":
+        keys = len({padded_size(int(offsets[-1])) for _, offsets, _ in batches})
+    else:
+        keys = len({forward_module.bag_length_class(int(offsets[-1]), offsets.numel() - 1)
+                    for _, offsets, _ in batches})
+    assert keys <= 4 and 1 <= graphed._forward_graphs.captures <= keys
+    assert graphed._forward_graphs.replays >= len(batches) - 2 * keys
+    for a, b in zip(graphed_outputs, eager_outputs):
+        assert torch.equal(a, b)
+    for key, value in graphed_state.items():
+        assert torch.equal(value, eager_state[key]), key
