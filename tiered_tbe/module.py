@@ -13,24 +13,25 @@ from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
 from tiered_tbe.base.graphs import StepGraphs
 from tiered_tbe.base.mode import default_device
 from tiered_tbe.base.sorting import sort_ids
-from tiered_tbe.batch import DeferredUnlocks, PreparedBatch, same_batch
+from tiered_tbe.batch import DeferredUnlocks, PreparedBatch
 from tiered_tbe.cache.mover import default_mover
-from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD, SlotCache
-from tiered_tbe.cache.stats import CacheStats
+from tiered_tbe.cache.slot_cache import SlotCache
 from tiered_tbe.fbgemm_access import FbgemmAccess
 from tiered_tbe.function import TieredEmbeddingBagsFunction
 from tiered_tbe.kernels.linearize import linearize
 from tiered_tbe.kernels.rows import Lookups, no_cache
 from tiered_tbe.memory import check_memory, plan_cache
 from tiered_tbe.optimizers import FusedOptimizer
+from tiered_tbe.prefetch_queue import PrefetchQueue
 from tiered_tbe.specs import CacheConfig, TableSpec
 from tiered_tbe.storage import lay_out
+from tiered_tbe.table_state import TableState
 from tiered_tbe.variable_batch import VariableBatch, fixed_batch_offsets
 
 _WEIGHTS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class TieredEmbeddingBags(FbgemmAccess, nn.Module):
+class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
     """Pooled embedding lookups over tables in HBM, host memory, managed memory or a GPU cache.
 
     Args:
@@ -244,15 +245,6 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
         cache_batch = self.cache.prefetch(lookups.global_rows)
         return PreparedBatch(lookups, cache_batch.slot_of_index, self.cache, cache_batch, value_check=value_check)
 
-    def run_deferred_unlocks(self) -> None:
-        """Unlock, on the current stream, the batches a pipeline's training loop has released
-        since the last prefetch, each after the event recorded at its release (its backward)."""
-        while self._deferred_unlocks.queue:
-            done, batch = self._deferred_unlocks.queue.popleft()
-            if done is not None:
-                torch.cuda.current_stream(self.device).wait_event(done)
-            batch.unlock()
-
     def _bag_of_index(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """int32 [N]: the bag (f*B + b) of each lookup; empty bags are skipped by searchsorted."""
         positions = torch.arange(indices.numel(), device=self.device)
@@ -330,103 +322,6 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
         return VariableBatch(batch_size_per_feature_per_rank,
                              [self.tables[t].embedding_dim for t in self.feature_table_map], self.device)
 
-    @property
-    def uses_lookahead(self) -> bool:
-        return self.cache is not None and self.cache.policy == "lookahead"
-
-    def hint_upcoming(self, upcoming_rows: list[torch.Tensor]) -> None:
-        """Tell a lookahead cache the global rows of the batches that follow the next prefetch.
-
-        ``upcoming_rows[d - 1]`` (int64, e.g. from :meth:`rows_for_hint`; repeats allowed, rows
-        outside the cached tables ignored) are the rows of the batch ``d`` places after the next
-        one, for ``d`` up to ``MAX_LOOKAHEAD`` (64, ``tiered_tbe.cache.MAX_LOOKAHEAD``; more raise
-        ``ValueError``): that batch will be prefetched at cache step ``cache.step + 1 + d``, and
-        the cache holds hints for the 64 steps after the next one. When a victim is chosen, each
-        cached row's next use is the first of these batches naming it; the policy evicts the row
-        needed latest first.
-
-        Incremental: a batch whose step the cache has recorded already (passed before a previous
-        prefetch) is skipped, so passing the whole window before every prefetch costs one pass
-        over the rows of the batch that entered it (``SlotCache.add_upcoming``).
-        """
-        if len(upcoming_rows) > MAX_LOOKAHEAD:
-            raise ValueError(f"hint_upcoming: {len(upcoming_rows)} batches, at most MAX_LOOKAHEAD = {MAX_LOOKAHEAD} "
-                             "after the next prefetch (the cache holds hints for that many steps)")
-        if self.cache is None:
-            return
-        recorded = set(self.cache.upcoming_steps)
-        for distance, rows in enumerate(upcoming_rows, 1):
-            step = self.cache.step + 1 + distance
-            if step not in recorded:
-                self.cache.add_upcoming(rows, step)
-
-    def cancel_prefetched(self) -> None:
-        """Drop every batch prefetched but not yet forwarded, releasing its cache locks, and run
-        every deferred unlock (the cache then holds no lock of a batch gone through forward).
-
-        Call it when prefetched batches will not be forwarded (a loop left early, an evaluation
-        that replaces them): their slots stay locked until then, and ``load_state_dict`` refuses
-        while they are queued. A :class:`~tiered_tbe.PrefetchPipeline` calls it when it closes.
-        """
-        while self._prefetched:
-            self._prefetched.popleft()[2].release()
-        self.run_deferred_unlocks()
-        # Batches still in flight (forwarded, no backward yet) unlock at their release from now on.
-        self._deferred_unlocks.open = False
-        self._deferred_unlocks = DeferredUnlocks()
-
-    def drop_prefetched(self, indices: torch.Tensor, offsets: torch.Tensor) -> bool:
-        """Drop the batch prefetched next if it is this one (:func:`~tiered_tbe.batch.same_batch`),
-        releasing its cache locks, for a caller that will not forward it; returns whether it was queued."""
-        if not self._prefetched or not same_batch(self._prefetched[0][0], self._prefetched[0][1], indices, offsets):
-            return False
-        self._prefetched.popleft()[2].release()
-        return True
-
-    def _take_prefetched(self, indices, offsets) -> PreparedBatch | None:
-        """The batch prefetched next, if it is this one (the same tensors); None if this batch
-        was not prefetched at all (e.g. a held-out batch evaluated inside a pipelined loop): the
-        forward then prefetches it itself, serially, on the current stream, beside the batches in
-        flight, which keep their locks (the cache orders its metadata across streams)."""
-        if not self._prefetched:
-            return None
-        queued_indices, queued_offsets, batch = self._prefetched[0]
-        if not same_batch(queued_indices, queued_offsets, indices, offsets):
-            later = [same_batch(i, o, indices, offsets) for i, o, _ in self._prefetched]
-            if not any(later):
-                return None
-            skipped = self._prefetched_for_a_forward_stream(later.index(True))
-            if skipped is None:
-                raise ValueError(
-                    "forward got a batch prefetched after the one prefetched next: call forward with the "
-                    "prefetched indices/offsets tensors in the order they were prefetched (cancel_prefetched() "
-                    "drops every prefetched batch)"
-                )
-            for stale in skipped:  # a pipeline left them (TorchRec's, stopped early): never forwarded
-                stale.release()
-            queued_indices, queued_offsets, batch = self._prefetched[0]
-        self._prefetched.popleft()
-        if batch.ready is not None:  # prefetched on another stream (PrefetchPipeline)
-            training_stream = torch.cuda.current_stream(self.device)
-            training_stream.wait_event(batch.ready)
-            for tensor in batch.tensors():
-                tensor.record_stream(training_stream)
-        if batch.value_check is not None:
-            try:
-                batch.value_check.raise_if_bad()
-            except ValueError:
-                batch.release()
-                raise
-        return batch
-
-    def _prefetched_for_a_forward_stream(self, count: int) -> list[PreparedBatch] | None:
-        """The ``count`` oldest prefetched batches, taken off the queue, if every one was prefetched for a
-        forward on another stream (TorchRec's prefetch pipeline, which forwards each batch it prefetched
-        in order, unless it was stopped early); else None and the queue stays as it was."""
-        if not all(self._prefetched[k][2].for_forward_stream for k in range(count)):
-            return None
-        return [self._prefetched.popleft()[2] for _ in range(count)]
-
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None,
                 batch_size_per_feature_per_rank: list[list[int]] | None = None) -> torch.Tensor:
         layout = self._variable_batch(batch_size_per_feature_per_rank)
@@ -488,84 +383,6 @@ class TieredEmbeddingBags(FbgemmAccess, nn.Module):
                                          optimizer, self.optimizer_step, stochastic_rounding=self.stochastic_rounding,
                                          seed=self.seed, graphs=self._backward_graphs, presorted=presorted)
         batch.release(updated=optimizer is not None)
-
-    # ---------------------------------------------------------------- tables and state
-    def flush(self) -> None:
-        """Write every dirty cached row (and its optimizer state) back to its backing store. With
-        the staged mover it returns once they are there (every row move in flight lands first)."""
-        if self.cache is not None:
-            self.cache.flush()
-
-    def table(self, t: int) -> torch.Tensor:
-        """The full weights of table t, ``[num_embeddings, embedding_dim]``: a view of its
-        backing store after a flush (every update included)."""
-        self.flush()
-        return self.storage.table_weights[t]
-
-    def cache_stats(self) -> CacheStats:
-        return self.cache.stats() if self.cache is not None else CacheStats()
-
-    def reset_cache_stats(self) -> None:
-        if self.cache is not None:
-            self.cache.reset_stats()
-
-    def _state_views(self, t: int) -> dict[str, torch.Tensor]:
-        """The state_dict entries of table t, as views of the backing store: its weights, and
-        its optimizer state under the optimizer's names (a width-1 entry is 1-D)."""
-        name = self.table_names[t]
-        views = {f"{name}.weight": self.storage.table_weights[t]}
-        state = self.storage.table_state[t]
-        if self.optimizer is not None and state is not None:
-            column = 0
-            for state_name, width in self.optimizer.state_columns(self.tables[t].embedding_dim):
-                views[f"{name}.{state_name}"] = state[:, column] if width == 1 else state[:, column : column + width]
-                column += width
-        return views
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        self.flush()  # a checkpoint holds every update (TorchRec issue #1674)
-        for t in range(len(self.tables)):
-            for key, view in self._state_views(t).items():
-                destination[prefix + key] = view if keep_vars else view.detach()
-        if self.optimizer is not None:
-            destination[prefix + "optimizer_step"] = torch.tensor(self.optimizer_step)
-
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
-        expected = {}
-        for t in range(len(self.tables)):
-            expected.update({prefix + k: v for k, v in self._state_views(t).items()})
-        if self.optimizer is not None:
-            expected[prefix + "optimizer_step"] = None
-        problems = []
-        for key, view in expected.items():
-            if key not in state_dict:
-                missing_keys.append(key)
-            elif view is not None and tuple(state_dict[key].shape) != tuple(view.shape):
-                problems.append(f"{key}: shape {tuple(state_dict[key].shape)}, expected {tuple(view.shape)}")
-        # This module has no children: every other key under its prefix is unexpected.
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
-        if problems:
-            error_msgs.extend(problems)
-            return  # touch nothing when any entry is wrong
-        if self.cache is not None:
-            self.run_deferred_unlocks()
-            locked = self.cache.num_locked()
-            if self._prefetched or locked:
-                raise RuntimeError(
-                    f"load_state_dict while batches are in flight: {len(self._prefetched)} batches prefetched and not "
-                    f"forwarded, {locked} cache slots locked (by those, and by batches forwarded whose backward has "
-                    "not run). Finish them (forward, then backward), or call cancel_prefetched() to drop the "
-                    "prefetched ones; a forwarded batch's slots are released by its backward, or when its output "
-                    "is dropped")
-            self.cache.invalidate()  # the cached copies are about to be stale
-        with torch.no_grad():
-            for key, view in expected.items():
-                if key in state_dict and view is not None:
-                    view.copy_(state_dict[key])
-        if prefix + "optimizer_step" in state_dict:
-            self.optimizer_step = int(state_dict[prefix + "optimizer_step"])
 
     def extra_repr(self) -> str:
         lines = [f"pooling={self.pooling!r}, optimizer={self.optimizer}, weights_dtype={self.weights_dtype}"]
