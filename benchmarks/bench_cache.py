@@ -48,6 +48,7 @@ from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.models import build_module
 from tiered_tbe.cache.mover import MOVERS
 from tiered_tbe.cache.policy import POLICIES
+from tiered_tbe.memory import host_available_bytes
 from tiered_tbe.module import TieredEmbeddingBags
 from tiered_tbe.pipeline import PrefetchPipeline
 from tiered_tbe.specs import CacheConfig, Placement
@@ -381,7 +382,7 @@ def run_big_table(args: argparse.Namespace) -> dict:
     if num_rows < 1:
         raise SystemExit(f"--big-table-gb {args.big_table_gb} holds no {row_bytes}-byte row")
     host_bytes = num_rows * (row_bytes + 4)  # rows and their row-wise Adagrad state, pinned
-    available = common.host_memory_available()
+    available = host_available_bytes()
     margin = 0 if SIMULATION else 4 * 2**30  # for the process itself, the batches and the interpreter
     if available is not None and host_bytes + margin > available:
         raise SystemExit(f"big-table mode: the table needs {host_bytes / 2**30:.1f} GiB of pinned host memory "

@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import os
-import socket
 import statistics
 import time
 from collections import defaultdict
@@ -319,29 +317,13 @@ def _stage_of(event) -> str:
 
 
 # ------------------------------------------------------------------ run
-def _join_process_group() -> tuple[bool, torch.device]:
-    made = False
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo" if SIMULATION else "nccl")
-        made = True
-    if SIMULATION:
-        return made, torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
-    return made, device
-
-
 def run(args: argparse.Namespace) -> dict:
     from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist, TrainPipelineSparseDist
 
     check_args(args)
-    made, device = _join_process_group()
+    from tiered_tbe.torchrec.train import join_process_group
+
+    made, device = join_process_group()
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         count = args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0)

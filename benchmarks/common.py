@@ -422,18 +422,6 @@ def pinned_copy_bandwidth(gib: float, rep_ms: float = 200.0) -> dict[str, float]
     return {"h2d_gbs": nbytes / to_device_ms / 1e6, "d2h_gbs": nbytes / to_host_ms / 1e6}
 
 
-def host_memory_available() -> int | None:
-    """Bytes of host memory available for new allocations (``MemAvailable``), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 # ------------------------------------------------------------------------------------ reporting
 
 

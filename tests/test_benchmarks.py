@@ -98,7 +98,7 @@ def test_bench_cache_big_table_mode(scripts, capsys, tmp_path):
 
 
 def test_bench_cache_big_table_fails_clearly_without_memory(scripts, monkeypatch):
-    monkeypatch.setattr(scripts["common"], "host_memory_available", lambda: 2**20)
+    monkeypatch.setattr(scripts["bench_cache"], "host_available_bytes", lambda: 2**20)
     with pytest.raises(SystemExit, match="pinned host memory.*only 0.0 GiB is available"):
         scripts["bench_cache"].main(["--big-table-gb", "0.01", "--dim", "16"])
 

@@ -70,7 +70,7 @@ class CollectionDLRM(nn.Module):
         return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
 
 
-def _join_process_group() -> tuple[bool, torch.device]:
+def join_process_group() -> tuple[bool, torch.device]:
     """Join torchrun's process group (or make one of one process). Returns (whether we made it, device)."""
     if dist.is_initialized():
         made = False
@@ -163,7 +163,7 @@ def run_torchrec(args: argparse.Namespace) -> dict:
     from tiered_tbe.torchrec.batch import SparseBatch
 
     check_args(args)
-    made_group, device = _join_process_group()
+    made_group, device = join_process_group()
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(args.seed)  # the same dense model on every rank
