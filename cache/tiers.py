@@ -150,6 +150,21 @@ def host_view(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
 
+def is_pinned_host_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a CUDA tensor) lies in pinned host memory (``HOST``), not managed or device
+    memory. False for CPU tensors (simulation) and when no CUDA runtime binding imports."""
+    if tensor.device.type != "cuda":
+        return False
+    runtime = _runtime()
+    if runtime is not None:
+        attributes = _check(runtime, runtime.cudaPointerGetAttributes(tensor.data_ptr()), "cudaPointerGetAttributes")
+        return attributes.type == runtime.cudaMemoryType.cudaMemoryTypeHost
+    cupy = _cupy()
+    if cupy is not None:
+        return cupy.cuda.runtime.pointerGetAttributes(tensor.data_ptr()).type == 1  # cudaMemoryTypeHost
+    return False
+
+
 def _host_address(device_pointer: int) -> int:
     """The host address of CUDA-addressable memory at ``device_pointer`` (pinned host or managed)."""
     runtime = _runtime()

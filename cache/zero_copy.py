@@ -21,6 +21,7 @@ from tiered_tbe.cache._kernels import OUTCOME_FILLED
 from tiered_tbe.cache.launch import KernelLauncher, flat_view
 from tiered_tbe.cache.mover import Moves, RowMover
 from tiered_tbe.cache.tables import BITS_OF_SIZE, CachedTable
+from tiered_tbe.cache.tiers import is_pinned_host_memory
 
 # Most thread blocks a copy launch (fill, write-back, flush) uses; each block moves 8 rows at a
 # time. On the H200 fewer blocks (1056, 264, 132) copied 10-20% more slowly and did not speed a
@@ -33,7 +34,8 @@ DEFAULT_COPY_ROWS_PER_BLOCK = int(os.environ.get("TIERED_TBE_COPY_ROWS_PER_BLOCK
 # reads the missed row in) rather than two (write-backs in row order, then fills). On the H200, 12 mixed-dim
 # tables in managed memory, 2.35M rows in and out a batch: prefetch 41.7 ms against 49.2; 214K rows: 8.3 against
 # 10.1 (docs/performance.md). SM reads and writes of host memory share one ~52 GB/s limit (they do not overlap
-# as copy-engine DMAs do), but interleaved in one warp they reach ~55-62. Env TIERED_TBE_FUSED_MOVES=0: two launches.
+# as copy-engine DMAs do), but interleaved in one warp they reach ~55-62. Managed memory only (see __init__).
+# Env TIERED_TBE_FUSED_MOVES=0: two launches everywhere.
 DEFAULT_FUSED_MOVES = os.environ.get("TIERED_TBE_FUSED_MOVES", "1") == "1"
 
 
@@ -53,7 +55,10 @@ class ZeroCopyMover(RowMover):
         self.rows_end = rows_end
         self.copy_blocks = DEFAULT_COPY_BLOCKS  # most thread blocks per copy launch (GPU only)
         self.copy_rows_per_block = DEFAULT_COPY_ROWS_PER_BLOCK  # warps per copy block (GPU only)
-        self.fused_moves = DEFAULT_FUSED_MOVES  # one launch for a prefetch's moves (one buffer group only)
+        # One launch for a prefetch's moves: one buffer group only, and not into pinned memory, where writes in
+        # random order (a victim's) ran at ~12 GB/s against ~52 in row order (managed memory: ~45; the H200,
+        # docs/performance.md): there the two launches keep the write-backs sorted by row.
+        self.fused_moves = DEFAULT_FUSED_MOVES and not any(is_pinned_host_memory(t.weights) for t in tables)
         self._copy_groups = self._make_copy_groups(weights, state, tables)
 
     def enqueue(self, moves: Moves) -> tuple[torch.Tensor, ...]:
