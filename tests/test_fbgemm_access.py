@@ -168,18 +168,22 @@ def test_variable_batch_equals_fbgemms_cpu_tbe(fbgemm_name):
     tbe = fbgemm_tbe(fbgemm_name, 0.3, module.split_embedding_weights())
     for batch_sizes in BATCH_SIZES[:2]:
         indices, offsets = vbe_batch(batch_sizes, generator)
-        ours = module(indices, offsets, batch_size_per_feature_per_rank=batch_sizes)
-        theirs = tbe(indices, offsets, batch_size_per_feature_per_rank=batch_sizes)
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
-        grad = torch.randn(ours.shape, generator=generator)
-        ours.backward(grad)
-        theirs.backward(grad)
+        step_both(module, tbe, indices, offsets, generator, batch_size_per_feature_per_rank=batch_sizes)
     for mine, fbgemms in zip(module.split_embedding_weights(), tbe.split_embedding_weights()):
         torch.testing.assert_close(mine, fbgemms, rtol=1e-5, atol=1e-6)
     if fbgemm_name == "EXACT_ROWWISE_ADAGRAD":
         for mine, fbgemms in zip(module.get_optimizer_state(), tbe.get_optimizer_state()):
             assert mine.keys() == fbgemms.keys()
             torch.testing.assert_close(mine["sum"], fbgemms["sum"], rtol=1e-5, atol=1e-7)
+
+
+def step_both(module, tbe, indices, offsets, generator, **kwargs):
+    """One training step of ours and FBGEMM's on the same batch and gradient; the outputs must agree."""
+    ours, theirs = module(indices, offsets, **kwargs), tbe(indices, offsets, **kwargs)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    grad = torch.randn(ours.shape, generator=generator)
+    ours.backward(grad)
+    theirs.backward(grad)
 
 
 @pytest.mark.parametrize("fbgemm_name", ["EXACT_SGD", "EXACT_ROWWISE_ADAGRAD", "EXACT_ADAGRAD"])
@@ -199,11 +203,7 @@ def test_state_shapes_and_learning_rate_schedule_equal_fbgemms(fbgemm_name):
         indices = torch.cat([torch.randint(0, TABLES[i // 3][0], (int(n),), generator=generator)
                              for i, n in enumerate(lengths)])
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-        ours, theirs = module(indices, offsets), tbe(indices, offsets)
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
-        grad = torch.randn(ours.shape, generator=generator)
-        ours.backward(grad)
-        theirs.backward(grad)
+        step_both(module, tbe, indices, offsets, generator)
     for mine, fbgemms in zip(module.split_embedding_weights(), tbe.split_embedding_weights()):
         torch.testing.assert_close(mine, fbgemms, rtol=1e-5, atol=1e-6)
 

@@ -25,18 +25,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
-    # numpy 2.4 and cuda-cccl (CUB's sorts), when their archive came with the tree (tools/pack_gpu_site.sh)
-    if [[ -f .gpusite/site.tar.xz ]]; then
-        mkdir -p /tmp/site && tar -xJf .gpusite/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-    fi
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
-        || { cat "$OUT/install.log"; exit 1; }
-    if [[ -d .peer ]]; then
-        bash .peer/install-on-device.sh .peer >>"$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
-        export PYTHONPATH=/tmp/fbsite:${PYTHONPATH:-}
-    fi
-fi
+source tools/gpu_install.sh
 python3 -c "import tiered_tbe, tiered_tbe.kernels, tiered_tbe.cache, torch, triton; print(tiered_tbe.describe_mode(), \
 torch.__version__, triton.__version__); from tiered_tbe.base.sorting import sort_backend; print('sort:', sort_backend('cuda'))" \
     || exit 1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tiered-tbe inside TorchRec on the lent H200, in one device call: unpack the FBGEMM peer with TorchRec
-# 1.6.1 (carried as .peer: ../shared/peer/prepare-fbgemm.py, then ../shared/peer/prepare-torchrec.sh), run
+# 1.6.1 (carried as .peer, see CONTRIBUTING.md), run
 # the gpu-marked TorchRec tests (world size 1, NCCL), `tiered-tbe train --torchrec` under torchrun, then
 # `tiered-tbe bench torchrec`; logs and JSON lines under $OUT.
 #
@@ -18,17 +18,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
-    # numpy 2.4 and cuda-cccl (CUB's sorts), when their archive was carried (tools/pack_gpu_site.sh)
-    if [[ -f .gpusite/site.tar.xz ]]; then
-        mkdir -p /tmp/site && tar -xJf .gpusite/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-    fi
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
-        || { cat "$OUT/install.log"; exit 1; }
-    [[ -d .peer ]] || { echo "no .peer: carry FBGEMM's peer with TorchRec's wheels (../shared/peer/README.md)"; exit 1; }
-    bash .peer/install-on-device.sh .peer >>"$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
-    export PYTHONPATH=/tmp/fbsite:${PYTHONPATH:-}
-fi
+NEED_PEER=1 source tools/gpu_install.sh
 python3 -c "import tiered_tbe, torch, torchrec, fbgemm_gpu; print(tiered_tbe.describe_mode(), 'torch', torch.__version__, \
 'torchrec', torchrec.__version__, 'fbgemm_gpu', fbgemm_gpu.__version__)" 2>&1 | tail -1
 
