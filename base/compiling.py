@@ -22,15 +22,15 @@ from collections import Counter
 MESSAGE = "tiered-tbe: compiling kernels for this shape (first steps are slow)..."
 
 # Kernels compiled and loaded from disk in this process: "triton compiled", "triton loaded",
-# "numba compiled", "numba loaded".
+# "numba compiled", "numba loaded", "cub compiled", "cub loaded" (the sorts).
 COUNTS: Counter = Counter()
 _announced = False
 
 
 def count(compiler: str, compiled: int = 0, loaded: int = 0) -> None:
     """Record ``compiled`` kernels compiled and ``loaded`` loaded from the disk cache by
-    ``compiler`` (``"triton"`` or ``"numba"``); the first real compile prints :data:`MESSAGE`
-    (unless ``TIERED_TBE_QUIET_COMPILE=1``)."""
+    ``compiler`` (``"triton"``, ``"numba"`` or ``"cub"``: ``base/sorting.py``); the first real
+    compile prints :data:`MESSAGE` (unless ``TIERED_TBE_QUIET_COMPILE=1``)."""
     global _announced
     COUNTS[f"{compiler} compiled"] += compiled
     COUNTS[f"{compiler} loaded"] += loaded

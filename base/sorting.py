@@ -11,15 +11,22 @@ only. ``TIERED_TBE_SORT=torch`` forces ``torch.sort``.
 
 Row ids of a module rarely reach 2^31, so the sorts run on int32 keys when they fit: an int64
 key costs about twice an int32 one.
+
+Building a CUB sort JIT-compiles it (NVRTC): ~2 s per dtype pair on the H200 machine, in every
+process. A built sort is kept on disk (``cuda.compute.serialize``, cuda-cccl >= 1.1) in
+:func:`sorter_cache_dir`, one file per dtype pair, GPU architecture and cuda-cccl version, and
+a later process loads it instead (counted as ``cub compiled`` / ``cub loaded``, ``base/compiling.py``).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import torch
 
+from . import compiling
 from .codes import INT32_MAX, INT64_MAX
 from .mode import SIMULATION
 
@@ -79,11 +86,16 @@ def _cub_sort(cuda_compute, keys: torch.Tensor, values: torch.Tensor | None,
     arrays = dict(d_in_keys=keys, d_out_keys=sorted_keys, d_in_values=values, d_out_values=sorted_values)
     sorter = _sorters.get((keys.dtype, values.dtype))
     if sorter is None:
-        try:  # JIT-compiles CUB (NVRTC), once a process for each dtype pair
-            sorter = cuda_compute.make_radix_sort(**arrays, order=cuda_compute.SortOrder.ASCENDING)
-        except Exception as error:  # noqa: BLE001 - cuda-cccl imports but cannot build here (no NVRTC, old driver)
-            _disable_cub(error)
-            return None
+        path = _sorter_file(cuda_compute, keys, values)
+        sorter = _load_sorter(cuda_compute, path)
+        if sorter is None:
+            try:  # JIT-compiles CUB (NVRTC), once for each dtype pair
+                sorter = cuda_compute.make_radix_sort(**arrays, order=cuda_compute.SortOrder.ASCENDING)
+            except Exception as error:  # noqa: BLE001 - cuda-cccl imports but cannot build here (no NVRTC, old driver)
+                _disable_cub(error)
+                return None
+            compiling.count("cub", compiled=1)
+            _save_sorter(cuda_compute, sorter, path)
         _sorters[keys.dtype, values.dtype] = sorter
     call = dict(arrays, num_items=keys.numel(), begin_bit=0, end_bit=end_bit,
                 stream=_CudaStream(torch.cuda.current_stream(keys.device)))
@@ -92,6 +104,58 @@ def _cub_sort(cuda_compute, keys: torch.Tensor, values: torch.Tensor | None,
     scratch_bytes = sorter(temp_storage=None, **call)
     sorter(temp_storage=torch.empty(max(scratch_bytes, 1), dtype=torch.uint8, device=keys.device), **call)
     return sorted_keys, sorted_values
+
+
+def sorter_cache_dir() -> Path:
+    """Where built CUB sorts are kept: ``$TIERED_TBE_CUB_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/tiered-tbe/cub`` (default ``~/.cache``)."""
+    root = os.environ.get("TIERED_TBE_CUB_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tiered-tbe" / "cub"
+
+
+def _sorter_file(cuda_compute, keys: torch.Tensor, values: torch.Tensor) -> Path | None:
+    """The file of the sort of ``keys``' and ``values``' dtypes on their GPU's architecture, built by
+    this cuda-cccl; None where a built sort cannot be saved (cuda-cccl before 1.1)."""
+    if not hasattr(cuda_compute, "serialize") or not hasattr(cuda_compute, "deserialize"):
+        return None
+    try:
+        from importlib.metadata import version
+
+        cccl = version("cuda-cccl")
+    except Exception:  # noqa: BLE001 - not installed as a distribution: no version to key the file by
+        return None
+    major, minor = torch.cuda.get_device_capability(keys.device)
+    dtypes = f"{str(keys.dtype).removeprefix('torch.')}-{str(values.dtype).removeprefix('torch.')}"
+    return sorter_cache_dir() / f"radix-sort-{dtypes}-sm{major}{minor}-cccl{cccl}.cclb"
+
+
+def _load_sorter(cuda_compute, path: Path | None):
+    """The sort saved at ``path``, or None (no file, or one this cuda-cccl cannot read: built again)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        sorter = cuda_compute.deserialize(path.read_bytes())
+    except Exception:  # noqa: BLE001 - a stale or truncated file: build afresh (and overwrite it)
+        return None
+    compiling.count("cub", loaded=1)
+    return sorter
+
+
+def _save_sorter(cuda_compute, sorter, path: Path | None) -> None:
+    """Write ``sorter`` to ``path`` whole or not at all (a temporary file renamed: processes that
+    start together never read half a file); a folder that cannot be written keeps nothing."""
+    if path is None:
+        return
+    try:
+        blob = cuda_compute.serialize(sorter)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        temporary.write_bytes(blob)
+        os.replace(temporary, path)
+    except Exception:  # noqa: BLE001 - not serializable here, or no writable folder: build again next time
+        pass
 
 
 def stable_sort(keys: torch.Tensor, upper_bound: int | None = None,

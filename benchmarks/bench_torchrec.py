@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -85,6 +86,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "each side's default (FBGEMM warns on device, ours raises: one host sync a step)")
     parser.add_argument("--profile", action="store_true",
                         help=f"profile {PROFILED_STEPS} more steps per side: embedding GPU time, the rest by stage")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="with --profile: also write each side's profiled steps as a Chrome trace, "
+                             "DIR/<config>-<side>.json (chrome://tracing, Perfetto)")
     parser.add_argument("--record", metavar="PATH", help="append the results to PATH, one JSON line per configuration")
     parser.add_argument("--seed", type=int, default=0)
     return parser
@@ -98,6 +102,10 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--tables must be between 1 and {len(CRITEO_KAGGLE_TABLE_ROWS)}, got {args.tables}")
     if args.warmup < 0 or not 0 < args.cache_load_factor <= 1:
         raise ValueError("--warmup must be >= 0 and --cache-load-factor in (0, 1]")
+    if args.trace:
+        if not args.profile:
+            raise ValueError("--trace writes the profiled steps: give --profile too")
+        os.makedirs(args.trace, exist_ok=True)
     if args.configs is None:
         args.configs = [name for name, (_, pipeline) in CONFIGS.items() if pipeline != "prefetch" or not SIMULATION]
     if SIMULATION and any(CONFIGS[name][1] == "prefetch" for name in args.configs):
@@ -270,10 +278,13 @@ def _lookups(model):
     return list(getattr(model.module.embeddings, "_lookups", []))
 
 
-def profile_steps(pipeline, model, batches, count: int) -> dict:
+def profile_steps(pipeline, model, batches, count: int, trace: str | None = None) -> dict:
     """Per step: GPU ms of the embedding lookups (forward, fused backward, prefetch) and of the rest by
     TorchRec's pipeline stage (its ``## ... ##`` ranges), from ``torch.profiler``; host ms of TorchRec's
-    kernel forward and of the TBE module's inside it (the difference: what the kernel adds around it)."""
+    kernel forward and of the TBE module's inside it (the difference: what the kernel adds around it),
+    of the embedding backward's autograd node, of each pipeline stage, and of the CUDA runtime calls
+    (a long ``cudaStreamSynchronize`` or ``cudaMemcpy`` is the host waiting for the device).
+    ``trace``: a path to write the profile to as a Chrome trace."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if not SIMULATION:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -283,17 +294,36 @@ def profile_steps(pipeline, model, batches, count: int) -> dict:
             pipeline.progress(batches)
         if not SIMULATION:
             torch.cuda.synchronize()
+    if trace:
+        profile.export_chrome_trace(trace)
     gpu: dict[str, float] = defaultdict(float)
     host: dict[str, float] = defaultdict(float)
+    stages: dict[str, float] = defaultdict(float)
+    runtime: dict[str, float] = defaultdict(float)
     for event in profile.events():
         if event.device_type != torch.autograd.DeviceType.CPU:
             continue
+        per_step = event.cpu_time_total / 1e3 / count
         if event.name in (KERNEL_MARK, f"{EMBEDDING_MARK} forward"):
-            host["kernel" if event.name == KERNEL_MARK else "module"] += event.cpu_time_total / 1e3 / count
+            host["kernel" if event.name == KERNEL_MARK else "module"] += per_step
+        elif _is_embedding_backward(event.name):
+            host["backward"] += per_step
+        elif event.name.startswith("## ") and event.name.endswith(" ##"):
+            stages[event.name.strip("# ")] += per_step
+        elif event.name.startswith("cuda") and event.cpu_parent is not None:
+            runtime[event.name] += per_step
         launched = sum(kernel.duration for kernel in event.kernels)  # us, kernels this op launched itself
         if launched:
             gpu[_stage_of(event)] += launched / 1e3 / count
-    return dict(gpu_ms=dict(sorted(gpu.items(), key=lambda item: -item[1])), host_ms=dict(host))
+    def by_time(values: dict[str, float], most: int | None = None) -> dict[str, float]:
+        return dict(sorted(values.items(), key=lambda item: -item[1])[:most])
+
+    return dict(gpu_ms=by_time(gpu), host_ms=dict(host), host_stage_ms=by_time(stages, 8),
+                cuda_runtime_ms=by_time(runtime, 6))
+
+
+def _is_embedding_backward(name: str) -> bool:
+    return "evaluate_function" in name and ("TieredEmbeddingBagsFunction" in name or "LookupFunction" in name)
 
 
 def _stage_of(event) -> str:
@@ -306,7 +336,7 @@ def _stage_of(event) -> str:
             return "embedding " + name.removeprefix(EMBEDDING_MARK).strip()
         if name == KERNEL_MARK:
             return "kernel around the module (adapter)"
-        if "evaluate_function" in name and ("TieredEmbeddingBagsFunction" in name or "LookupFunction" in name):
+        if _is_embedding_backward(name):
             return "embedding backward"
         if name.startswith("## ") and name.endswith(" ##"):
             stage = name.strip("# ")
@@ -341,7 +371,8 @@ def run(args: argparse.Namespace) -> dict:
                 times = timed_steps(pipeline, stream, args.steps)
                 results[name][side] = dict(step_ms=statistics.median(times))
                 if args.profile:
-                    results[name][side]["profile"] = profile_steps(pipeline, model, stream, PROFILED_STEPS)
+                    trace = f"{args.trace}/{name}-{side}.json" if args.trace else None
+                    results[name][side]["profile"] = profile_steps(pipeline, model, stream, PROFILED_STEPS, trace)
                 del pipeline, model, optimizer
                 gc.collect()  # the side's tables go before the next side's are allocated
                 if not SIMULATION:
@@ -391,7 +422,14 @@ def _print(args, results: dict, world_size: int) -> None:
             host = result[side]["profile"]["host_ms"]
             around = host.get("kernel", 0.0) - host.get("module", 0.0)
             print(f"  {side}: host ms of the kernel forward {host.get('kernel', 0.0):.3f}, of which around the "
-                  f"TBE module {around:.3f} ({100 * around / result[side]['step_ms']:.1f}% of the step)")
+                  f"TBE module {around:.3f} ({100 * around / result[side]['step_ms']:.1f}% of the step); "
+                  f"of the embedding backward {host.get('backward', 0.0):.3f}")
+        for side in SIDES:
+            profile = result[side]["profile"]
+            print(f"  {side}: host ms per step by pipeline stage: " + ", ".join(
+                f"{stage} {ms:.3f}" for stage, ms in profile["host_stage_ms"].items()))
+            print(f"  {side}: host ms per step in CUDA runtime calls: " + ", ".join(
+                f"{call} {ms:.3f}" for call, ms in profile["cuda_runtime_ms"].items()))
     if SIMULATION:
         print("(simulation mode: these times are of the CPU interpreter, not of any GPU)")
 

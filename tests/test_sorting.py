@@ -110,3 +110,65 @@ def test_a_cub_that_cannot_build_falls_back_to_torch_sort(device, monkeypatch):
     with pytest.warns(RuntimeWarning, match="torch.sort"):
         _check_against_torch(keys, 300)
     assert sorting.sort_backend(device) == "torch"
+
+
+def test_a_built_sort_is_kept_on_disk_and_loaded_back(tmp_path, monkeypatch):
+    """A CUB sort built once is saved whole (temporary file, then renamed) and loaded by a later
+    process; a file that does not load, or a folder that cannot be written, costs a build, never an
+    error. The disk part alone, with a stand-in for ``cuda.compute``."""
+    from tiered_tbe.base import compiling, sorting
+
+    class FakeCudaCompute:
+        @staticmethod
+        def serialize(sorter):
+            return b"sorter:" + sorter.encode()
+
+        @staticmethod
+        def deserialize(blob):
+            if not blob.startswith(b"sorter:"):
+                raise ValueError("serialization blob: unknown algorithm tag")
+            return blob.removeprefix(b"sorter:").decode()
+
+    monkeypatch.setattr(compiling, "COUNTS", type(compiling.COUNTS)())
+    path = tmp_path / "cub" / "radix-sort-int32-int32-sm90-cccl1.2.1.cclb"
+    assert sorting._load_sorter(FakeCudaCompute, path) is None  # nothing saved yet
+    sorting._save_sorter(FakeCudaCompute, "int32 keys", path)
+    assert path.read_bytes() == b"sorter:int32 keys" and list(path.parent.iterdir()) == [path]
+    assert sorting._load_sorter(FakeCudaCompute, path) == "int32 keys"
+    assert compiling.COUNTS["cub loaded"] == 1
+    path.write_bytes(b"half a fi")
+    assert sorting._load_sorter(FakeCudaCompute, path) is None  # built again, and saved over it
+    blocked = tmp_path / "a file, not a folder"
+    blocked.write_text("")
+    sorting._save_sorter(FakeCudaCompute, "int64 keys", blocked / "sort.cclb")  # no error, nothing kept
+    assert sorting._load_sorter(FakeCudaCompute, None) is None
+    monkeypatch.setenv("TIERED_TBE_CUB_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert sorting.sorter_cache_dir() == tmp_path / "elsewhere"
+
+
+@pytest.mark.gpu
+def test_a_second_process_loads_the_sort_the_first_built(tmp_path, device):
+    """Two fresh processes sharing a sort cache folder: the first builds the CUB sort (int32 keys
+    and positions) and saves it, the second loads it and builds none; both sort as torch.sort."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tiered_tbe.base import sorting
+
+    if sorting.sort_backend(device) != "cub" or not hasattr(sorting._cub(), "serialize"):
+        pytest.skip("cuda.compute does not import here, or cannot save a built sort (cuda-cccl < 1.1)")
+    child = ("import json, torch\nfrom tiered_tbe.base import compiling\n"
+             "from tiered_tbe.base.sorting import stable_sort\n"
+             "keys = torch.randint(0, 1000, (100_000,), dtype=torch.int32, device='cuda')\n"
+             "sorted_keys, order = stable_sort(keys, 1000)\n"
+             "expected_keys, expected_order = torch.sort(keys, stable=True)\n"
+             "same = torch.equal(sorted_keys, expected_keys) and torch.equal(order.long(), expected_order)\n"
+             "print(json.dumps(dict(same=same, **compiling.COUNTS)))\n")
+    env = dict(os.environ, TIERED_TBE_CUB_CACHE_DIR=str(tmp_path))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True,
+                                      check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["same"] and runs[0].get("cub compiled") == 1 and runs[0].get("cub loaded", 0) == 0
+    assert runs[1]["same"] and runs[1].get("cub compiled", 0) == 0 and runs[1].get("cub loaded") == 1
+    assert len(list(tmp_path.glob("radix-sort-int32-int32-sm*.cclb"))) == 1

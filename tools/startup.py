@@ -149,7 +149,7 @@ def run(models, steps: int, tiny: bool) -> list[dict]:
 def print_table(results: list[dict]) -> None:
     print("seconds from the process's start (imported, first step, full speed); durations (built in, first step)")
     print(f"{'model':<6} {'caches':<6} {'imported':>8} {'built in':>8} {'1st step':>10} {'1st step at':>13} "
-          f"{'full speed':>13} {'full speed at':>15} {'step ms':>8}  compiled / loaded (triton, numba)")
+          f"{'full speed':>13} {'full speed at':>15} {'step ms':>8}  compiled / loaded (triton, numba, cub sorts)")
     for r in results:
         c = r["counts"]
         print(f"{r['model']:<6} {r['caches']:<6} {r['imported_s']:>8.2f} {r['build_s']:>8.2f} "
@@ -157,7 +157,8 @@ def print_table(results: list[dict]) -> None:
               f"{r['to_first_step_s']:>13.2f} {'at step ' + str(r['steps_to_full_speed']):>13} "
               f"{r['to_full_speed_s']:>15.2f} {r['median_step_ms']:>8.2f}  "
               f"{c.get('triton compiled', 0)}/{c.get('triton loaded', 0)}, "
-              f"{c.get('numba compiled', 0)}/{c.get('numba loaded', 0)}")
+              f"{c.get('numba compiled', 0)}/{c.get('numba loaded', 0)}, "
+              f"{c.get('cub compiled', 0)}/{c.get('cub loaded', 0)}")
     if results and results[0]["simulation"]:
         print("(CPU simulation: the kernels are interpreted, nothing is compiled; the times mean nothing)")
 
