@@ -17,7 +17,8 @@ Configurations (``--configs``):
   prefetch on TorchRec's prefetch stream a step ahead (CUDA only).
 
 Prints each side's median step time (CUDA events on the training stream at each step's start:
-nothing waits for the device between steps) and ours / TorchRec. ``--profile`` adds, per side, the
+nothing waits for the device between steps; both sides built at once and timed in four turns each,
+alternating) and ours / TorchRec. ``--profile`` adds, per side, the
 embedding lookups' GPU time (forward, fused backward, prefetch) and where the rest of the step's
 GPU time goes, by TorchRec's pipeline stages, and the host time of the adapter around our module.
 ``--record PATH`` appends the results, one JSON line per configuration. One process by default (a process group of
@@ -53,6 +54,7 @@ SIDES = ("torchrec", "ours")
 _SIZES = dict(tables=(26, 4), max_rows=(None, 300), dim=(128, 8), batch_size=(65536, 16), steps=(40, 3),
               warmup=(20, 1))
 PROFILED_STEPS = 5
+ROUNDS = 4  # timed turns per side, taken in alternation
 
 
 def _default(name: str):
@@ -361,22 +363,28 @@ def run(args: argparse.Namespace) -> dict:
         results = {}
         for name in args.configs:
             kernel, pipeline_kind = CONFIGS[name]
-            results[name] = {}
+            kind = PrefetchTrainPipelineSparseDist if pipeline_kind == "prefetch" else TrainPipelineSparseDist
+            # Both sides built at once, timed in turns (ROUNDS rounds, the side first in a round alternating),
+            # so that a host whose speed wanders (a DMP step is mostly host time) weighs on both alike.
+            runs = {}
             for side in SIDES:
                 model, optimizer = build_model(args, side, kernel, pipeline_kind, device, world_size)
-                kind = PrefetchTrainPipelineSparseDist if pipeline_kind == "prefetch" else TrainPipelineSparseDist
-                pipeline = kind(model, optimizer, device)
-                stream = iter(batches)
-                timed_steps(pipeline, stream, args.warmup)
-                times = timed_steps(pipeline, stream, args.steps)
-                results[name][side] = dict(step_ms=statistics.median(times))
-                if args.profile:
+                runs[side] = (model, kind(model, optimizer, device), iter(batches))
+                timed_steps(runs[side][1], runs[side][2], args.warmup)
+            times = {side: [] for side in SIDES}
+            for turn in range(ROUNDS):
+                steps = args.steps // ROUNDS + (turn < args.steps % ROUNDS)
+                for side in (SIDES if turn % 2 == 0 else SIDES[::-1]):
+                    times[side] += timed_steps(runs[side][1], runs[side][2], steps)
+            results[name] = {side: dict(step_ms=statistics.median(times[side])) for side in SIDES}
+            if args.profile:
+                for side, (model, pipeline, stream) in runs.items():
                     trace = f"{args.trace}/{name}-{side}.json" if args.trace else None
                     results[name][side]["profile"] = profile_steps(pipeline, model, stream, PROFILED_STEPS, trace)
-                del pipeline, model, optimizer
-                gc.collect()  # the side's tables go before the next side's are allocated
-                if not SIMULATION:
-                    torch.cuda.empty_cache()
+            del runs
+            gc.collect()  # the sides' tables go before the next configuration's are allocated
+            if not SIMULATION:
+                torch.cuda.empty_cache()
             results[name]["ratio"] = results[name]["ours"]["step_ms"] / results[name]["torchrec"]["step_ms"]
         if rank == 0:
             _print(args, results, world_size)
