@@ -8,7 +8,9 @@ weights, batch sizes that change every step, as the configuration says), and tim
 (``module(indices, offsets, per_sample_weights)``), the backward (``out.backward(grad)``: the
 fused update) and the whole step with CUDA events, medians of ``--steps`` steps after
 ``--warmup``. With the tables in HBM the two sides take turns, four steps each
-(``time_interleaved``), so that a host whose speed wanders weighs on both alike. Cached
+(``time_interleaved``), so that a host whose speed wanders weighs on both alike. A configuration
+whose batch size changes every step is timed after at least 60 warm-up steps (``warmup_steps``): its
+steady state, once each of its few padded batch shapes has its CUDA graph. Cached
 configurations add the prefetch (FBGEMM ``MANAGED_CACHING`` with ``cache_load_factor`` equal to
 our cache fraction, ``prefetch`` before each step, or with ``prefetch_pipeline=True`` and the next
 batch prefetched on a side stream as TorchRec does; ours ``HOST_CACHED`` / ``MANAGED_CACHED``,
@@ -56,6 +58,7 @@ from tiered_tbe.benchmarks.fbgemm_sides import (
     fbgemm_rows_moved,
     ours_module,
     shape_of,
+    warmup_steps,
 )
 from tiered_tbe.benchmarks.fbgemm_tables import measurements_of, table_of
 from tiered_tbe.benchmarks.fbgemm_timing import ROUND_STEPS, host_profile, stepper, time_interleaved, time_steps
@@ -141,7 +144,7 @@ def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags |
     ``emb``, interleaved with FBGEMM's), then what is measured of our side alone."""
     if emb is None:
         emb = fresh_ours_module(config, args)
-    count = args.warmup + args.steps
+    count = warmup_steps(config, args) + args.steps
 
     def forward_of(i, indices, offsets, weights):
         return emb(indices, offsets, per_sample_weights=weights)
@@ -161,7 +164,7 @@ def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags |
             return time_steps(forward_of, batches_run, grad, warmup, after_warmup=reset, before=before, count=count)
         return time_steps(forward_of, batches_run, grad, warmup)
 
-    result = dict(timed) if timed is not None else run_steps(count, args.warmup)
+    result = dict(timed) if timed is not None else run_steps(count, warmup_steps(config, args))
     if config.cached:
         result.update(rows_moved(emb))
     if args.profile and not config.pipelined:  # on the batches after the timed ones
@@ -234,7 +237,7 @@ def measure_fbgemm(config: Config, batches, grad, args, emb=None, timed: dict | 
     """FBGEMM's side of a configuration (``timed``: as in :func:`measure_ours`)."""
     if emb is None:
         emb = fbgemm_module(config, cache_stats=args.fbgemm_cache_stats)
-    count = args.warmup + args.steps
+    count = warmup_steps(config, args) + args.steps
     gathering = getattr(emb, "gather_uvm_cache_stats", False)
     reset = emb.reset_uvm_cache_stats if gathering else None  # its counters of the timed steps
 
@@ -267,7 +270,7 @@ def measure_fbgemm(config: Config, batches, grad, args, emb=None, timed: dict | 
     else:
         def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
             return time_steps(forward_of, common.cycle(batches, count, first), grad, warmup)
-    result = dict(timed) if timed is not None else run_steps(count, args.warmup)
+    result = dict(timed) if timed is not None else run_steps(count, warmup_steps(config, args))
     if config.cached:
         result.update(fbgemm_rows_moved(emb, config, result.get("steps", 0)))
     if args.profile and not config.pipelined:  # (the pipelined steps' events and batches run on from the timing)

@@ -64,6 +64,21 @@ def batches_of(config: Config, seed: int, count: int, device=None) -> tuple[list
     return batches, grad
 
 
+# A configuration whose batch size changes every step (min_batch_size) serves its batches from a few
+# graph shapes (base/graphs.padded_size: ~24 over its range of sizes), each captured on its second use
+# and replayed after: its first ~50 steps run eagerly or capture. Its steady state is timed after this
+# many warm-up steps (what those first steps cost is start-up: tools/startup.py).
+VARIABLE_SIZE_WARMUP = 60
+
+
+def warmup_steps(config: Config, args) -> int:
+    """Untimed steps before a configuration's timed ones: ``--warmup``, at least
+    :data:`VARIABLE_SIZE_WARMUP` for batches whose size changes every step (not in simulation)."""
+    if config.min_batch_size is None or SIMULATION:
+        return args.warmup
+    return max(args.warmup, VARIABLE_SIZE_WARMUP)
+
+
 def batches_needed(config: Config, args) -> int:
     """How many distinct batches a configuration is measured on. A cached one gets a new batch
     every step (warm-up, timed and profiled): a cache that saw its batches before misses almost
@@ -72,7 +87,7 @@ def batches_needed(config: Config, args) -> int:
     if not config.cached:
         return args.distinct_batches
     # A lookahead cache is told the batches after the last one stepped too, as in a longer run.
-    return args.warmup + args.steps + (PROFILED_STEPS if args.profile else 0) + config.lookahead_window
+    return warmup_steps(config, args) + args.steps + (PROFILED_STEPS if args.profile else 0) + config.lookahead_window
 
 
 def ours_module(config: Config, args, device=None) -> TieredEmbeddingBags:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from tiered_tbe import records
 from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS, PROFILED_KERNELS, SWEEP_PREFIXES
+from tiered_tbe.benchmarks.fbgemm_sides import warmup_steps
 
 PHASES = ("prefetch", "forward", "backward", "step")
 _BY_NAME = {c.name: c for c in CONFIGS}
@@ -190,7 +191,8 @@ def measurements_of(results: list[dict], args) -> list[tuple[dict, dict]]:
     phase, what each cache moved, and the tuning variants' phases."""
     found = []
     for row in results:
-        configuration = dict(row["configuration"], mover=args.mover, steps=args.steps, warmup=args.warmup,
+        configuration = dict(row["configuration"], mover=args.mover, steps=args.steps,
+                             warmup=warmup_steps(_BY_NAME[row['config']], args),
                              fbgemm_cache_stats=args.fbgemm_cache_stats)
         if args.state_layout:
             configuration["state_layout"] = args.state_layout

@@ -469,6 +469,22 @@ def test_bench_fbgemm_gives_a_cached_configuration_a_new_batch_every_step():
     assert scripts_common().cycle(list(range(7)), 3, first=5) == [5, 6, 0]
 
 
+def test_bench_fbgemm_times_batches_of_changing_size_after_their_graphs_are_captured(monkeypatch):
+    """On a GPU a configuration whose batch size changes every step warms up at least
+    VARIABLE_SIZE_WARMUP steps (each padded batch shape captured), and draws a batch for each."""
+    sides = importlib.import_module("tiered_tbe.benchmarks.fbgemm_sides")
+    bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
+    by_name = {c.name: c for c in bench_fbgemm.CONFIGS}
+    args = bench_fbgemm.check_args(bench_fbgemm.build_parser().parse_args(["--steps", "20", "--warmup", "8"]))
+    monkeypatch.setattr(sides, "SIMULATION", False)
+    ragged, fixed = by_name["cached-odd-dims-ragged"], by_name["cached-mixed-weighted"]
+    assert sides.warmup_steps(ragged, args) == sides.VARIABLE_SIZE_WARMUP > args.warmup
+    assert sides.warmup_steps(fixed, args) == args.warmup
+    assert sides.batches_needed(ragged, args) == sides.VARIABLE_SIZE_WARMUP + args.steps
+    args.warmup = 100
+    assert sides.warmup_steps(ragged, args) == 100
+
+
 def scripts_common():
     return importlib.import_module("tiered_tbe.benchmarks.common")
 
