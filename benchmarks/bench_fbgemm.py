@@ -353,7 +353,12 @@ def run(args: argparse.Namespace) -> list[dict]:
                                                         if not isinstance(v, list)), flush=True)
             del batches, grad
             common.free()
-    common.report(args, SCRIPT, sys.argv[1:], results, table_of(results), measurements_of(results, args))
+        # Recorded as each configuration is done: an FBGEMM kernel that fails on the device (its
+        # prefetch_pipeline at a low hit rate did, an illegal address) ends the process there.
+        common.append_records(args, SCRIPT, sys.argv[1:], measurements_of([row], args))
+        row["recorded"] = True
+    unrecorded = [row for row in results if not row.pop("recorded", False)]
+    common.report(args, SCRIPT, sys.argv[1:], results, table_of(results), measurements_of(unrecorded, args))
     return results
 
 

@@ -466,10 +466,17 @@ def report(args, script: str, argv: Sequence[str] | None, results, table: Sequen
     if args.json:
         write_json(args.json, script, args, results)
         print(f"wrote {args.json}")
-    if args.record:
-        command = command_of(args, script, argv)
-        benchmark = Path(script).stem.removeprefix("bench_")
-        extra = {"note": "simulation: times meaningless"} if SIMULATION else {}
-        written = records.append(args.record, [records.measurement(benchmark, command, configuration, figures, **extra)
-                                               for configuration, figures in measurements])
-        print(f"appended {written} records to {args.record}")
+    if args.record and measurements:
+        append_records(args, script, argv, measurements)
+
+
+def append_records(args, script: str, argv: Sequence[str] | None, measurements: Sequence[tuple[dict, dict]]) -> None:
+    """Append one record per ``(configuration, figures)`` to ``--record`` (nothing without it)."""
+    if not args.record:
+        return
+    command = command_of(args, script, argv)
+    benchmark = Path(script).stem.removeprefix("bench_")
+    extra = {"note": "simulation: times meaningless"} if SIMULATION else {}
+    written = records.append(args.record, [records.measurement(benchmark, command, configuration, figures, **extra)
+                                           for configuration, figures in measurements])
+    print(f"appended {written} records to {args.record}")

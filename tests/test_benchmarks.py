@@ -603,3 +603,19 @@ def test_bench_fbgemm_variants_take_turns_with_their_setting_set():
     assert {value for name, value in seen if name == "default"} == {None}
     assert {value for name, value in seen if name == "variant"} == {"4,1,2"}
     assert "TIERED_TBE_TEST_TILE" not in os.environ
+
+
+def test_bench_fbgemm_records_each_configuration_once(tmp_path, capsys):
+    """--record: one record per configuration, appended as soon as both sides of it are measured (a
+    later configuration's failure on the device ends the process and keeps it); an HBM one timed in
+    turns with FBGEMM's is appended at the end."""
+    from tiered_tbe.cli import main as cli_main
+
+    record = tmp_path / "records.jsonl"
+    configs = ["cached-managed-lru", "cached-odd-dims-ragged", "criteo-sgd"]
+    assert cli_main(["bench", "fbgemm", "--configs", *configs, "--steps", "1", "--ours-only",
+                     "--record", str(record)]) == 0
+    out = capsys.readouterr().out
+    lines = records.read(record)
+    assert sorted(line["configuration"]["name"] for line in lines) == sorted(configs)
+    assert out.count("appended 1 records") == len(configs)  # ours only: each as it is done
