@@ -267,3 +267,23 @@ def test_tools_are_not_installed():
         source = path.read_text()
         for name in names:
             assert f"import {name}" not in source and f"from {name} import" not in source, (path, name)
+
+
+def test_results_table_pairs_records_of_one_run_and_shows_committed_code_only(tmp_path, capsys):
+    """Records a run appended as each configuration finished (one ``run``, several dates) are one run:
+    the pipelined step is set against FBGEMM's serial step of that run; a record of uncommitted code
+    (``+`` in its commit) is never shown."""
+    results_table = tool("results_table")
+    serial = dict(fbgemm_record("cached-mixed-weighted", dict(prefetch=8, forward=0.5, backward=1.7, step=10.4),
+                                dict(prefetch=8.5, forward=0.5, backward=3.0, step=12.0), date="2026-12-04T11:49:37"),
+                  run="run-1")
+    pipelined = dict(fbgemm_record("cached-mixed-weighted-pipelined", dict(step=10.3), dict(step=19.6),
+                                   date="2026-12-04T11:49:48"), run="run-1")
+    experiment = dict(fbgemm_record("cached-mixed-weighted-pipelined", dict(step=5.0), dict(step=19.6),
+                                    commit="abc1234+uncommitted", date="2026-12-04T12:00:00"), run="run-2")
+    path = tmp_path / "measurements.jsonl"
+    records.append(path, [serial, pipelined, experiment])
+    assert results_table.main(["--results", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| mixed dims, pipelined (depth 2), against FBGEMM's best step |  |  |  | 10.3 / 12.0 (**0.86**) |" in out
+    assert "uncommitted" not in out and "5.000" not in out

@@ -88,10 +88,15 @@ def versions() -> dict[str, str]:
     return found
 
 
+# The process whose measurements a record holds: records of one run share it (a benchmark appends each
+# configuration's record as soon as it is measured, at different dates).
+RUN = f"{datetime.datetime.now().isoformat(timespec='seconds')}-{os.getpid()}"
+
+
 def context(device: str | None = None) -> dict:
-    """``date``, ``device`` (default :func:`device_name`), ``simulation``, ``versions``, ``commit``:
-    what every record and JSON report carries."""
-    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device or device_name(),
+    """``date``, ``run`` (:data:`RUN`), ``device`` (default :func:`device_name`), ``simulation``,
+    ``versions``, ``commit``: what every record and JSON report carries."""
+    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), run=RUN, device=device or device_name(),
                 simulation=SIMULATION, versions=versions(), commit=git_commit())
 
 

@@ -33,16 +33,12 @@ PHASES = ("prefetch", "forward", "backward", "step")
 # (configuration, label, FBGEMM baselines of a pipelined row: the configurations of its shape)
 ROWS = [
     ("criteo-adagrad", "26 Criteo tables x 128, B=65536, 1 lookup a table, Zipf 1.05, HBM", ()),
-    ("criteo-adagrad-z1.2", "the same at Zipf 1.2", ()),
     ("criteo-adagrad-fp16", "the same, fp16 weights, stochastic rounding", ()),
-    ("criteo-sgd", "the same, SGD", ()),
     ("criteo-adam", "the same, Adam", ()),
     ("big-uniform-sgd", "one table 20M x 128, B=65536, bags of 32, uniform, SGD, HBM", ()),
-    ("big-uniform-adagrad", "the same, row-wise Adagrad", ()),
-    ("big-zipf-sgd", "the same at Zipf 1.05, SGD", ()),
     ("big-zipf-adagrad", "the same at Zipf 1.05, row-wise Adagrad", ()),
-    ("big-zipf-adagrad-fp16", "the same at Zipf 1.05, fp16 weights", ()),
     ("cached-managed-lru", "26 Criteo tables (17 GB), `MANAGED_CACHED` / `MANAGED_CACHING`, 5% cache, LRU, serial", ()),
+    ("cached-managed-lru-z1.2", "the same at Zipf 1.2", ()),
     ("cached-mixed-weighted", "12 tables of dims 8-256 (64M rows), B=16384, bags of 0-40 with weights, 10% cache, "
                               "serial", ()),
     ("cached-mixed-weighted-z0.6", "the same at Zipf 0.6 (most rows miss: ~2.7M rows, ~1 GB each way a batch)", ()),
@@ -93,12 +89,17 @@ def latest(records: list[dict], name: str, device: str, phases) -> dict | None:
     found = None
     for record in records:
         if (record.get("benchmark") == "fbgemm" and record.get("configuration", {}).get("name") == name
-                and record.get("device") == device and not record.get("simulation") and complete(record, phases)):
+                and record.get("device") == device and not record.get("simulation") and complete(record, phases)
+                and "+" not in record.get("commit", "+")):  # committed code only: a commit one can check out
             found = record
     return found
 
 
 def same_run(a: dict, b: dict) -> bool:
+    """Whether two records were measured by one process: the same ``run`` (older records, which lack
+    it, were all written at the end of their run: the same date)."""
+    if a.get("run") and b.get("run"):
+        return a["run"] == b["run"] and a.get("device") == b.get("device")
     return all(a.get(key) == b.get(key) for key in ("date", "device", "commit"))
 
 
