@@ -5,8 +5,9 @@ and trains it for ``--steps`` steps, timing each step (synchronized on a GPU). R
 moment the process was started: the time to the end of the first step, and the time to full
 speed (the end of the first step from which three steps in a row take at most 1.2x the median of
 the last steps), with how many kernels the process compiled and how many it loaded from the
-disk caches. "cold" runs with empty caches (``TRITON_CACHE_DIR`` and ``NUMBA_CACHE_DIR`` pointed
-at new temporary folders), "warm" is a second process with the caches the cold one left.
+disk caches. "cold" runs with empty caches (``TRITON_CACHE_DIR``, ``NUMBA_CACHE_DIR`` and
+``TIERED_TBE_CUB_CACHE_DIR`` pointed at new temporary folders), "warm" is a second process with the
+caches the cold one left.
 
 Models: ``main`` is ``tiered-tbe train``'s (a DLRM-style click model, tables in managed memory
 behind the slot cache, the dense part included); ``bench`` is the shape ``tiered-tbe bench fbgemm``
@@ -112,7 +113,8 @@ def child(model: str, steps: int, tiny: bool) -> dict:
 
 def measure(model: str, steps: int, tiny: bool, caches: Path) -> dict:
     """One fresh process of ``model`` with its kernel caches in ``caches``; its times from its start."""
-    env = dict(os.environ, TRITON_CACHE_DIR=str(caches / "triton"), NUMBA_CACHE_DIR=str(caches / "numba"))
+    env = dict(os.environ, TRITON_CACHE_DIR=str(caches / "triton"), NUMBA_CACHE_DIR=str(caches / "numba"),
+               TIERED_TBE_CUB_CACHE_DIR=str(caches / "cub"))
     launched = time.time()
     command = [sys.executable, __file__, "--child", model, "--steps", str(steps)] + (["--tiny"] if tiny else [])
     result = subprocess.run(command, env=env, capture_output=True, text=True)
