@@ -371,3 +371,48 @@ def test_table_sizes_must_be_whole_numbers(rows, dim):
     with pytest.raises(ValueError, match="must be a whole number >= 1"):
         TableSpec(rows, dim, name="t")
     assert TableSpec(np.int64(5), 3).num_embeddings == 5  # numpy integers are whole numbers
+
+
+def test_repair_batch_puts_offsets_in_order_and_bad_indices_on_row_zero():
+    """bounds_check="warn"'s repair (FBGEMM's WARNING): offsets clamped into [0, N], starting at 0, ending
+    at N, never decreasing; an index outside its feature's table becomes 0; each change counted."""
+    from tiered_tbe.validation import repair_batch
+
+    indices = torch.tensor([5, -1, 2, 40, 0, 3], device=DEVICE)
+    offsets = torch.tensor([2, 1, 4, 3, 9], device=DEVICE)  # F=2 features, B=2 bags each
+    rows = torch.tensor([40, 6], device=DEVICE)
+    fixed_indices, fixed_offsets, bag, feature, repairs = repair_batch(indices, offsets, rows, batch_size=2)
+    assert fixed_offsets.tolist() == [0, 1, 4, 4, 6]  # 2 -> 0, 3 -> 4 (order), 9 -> 6: three offsets
+    assert bag.tolist() == [0, 1, 1, 1, 3, 3] and feature.tolist() == [0, 0, 0, 0, 1, 1]
+    assert fixed_indices.tolist() == [5, 0, 2, 0, 0, 3]  # -1 and 40 (table 0 has 40 rows) -> 0
+    assert int(repairs) == 3 + 2
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "prefetched ahead"])
+def test_bounds_check_warn_trains_the_repaired_batch_without_raising(ahead, one_simulated_thread):
+    """bounds_check="warn" (FBGEMM's default mode, what the TorchRec sharder maps it to) trains a malformed
+    batch as its repair, exactly as a checked module trains the repaired batch; counts the repairs;
+    leaves no lock; good batches are untouched."""
+    warned, checked = make_module(bounds_check="warn"), make_module()
+    good_indices, good_offsets = batch(4)
+    bad_indices = good_indices.clone()
+    bad_indices[1], bad_indices[6] = 40, -3  # out of table 0 ("big", 40 rows) and of table 1
+    bad_offsets = torch.tensor([0, 5, 4, 6, 8], device=DEVICE)  # decreasing: repaired to [0, 5, 5, 6, 8]
+    repaired_indices = bad_indices.clone()
+    repaired_indices[1], repaired_indices[6] = 0, 0
+    repaired_offsets = torch.tensor([0, 5, 5, 6, 8], device=DEVICE)
+    outputs = []
+    for step, (module, indices, offsets) in enumerate(((warned, good_indices, good_offsets),
+                                                       (checked, good_indices, good_offsets),
+                                                       (warned, bad_indices, bad_offsets),
+                                                       (checked, repaired_indices, repaired_offsets))):
+        if ahead:
+            module.prefetch(indices, offsets)
+        out = module(indices, offsets)
+        out.backward(grad_of(step // 2))
+        outputs.append(out.detach())
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[2], outputs[3])
+    assert warned.bounds_check_repairs() == 3 and checked.bounds_check_repairs() == 0
+    after_warned, after_checked = state(warned), state(checked)
+    assert all(torch.equal(after_warned[k], after_checked[k]) for k in after_checked)
+    assert_clean(warned)

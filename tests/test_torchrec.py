@@ -181,7 +181,10 @@ def test_fused_params_map_fbgemms_names_and_refuse_what_they_cannot_honour():
     assert arguments.cache == CacheConfig(fraction=0.2, policy="lfu") and arguments.bounds_check == "off"
     defaults = module_arguments(None, DataType.FP32, cached=False)  # FBGEMM's: EXACT_SGD at 0.01
     assert defaults.optimizer.name == "sgd" and defaults.optimizer.lr == 0.01 and defaults.cache is None
-    assert defaults.bounds_check == "raise" and not defaults.stochastic_rounding  # fp32 rounds nothing
+    assert defaults.bounds_check == "warn" and not defaults.stochastic_rounding  # fp32 rounds nothing
+    for mode, ours in ((BoundsCheckMode.WARNING, "warn"), (BoundsCheckMode.IGNORE, "warn"),
+                       (BoundsCheckMode.FATAL, "raise"), (BoundsCheckMode.NONE, "off")):
+        assert module_arguments({"bounds_check_mode": mode}, DataType.FP32, cached=False).bounds_check == ours
     ours = module_arguments({"optimizer": RowwiseAdagrad(lr=0.3), "cache_load_factor": 0.1,
                              "cache_config": CacheConfig(slots=64, policy="lookahead"), "backend": "torch"},
                             DataType.FP32, cached=True)

@@ -49,7 +49,11 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         weights_dtype: float32, float16 or bfloat16 storage; arithmetic is fp32.
         device: where kernels run; defaults to cuda when present, else cpu (simulation).
         cache: :class:`CacheConfig` of the slot cache shared by the ``*_CACHED`` tables.
-        bounds_check: ``"raise"`` (validate every batch: one host sync per forward) or ``"off"``.
+        bounds_check: ``"raise"`` (validate every batch: a bad one raises, naming table, position and
+            value; one host sync per forward), ``"warn"`` (as FBGEMM's default ``WARNING``: offsets
+            clamped into order and an index outside its table replaced by row 0, on the device, with
+            no host sync; :meth:`bounds_check_repairs` counts them) or ``"off"`` (no check: an index
+            outside its table reads another table's row, or memory outside every table).
         stochastic_rounding: round fp16/bf16 updates stochastically instead of to nearest.
         seed: seeds the weight initialisation and stochastic rounding.
         backend: ``"triton"`` (the kernels) or ``"torch"`` (their plain-torch reference; see
@@ -117,8 +121,8 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
             raise ValueError(f"pooling='none' needs one embedding_dim for all tables, got {dims}")
         if weights_dtype not in _WEIGHTS_DTYPES:
             raise ValueError(f"weights_dtype must be one of {_WEIGHTS_DTYPES}, got {weights_dtype}")
-        if bounds_check not in ("raise", "off"):
-            raise ValueError(f"bounds_check must be 'raise' or 'off', got {bounds_check!r}")
+        if bounds_check not in validation.BOUNDS_CHECKS:
+            raise ValueError(f"bounds_check must be one of {validation.BOUNDS_CHECKS}, got {bounds_check!r}")
         if nan_check not in validation.NAN_CHECKS:
             raise ValueError(f"nan_check must be one of {validation.NAN_CHECKS}, got {nan_check!r}")
         names = [s.name or f"table_{t}" for t, s in enumerate(tables)]
@@ -139,6 +143,8 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         self.weights_dtype = weights_dtype
         self.device = torch.device(device) if device is not None else default_device()
         self.bounds_check = bounds_check
+        # Indices and offsets bounds_check="warn" repaired so far, counted on the device (no sync).
+        self._bounds_repairs = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.nan_check = nan_check
         self.stochastic_rounding = stochastic_rounding
         self.seed = seed
@@ -222,6 +228,10 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
             # rows where they fit: the backward sorts them as they are, and every copy is half the bytes.
             key_dtype = torch.int32 if self.row_stores.num_rows <= INT32_MAX else torch.int64
             lookups = linearize(self.row_stores, Lookups(indices, offsets, batch_size), key_dtype=key_dtype)
+        elif self.bounds_check == "warn":
+            indices, offsets, bag_of_index, feature_of_index, repairs = validation.repair_batch(
+                indices.long(), offsets.long(), self._num_rows_of_feature, batch_size)
+            self._bounds_repairs += repairs  # on the device: read by bounds_check_repairs()
         else:
             indices = indices.long()
             offsets = offsets.long()
@@ -234,6 +244,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
             if not ahead:
                 value_check.raise_if_bad()  # before any lock: bad input changes nothing
                 value_check = None
+        if self.bounds_check != "off":
             # A batch prefetched ahead may be malformed (its verdict is read at its forward): each lookup's
             # feature is clamped into range above, so nothing here indexes out of bounds; an index outside its
             # table names another table's row or none (the cache leaves rows outside its tables alone), and
@@ -244,6 +255,11 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
                 return PreparedBatch(lookups, None, None, value_check=value_check)
         cache_batch = self.cache.prefetch(lookups.global_rows)
         return PreparedBatch(lookups, cache_batch.slot_of_index, self.cache, cache_batch, value_check=value_check)
+
+    def bounds_check_repairs(self) -> int:
+        """How many indices and offsets ``bounds_check="warn"`` has repaired since the module was
+        made (0 with the other modes). Reading it is a host sync."""
+        return int(self._bounds_repairs.item())
 
     def _bag_of_index(self, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """int32 [N]: the bag (f*B + b) of each lookup; empty bags are skipped by searchsorted."""

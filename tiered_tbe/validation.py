@@ -2,7 +2,8 @@
 
 Cost: the checks are a handful of elementwise GPU reductions over the batch, folded into one
 boolean; reading that boolean is the only host sync (one per forward with
-``bounds_check="raise"``, none with ``"off"``). A batch prefetched ahead (``prefetch``, the
+``bounds_check="raise"``, none with ``"warn"``, which repairs a bad batch on the device instead
+(:func:`repair_batch`), nor with ``"off"``). A batch prefetched ahead (``prefetch``, the
 pipeline) queues the checks at its prefetch and reads the verdict at its forward, so the
 prefetch itself never waits for the GPU. Only when the verdict is bad are the offending
 positions found and named, on the host.
@@ -145,6 +146,36 @@ def start_value_check(
                       feature_table_map)
 
 
+def repair_batch(indices: torch.Tensor, offsets: torch.Tensor, num_rows_of_feature: torch.Tensor, batch_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``bounds_check="warn"`` (FBGEMM's ``BoundsCheckMode.WARNING``): make a batch well formed on the
+    device, without a host sync. Offsets are clamped into ``[0, N]``, start at 0, end at ``N`` and
+    never decrease (each lookup then lies in a bag); an index outside its table becomes row 0 of
+    that table, as FBGEMM's check sets it.
+
+    Args:
+        indices: int64 [N]; offsets: int64 [F*B+1]; num_rows_of_feature: int64 [F], the rows of each
+        feature's table; batch_size: ``B``.
+
+    Returns:
+        ``(indices, offsets, bag_of_index, feature_of_index, repairs)``: the repaired int64 indices
+        [N] and offsets [F*B+1], int32 [N] bag and int32 [N] feature of each lookup, and int64 [1]
+        the count of indices and offsets changed (on the device).
+    """
+    n = indices.numel()
+    repaired = offsets.clamp(0, n)
+    repaired[0] = 0
+    repaired[-1] = n
+    repaired = torch.cummax(repaired, 0).values
+    positions = torch.arange(n, device=indices.device)
+    bag_of_index = torch.searchsorted(repaired, positions, right=True, out_int32=True) - 1
+    feature_of_index = (bag_of_index // max(batch_size, 1)).clamp_(0, num_rows_of_feature.numel() - 1)
+    index_bad = (indices < 0) | (indices >= num_rows_of_feature[feature_of_index])
+    repairs = (index_bad.sum() + (repaired != offsets).sum()).reshape(1)
+    return torch.where(index_bad, 0, indices), repaired, bag_of_index, feature_of_index, repairs
+
+
+BOUNDS_CHECKS = ("raise", "warn", "off")
 NAN_CHECKS = ("off", "raise")
 
 

@@ -14,8 +14,9 @@ managed memory behind the slot cache (``MANAGED_CACHED``), sized by the plan's
 - ``stochastic_rounding`` (default True, as FBGEMM; fp16 and bf16 weights only),
   ``weights_precision`` (default: the table's ``data_type``), ``cache_algorithm`` (``LRU``,
   ``LFU``), ``cache_precision`` (the weights' precision: the cache holds rows as stored),
-  ``output_dtype`` (fp32), ``bounds_check_mode`` (``NONE`` turns the checks off; the others
-  check every batch and raise on a bad index);
+  ``output_dtype`` (fp32), ``bounds_check_mode`` (FBGEMM's default ``WARNING``, and ``IGNORE``:
+  a bad batch is repaired on the device, no host sync (``bounds_check="warn"``); ``FATAL`` raises
+  on a bad index (one host sync a forward); ``NONE`` turns the checks off);
 - accepted and without effect here: ``cache_reserved_memory``, ``prefetch_pipeline`` (a
   prefetched batch is always safe to train beside the next prefetch), ``enforce_hbm``,
   ``multipass_prefetch_config``, ``weight_decay_mode`` ``NONE``.
@@ -125,8 +126,10 @@ def module_arguments(fused_params: dict | None, data_type, cached: bool) -> Modu
                                  + ("caches rows in their weights precision" if key == "cache_precision"
                                     else "returns fp32 pooled embeddings"))
 
-    bounds = _member_name(params.get("bounds_check_mode"))
-    bounds_check = "off" if bounds == "NONE" else "raise"
+    # FBGEMM's modes: FATAL raises (ours: one host sync a forward); WARNING (its default) and IGNORE repair a
+    # bad batch on the device (ours "warn": no sync); NONE checks nothing. V2_* variants by their suffix.
+    bounds = (_member_name(params.get("bounds_check_mode")) or "WARNING").removeprefix("V2_")
+    bounds_check = {"NONE": "off", "FATAL": "raise"}.get(bounds, "warn")
     stochastic_rounding = bool(params.get("stochastic_rounding", True)) and weights_dtype != torch.float32
 
     cache = None
