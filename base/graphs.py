@@ -2,9 +2,9 @@
 
 A training step launches ~8 Triton kernels and ~15 torch ops in the backward, and a cache's
 prefetch launched ~60 torch ops and 7 Numba kernels (~12 launches since ``cache/batch_kernels.py``);
-on the lent H200 the host took longer to enqueue them (0.8-1.3 ms for the backward, 3-5 ms for
+on an H200 the host took longer to enqueue them (0.8-1.3 ms for the backward, 3-5 ms for
 the prefetch) than the GPU took to run them (~0.7 ms, ~1.3 ms), so the GPU waited
-(benchmarks/RESULTS.md). A CUDA graph replays the whole sequence
+(results/measurements.jsonl). A CUDA graph replays the whole sequence
 from one host call. The backward (``kernels/backward.py``) and the slot cache's prefetch
 (``cache/slot_cache.py``) use it, and the forward (``kernels/forward.py``): a launch or a few (one
 per column group), but Triton's launch path cost the host 2-3 times what a replay does (its
@@ -246,7 +246,7 @@ class StepGraphs:
                 sources.append(tensor)
         if len(targets) > 1:
             # One op for the device inputs (the backward's indices and offsets): 7 us of host against
-            # 13 for two copies on the lent machine (host_costs.py), on autograd's thread before the replay.
+            # 13 for two copies on the H200 machine (host_costs.py), on autograd's thread before the replay.
             torch._foreach_copy_(targets, sources)
         elif targets:
             targets[0].copy_(sources[0])
@@ -261,7 +261,7 @@ class StepGraphs:
 
 def _current_stream_handle(device: torch.device) -> int:
     """``torch.cuda.current_stream(device).cuda_stream`` without building a Stream object (7 us a
-    call on the lent machine's host, on the path to every replay; Triton's launcher reads it so)."""
+    call on the H200 machine's host, on the path to every replay; Triton's launcher reads it so)."""
     return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
 
 

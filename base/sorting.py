@@ -4,9 +4,9 @@ The prefetch and the backward each group a batch's lookups by row with a stable 
 rows (the backward takes the prefetch's when every table is cached). ``torch.sort`` sorts all
 bits of its keys and carries int64 positions; CUB's ``DeviceRadixSort`` through NVIDIA's
 ``cuda-cccl`` package (``cuda.compute``) carries int32 positions, a third fewer bytes each
-pass: on the lent H200 2.1M int32 keys sorted in 0.119 ms against torch's 0.155, 1.7M in
-0.087 against 0.125 (CUDA-graph replays, ``benchmarks/bench_sort.py``; RESULTS.md, eleventh
-session). Both are stable, so both give the same order, bit for bit; the backend changes speed
+pass: on an H200 2.1M int32 keys sorted in 0.119 ms against torch's 0.155, 1.7M in
+0.087 against 0.125 (CUDA-graph replays; results/measurements.jsonl). Both are stable, so
+both give the same order, bit for bit; the backend changes speed
 only. ``TIERED_TBE_SORT=torch`` forces ``torch.sort``.
 
 Row ids of a module rarely reach 2^31, so the sorts run on int32 keys when they fit: an int64

@@ -231,7 +231,7 @@ def copy_rows_kernel(
     Launched with 2-D blocks: threadIdx.x walks the columns of a row (coalesced), threadIdx.y
     and the grid walk the entries, one dependent load of ``selected`` each: walking the whole
     padded batch (1.7M entries for ~210K unique rows on Criteo) took ~0.18 ms with nothing to
-    copy (H200, RESULTS.md sixth session), hence ``num_entries``. Weights travel as integer
+    copy (H200, results/measurements.jsonl), hence ``num_entries``. Weights travel as integer
     words (up to 8 bytes, several elements each where rows allow): a copy needs no arithmetic,
     and bf16 has no numba type. A binary search over the group's table starts finds an entry's
     table; its descriptor row (the TBE kernels' layout: byte addresses, strides in elements)

@@ -5,7 +5,7 @@ thread per set, what happens to each unique row of a batch. Around it a prefetch
 lookups must find the unique rows (grouped by set) and, afterwards, turn the decisions into
 each lookup's slot, the rows left in the backing store, the write-back list and the counters.
 Done with torch ops that took ~45 launches over the ``N`` lookups (~0.56 ms of a 2.34 ms
-cached Criteo step on the H200, benchmarks/RESULTS.md, 2026-12-01 sixth session); here each
+cached Criteo step on the H200, results/measurements.jsonl, 2026-12-01); here each
 pass over the batch is one kernel::
 
     sort_keys_kernel         rows -> sort keys (rows outside every cached table -> the "none" key)

@@ -43,7 +43,7 @@ from tiered_tbe.cache.tables import CachedTable
 from tiered_tbe.cache.tiers import host_view
 
 HOST_COPIES = ("torch", "numba")
-# Measured on the H200 machine (bench_host_rows.py, RESULTS.md seventh session; 17 GB pinned
+# Measured on the H200 machine (bench_host_rows.py, results/measurements.jsonl; 17 GB pinned
 # table, 16 threads, in a worker thread): gather of a 32K-row staging chunk 24.1 GB/s with numba
 # against 8.9 with torch (whose state gather of 4-byte rows took 0.44 ms on one thread), 33.6
 # against 28.4 for 72K rows; scatter 33.1 against 11.2, 36.1 against 17.0. Overridable for

@@ -45,9 +45,9 @@ from tiered_tbe.cache._kernels import NOT_CACHED
 from tiered_tbe.cache.policy import EMPTY
 
 # The mover a cache gets unless CacheConfig(mover=...) says otherwise, by the backing placement
-# of its tables. Set from GPU measurements (benchmarks/RESULTS.md, 2026-12-01, H200): zero-copy
+# of its tables. Set from GPU measurements (results/measurements.jsonl, 2026-12-01, H200): zero-copy
 # moved 19.4 GB/s for 70K rows of pinned memory and ~42-48 of managed memory; the staged mover
-# 8.9 GB/s with torch's host copies, 12.5 GB/s with the numba copies (seventh session; its
+# 8.9 GB/s with torch's host copies, 12.5 GB/s with the numba copies (its
 # serial step 7.7 ms against zero-copy's 4.6 on pinned memory), so zero-copy for both placements.
 DEFAULT_MOVER = {Placement.HOST_CACHED: "zero_copy", Placement.MANAGED_CACHED: "zero_copy"}
 

@@ -247,7 +247,7 @@ class SlotCache:
         self._prefetch_graphs = StepGraphs(PADDED_GRAPHS, enabled=None if cuda_graphs else False)
         # ... and of the unlock and mark_dirty launches: a Numba launch costs ~0.3 ms of host time on
         # the H200 machine (the cached backward's host time was 1.0 ms against 0.7 without a cache;
-        # benchmarks/RESULTS.md, thirteenth session), a replay a fraction of that.
+        # results/measurements.jsonl), a replay a fraction of that.
         self._release_graphs = StepGraphs(2 * PADDED_GRAPHS, enabled=None if cuda_graphs else False)
         # Prefetches not yet unlocked, by step -> the batch as its prefetch made it.
         self._unreleased: dict[int, CacheBatch] = {}

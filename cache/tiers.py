@@ -252,7 +252,7 @@ def _managed_memory(nbytes: int, device_index: int) -> _CudaMemory:
     # Mapped for the CPU's page tables too (the staged mover's host copies): without it the
     # host's first touch of each page faults into the driver. On the H200 machine a host
     # scatter of 32K written-back rows in training took 47 ms without, 5.1 ms with it (pinned
-    # memory: 0.9 ms; benchmarks/RESULTS.md, twelfth session).
+    # memory: 0.9 ms; results/measurements.jsonl).
     _advise(runtime, pointer, nbytes, advice.cudaMemAdviseSetAccessedBy, host=True, device_index=-1)
     return memory
 

@@ -25,7 +25,7 @@ from tiered_tbe.cache.tiers import is_pinned_host_memory
 
 # Most thread blocks a copy launch (fill, write-back, flush) uses; each block moves 8 rows at a
 # time. On the H200 fewer blocks (1056, 264, 132) copied 10-20% more slowly and did not speed a
-# pipeline up (benchmarks/RESULTS.md); other platforms can try `bench_cache.py --copy-blocks`.
+# pipeline up (results/measurements.jsonl); other platforms can try `bench_cache.py --copy-blocks`.
 # Env TIERED_TBE_COPY_BLOCKS overrides it.
 DEFAULT_COPY_BLOCKS = int(os.environ.get("TIERED_TBE_COPY_BLOCKS", "16384"))
 # Rows a copy block moves at a time (a warp each): 32 x this many threads per block.

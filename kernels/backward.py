@@ -83,13 +83,13 @@ class BackwardConfig(NamedTuple):
     hot_windows: int = 4 if INTERPRETING else 16
     # Windows a program of hot_window_sums_kernel looks at, and its warps: 8 over 2 warps against one
     # over 4 took the big-table backward from 1.048 to 1.013 ms at uniform lookups (the programs mostly
-    # find no pure window) and from 0.739 to 0.706 at Zipf 1.05 (RESULTS.md, 2026-12-02).
+    # find no pure window) and from 0.739 to 0.706 at Zipf 1.05 (results/measurements.jsonl, 2026-12-02).
     sum_windows: int = 2 if INTERPRETING else 8
     sum_warps: int = 4 if INTERPRETING else 2
 
 
 def default_config(block_d: int) -> BackwardConfig:
-    """Measured on an H200 at dim 128 (benchmarks/RESULTS.md); the interpreter takes small tiles so
+    """Measured on an H200 at dim 128 (results/measurements.jsonl); the interpreter takes small tiles so
     the tests walk several steps, tiles and programs."""
     return _config(block_d, os.environ.get("TIERED_TBE_BACKWARD"))
 
@@ -103,7 +103,7 @@ def _config(block_d: int, override: str | None) -> BackwardConfig:
     # Small tiles beat 16 rows over 4 warps once the kernel strides over the batch's runs (Criteo
     # step 0.90 -> 0.81 of FBGEMM's, big Zipf 1.35 -> 1.12), and a warp per row of 128 (2 rows over
     # 2 warps) beats 4 rows over 2 warps: big uniform backward 1.062 -> 1.026 ms, Zipf 0.681 -> 0.650
-    # (RESULTS.md, 2026-12-02, tenth session). More lanes than one lost at every count measured.
+    # (results/measurements.jsonl, 2026-12-02). More lanes than one lost at every count measured.
     return BackwardConfig(rows=max(1, min(16, 256 // block_d)), lanes=1, num_warps=2 if block_d <= 256 else 4,
                           chunk=32)
 
@@ -218,7 +218,7 @@ def _sum_runs_one_lane(
     A step's gradient row is addressed by its key (bag), itself a load: walked plainly, each step
     would wait for two loads one after the other. The next step's keys are loaded before this
     step's rows are waited for, so a step waits for one round trip (neutral to 0.07 ms faster on
-    the H200's backwards, fifteenth session)."""
+    the H200's backwards)."""
     order_ptr, sorted_bags_ptr, offsets_ptr, sorted_weights_ptr, grad_output_ptr, grad_output_stride, batch_size, \
         descriptor_ptr, columns = gradient_args
     grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)

@@ -72,8 +72,8 @@ _SHAPES_BY_CLASS = {
 # Long bags: a few lookups of a few bags per step (at bags of 32 on an H200, Zipf 1.05: 0.120 ms
 # against 0.150 for one lookup of many bags a step), one lookup of many bags per step with the loop
 # pipelined (3-4 stages: 0.344 -> 0.274 ms at uniform lookups), or a whole bag per step for the
-# longest bags (RESULTS.md, 2026-12-02). One warp per bag, 16 of its lookups a step: 0.114 ms
-# against 0.129 for (2, 8, 2) at bags of 32 fp32, Zipf 1.05 (fourteenth session).
+# longest bags (results/measurements.jsonl, 2026-12-02). One warp per bag, 16 of its lookups a step: 0.114 ms
+# against 0.129 for (2, 8, 2) at bags of 32 fp32, Zipf 1.05.
 _LONG_BAG_SHAPES = [(2, 8, 2, 1, 1), (4, 8, 4, 1, 1), (4, 4, 2, 1, 1), (8, 4, 4, 1, 1), (16, 1, 4, 1, 4),
                     (8, 1, 2, 1, 4), (1, 32, 4, 1, 1), (2, 16, 4, 1, 1), (1, 64, 8, 1, 1), (1, 16, 1, 1, 1)]
 # The shapes above were tuned at 128 columns (Criteo, the big table). A group of narrower columns tries

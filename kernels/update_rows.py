@@ -203,7 +203,7 @@ def gradients_of_keys(
 
     The pointers' alignment hint is given here, where they are made: applied in the callers, Triton
     3.6 dropped it and the backward's 16-byte loads halved (0.47 -> 0.56 ms of update kernels at
-    Zipf 1.05 on the H200, RESULTS.md 2026-12-02)."""
+    Zipf 1.05 on the H200, results/measurements.jsonl 2026-12-02)."""
     if POOLING == POOLING_NONE_CONSTEXPR:
         pointers = grad_output_ptr + keys.to(tl.int64) * grad_output_stride  # int32 lookups: 64-bit addresses
     else:
@@ -237,7 +237,7 @@ def random_words(
     Philox makes four words a call: each call serves four adjacent columns (its counter: column
     quad, row low word, row high word, step), as FBGEMM's stochastic rounding draws four values a
     call. A call per element made fp16 stochastic rounding cost more than the whole row update
-    without it (the row-update kernel 0.52 against 0.31 ms at big Zipf, H200, RESULTS.md 2026-12-03)."""
+    without it (the row-update kernel 0.52 against 0.31 ms at big Zipf, H200, results/measurements.jsonl 2026-12-03)."""
     seed = tl.load(step_args_ptr + 1).to(tl.int32)
     step = optimizer_step_of(step_args_ptr)
     low = (global_rows & 0xFFFFFFFF).to(tl.int32)[:, None]

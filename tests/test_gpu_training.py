@@ -1,4 +1,4 @@
-"""Module-level GPU checks (run on the lent H200 by benchmarks/gpu_suite.sh): every placement
+"""Module-level GPU checks (run on an H200 by tools/gpu_suite.sh): every placement
 and row mover trains identically, runs repeat bitwise, the side-stream pipeline equals serial
 training at a size where streams really overlap, and the staged mover's memory stays flat."""
 

@@ -48,7 +48,7 @@ def test_clear_errors_without_cuda_bindings(monkeypatch):
         tiers._managed_memory(4096, 0)
 
 
-# ---------------------------------------------------------------- GPU (the lent H200)
+# ---------------------------------------------------------------- GPU (an H200)
 
 def _pointer_type(tensor):
     from cuda.bindings import runtime

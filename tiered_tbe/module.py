@@ -151,13 +151,13 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         self.optimizer_step = 0
         # CUDA graphs of the forward and the backward, per batch shape (the triton backend only). The
         # forward is one launch, but Triton's launch path took 2-3 times the host time of a replay:
-        # its kernels (0.11 ms at big Zipf) ended before its host part did (RESULTS.md, 2026-12-03).
+        # its kernels (0.11 ms at big Zipf) ended before its host part did (results/measurements.jsonl, 2026-12-03).
         graphs_enabled = None if cuda_graphs else False  # None: on where a GPU runs the compiled kernels
         self._forward_graphs, self._backward_graphs = (
             (StepGraphs(enabled=graphs_enabled), StepGraphs(enabled=graphs_enabled))
             if self.backend.name == "triton" else (None, None))
         # ... and of a lookahead hint's rows (rows_for_hint: two sorts and ~15 torch ops, 2.6-4 ms of
-        # host time a batch when enqueued one by one on the H200 machine, thirteenth session).
+        # host time a batch when enqueued one by one on the H200 machine).
         self._hint_graphs = StepGraphs(enabled=graphs_enabled)
 
         state_width = [optimizer.state_width(s.embedding_dim) if optimizer else 0 for s in tables]

@@ -117,7 +117,7 @@ class PrefetchPipeline:
             priority (made to wait for the work queued before the loop; the stream current at
             the end waits for it). The GPU then schedules the training kernels' blocks before
             the prefetch's pending copy blocks, which otherwise hold every SM while they move
-            rows over the bus (benchmarks/RESULTS.md). False keeps the steps on the current stream.
+            rows over the bus (results/measurements.jsonl). False keeps the steps on the current stream.
 
     Use it as a plain iterator or a context manager; ``close()`` (also on exceptions, and at the
     end of iteration) releases the locks of batches prefetched but never trained.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tiered-tbe inside TorchRec on the lent H200, in one device call: unpack the FBGEMM peer with TorchRec
+# tiered-tbe inside TorchRec on an H200, in one device call: unpack the FBGEMM peer with TorchRec
 # 1.6.1 (carried as .peer, see CONTRIBUTING.md), run
 # the gpu-marked TorchRec tests (world size 1, NCCL), `tiered-tbe train --torchrec` under torchrun, then
 # `tiered-tbe bench torchrec`; logs and JSON lines under $OUT.
