@@ -345,7 +345,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                 f"{k} {common.fmt(v)}" for k, v in row["fbgemm"].items() if not isinstance(v, (list, dict))))
             continue
         row["fbgemm"] = {}
-        if not missing:
+        if base.fbgemm_fails and not missing:
+            print(f"  {base.name}: FBGEMM not run: {base.fbgemm_fails}")
+        elif not missing:
             config = shape_of(base)
             batches, grad = batches_of(config, args.seed, batches_needed(config, args))
             row["fbgemm"] = measure_fbgemm(config, batches, grad, args)

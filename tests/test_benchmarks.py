@@ -619,3 +619,22 @@ def test_bench_fbgemm_records_each_configuration_once(tmp_path, capsys):
     lines = records.read(record)
     assert sorted(line["configuration"]["name"] for line in lines) == sorted(configs)
     assert out.count("appended 1 records") == len(configs)  # ours only: each as it is done
+
+
+def test_bench_fbgemm_leaves_out_fbgemms_side_where_it_fails_on_the_device(monkeypatch, capsys):
+    """A configuration whose FBGEMM side fails on the device (``fbgemm_fails``: an illegal address
+    ends the process) times ours alone and says why; its serial twin still runs FBGEMM's."""
+    bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
+    measured = []
+    monkeypatch.setattr(bench_fbgemm, "fbgemm_available", lambda: None)
+    monkeypatch.setattr(bench_fbgemm, "measure_fbgemm",
+                        lambda config, *args: measured.append(config.name) or dict(prefetch=1.0, forward=1.0,
+                                                                                   backward=1.0, step=3.0))
+    args = bench_fbgemm.check_args(bench_fbgemm.build_parser().parse_args(
+        ["--configs", "cached-mixed-weighted-z0.6", "cached-mixed-weighted-z0.6-pipelined", "--steps", "1",
+         "--warmup", "0"]))
+    rows = bench_fbgemm.run(args)
+    assert measured == ["cached-mixed-weighted-z0.6"]
+    assert rows[1]["fbgemm"] == {} and rows[1]["ours"]["step"] > 0
+    assert "cached-mixed-weighted-z0.6-pipelined: FBGEMM not run: FBGEMM_GPU 1.6.0's prefetch_pipeline" in \
+        capsys.readouterr().out
