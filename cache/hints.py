@@ -108,3 +108,63 @@ class UpcomingBatches:
         bit = step % WINDOW_BITS
         step_bit = 1 << bit if bit < WINDOW_BITS - 1 else -(1 << bit)  # as an int64: bit 63 is the sign
         self.launcher.launch(_kernels.window_bits_kernel, rows.numel(), rows, step_bit, set_bit, self.kernel_bits)
+
+
+class LookaheadHints:
+    """The lookahead hints of :class:`~tiered_tbe.cache.slot_cache.SlotCache` (a mixin): the cache
+    records each upcoming batch's rows in an :class:`UpcomingBatches` (``self._upcoming``) and its
+    prefetch decodes them. Needs of the cache: ``_upcoming``, ``_step``, ``tags``, ``_check_rows``,
+    ``_mask_uncached``, ``_order_metadata`` and ``_metadata_done``."""
+
+    @property
+    def window_bits(self) -> torch.Tensor | None:
+        """int64 [R]: per row, the bits of the recorded upcoming steps naming it (None before any hint)."""
+        return self._upcoming.window_bits
+
+    @property
+    def upcoming_steps(self) -> list[int]:
+        """The steps whose batches :meth:`add_upcoming` recorded and no prefetch has reached, ascending."""
+        return self._upcoming.steps
+
+    def add_upcoming(self, global_rows: torch.Tensor, step: int) -> None:
+        """Tell the lookahead policy the rows of the batch that the prefetch at cache step ``step`` will fetch.
+
+        Args:
+            global_rows: int64 [M], that batch's global rows (repeats allowed; rows outside every
+                cached table, e.g. ``INT64_MAX`` padding, are ignored).
+            step: the step of that batch's prefetch: the batch ``d`` places after the next prefetch
+                (whose step is ``self.step + 1``) has step ``self.step + 1 + d``, for ``d`` in
+                ``1 .. MAX_LOOKAHEAD``. A step already recorded raises (skip those in
+                :attr:`upcoming_steps`).
+
+        Record each batch once, when it enters the window: the prefetch at step ``t`` ranks a
+        victim's rows by the soonest recorded step in ``t + 1 .. t + WINDOW_BITS`` naming them
+        (policy.py, "Lookahead window"), and forgets its own step and any before it. One kernel
+        launch over ``M`` rows; no sort, no host sync. The first call allocates
+        :attr:`window_bits`; the masked rows (a copy, int64 [M]) are kept until the step is
+        forgotten. Only the lookahead policy reads the hints.
+
+        Raises ``TypeError`` / ``ValueError`` for rows not a 1-D int64 tensor on the cache's
+        device, or a step outside ``self.step + 2 .. self.step + 1 + WINDOW_BITS`` or already
+        recorded; nothing changes then.
+        """
+        rows = self._check_rows(global_rows)
+        self._order_metadata()
+        self._upcoming.add(self._mask_uncached(rows), step, self._step)
+        self._metadata_done()
+
+    def clear_upcoming(self) -> None:
+        """Forget every recorded hint (e.g. when the batches they name will not be prefetched)."""
+        self._order_metadata()
+        self._upcoming.clear()
+        self._metadata_done()
+
+    def next_use_of_slots(self) -> torch.Tensor:
+        """int64 [S]: the ``next_use`` the prefetch at step ``self.step + 1`` will give each slot's
+        row from the recorded hints: the soonest recorded step ``s`` in ``self.step + 2 ..
+        self.step + 1 + WINDOW_BITS`` whose bit is set in the row's :attr:`window_bits`, else
+        ``NEXT_USE_UNKNOWN`` (also for empty slots and before any hint).
+
+        Plain torch, for tests and inspection: the reference of the prefetch kernel's decode.
+        """
+        return self._upcoming.next_use_of_slots(self.tags, self._step)

@@ -43,7 +43,8 @@ from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.cache import _kernels, batch_kernels
 from tiered_tbe.cache._kernels import NOT_CACHED
-from tiered_tbe.cache.hints import MAX_LOOKAHEAD, UpcomingBatches
+from tiered_tbe.cache.cache_batch import CacheBatch, check_batch
+from tiered_tbe.cache.hints import MAX_LOOKAHEAD, LookaheadHints, UpcomingBatches
 from tiered_tbe.cache.launch import KernelLauncher
 from tiered_tbe.cache.mover import Moves, make_mover, sorted_write_backs
 from tiered_tbe.cache.policy import (
@@ -77,38 +78,7 @@ _ROW_BYTES = torch.uint8.itemsize
 _HINT_ROW_BYTES = torch.int64.itemsize
 
 
-class CacheBatch:
-    """One prefetched batch's hold on the cache: what :meth:`SlotCache.prefetch` returns.
-
-    ``slot_of_index`` int32 [N]: the slot holding each lookup's row, or -1 (read and update
-    the backing store); read it only after :meth:`SlotCache.wait_filled`. ``locked_slots``
-    int32 [N]: the distinct slots the prefetch locked (one per unique row, NO_SLOT padding).
-    ``bypassed_rows`` int64 [N]: the rows it gave no slot (once each, NOT_CACHED padding),
-    which no prefetch caches until this batch is unlocked. ``sorted_rows`` (int32 when the
-    cached rows fit, else int64) and ``order`` (int32) [N]: the prefetch's stable sort of the
-    lookups by row, rows outside every cached table last (as the largest value of the dtype);
-    when every table is cached it is the backward's grouping sort too. ``step``: the prefetch's cache step,
-    which names the batch: :meth:`SlotCache.unlock` finds it by its step, so a copy of the
-    handle (or of its tensors) releases exactly what the prefetch took, once.
-    """
-
-    __slots__ = ("step", "slot_of_index", "locked_slots", "bypassed_rows", "sorted_rows", "order", "ticket")
-
-    def __init__(self, step: int, slot_of_index: torch.Tensor, locked_slots: torch.Tensor,
-                 bypassed_rows: torch.Tensor, sorted_rows: torch.Tensor, order: torch.Tensor, ticket=None):
-        self.step = step
-        self.slot_of_index = slot_of_index
-        self.locked_slots = locked_slots
-        self.bypassed_rows = bypassed_rows
-        self.sorted_rows = sorted_rows
-        self.order = order
-        self.ticket = ticket  # the row mover's, for wait_filled
-
-    def __repr__(self) -> str:
-        return f"CacheBatch(step={self.step}, {self.slot_of_index.numel()} lookups)"
-
-
-class SlotCache:
+class SlotCache(LookaheadHints):
     """A set-associative cache of rows in device memory, shared by one module's cached tables.
 
     Args:
@@ -278,11 +248,6 @@ class SlotCache:
         """Prefetches so far (the policy's clock; see tiered_tbe.cache.policy)."""
         return self._step
 
-    @property
-    def window_bits(self) -> torch.Tensor | None:
-        """int64 [R]: per row, the bits of the recorded upcoming steps naming it (None before any hint)."""
-        return self._upcoming.window_bits
-
     def prefetch(self, global_rows: torch.Tensor) -> CacheBatch:
         """Bring a batch's rows into the cache, lock them, and say where each lookup's row is.
 
@@ -328,7 +293,7 @@ class SlotCache:
         slot it (or an earlier prefetch) filled, and every write-back a row it reads in place
         needs. Nothing to wait for with the zero-copy mover beyond the prefetch's own stream;
         the staged mover may block the host while its threads catch up (back-pressure)."""
-        self.mover.wait_filled(_check_batch(batch).ticket)
+        self.mover.wait_filled(check_batch(batch).ticket)
 
     def drain(self) -> None:
         """Wait (the host, and the current stream) until every row move started so far has landed:
@@ -344,54 +309,6 @@ class SlotCache:
                                   self.associativity, self._k_tags, slot_of_index)
         return slot_of_index
 
-    @property
-    def upcoming_steps(self) -> list[int]:
-        """The steps whose batches :meth:`add_upcoming` recorded and no prefetch has reached, ascending."""
-        return self._upcoming.steps
-
-    def add_upcoming(self, global_rows: torch.Tensor, step: int) -> None:
-        """Tell the lookahead policy the rows of the batch that the prefetch at cache step ``step`` will fetch.
-
-        Args:
-            global_rows: int64 [M], that batch's global rows (repeats allowed; rows outside every
-                cached table, e.g. ``INT64_MAX`` padding, are ignored).
-            step: the step of that batch's prefetch: the batch ``d`` places after the next prefetch
-                (whose step is ``self.step + 1``) has step ``self.step + 1 + d``, for ``d`` in
-                ``1 .. MAX_LOOKAHEAD``. A step already recorded raises (skip those in
-                :attr:`upcoming_steps`).
-
-        Record each batch once, when it enters the window: the prefetch at step ``t`` ranks a
-        victim's rows by the soonest recorded step in ``t + 1 .. t + WINDOW_BITS`` naming them
-        (policy.py, "Lookahead window"), and forgets its own step and any before it. One kernel
-        launch over ``M`` rows; no sort, no host sync. The first call allocates
-        :attr:`window_bits`; the masked rows (a copy, int64 [M]) are kept until the step is
-        forgotten. Only the lookahead policy reads the hints.
-
-        Raises ``TypeError`` / ``ValueError`` for rows not a 1-D int64 tensor on the cache's
-        device, or a step outside ``self.step + 2 .. self.step + 1 + WINDOW_BITS`` or already
-        recorded; nothing changes then.
-        """
-        rows = self._check_rows(global_rows)
-        self._order_metadata()
-        self._upcoming.add(self._mask_uncached(rows), step, self._step)
-        self._metadata_done()
-
-    def clear_upcoming(self) -> None:
-        """Forget every recorded hint (e.g. when the batches they name will not be prefetched)."""
-        self._order_metadata()
-        self._upcoming.clear()
-        self._metadata_done()
-
-    def next_use_of_slots(self) -> torch.Tensor:
-        """int64 [S]: the ``next_use`` the prefetch at step ``self.step + 1`` will give each slot's
-        row from the recorded hints: the soonest recorded step ``s`` in ``self.step + 2 ..
-        self.step + 1 + WINDOW_BITS`` whose bit is set in the row's :attr:`window_bits`, else
-        ``NEXT_USE_UNKNOWN`` (also for empty slots and before any hint).
-
-        Plain torch, for tests and inspection: the reference of the prefetch kernel's decode.
-        """
-        return self._upcoming.next_use_of_slots(self.tags, self._step)
-
     def unlock(self, batch: CacheBatch, mark_dirty: bool = False) -> None:
         """Release a prefetched batch: its locks (one per unique row) and the rows it gave no slot.
 
@@ -401,7 +318,7 @@ class SlotCache:
         ``RuntimeError`` (nothing changes) when that batch was unlocked already; ``TypeError``
         for anything but a CacheBatch.
         """
-        entry = self._unreleased.pop(_check_batch(batch).step, None)
+        entry = self._unreleased.pop(check_batch(batch).step, None)
         if entry is None:
             raise RuntimeError(f"unlock of the batch of step {batch.step}, which holds no lock: unlocked twice, "
                                "or not prefetched by this cache")
@@ -612,10 +529,3 @@ class SlotCache:
         if slot_of_index.device.type != self.device.type:
             raise ValueError(f"slots on {slot_of_index.device}, the cache on {self.device}")
         return slot_of_index.contiguous()
-
-
-def _check_batch(batch) -> CacheBatch:
-    if not isinstance(batch, CacheBatch):
-        raise TypeError(f"expected the CacheBatch a prefetch returned, got {type(batch).__name__}: keep what "
-                        "SlotCache.prefetch returns and pass it to wait_filled and unlock")
-    return batch
