@@ -144,7 +144,8 @@ def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags |
     ``emb``, interleaved with FBGEMM's), then what is measured of our side alone."""
     if emb is None:
         emb = fresh_ours_module(config, args)
-    count = warmup_steps(config, args) + args.steps
+    warmup = warmup_steps(config, args)
+    count = warmup + args.steps
 
     def forward_of(i, indices, offsets, weights):
         return emb(indices, offsets, per_sample_weights=weights)
@@ -164,7 +165,7 @@ def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags |
             return time_steps(forward_of, batches_run, grad, warmup, after_warmup=reset, before=before, count=count)
         return time_steps(forward_of, batches_run, grad, warmup)
 
-    result = dict(timed) if timed is not None else run_steps(count, warmup_steps(config, args))
+    result = dict(timed) if timed is not None else run_steps(count, warmup)
     if config.cached:
         result.update(rows_moved(emb))
     if args.profile and not config.pipelined:  # on the batches after the timed ones
@@ -237,7 +238,8 @@ def measure_fbgemm(config: Config, batches, grad, args, emb=None, timed: dict | 
     """FBGEMM's side of a configuration (``timed``: as in :func:`measure_ours`)."""
     if emb is None:
         emb = fbgemm_module(config, cache_stats=args.fbgemm_cache_stats)
-    count = warmup_steps(config, args) + args.steps
+    warmup = warmup_steps(config, args)
+    count = warmup + args.steps
     gathering = getattr(emb, "gather_uvm_cache_stats", False)
     reset = emb.reset_uvm_cache_stats if gathering else None  # its counters of the timed steps
 
@@ -270,7 +272,7 @@ def measure_fbgemm(config: Config, batches, grad, args, emb=None, timed: dict | 
     else:
         def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
             return time_steps(forward_of, common.cycle(batches, count, first), grad, warmup)
-    result = dict(timed) if timed is not None else run_steps(count, warmup_steps(config, args))
+    result = dict(timed) if timed is not None else run_steps(count, warmup)
     if config.cached:
         result.update(fbgemm_rows_moved(emb, config, result.get("steps", 0)))
     if args.profile and not config.pipelined:  # (the pipelined steps' events and batches run on from the timing)
@@ -343,11 +345,12 @@ def run(args: argparse.Namespace) -> list[dict]:
         if "fbgemm" in row:
             print(f"  {base.name}: FBGEMM (interleaved) " + ", ".join(
                 f"{k} {common.fmt(v)}" for k, v in row["fbgemm"].items() if not isinstance(v, (list, dict))))
-            continue
-        row["fbgemm"] = {}
-        if base.fbgemm_fails and not missing:
+        elif base.fbgemm_fails and not missing:
+            row["fbgemm"] = {}
             print(f"  {base.name}: FBGEMM not run: {base.fbgemm_fails}")
-        elif not missing:
+        elif missing:
+            row["fbgemm"] = {}
+        else:
             config = shape_of(base)
             batches, grad = batches_of(config, args.seed, batches_needed(config, args))
             row["fbgemm"] = measure_fbgemm(config, batches, grad, args)
@@ -358,9 +361,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         # Recorded as each configuration is done: an FBGEMM kernel that fails on the device (its
         # prefetch_pipeline at a low hit rate did, an illegal address) ends the process there.
         common.append_records(args, SCRIPT, sys.argv[1:], measurements_of([row], args))
-        row["recorded"] = True
-    unrecorded = [row for row in results if not row.pop("recorded", False)]
-    common.report(args, SCRIPT, sys.argv[1:], results, table_of(results), measurements_of(unrecorded, args))
+    common.report(args, SCRIPT, sys.argv[1:], results, table_of(results))
     return results
 
 

@@ -376,12 +376,16 @@ def test_table_sizes_must_be_whole_numbers(rows, dim):
 def test_repair_batch_puts_offsets_in_order_and_bad_indices_on_row_zero():
     """bounds_check="warn"'s repair (FBGEMM's WARNING): offsets clamped into [0, N], starting at 0, ending
     at N, never decreasing; an index outside its feature's table becomes 0; each change counted."""
-    from tiered_tbe.validation import repair_batch
+    from tiered_tbe.validation import repair_indices, repair_offsets
 
+    module = make_module(bounds_check="warn")  # tables of 40 and 6 rows
     indices = torch.tensor([5, -1, 2, 40, 0, 3], device=DEVICE)
     offsets = torch.tensor([2, 1, 4, 3, 9], device=DEVICE)  # F=2 features, B=2 bags each
-    rows = torch.tensor([40, 6], device=DEVICE)
-    fixed_indices, fixed_offsets, bag, feature, repairs = repair_batch(indices, offsets, rows, batch_size=2)
+    fixed_offsets, offset_repairs = repair_offsets(offsets, indices.numel())
+    bag = module._bag_of_index(indices, fixed_offsets)
+    feature = module._feature_of_index(bag, batch_size=2)
+    fixed_indices, index_repairs = repair_indices(indices, feature, module._num_rows_of_feature)
+    repairs = offset_repairs + index_repairs
     assert fixed_offsets.tolist() == [0, 1, 4, 4, 6]  # 2 -> 0, 3 -> 4 (order), 9 -> 6: three offsets
     assert bag.tolist() == [0, 1, 1, 1, 3, 3] and feature.tolist() == [0, 0, 0, 0, 1, 1]
     assert fixed_indices.tolist() == [5, 0, 2, 0, 0, 3]  # -1 and 40 (table 0 has 40 rows) -> 0

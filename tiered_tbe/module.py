@@ -228,23 +228,25 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
             # rows where they fit: the backward sorts them as they are, and every copy is half the bytes.
             key_dtype = torch.int32 if self.row_stores.num_rows <= INT32_MAX else torch.int64
             lookups = linearize(self.row_stores, Lookups(indices, offsets, batch_size), key_dtype=key_dtype)
-        elif self.bounds_check == "warn":
-            indices, offsets, bag_of_index, feature_of_index, repairs = validation.repair_batch(
-                indices.long(), offsets.long(), self._num_rows_of_feature, batch_size)
-            self._bounds_repairs += repairs  # on the device: read by bounds_check_repairs()
         else:
             indices = indices.long()
             offsets = offsets.long()
+            if self.bounds_check == "warn":  # repaired on the device (FBGEMM's WARNING): nothing to wait for
+                offsets, offset_repairs = validation.repair_offsets(offsets, indices.numel())
             bag_of_index = self._bag_of_index(indices, offsets)
             feature_of_index = self._feature_of_index(bag_of_index, batch_size)
-            value_check = validation.start_value_check(
-                self.tables, indices, offsets, feature_of_index, self._num_rows_of_feature, batch_size,
-                self._features_if_shared
-            )
-            if not ahead:
-                value_check.raise_if_bad()  # before any lock: bad input changes nothing
-                value_check = None
-        if self.bounds_check != "off":
+            if self.bounds_check == "warn":
+                indices, index_repairs = validation.repair_indices(indices, feature_of_index,
+                                                                   self._num_rows_of_feature)
+                self._bounds_repairs += offset_repairs + index_repairs  # read by bounds_check_repairs()
+            else:
+                value_check = validation.start_value_check(
+                    self.tables, indices, offsets, feature_of_index, self._num_rows_of_feature, batch_size,
+                    self._features_if_shared
+                )
+                if not ahead:
+                    value_check.raise_if_bad()  # before any lock: bad input changes nothing
+                    value_check = None
             # A batch prefetched ahead may be malformed (its verdict is read at its forward): each lookup's
             # feature is clamped into range above, so nothing here indexes out of bounds; an index outside its
             # table names another table's row or none (the cache leaves rows outside its tables alone), and

@@ -3,7 +3,7 @@
 Cost: the checks are a handful of elementwise GPU reductions over the batch, folded into one
 boolean; reading that boolean is the only host sync (one per forward with
 ``bounds_check="raise"``, none with ``"warn"``, which repairs a bad batch on the device instead
-(:func:`repair_batch`), nor with ``"off"``). A batch prefetched ahead (``prefetch``, the
+(:func:`repair_offsets`, :func:`repair_indices`), nor with ``"off"``). A batch prefetched ahead (``prefetch``, the
 pipeline) queues the checks at its prefetch and reads the verdict at its forward, so the
 prefetch itself never waits for the GPU. Only when the verdict is bad are the offending
 positions found and named, on the host.
@@ -140,39 +140,36 @@ def start_value_check(
         of each feature's table, on the same device; feature_table_map: the table of each feature
         (None: feature t is table t), for the error messages.
     """
-    index_bad = (indices < 0) | (indices >= num_rows_of_table[table_of_index])
+    index_bad = indices_out_of_range(indices, table_of_index, num_rows_of_table)
     offsets_bad = offsets_are_bad(offsets, indices.numel())
     return ValueCheck(tables, indices, offsets, table_of_index, index_bad, index_bad.any() | offsets_bad, batch_size,
                       feature_table_map)
 
 
-def repair_batch(indices: torch.Tensor, offsets: torch.Tensor, num_rows_of_feature: torch.Tensor, batch_size: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``bounds_check="warn"`` (FBGEMM's ``BoundsCheckMode.WARNING``): make a batch well formed on the
-    device, without a host sync. Offsets are clamped into ``[0, N]``, start at 0, end at ``N`` and
-    never decrease (each lookup then lies in a bag); an index outside its table becomes row 0 of
-    that table, as FBGEMM's check sets it.
-
-    Args:
-        indices: int64 [N]; offsets: int64 [F*B+1]; num_rows_of_feature: int64 [F], the rows of each
-        feature's table; batch_size: ``B``.
-
-    Returns:
-        ``(indices, offsets, bag_of_index, feature_of_index, repairs)``: the repaired int64 indices
-        [N] and offsets [F*B+1], int32 [N] bag and int32 [N] feature of each lookup, and int64 [1]
-        the count of indices and offsets changed (on the device).
-    """
-    n = indices.numel()
-    repaired = offsets.clamp(0, n)
+def repair_offsets(offsets: torch.Tensor, num_lookups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bounds_check="warn"`` (FBGEMM's ``BoundsCheckMode.WARNING``), on the device, no host sync:
+    ``offsets`` (int64 [F*B+1]) clamped into ``[0, N]``, starting at 0, ending at ``N`` and never
+    decreasing, so that each lookup lies in a bag; and how many changed (int64 [1])."""
+    repaired = offsets.clamp(0, num_lookups)
     repaired[0] = 0
-    repaired[-1] = n
+    repaired[-1] = num_lookups
     repaired = torch.cummax(repaired, 0).values
-    positions = torch.arange(n, device=indices.device)
-    bag_of_index = torch.searchsorted(repaired, positions, right=True, out_int32=True) - 1
-    feature_of_index = (bag_of_index // max(batch_size, 1)).clamp_(0, num_rows_of_feature.numel() - 1)
-    index_bad = (indices < 0) | (indices >= num_rows_of_feature[feature_of_index])
-    repairs = (index_bad.sum() + (repaired != offsets).sum()).reshape(1)
-    return torch.where(index_bad, 0, indices), repaired, bag_of_index, feature_of_index, repairs
+    return repaired, (repaired != offsets).sum().reshape(1)
+
+
+def repair_indices(indices: torch.Tensor, table_of_index: torch.Tensor, num_rows_of_table: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bounds_check="warn"``, on the device: ``indices`` (int64 [N]) with each one outside its
+    table (``table_of_index`` [N] into ``num_rows_of_table`` int64 [F]) set to row 0, as FBGEMM's
+    check sets it; and how many changed (int64 [1])."""
+    bad = indices_out_of_range(indices, table_of_index, num_rows_of_table)
+    return torch.where(bad, 0, indices), bad.sum().reshape(1)
+
+
+def indices_out_of_range(indices: torch.Tensor, table_of_index: torch.Tensor,
+                         num_rows_of_table: torch.Tensor) -> torch.Tensor:
+    """bool [N]: each index outside ``[0, rows of its table)``."""
+    return (indices < 0) | (indices >= num_rows_of_table[table_of_index])
 
 
 BOUNDS_CHECKS = ("raise", "warn", "off")
