@@ -68,6 +68,7 @@ from tiered_tbe.kernels.linearize import linearize
 from tiered_tbe.kernels.rows import Lookups
 from tiered_tbe.module import TieredEmbeddingBags
 from tiered_tbe.pipeline import PrefetchPipeline
+from tiered_tbe.storage import STATE_LAYOUTS
 
 SCRIPT = "bench_fbgemm.py"
 
@@ -87,9 +88,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "holds); a cached configuration gets a new batch every step")
     parser.add_argument("--ours-only", action="store_true", help="time our side only (no FBGEMM)")
     parser.add_argument("--mover", default=None, help="our cache's row mover (CacheConfig.mover), when it has one")
-    parser.add_argument("--state-layout", default=None, choices=("separate", "with_rows"),
+    parser.add_argument("--state-layout", default=None, choices=STATE_LAYOUTS,
                         help="where our backing stores keep each row's optimizer state (TieredEmbeddingBags "
-                             "state_layout), for every configuration (default: each configuration's, separate "
+                             "state_layout), for every configuration (default: each configuration's, auto "
                              "but for the *-with-rows ones)")
     parser.add_argument("--backward-configs", nargs="+", default=None, metavar="R,L,W,CHUNK[,...]",
                         help="also time our HBM steps with these backward tile shapes (rows, lanes, warps, chunk, "
@@ -297,7 +298,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     print("settings: no bounds checks on either side (FBGEMM BoundsCheckMode.NONE, ours bounds_check='off'); "
           "fp32 output; stochastic rounding for fp16 weights on both sides; cached: FBGEMM MANAGED_CACHING, "
           f"ours HOST_CACHED/MANAGED_CACHED{'' if not args.mover else f' mover={args.mover}'}, same cache fraction; "
-          f"ours state_layout={args.state_layout or 'separate (with_rows in *-with-rows)'}; our forward tuned on "
+          f"ours state_layout={args.state_layout or 'auto (with_rows in *-with-rows)'}; our forward tuned on "
           "each configuration's own batches; HBM: the sides take turns, "
           f"{ROUND_STEPS} steps each; FBGEMM's cache counters "
           + ("gathered (gather_uvm_cache_stats)" if args.fbgemm_cache_stats else "off"))

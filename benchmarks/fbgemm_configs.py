@@ -42,7 +42,7 @@ class Config:
     policy: str = "lru"
     pipelined: bool = False
     cache_fraction: float = 0.05
-    state_layout: str = "separate"  # ours: TieredEmbeddingBags(state_layout=...); FBGEMM has one layout
+    state_layout: str = "auto"  # ours: TieredEmbeddingBags(state_layout=...); FBGEMM has one layout
     bag_lengths: str = "fixed"
     weighted: bool = False
     min_batch_size: int | None = None

@@ -58,7 +58,9 @@ def test_the_reported_cache_is_refused_with_a_size_that_fits(monkeypatch):
     with pytest.raises(ValueError) as error:
         TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(), cache=CacheConfig(memory="1TB"), device="cpu")
     message = str(error.value)
-    assert "the slot cache (2,000,000 slots of 549 B" in message and "HOST tables (ads): 984.2 MiB" in message
+    # A row-wise state goes to the device ("auto" layout), which in simulation is the host.
+    assert "the slot cache (2,000,000 slots of 549 B" in message and "HOST tables (ads): 976.6 MiB" in message
+    assert "the optimizer state of the HOST tables: 7.6 MiB" in message
     assert "1.2 GiB available on the host (CPU simulation" in message
     assert "CacheConfig(memory='1TB') does not fit. Use at most memory='" in message
 
@@ -96,6 +98,11 @@ def test_on_a_gpu_the_cache_is_checked_against_the_device(monkeypatch):
     with pytest.raises(ValueError, match=r"HOST tables \(ads\): 96.1 GiB\); 90.0 GiB available on the host: the "
                                          r"tables do not fit"):
         memory_check.check_memory(tables, state_width, torch.float32, "separate", torch.device("cuda:0"), small)
+    # With the state in device memory, the device counts it beside the cache (763 MiB more).
+    fake_memory(monkeypatch, host=2**41, device=small.device_bytes + 400 * 2**20)
+    memory_check.check_memory(tables, state_width, torch.float32, "separate", torch.device("cuda:0"), small)
+    with pytest.raises(ValueError, match=r"the optimizer state of the HOST tables: 762.9 MiB.* free on cuda:0"):
+        memory_check.check_memory(tables, state_width, torch.float32, "device", torch.device("cuda:0"), small)
 
 
 @pytest.mark.gpu

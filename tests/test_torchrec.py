@@ -137,6 +137,10 @@ def test_bench_torchrec_runs_in_simulation(tmp_path, capsys):
     lines = {line["configuration"]["name"]: line for line in map(json.loads, record.read_text().splitlines())}
     assert set(lines) == {"fused", "cached"} and all(line["simulation"] for line in lines.values())
     assert lines["cached"]["figures"]["ours"]["step_ms"] > 0 and lines["cached"]["benchmark"] == "torchrec"
+    for side in ("ours", "torchrec"):  # the unprofiled host time around each side's TBE module
+        adapter = lines["fused"]["figures"][side]["adapter_host_ms"]
+        assert adapter["kernel"] > adapter["module"] > 0 and adapter["around"] > 0
+    assert "unprofiled" in out
 
 
 @pytest.mark.gpu

@@ -20,11 +20,11 @@ from tiered_tbe.fbgemm_access import FbgemmAccess
 from tiered_tbe.function import TieredEmbeddingBagsFunction
 from tiered_tbe.kernels.linearize import linearize
 from tiered_tbe.kernels.rows import Lookups, no_cache
-from tiered_tbe.memory import check_memory, plan_cache
+from tiered_tbe.memory import check_memory, device_free_bytes, plan_cache
 from tiered_tbe.optimizers import FusedOptimizer
 from tiered_tbe.prefetch_queue import PrefetchQueue
 from tiered_tbe.specs import CacheConfig, TableSpec
-from tiered_tbe.storage import lay_out
+from tiered_tbe.storage import lay_out, resolve_state_layout
 from tiered_tbe.table_state import TableState
 from tiered_tbe.variable_batch import VariableBatch, fixed_batch_offsets
 
@@ -63,11 +63,15 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
             update (every row stays as it was, the batch's locks are released) with a ValueError
             naming the tensor, the position and the table. Costs a pass over the gradient and one
             host sync per backward. Off, a NaN reaches the rows it touches.
-        state_layout: where each row's optimizer state lives in its backing store: ``"separate"``
-            (a state buffer beside the weights buffer, as FBGEMM's TBE) or ``"with_rows"`` (right
-            after the row's weights, rows padded to 16 bytes, as FBGEMM's SSD TBE offloads
-            optimizer state): a row moved by the cache is then one stretch of host memory. The
-            same training either way, bit for bit (``tiered_tbe/storage.py``).
+        state_layout: where each row's optimizer state lives outside the slot cache: ``"separate"``
+            (a state buffer beside the weights buffer, in the same memory, as FBGEMM's TBE),
+            ``"device"`` (the state buffers of host and managed tables in device memory: a row the
+            cache moves crosses the bus without its state), ``"with_rows"`` (right after the row's
+            weights, rows padded to 16 bytes, as FBGEMM's SSD TBE offloads optimizer state) or
+            ``"auto"`` (default): ``"device"`` for a row-wise state (row-wise Adagrad's one float a
+            row) that takes at most a quarter of the free device memory, unless the staged mover
+            reads it; ``"separate"`` otherwise. The same training in every layout, bit for bit
+            (``tiered_tbe/storage.py``); ``self.state_layout`` is the one chosen.
         cuda_graphs: on a GPU, replay each batch shape's forward and backward (and the cache's prefetch, with
             the zero-copy mover) as one CUDA graph (captured on the shape's second batch, without
             waiting for the device; bit-identical to running its launches one by one;
@@ -108,7 +112,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         backend: str = "triton",
         nan_check: str = "off",
         cuda_graphs: bool = True,
-        state_layout: str = "separate",
+        state_layout: str = "auto",
         feature_table_map: list[int] | None = None,
     ):
         super().__init__()
@@ -165,11 +169,15 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         if cache is not None and not cached:
             raise ValueError("cache= was given but no table has a *_CACHED placement")
         plan = plan_cache(tables, state_width, weights_dtype, cache or CacheConfig()) if cached else None
-        check_memory(tables, state_width, weights_dtype, state_layout, self.device, plan)  # before allocating
+        mover = (plan.config.mover or default_mover(tables[t].placement for t in cached)) if plan else None
+        self.state_layout = resolve_state_layout(
+            state_layout, optimizer is not None and optimizer.state_width(1) == optimizer.state_width(1 << 16),
+            tables, state_width, mover, device_free_bytes(self.device) if self.device.type == "cuda" else None)
+        check_memory(tables, state_width, weights_dtype, self.state_layout, self.device, plan)  # before allocating
         generator = torch.Generator(device=self.device).manual_seed(seed)
         initial_state = optimizer.initial_state() if optimizer is not None else 0.0
         self.storage = lay_out(tables, state_width, weights_dtype, self.device, generator, initial_state,
-                               state_layout)
+                               self.state_layout)
 
         # The prefetch then sorts every lookup by its row, as the backward would (_apply_update).
         self._every_table_cached = len(cached) == len(tables)
@@ -186,7 +194,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
                 state_width=plan.state_width,
                 weights_dtype=weights_dtype,
                 device=self.device,
-                mover=config.mover or default_mover(tables[t].placement for t in cached),
+                mover=mover,
                 mover_threads=config.mover_threads,
                 staging_rows=config.staging_rows,
                 cuda_graphs=cuda_graphs,
