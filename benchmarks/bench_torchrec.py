@@ -85,7 +85,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "distinct samples, expanded to B by the output (default: every feature B)")
     parser.add_argument("--bounds-check", choices=("none", "default"), default="none",
                         help="none: both sides skip the index checks (FBGEMM's BoundsCheckMode.NONE); default: "
-                             "each side's default (FBGEMM's WARNING: each side repairs a bad batch on the device, no host sync)")
+                             "each side's default (FBGEMM's WARNING: each side repairs a bad batch on the device, "
+                             "no host sync)")
     parser.add_argument("--profile", action="store_true",
                         help=f"profile {PROFILED_STEPS} more steps per side: embedding GPU time, the rest by stage")
     parser.add_argument("--trace", metavar="DIR",
