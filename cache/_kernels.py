@@ -29,7 +29,6 @@ from tiered_tbe.base.descriptors import (
 from tiered_tbe.cache.launch import cached_kernel
 from tiered_tbe.cache.policy import (
     EMPTY,
-    MAX_WAYS,
     NEXT_USE_UNKNOWN,
     NO_SLOT,
     choose_victim_device,
@@ -85,12 +84,6 @@ def assign_slots_kernel(
     walked by position instead, a warp's threads were mostly positions inside a set, idle (at ~16
     unique rows a set, 2 of 32 busy), and the kernel took 5.7 ms for 3.3M unique rows on the H200.
 
-    Each thread copies its set's ways (tag, lock, policy state) into arrays of its own local
-    memory and scans those: a warp's 32 threads then read the same way of 32 sets side by side
-    (the hardware interleaves local memory by thread), where scanning the global arrays, 32 sets
-    apart, made every load of every thread a memory transaction of its own. Writes go to both;
-    the policy functions are the simulator's, applied to the copies (ways 0..associativity-1).
-
     With ``read_window_bits``, the ways of a set get their ``next_use`` from the window bits just
     before the set's first victim choice (its rows are then still those of before this
     prefetch); a slot filled later keeps that value (it is locked: no victim choice reads it).
@@ -99,11 +92,6 @@ def assign_slots_kernel(
     stride = cuda.gridsize(1)
     n = set_of_position.shape[0]
     step = step_of_prefetch[0]
-    way_tags = cuda.local.array(MAX_WAYS, np.int64)
-    way_last_use = cuda.local.array(MAX_WAYS, np.int64)
-    way_use_count = cuda.local.array(MAX_WAYS, np.int32)
-    way_next_use = cuda.local.array(MAX_WAYS, np.int64)
-    way_locks = cuda.local.array(MAX_WAYS, np.int32)
     for i in range(start, n, stride):
         begin = set_start[i]
         if begin >= n:
@@ -113,22 +101,12 @@ def assign_slots_kernel(
         while end < n and set_of_position[end] == the_set:
             end += 1
         first_slot = the_set * associativity
-        for way in range(associativity):
-            slot = first_slot + way
-            way_tags[way] = tags[slot]
-            way_locks[way] = locks[slot]
-            way_last_use[way] = last_use[slot]
-            way_use_count[way] = use_count[slot]
-            way_next_use[way] = next_use[slot]
 
         for position in range(begin, end):
             u = unique_of_position[position]
-            way = find_way_device(way_tags, 0, associativity, unique_rows[u])
-            if way != NO_SLOT:
-                slot = first_slot + way
-                touch_on_hit_device(way, step, way_last_use, way_use_count)
+            slot = find_way_device(tags, first_slot, associativity, unique_rows[u])
+            if slot != NO_SLOT:
                 touch_on_hit_device(slot, step, last_use, use_count)
-                way_locks[way] += 1
                 locks[slot] += 1
                 slot_of_unique[u] = slot
                 outcome[u] = OUTCOME_HIT
@@ -140,31 +118,25 @@ def assign_slots_kernel(
             if outcome[u] == OUTCOME_HIT:
                 continue
             row = unique_rows[u]
-            way = NO_SLOT
+            slot = NO_SLOT
             if not set_full and bypass_count[row] == 0:  # else a batch in flight reads it in place
                 if not next_use_decoded:
                     _decode_next_use_of_set(first_slot, associativity, step, tags, window_bits, next_use)
-                    for decoded in range(associativity):
-                        way_next_use[decoded] = next_use[first_slot + decoded]
                     next_use_decoded = True
-                way = choose_victim_device(policy, way_tags, way_last_use, way_use_count, way_next_use, way_locks,
-                                           0, associativity)
-                set_full = way == NO_SLOT  # locks only grow within a prefetch: it stays full
-            if way == NO_SLOT:
+                slot = choose_victim_device(policy, tags, last_use, use_count, next_use, locks,
+                                            first_slot, associativity)
+                set_full = slot == NO_SLOT  # locks only grow within a prefetch: it stays full
+            if slot == NO_SLOT:
                 outcome[u] = OUTCOME_NO_SLOT
                 bypass_count[row] += 1  # one thread per set, unique rows: no other thread writes it
                 continue
-            slot = first_slot + way
-            evicted = way_tags[way]
+            evicted = tags[slot]
             if evicted != EMPTY:
                 victim_row[u] = evicted
                 victim_was_dirty[u] = dirty[slot]
-            way_tags[way] = row
             tags[slot] = row
-            touch_on_fill_device(way, step, way_last_use, way_use_count)
             touch_on_fill_device(slot, step, last_use, use_count)
             dirty[slot] = 0
-            way_locks[way] += 1
             locks[slot] += 1
             slot_of_unique[u] = slot
             outcome[u] = OUTCOME_FILLED

@@ -214,11 +214,6 @@ def round_to_sets(rows: int, associativity: int) -> int:
     return max(1, -(-int(rows) // associativity)) * associativity
 
 
-# Most ways a set of the GPU slot cache may have: its policy kernel copies a set's ways into arrays of
-# this size per thread (cache/_kernels.assign_slots_kernel). The CPU simulator takes any associativity.
-MAX_WAYS = 64
-
-
 def check_geometry(num_slots: int, associativity: int, lfu_decay_interval: int) -> None:
     """The cache shape both the GPU cache and the simulator accept; a clear error otherwise."""
     if associativity < 1 or num_slots < associativity or num_slots % associativity:

@@ -49,7 +49,6 @@ from tiered_tbe.cache.launch import KernelLauncher
 from tiered_tbe.cache.mover import Moves, make_mover, sorted_write_backs
 from tiered_tbe.cache.policy import (
     EMPTY,
-    MAX_WAYS,
     NEXT_USE_UNKNOWN,
     POLICY_LOOKAHEAD,
     check_geometry,
@@ -162,9 +161,6 @@ class SlotCache(LookaheadHints):
         if self.device.type == "cuda" and SIMULATION:
             raise ValueError("SlotCache on cuda, but tiered_tbe runs in CPU simulation mode")
         check_geometry(num_slots, associativity, lfu_decay_interval)
-        if associativity > MAX_WAYS:
-            raise ValueError(f"associativity {associativity}: the GPU slot cache has at most {MAX_WAYS} ways a set "
-                             "(its policy kernel copies a set's ways per thread)")
         self.policy = policy
         self._policy_code = policy_code(policy)
         self.num_slots = num_slots

@@ -119,17 +119,3 @@ def test_touch_on_hit_and_fill():
     assert last_use.tolist() == [0, 9, 0] and use_count.tolist() == [0, 5, 0]
     policy.touch_on_fill_cpu(1, 10, last_use, use_count)
     assert last_use.tolist() == [0, 10, 0] and use_count.tolist() == [0, 1, 0]
-
-
-def test_gpu_cache_takes_at_most_max_ways(device):
-    """The policy kernel copies a set's ways per thread into arrays of MAX_WAYS: more is refused,
-    naming the limit; MAX_WAYS itself is a cache."""
-    import torch
-
-    from tiered_tbe.cache.policy import MAX_WAYS
-    from tiered_tbe.cache.slot_cache import CachedTable, SlotCache
-
-    table = CachedTable(0, 200, 4, torch.zeros(200, 4, device=device))
-    with pytest.raises(ValueError, match=f"at most {MAX_WAYS} ways"):
-        SlotCache([table], num_slots=2 * (MAX_WAYS + 1), associativity=MAX_WAYS + 1, device=device)
-    assert SlotCache([table], num_slots=MAX_WAYS, associativity=MAX_WAYS, device=device).num_sets == 1
