@@ -241,33 +241,41 @@ EMBEDDING_MARK = "bench_torchrec: embedding"  # the TBE module's forward and pre
 KERNEL_MARK = "bench_torchrec: kernel"  # TorchRec's kernel around it (ours: the adapter)
 
 
+def _hook_forwards(module, enter, leave) -> list:
+    """Forward pre-hook ``enter(module)`` and forward hook ``leave(module)`` on ``module``; their handles."""
+    return [module.register_forward_pre_hook(lambda mod, inputs: enter(mod)),
+            module.register_forward_hook(lambda mod, inputs, output: leave(mod))]
+
+
+def _kernels_and_modules(model):
+    """Each TorchRec kernel of the model's lookups, with its TBE module."""
+    for lookup in _lookups(model):
+        for kernel in getattr(lookup, "_emb_modules", []):
+            yield kernel, kernel.emb_module
+
+
 @contextlib.contextmanager
 def marked_embedding_calls(model):
     """Profiler ranges around each TorchRec kernel's forward, its TBE module's forward and its prefetch."""
     from torch.profiler import record_function
 
     def mark(module, name: str) -> list:
-        def enter(mod, inputs):
+        def enter(mod):
             mod.__dict__.setdefault("_bench_ranges", []).append(record_function(name))
             mod._bench_ranges[-1].__enter__()
 
-        def leave(mod, inputs, output):
-            mod._bench_ranges.pop().__exit__(None, None, None)
-
-        return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+        return _hook_forwards(module, enter, lambda mod: mod._bench_ranges.pop().__exit__(None, None, None))
 
     handles, wrapped = [], []
-    for lookup in _lookups(model):
-        for kernel in getattr(lookup, "_emb_modules", []):
-            module = kernel.emb_module
-            handles += mark(kernel, KERNEL_MARK) + mark(module, f"{EMBEDDING_MARK} forward")
-            if hasattr(module, "prefetch"):
-                def prefetch(*a, original=module.prefetch, **k):
-                    with record_function(f"{EMBEDDING_MARK} prefetch"):
-                        return original(*a, **k)
+    for kernel, module in _kernels_and_modules(model):
+        handles += mark(kernel, KERNEL_MARK) + mark(module, f"{EMBEDDING_MARK} forward")
+        if hasattr(module, "prefetch"):
+            def prefetch(*a, original=module.prefetch, **k):
+                with record_function(f"{EMBEDDING_MARK} prefetch"):
+                    return original(*a, **k)
 
-                module.prefetch = prefetch
-                wrapped.append(module)
+            module.prefetch = prefetch
+            wrapped.append(module)
     try:
         yield
     finally:
@@ -285,18 +293,15 @@ def timed_embedding_calls(model, totals: dict[str, float]):
     ops than on the module's CUDA-graph replay)."""
 
     def mark(module, key: str) -> list:
-        def enter(mod, inputs):
-            mod.__dict__.setdefault("_bench_starts", []).append(time.perf_counter())
-
-        def leave(mod, inputs, output):
+        def leave(mod):
             totals[key] += time.perf_counter() - mod._bench_starts.pop()
 
-        return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+        return _hook_forwards(module, lambda mod: mod.__dict__.setdefault("_bench_starts", []).append(
+            time.perf_counter()), leave)
 
     handles = []
-    for lookup in _lookups(model):
-        for kernel in getattr(lookup, "_emb_modules", []):
-            handles += mark(kernel, "kernel") + mark(kernel.emb_module, "module")
+    for kernel, module in _kernels_and_modules(model):
+        handles += mark(kernel, "kernel") + mark(module, "module")
     try:
         yield
     finally:

@@ -110,7 +110,7 @@ def test_device_layout_puts_the_state_of_host_tiers_in_device_memory(device):
 def test_auto_layout_keeps_a_row_wise_state_in_device_memory(optimizer, mover, free, expected):
     tables = [TableSpec(1000, 16, placement=Placement.MANAGED_CACHED), TableSpec(50, 16)]
     widths = [optimizer.state_width(16)] * 2
-    row_wise = optimizer.state_width(1) == optimizer.state_width(1 << 16)
+    row_wise = optimizer.state_is_row_wise()
     assert resolve_state_layout("auto", row_wise, tables, widths, mover, free) == expected
     assert resolve_state_layout("separate", row_wise, tables, widths, mover, free) == "separate"
 

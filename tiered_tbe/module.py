@@ -171,7 +171,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         plan = plan_cache(tables, state_width, weights_dtype, cache or CacheConfig()) if cached else None
         mover = (plan.config.mover or default_mover(tables[t].placement for t in cached)) if plan else None
         self.state_layout = resolve_state_layout(
-            state_layout, optimizer is not None and optimizer.state_width(1) == optimizer.state_width(1 << 16),
+            state_layout, optimizer is not None and optimizer.state_is_row_wise(),
             tables, state_width, mover, device_free_bytes(self.device) if self.device.type == "cuda" else None)
         check_memory(tables, state_width, weights_dtype, self.state_layout, self.device, plan)  # before allocating
         generator = torch.Generator(device=self.device).manual_seed(seed)

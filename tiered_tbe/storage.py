@@ -98,6 +98,11 @@ def resolve_state_layout(state_layout: str, row_wise_state: bool, tables: list[T
     return "device" if row_wise_state and state_bytes and fits and mover != "staged" else "separate"
 
 
+def _state_placement(placement: Placement, state_layout: str) -> Placement:
+    """Where the state buffer of the tables backed by ``placement`` lives under a resolved layout."""
+    return Placement.DEVICE if state_layout == "device" else placement
+
+
 def tier_bytes(tables: list[TableSpec], state_width: list[int], weights_dtype: torch.dtype,
                state_layout: str = "separate") -> dict[Placement, tuple[str, int]]:
     """What :func:`lay_out` will allocate in each tier, by placement: ``(what, bytes)``, the
@@ -115,7 +120,7 @@ def tier_bytes(tables: list[TableSpec], state_width: list[int], weights_dtype: t
             continue
         weight_bytes = sum(tables[t].num_embeddings * tables[t].embedding_dim * element for t in members)
         state_bytes = sum(tables[t].num_embeddings * 4 * state_width[t] for t in members)
-        state_placement = Placement.DEVICE if state_layout == "device" else placement
+        state_placement = _state_placement(placement, state_layout)
         if state_placement is placement:
             parts.setdefault(placement, []).append((f"{placement.name} tables ({names})", weight_bytes + state_bytes))
         else:
@@ -163,8 +168,8 @@ def lay_out(
         weight_numel = sum(tables[t].num_embeddings * tables[t].embedding_dim for t in members)
         state_numel = sum(tables[t].num_embeddings * state_width[t] for t in members)
         weights = allocate(placement, weight_numel, weights_dtype, device)
-        state_placement = Placement.DEVICE if state_layout == "device" else placement
-        state = allocate(state_placement, state_numel, torch.float32, device) if state_numel else None
+        state = (allocate(_state_placement(placement, state_layout), state_numel, torch.float32, device)
+                 if state_numel else None)
         buffers += [b for b in (weights, state) if b is not None]
         weight_at = state_at = 0
         for t in members:

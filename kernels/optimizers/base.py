@@ -63,6 +63,11 @@ class FusedOptimizer:
         """fp32 state values kept per row of a table of ``dim`` columns."""
         return sum(width for _, width in self.state_columns(dim))
 
+    def state_is_row_wise(self) -> bool:
+        """Whether the state kept per row does not grow with the row's dim (row-wise Adagrad's one
+        float; SGD's none): small enough to keep in device memory for any table."""
+        return self.state_width(1) == self.state_width(1 << 16)
+
     def initial_state(self) -> float:
         return 0.0
 
