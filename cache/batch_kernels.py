@@ -1,7 +1,7 @@
 """Numba CUDA kernels of a prefetch's bookkeeping: deduplicating the batch, the remap, the counters.
 
-The policy kernel (``assign_slots_kernel`` in :mod:`tiered_tbe.cache._kernels`) decides, one
-thread per set, what happens to each unique row of a batch. Around it a prefetch of ``N``
+The policy kernels (``find_hits_kernel`` and ``assign_slots_kernel`` in :mod:`tiered_tbe.cache._kernels`)
+decide what happens to each unique row of a batch. Around it a prefetch of ``N``
 lookups must find the unique rows (grouped by set) and, afterwards, turn the decisions into
 each lookup's slot, the rows left in the backing store, the write-back list and the counters.
 Done with torch ops that took ~45 launches over the ``N`` lookups (~0.56 ms of a 2.34 ms
@@ -17,7 +17,8 @@ pass over the batch is one kernel::
     stable_sort              the unique rows grouped by set
     run_heads_kernel, torch.cumsum, set_starts_kernel
                              the first position of each set the batch touches, in order
-    assign_slots_kernel      hits, victims, fills, a thread per touched set (``_kernels.py``)
+    find_hits_kernel         the hits, a thread per unique row (``_kernels.py``)
+    assign_slots_kernel      victims and fills, a thread per touched set (``_kernels.py``)
     batch_outcomes_kernel    each lookup's slot, the rows given no slot, the dirty victims'
                              write-back keys, and each thread's counts
 

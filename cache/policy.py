@@ -114,7 +114,8 @@ Extending the policy
     line's choices, the benchmarks and the tests read it. A policy that ranks by the per-slot
     state above (``last_use``, ``use_count``, ``next_use``) is a code below, a branch in
     :func:`victim_key`, and one line in :data:`POLICIES`; the kernels and the simulator call
-    ``victim_key`` through :func:`choose_victim` and need no change, and the tests that run
+    ``victim_key`` through :func:`choose_victim` (the simulator) and :func:`choose_free_way` (the GPU
+    kernel, which is the same choice over bit masks) and need no change, and the tests that run
     every registered policy (the simulator against the real cache, hit for hit) cover it.
 
     A policy that needs new per-slot state needs more than this file:
@@ -214,6 +215,11 @@ def round_to_sets(rows: int, associativity: int) -> int:
     return max(1, -(-int(rows) // associativity)) * associativity
 
 
+# Most ways a set of the GPU slot cache may have: its policy kernel keeps a set's unlocked and empty
+# ways as bits of an int64 (free_ways). The CPU simulator takes any associativity.
+MAX_WAYS = 64
+
+
 def check_geometry(num_slots: int, associativity: int, lfu_decay_interval: int) -> None:
     """The cache shape both the GPU cache and the simulator accept; a clear error otherwise."""
     if associativity < 1 or num_slots < associativity or num_slots % associativity:
@@ -279,6 +285,61 @@ def choose_victim(policy, tags, last_use, use_count, next_use, locks, first_slot
     return best
 
 
+def free_ways(tags, locks, first_slot, associativity):
+    """``(free, empty)``: int64 bit masks of a set of at most :data:`MAX_WAYS` ways. Bit ``w`` of
+    ``free`` is set when way ``w`` is unlocked, of ``empty`` when it is unlocked and holds no row.
+
+    With them, :func:`choose_free_way` repeats :func:`choose_victim` for each miss of a set
+    reading the set's tags and locks once instead of once a miss (the GPU kernel's way)."""
+    free = np.int64(0)
+    empty = np.int64(0)
+    for way in range(associativity):
+        slot = first_slot + way
+        if locks[slot] == 0:
+            bit = np.int64(1) << np.int64(way)
+            free |= bit
+            if tags[slot] == EMPTY:
+                empty |= bit
+    return free, empty
+
+
+def choose_free_way(policy, last_use, use_count, next_use, first_slot, associativity, free, empty):
+    """The way (0 .. associativity - 1) :func:`choose_victim` picks in a set described by the masks of
+    :func:`free_ways`, or -1 when ``free`` is 0. The caller clears the way's bit in both masks when it
+    fills it (the fill locks it): then the next call picks what ``choose_victim`` would next.
+
+    Equal to ``choose_victim`` because only the caller changes the set meanwhile, and only ways it
+    takes out of ``free``: a locked way is never read, an empty unlocked one wins at once (the lowest
+    bit of ``empty``), and the rest rank by the same keys in way order."""
+    if empty != 0:
+        return lowest_set_bit(empty)
+    best = np.int64(-1)
+    if free == 0:
+        return best
+    best_primary = np.int64(0)
+    best_secondary = np.int64(0)
+    for way in range(associativity):
+        if (free >> np.int64(way)) & 1 == 0:
+            continue
+        primary, secondary = victim_key(policy, first_slot + way, last_use, use_count, next_use)
+        if best < 0 or primary < best_primary or (primary == best_primary and secondary < best_secondary):
+            best = way
+            best_primary = primary
+            best_secondary = secondary
+    return best
+
+
+def lowest_set_bit(word):
+    """Index (0 .. 63) of the lowest set bit of a nonzero int64, by halving the search six times.
+    Not ``cuda.ffs``: the CUDA simulator's reads only the low 32 bits."""
+    index = 0
+    for width in (32, 16, 8, 4, 2, 1):
+        if (word & ((np.int64(1) << np.int64(width)) - 1)) == 0:
+            index += width
+            word >>= np.int64(width)
+    return index
+
+
 def touch_on_hit(slot, step, last_use, use_count):
     """Policy state of a slot whose row a batch uses (the lock is the caller's)."""
     last_use[slot] = step
@@ -313,6 +374,9 @@ set_of_row_cpu = _cpu_inlined(_rebind(set_of_row, mix64=mix64_cpu))
 victim_key_cpu = _cpu_inlined(victim_key)
 find_way_cpu = _cpu(find_way)
 choose_victim_cpu = _cpu(_rebind(choose_victim, victim_key=victim_key_cpu))
+lowest_set_bit_cpu = _cpu_inlined(lowest_set_bit)
+free_ways_cpu = _cpu(free_ways)
+choose_free_way_cpu = _cpu(_rebind(choose_free_way, victim_key=victim_key_cpu, lowest_set_bit=lowest_set_bit_cpu))
 touch_on_hit_cpu = _cpu_inlined(touch_on_hit)
 touch_on_fill_cpu = _cpu_inlined(touch_on_fill)
 
@@ -343,5 +407,9 @@ def compile_for_simulator() -> None:
 victim_key_device = _device(victim_key)
 find_way_device = _device(find_way)
 choose_victim_device = _device(_rebind(choose_victim, victim_key=victim_key_device))
+lowest_set_bit_device = _device(lowest_set_bit)
+free_ways_device = _device(free_ways)
+choose_free_way_device = _device(_rebind(choose_free_way, victim_key=victim_key_device,
+                                        lowest_set_bit=lowest_set_bit_device))
 touch_on_hit_device = _device(touch_on_hit)
 touch_on_fill_device = _device(touch_on_fill)

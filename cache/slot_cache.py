@@ -49,6 +49,7 @@ from tiered_tbe.cache.launch import KernelLauncher
 from tiered_tbe.cache.mover import Moves, make_mover, sorted_write_backs
 from tiered_tbe.cache.policy import (
     EMPTY,
+    MAX_WAYS,
     NEXT_USE_UNKNOWN,
     POLICY_LOOKAHEAD,
     check_geometry,
@@ -161,6 +162,9 @@ class SlotCache(LookaheadHints):
         if self.device.type == "cuda" and SIMULATION:
             raise ValueError("SlotCache on cuda, but tiered_tbe runs in CPU simulation mode")
         check_geometry(num_slots, associativity, lfu_decay_interval)
+        if associativity > MAX_WAYS:
+            raise ValueError(f"associativity {associativity}: the GPU slot cache has at most {MAX_WAYS} ways a set "
+                             "(its policy kernel keeps a set's free ways as the bits of an int64)")
         self.policy = policy
         self._policy_code = policy_code(policy)
         self.num_slots = num_slots
@@ -458,12 +462,15 @@ class SlotCache(LookaheadHints):
                                                self._rows_end, self.num_sets)
         # 2. The unique rows grouped by set (stable: ascending rows within a set).
         set_of_position, unique_of_position = stable_sort(u.set_of_unique, self.num_sets)
-        # 3. Hits, victims, fills: the policy, one thread per set the batch touches.
+        # 3. The policy: hits (a thread per unique row), then victims and fills (a thread per set touched).
+        self._launcher.launch(
+            _kernels.find_hits_kernel, rows.numel(), u.unique_rows, u.set_of_unique, self.associativity, step,
+            self._k_tags, self._k_last_use, self._k_use_count, self._k_locks, u.slot_of_unique, u.outcome)
         set_start = batch_kernels.set_starts_of_batch(self._launcher, set_of_position, self.num_sets)
         read_window_bits = self._policy_code == POLICY_LOOKAHEAD and self.window_bits is not None
         self._launcher.launch(
             _kernels.assign_slots_kernel, rows.numel(), set_start, set_of_position, unique_of_position, u.unique_rows,
-            self.num_sets, self.associativity, step, self._policy_code, self._k_tags, self._k_last_use,
+            self.associativity, step, self._policy_code, self._k_tags, self._k_last_use,
             self._k_use_count, self._k_next_use, self._upcoming.kernel_bits, read_window_bits, self._k_locks,
             self._k_dirty, self._k_bypass_count, u.slot_of_unique, u.outcome, u.victim_row, u.victim_was_dirty)
         # 4. The remap, the rows left in the backing store, the write-back list, the counters (no sync).

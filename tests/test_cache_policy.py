@@ -119,3 +119,58 @@ def test_touch_on_hit_and_fill():
     assert last_use.tolist() == [0, 9, 0] and use_count.tolist() == [0, 5, 0]
     policy.touch_on_fill_cpu(1, 10, last_use, use_count)
     assert last_use.tolist() == [0, 10, 0] and use_count.tolist() == [0, 1, 0]
+
+
+@pytest.mark.parametrize("implementation", ["python", "njit"])
+@pytest.mark.parametrize("code", [POLICY_LRU, POLICY_LFU, POLICY_LOOKAHEAD])
+@pytest.mark.parametrize("ways", [1, 7, 32, 63, 64])
+def test_choose_free_way_repeats_choose_victim(implementation, code, ways):
+    """The GPU kernel's choice over bit masks (free_ways once, then choose_free_way for each miss,
+    the chosen way locked) gives the ways choose_victim gives miss after miss, on fresh random
+    sets: locked, empty, tied keys, way 63 (the sign bit), at a first_slot other than 0."""
+    free_ways, choose = ((policy.free_ways, policy.choose_free_way) if implementation == "python"
+                         else (policy.free_ways_cpu, policy.choose_free_way_cpu))
+    rng = np.random.default_rng(1000 * code + ways)
+    for _ in range(40 if implementation == "njit" else 8):
+        first_slot = int(rng.integers(0, 3)) * ways
+        size = first_slot + ways + ways  # other sets around it, never read
+        state = _set_state(
+            tags=np.where(rng.random(size) < 0.2, EMPTY, rng.integers(0, 10**6, size)),
+            last_use=rng.integers(0, 4, size), use_count=rng.integers(0, 4, size),
+            locks=np.where(rng.random(size) < 0.3, rng.integers(1, 3, size), 0),
+            next_use=np.where(rng.random(size) < 0.5, NEXT_USE_UNKNOWN, rng.integers(5, 9, size)),
+        )
+        free, empty = free_ways(state["tags"], state["locks"], first_slot, ways)
+        for _miss in range(ways + 1):  # one more than ways: the last finds every way locked
+            expected = _victim("njit", code, state, first_slot, ways)
+            way = int(choose(code, state["last_use"], state["use_count"], state["next_use"], first_slot, ways,
+                             free, empty))
+            assert (first_slot + way if way >= 0 else NO_SLOT) == expected
+            if expected == NO_SLOT:
+                break
+            taken = ~(np.int64(1) << np.int64(way))
+            free, empty = free & taken, empty & taken
+            state["locks"][expected] += 1  # the fill locks it
+            state["tags"][expected] = 10**7 + _miss
+
+
+def test_lowest_set_bit():
+    for bit in range(64):
+        word = np.int64(-(1 << 63)) if bit == 63 else np.int64(1 << bit)
+        higher = np.int64(-1) << np.int64(bit)  # every bit from `bit` up
+        for fn in (policy.lowest_set_bit, policy.lowest_set_bit_cpu):
+            assert fn(word) == bit and fn(higher) == bit
+
+
+def test_gpu_cache_takes_at_most_max_ways(device):
+    """The policy kernel keeps a set's free ways in an int64: more than MAX_WAYS ways is refused,
+    naming the limit; MAX_WAYS itself is a cache."""
+    import torch
+
+    from tiered_tbe.cache.policy import MAX_WAYS
+    from tiered_tbe.cache.slot_cache import CachedTable, SlotCache
+
+    table = CachedTable(0, 200, 4, torch.zeros(200, 4, device=device))
+    with pytest.raises(ValueError, match=f"at most {MAX_WAYS} ways"):
+        SlotCache([table], num_slots=2 * (MAX_WAYS + 1), associativity=MAX_WAYS + 1, device=device)
+    assert SlotCache([table], num_slots=MAX_WAYS, associativity=MAX_WAYS, device=device).num_sets == 1
