@@ -7,8 +7,9 @@ thread). Entries past the end of the real data are marked in the data itself (a 
 ``NOT_CACHED``, a flag of 0), so launches are sized from host-known bounds and the GPU path
 never waits for the device to learn how many rows a batch had.
 
-No kernel uses atomics: each set is handled by one thread, each unique row or slot by one
-(``window_bits_kernel`` lets threads race on a repeated row, benignly: see there).
+No kernel uses atomics: each unique row or slot is handled by one thread (``window_bits_kernel``
+lets threads race on a repeated row, benignly: see there). The policy's kernels, which decide what
+each unique row of a prefetch gets, are in :mod:`tiered_tbe.cache.policy_kernels`.
 """
 
 from __future__ import annotations
@@ -27,18 +28,7 @@ from tiered_tbe.base.descriptors import (
     WEIGHTS_STRIDE,
 )
 from tiered_tbe.cache.launch import cached_kernel
-from tiered_tbe.cache.policy import (
-    EMPTY,
-    NEXT_USE_UNKNOWN,
-    NO_SLOT,
-    choose_free_way_device,
-    find_way_device,
-    free_ways_device,
-    lowest_set_bit_device,
-    set_of_row_device,
-    touch_on_fill_device,
-    touch_on_hit_device,
-)
+from tiered_tbe.cache.policy import EMPTY, NO_SLOT, find_way_device, set_of_row_device
 
 NOT_CACHED = np.iinfo(np.int64).max  # row id standing for "outside every cached table"; sorts last
 
@@ -51,152 +41,6 @@ OUTCOME_NO_SLOT = 3  # missed, every way of its set locked: slot -1
 # Steps of the lookahead window one int64 word of ``window_bits`` holds: bit ``s % WINDOW_BITS``
 # of a row's word stands for the batch prefetched at step ``s``.
 WINDOW_BITS = 64
-
-
-@cached_kernel
-def find_hits_kernel(
-    unique_rows,  # int64 [N]: the batch's unique rows, ascending; NOT_CACHED past the last
-    set_of_unique,  # int32 [N]: the set of each unique row
-    associativity,  # int64: ways per set
-    step_of_prefetch,  # int64 [1]: this prefetch's step (a tensor: a CUDA graph serves every step)
-    tags,  # int64 [S]: row per slot, EMPTY if none
-    last_use,  # int64 [S]
-    use_count,  # int32 [S]
-    locks,  # int32 [S]
-    slot_of_unique,  # int32 [N] out (pre-filled with NO_SLOT): slot of each unique row found cached
-    outcome,  # int8 [N] out (pre-filled with OUTCOME_NONE): OUTCOME_HIT where found
-):
-    """Step 2 of the policy, the hits: one thread per unique row. Before assign_slots_kernel, so
-    every hit of the batch is locked before any victim is chosen; the rows are distinct, so are
-    their slots (one writer each). A thread per set did this scan for each of its rows in turn,
-    the loads of a warp 32 sets apart: the policy took 4.7 ms of a 39 ms step at Zipf 0.6 (H200)."""
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    step = step_of_prefetch[0]
-    for u in range(start, unique_rows.shape[0], stride):
-        row = unique_rows[u]
-        if row == NOT_CACHED:
-            continue  # padding past the unique rows
-        slot = find_way_device(tags, set_of_unique[u] * associativity, associativity, row)
-        if slot != NO_SLOT:
-            touch_on_hit_device(slot, step, last_use, use_count)
-            locks[slot] += 1
-            slot_of_unique[u] = slot
-            outcome[u] = OUTCOME_HIT
-
-
-@cached_kernel
-def assign_slots_kernel(
-    set_start,  # int32 [N]: first sorted position of each set the batch touches, in order, then N (padding)
-    set_of_position,  # int64 [N]: sets of the unique rows, sorted (stable: rows ascending within a set)
-    unique_of_position,  # int32 [N]: index into unique_rows of each sorted position
-    unique_rows,  # int64 [N]: the batch's unique rows, ascending; NOT_CACHED past the last
-    associativity,  # int64: ways per set (at most MAX_WAYS)
-    step_of_prefetch,  # int64 [1]: this prefetch's step (see policy.py); a tensor, so a CUDA graph of the
-    #                  prefetch serves every step
-    policy,  # int64: POLICY_* code
-    tags,  # int64 [S]: row per slot, EMPTY if none
-    last_use,  # int64 [S]
-    use_count,  # int32 [S]
-    next_use,  # int64 [S]: lookahead's per-slot hint, read by victim_key only
-    window_bits,  # int64 [R]: per global row, bit s % WINDOW_BITS set when the hinted batch of step s
-    #               names the row (SlotCache.add_upcoming); a [1] dummy when read_window_bits is False
-    read_window_bits,  # bool: decode next_use from window_bits (lookahead, hints recorded); else use it as is
-    locks,  # int32 [S]
-    dirty,  # uint8 [S]
-    bypass_count,  # uint8 [R]: per global row, the batches in flight that got no slot for it; a miss
-    #                of such a row gets no slot either, and every row given none is counted here
-    slot_of_unique,  # int32 [N] in/out: find_hits_kernel's, then the slot of each filled row
-    outcome,  # int8 [N] in/out: OUTCOME_HIT from find_hits_kernel, then OUTCOME_FILLED or OUTCOME_NO_SLOT
-    victim_row,  # int64 [N] out (pre-filled with EMPTY): row evicted to make room for a fill
-    victim_was_dirty,  # uint8 [N] out (pre-filled with 0): 1 when that row must be written back
-):
-    """Step 3 of the policy, after find_hits_kernel: one thread per set that the batch touches
-    gives its misses slots, in ascending row order.
-
-    Threads take the touched sets from ``set_start``, so the 32 threads of a warp work on 32 sets:
-    walked by position instead, a warp's threads were mostly positions inside a set, idle (at ~16
-    unique rows a set, 2 of 32 busy), and the kernel took 5.7 ms for 3.3M unique rows on the H200.
-    A set's locks and tags are read once, into the bit masks of ``free_ways``, at its first victim
-    choice; each choice then reads the keys of the unlocked ways only (``choose_free_way``).
-
-    With ``read_window_bits``, the ways of a set get their ``next_use`` from the window bits just
-    before the set's first victim choice (its rows are then still those of before this
-    prefetch); a slot filled later keeps that value (it is locked: no victim choice reads it).
-    """
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    n = set_of_position.shape[0]
-    step = step_of_prefetch[0]
-    for i in range(start, n, stride):
-        begin = set_start[i]
-        if begin >= n:
-            break  # past the touched sets (set_start is padded with N from there on)
-        the_set = set_of_position[begin]
-        first_slot = the_set * associativity
-        looked = False  # the set's masks (and next_use) are read at its first victim choice
-        free = np.int64(0)
-        empty = np.int64(0)
-        position = begin
-        while position < n and set_of_position[position] == the_set:
-            u = unique_of_position[position]
-            position += 1
-            if outcome[u] == OUTCOME_HIT:
-                continue
-            row = unique_rows[u]
-            way = -1
-            if bypass_count[row] == 0:  # else a batch in flight reads it in place
-                if not looked:
-                    if read_window_bits:
-                        _decode_next_use_of_set(first_slot, associativity, step, tags, window_bits, next_use)
-                    free, empty = free_ways_device(tags, locks, first_slot, associativity)
-                    looked = True
-                way = choose_free_way_device(policy, last_use, use_count, next_use, first_slot, associativity,
-                                             free, empty)
-            if way < 0:  # every way locked (locks only grow within a prefetch: it stays so), or bypassed
-                outcome[u] = OUTCOME_NO_SLOT
-                bypass_count[row] += 1  # one thread per set, unique rows: no other thread writes it
-                continue
-            taken = ~(np.int64(1) << way)
-            free &= taken
-            empty &= taken
-            slot = first_slot + way
-            evicted = tags[slot]
-            if evicted != EMPTY:
-                victim_row[u] = evicted
-                victim_was_dirty[u] = dirty[slot]
-            tags[slot] = row
-            touch_on_fill_device(slot, step, last_use, use_count)
-            dirty[slot] = 0
-            locks[slot] += 1
-            slot_of_unique[u] = slot
-            outcome[u] = OUTCOME_FILLED
-
-
-@cuda.jit(device=True, inline=True)
-def _decode_next_use_of_set(first_slot, associativity, step, tags, window_bits, next_use):
-    """``next_use`` of every way of a set holding a row: the soonest hinted step after ``step``
-    (this prefetch's) naming the row, from its window bits."""
-    for slot in range(first_slot, first_slot + associativity):
-        row = tags[slot]
-        if row != EMPTY:
-            next_use[slot] = soonest_hinted_step(window_bits[row], step)
-
-
-@cuda.jit(device=True, inline=True)
-def soonest_hinted_step(word, step):
-    """The smallest step ``s`` in ``step + 1 .. step + WINDOW_BITS`` whose bit ``s % WINDOW_BITS``
-    is set in ``word`` (a row's int64 window bits), or ``NEXT_USE_UNKNOWN`` when none is."""
-    if word == 0:
-        return NEXT_USE_UNKNOWN  # the common case: no batch of the window names the row
-    first_bit = (step + 1) % WINDOW_BITS  # the bit of step + 1
-    # Bits first_bit .. 63 are steps step + 1 onwards. The shift is arithmetic: copies of bit 63
-    # land above its own new place, never below, so the lowest set bit is still the soonest step.
-    from_first = word >> first_bit
-    if from_first != 0:
-        return step + 1 + lowest_set_bit_device(from_first)
-    # Only bits 0 .. first_bit - 1 are set: steps past the next multiple of WINDOW_BITS.
-    return step + 1 + (WINDOW_BITS - first_bit) + lowest_set_bit_device(word)
 
 
 @cached_kernel
@@ -417,7 +261,7 @@ def release_kernel(
     mark_dirty,  # bool: also mark the locked slots dirty (the batch's backward updated them)
     locks,  # int32 [S]
     dirty,  # uint8 [S]
-    bypass_count,  # uint8 [R]: per global row (see assign_slots_kernel)
+    bypass_count,  # uint8 [R]: per global row (see policy_kernels.slot_needed_kernel)
 ):
     """The batch is done with its rows: one lock less per slot it locked (dirty first, when its
     backward updated them), and later prefetches may cache the rows it read in place. One

@@ -1,7 +1,7 @@
 """Numba CUDA kernels of a prefetch's bookkeeping: deduplicating the batch, the remap, the counters.
 
-The policy kernels (``find_hits_kernel`` and ``assign_slots_kernel`` in :mod:`tiered_tbe.cache._kernels`)
-decide what happens to each unique row of a batch. Around it a prefetch of ``N``
+The policy's kernels (:mod:`tiered_tbe.cache.policy_kernels`) decide what happens to each unique
+row of a batch. Around them a prefetch of ``N``
 lookups must find the unique rows (grouped by set) and, afterwards, turn the decisions into
 each lookup's slot, the rows left in the backing store, the write-back list and the counters.
 Done with torch ops that took ~45 launches over the ``N`` lookups (~0.56 ms of a 2.34 ms
@@ -17,8 +17,7 @@ pass over the batch is one kernel::
     stable_sort              the unique rows grouped by set
     run_heads_kernel, torch.cumsum, set_starts_kernel
                              the first position of each set the batch touches, in order
-    find_hits_kernel         the hits, a thread per unique row (``_kernels.py``)
-    assign_slots_kernel      victims and fills, a thread per touched set (``_kernels.py``)
+    the policy's kernels     hits, victims, fills (``policy_kernels.py``)
     batch_outcomes_kernel    each lookup's slot, the rows given no slot, the dirty victims'
                              write-back keys, and each thread's counts
 
@@ -101,7 +100,7 @@ def unique_rows_kernel(
     num_sets,  # int64
     unique_rows,  # int64 [N] out: the unique rows, ascending, then NOT_CACHED
     set_of_unique,  # int32 [N] out: set of each unique row; num_sets for padding (sorts last)
-    slot_of_unique,  # int32 [N] out: NO_SLOT (assign_slots_kernel's input state)
+    slot_of_unique,  # int32 [N] out: NO_SLOT (the policy kernels' input state)
     outcome,  # int8 [N] out: OUTCOME_NONE
     victim_row,  # int64 [N] out: EMPTY
     victim_was_dirty,  # uint8 [N] out: 0
@@ -155,7 +154,7 @@ def batch_outcomes_kernel(
     unique_number,  # int32 [N]: 1-based unique number of each sorted position (see unique_rows_kernel)
     none_key,  # int64: the key of no row
     unique_rows,  # int64 [N]: the unique rows, then NOT_CACHED
-    slot_of_unique,  # int32 [N]: assign_slots_kernel's slot of each unique row (NO_SLOT: none)
+    slot_of_unique,  # int32 [N]: the policy's slot of each unique row (NO_SLOT: none)
     outcome,  # int8 [N]: its OUTCOME_* of each
     victim_row,  # int64 [N]: the row a fill evicted, EMPTY if none
     victim_was_dirty,  # uint8 [N]: 1 when that row must be written back
@@ -219,7 +218,7 @@ def batch_outcomes_kernel(
 
 class UniqueRows(NamedTuple):
     """A batch of ``N`` lookups deduplicated (device tensors [N], padded past its unique rows),
-    and the policy kernel's outputs, initialised (``assign_slots_kernel`` fills them in)."""
+    and the policy kernels' outputs, initialised (``policy_kernels.py`` fills them in)."""
 
     sorted_keys: torch.Tensor  # int32 when the rows fit, else int64: the sort keys, ascending
     order: torch.Tensor  # int32: the lookup at each sorted position
@@ -262,16 +261,17 @@ def unique_rows_of_batch(launcher, rows: torch.Tensor, table_starts: torch.Tenso
     return unique
 
 
-def set_starts_of_batch(launcher, set_of_position: torch.Tensor, num_sets: int) -> torch.Tensor:
-    """int32 [N]: the first position of each set in ``set_of_position`` (int32 [N], ascending; ``num_sets``
-    for padding, sorted last), in order, then N: the policy kernel's thread of each touched set."""
+def set_starts_of_batch(launcher, set_of_position: torch.Tensor, num_sets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(set_start, set_number)``, int32 [N] each: the first position of each set in ``set_of_position``
+    (int32 [N], ascending; ``num_sets`` for padding, sorted last), in order, then N; and the 1-based
+    number of each position's set among the touched ones (the padding's: the count of touched sets)."""
     n = set_of_position.numel()
     is_set_head = torch.empty(n, dtype=torch.int32, device=set_of_position.device)
     launcher.launch(run_heads_kernel, n, set_of_position, num_sets, is_set_head)
     set_number = torch.cumsum(is_set_head, 0, dtype=torch.int32)
     set_start = torch.empty(n, dtype=torch.int32, device=set_of_position.device)
     launcher.launch(set_starts_kernel, n, is_set_head, set_number, set_start)
-    return set_start
+    return set_start, set_number
 
 
 def outcomes_of_batch(launcher, unique: UniqueRows, table_starts: torch.Tensor, table_row_bytes: torch.Tensor

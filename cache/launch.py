@@ -23,8 +23,8 @@ from tiered_tbe.base.mode import SIMULATION
 # policy.py alone would keep running the kernels compiled before it. The cache folder is named by
 # a hash of all of them (and numba-cuda's version), so any edit compiles afresh.
 _PACKAGE = Path(__file__).resolve().parent
-KERNEL_SOURCES = (_PACKAGE / "_kernels.py", _PACKAGE / "batch_kernels.py", _PACKAGE / "policy.py",
-                  _PACKAGE.parent / "base" / "descriptors.py")
+KERNEL_SOURCES = (_PACKAGE / "_kernels.py", _PACKAGE / "batch_kernels.py", _PACKAGE / "policy_kernels.py",
+                  _PACKAGE / "policy.py", _PACKAGE.parent / "base" / "descriptors.py")
 
 
 def kernel_cache_dir(sources=KERNEL_SOURCES) -> Path:

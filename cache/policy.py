@@ -114,8 +114,7 @@ Extending the policy
     line's choices, the benchmarks and the tests read it. A policy that ranks by the per-slot
     state above (``last_use``, ``use_count``, ``next_use``) is a code below, a branch in
     :func:`victim_key`, and one line in :data:`POLICIES`; the kernels and the simulator call
-    ``victim_key`` through :func:`choose_victim` (the simulator) and :func:`choose_free_way` (the GPU
-    kernel, which is the same choice over bit masks) and need no change, and the tests that run
+    ``victim_key`` through :func:`chosen_before` (the order of victims) and need no change, and the tests that run
     every registered policy (the simulator against the real cache, hit for hit) cover it.
 
     A policy that needs new per-slot state needs more than this file:
@@ -215,8 +214,9 @@ def round_to_sets(rows: int, associativity: int) -> int:
     return max(1, -(-int(rows) // associativity)) * associativity
 
 
-# Most ways a set of the GPU slot cache may have: its policy kernel keeps a set's unlocked and empty
-# ways as bits of an int64 (free_ways). The CPU simulator takes any associativity.
+# Most ways a set of the GPU slot cache may have: its policy kernel ranks a set's ways with a thread
+# per way, 32 a warp, each taking at most two (cache/_kernels.py), and a way is an int8.
+# The CPU simulator takes any associativity.
 MAX_WAYS = 64
 
 
@@ -262,82 +262,39 @@ def find_way(tags, first_slot, associativity, row):
     return NO_SLOT
 
 
-def choose_victim(policy, tags, last_use, use_count, next_use, locks, first_slot, associativity):
-    """The slot a missed row of this set takes, or ``NO_SLOT`` when every way is locked.
+def chosen_before(policy, slot, other, tags, last_use, use_count, next_use):
+    """Whether unlocked slot ``slot`` is taken before unlocked slot ``other`` of the same set: the order
+    of victims. Empty slots first, the lower first; then the smaller ``victim_key``; then the lower slot.
 
-    Locked ways (``locks != 0``) are never chosen. The lowest empty way wins outright; otherwise
-    the way with the smallest ``victim_key``, the lowest way on a tie.
-    """
+    The one definition of the order: :func:`choose_victim` takes the first unlocked slot in it; the
+    GPU kernel ranks a set's unlocked slots by it and gives its ``k``-th miss the ``k``-th slot
+    (``cache/_kernels.py``), which is the same, as only fills (which lock) change a set meanwhile."""
+    empty = tags[slot] == EMPTY
+    other_empty = tags[other] == EMPTY
+    if empty or other_empty:
+        return empty and (not other_empty or slot < other)
+    primary, secondary = victim_key(policy, slot, last_use, use_count, next_use)
+    other_primary, other_secondary = victim_key(policy, other, last_use, use_count, next_use)
+    if primary != other_primary:
+        return primary < other_primary
+    if secondary != other_secondary:
+        return secondary < other_secondary
+    return slot < other
+
+
+def choose_victim(policy, tags, last_use, use_count, next_use, locks, first_slot, associativity):
+    """The slot a missed row of this set takes, or ``NO_SLOT`` when every way is locked: the
+    first unlocked way in the order of :func:`chosen_before` (an empty way wins outright)."""
     best = NO_SLOT
-    best_primary = np.int64(0)
-    best_secondary = np.int64(0)
     for way in range(associativity):
         slot = first_slot + way
         if locks[slot] != 0:
             continue
         if tags[slot] == EMPTY:
-            return slot  # ways are scanned in order, so this is the lowest empty way
-        primary, secondary = victim_key(policy, slot, last_use, use_count, next_use)
-        if best == NO_SLOT or primary < best_primary or (primary == best_primary and secondary < best_secondary):
+            return slot  # ways are scanned in order, so this is the lowest empty way: first in the order
+        if best == NO_SLOT or chosen_before(policy, slot, best, tags, last_use, use_count, next_use):
             best = slot
-            best_primary = primary
-            best_secondary = secondary
     return best
-
-
-def free_ways(tags, locks, first_slot, associativity):
-    """``(free, empty)``: int64 bit masks of a set of at most :data:`MAX_WAYS` ways. Bit ``w`` of
-    ``free`` is set when way ``w`` is unlocked, of ``empty`` when it is unlocked and holds no row.
-
-    With them, :func:`choose_free_way` repeats :func:`choose_victim` for each miss of a set
-    reading the set's tags and locks once instead of once a miss (the GPU kernel's way)."""
-    free = np.int64(0)
-    empty = np.int64(0)
-    for way in range(associativity):
-        slot = first_slot + way
-        if locks[slot] == 0:
-            bit = np.int64(1) << np.int64(way)
-            free |= bit
-            if tags[slot] == EMPTY:
-                empty |= bit
-    return free, empty
-
-
-def choose_free_way(policy, last_use, use_count, next_use, first_slot, associativity, free, empty):
-    """The way (0 .. associativity - 1) :func:`choose_victim` picks in a set described by the masks of
-    :func:`free_ways`, or -1 when ``free`` is 0. The caller clears the way's bit in both masks when it
-    fills it (the fill locks it): then the next call picks what ``choose_victim`` would next.
-
-    Equal to ``choose_victim`` because only the caller changes the set meanwhile, and only ways it
-    takes out of ``free``: a locked way is never read, an empty unlocked one wins at once (the lowest
-    bit of ``empty``), and the rest rank by the same keys in way order."""
-    if empty != 0:
-        return lowest_set_bit(empty)
-    best = np.int64(-1)
-    if free == 0:
-        return best
-    best_primary = np.int64(0)
-    best_secondary = np.int64(0)
-    for way in range(associativity):
-        if (free >> np.int64(way)) & 1 == 0:
-            continue
-        primary, secondary = victim_key(policy, first_slot + way, last_use, use_count, next_use)
-        if best < 0 or primary < best_primary or (primary == best_primary and secondary < best_secondary):
-            best = way
-            best_primary = primary
-            best_secondary = secondary
-    return best
-
-
-def lowest_set_bit(word):
-    """Index (0 .. 63) of the lowest set bit of a nonzero int64, by halving the search six times.
-    Not ``cuda.ffs``: the CUDA simulator's reads only the low 32 bits."""
-    index = 0
-    for width in (32, 16, 8, 4, 2, 1):
-        if (word & ((np.int64(1) << np.int64(width)) - 1)) == 0:
-            index += width
-            word >>= np.int64(width)
-    return index
 
 
 def touch_on_hit(slot, step, last_use, use_count):
@@ -373,10 +330,8 @@ mix64_cpu = _cpu_inlined(mix64)
 set_of_row_cpu = _cpu_inlined(_rebind(set_of_row, mix64=mix64_cpu))
 victim_key_cpu = _cpu_inlined(victim_key)
 find_way_cpu = _cpu(find_way)
-choose_victim_cpu = _cpu(_rebind(choose_victim, victim_key=victim_key_cpu))
-lowest_set_bit_cpu = _cpu_inlined(lowest_set_bit)
-free_ways_cpu = _cpu(free_ways)
-choose_free_way_cpu = _cpu(_rebind(choose_free_way, victim_key=victim_key_cpu, lowest_set_bit=lowest_set_bit_cpu))
+chosen_before_cpu = _cpu_inlined(_rebind(chosen_before, victim_key=victim_key_cpu))
+choose_victim_cpu = _cpu(_rebind(choose_victim, chosen_before=chosen_before_cpu))
 touch_on_hit_cpu = _cpu_inlined(touch_on_hit)
 touch_on_fill_cpu = _cpu_inlined(touch_on_fill)
 
@@ -406,10 +361,7 @@ def compile_for_simulator() -> None:
         set_of_row_cpu(np.int64(0), np.int64(1))
 victim_key_device = _device(victim_key)
 find_way_device = _device(find_way)
-choose_victim_device = _device(_rebind(choose_victim, victim_key=victim_key_device))
-lowest_set_bit_device = _device(lowest_set_bit)
-free_ways_device = _device(free_ways)
-choose_free_way_device = _device(_rebind(choose_free_way, victim_key=victim_key_device,
-                                        lowest_set_bit=lowest_set_bit_device))
+chosen_before_device = _device(_rebind(chosen_before, victim_key=victim_key_device))
+choose_victim_device = _device(_rebind(choose_victim, chosen_before=chosen_before_device))
 touch_on_hit_device = _device(touch_on_hit)
 touch_on_fill_device = _device(touch_on_fill)

@@ -41,7 +41,7 @@ import torch
 from tiered_tbe.base.graphs import PADDED_GRAPHS, StepGraphs, padded_size
 from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.base.sorting import stable_sort
-from tiered_tbe.cache import _kernels, batch_kernels
+from tiered_tbe.cache import _kernels, batch_kernels, policy_kernels
 from tiered_tbe.cache._kernels import NOT_CACHED
 from tiered_tbe.cache.cache_batch import CacheBatch, check_batch
 from tiered_tbe.cache.hints import MAX_LOOKAHEAD, LookaheadHints, UpcomingBatches
@@ -73,6 +73,7 @@ _ASSIGN_OUTPUTS = 5
 _SLOT_METADATA = {"tags": torch.int64, "last_use": torch.int64, "use_count": torch.int32, "dirty": torch.uint8,
                   "locks": torch.int32, "next_use": torch.int64}
 _SLOT_METADATA_FILL = {"tags": EMPTY, "next_use": NEXT_USE_UNKNOWN}  # the others start at 0
+_SLOT_SCRATCH_BYTES = torch.int8.itemsize  # the policy kernels' way_of_rank, per slot
 # Device bytes per row of the cached tables: bypass_count (uint8), and window_bits (int64) once a
 # lookahead cache is told of upcoming batches.
 _ROW_BYTES = torch.uint8.itemsize
@@ -164,7 +165,7 @@ class SlotCache(LookaheadHints):
         check_geometry(num_slots, associativity, lfu_decay_interval)
         if associativity > MAX_WAYS:
             raise ValueError(f"associativity {associativity}: the GPU slot cache has at most {MAX_WAYS} ways a set "
-                             "(its policy kernel keeps a set's free ways as the bits of an int64)")
+                             "(its policy kernels rank a set's ways a warp a set, two ways a thread at most)")
         self.policy = policy
         self._policy_code = policy_code(policy)
         self.num_slots = num_slots
@@ -205,6 +206,8 @@ class SlotCache(LookaheadHints):
         self._uniform_row_bytes = row_bytes[0] if len(set(row_bytes)) == 1 else None
         self._all_slots = torch.arange(num_slots, dtype=torch.int64, **on)
         self.bypass_count = torch.zeros(self._rows_end, dtype=torch.uint8, **on)
+        # The policy kernels' scratch: per set, the way of each rank in the order of victims (policy_kernels.py).
+        self._way_of_rank = torch.zeros(num_slots, dtype=torch.int8, **on)
 
         # Kernel views, made once (converting a tensor costs host time at every launch): the
         # per-slot tensors are only ever updated in place.
@@ -212,9 +215,9 @@ class SlotCache(LookaheadHints):
         compile_for_simulator()  # in this thread, not in a simulated kernel's (see there)
         self._upcoming = UpcomingBatches(self._rows_end, self.device, self._launcher)
         (self._k_tags, self._k_last_use, self._k_use_count, self._k_dirty, self._k_locks, self._k_next_use,
-         self._k_bypass_count) = (self._launcher.array(t) for t in (self.tags, self.last_use, self.use_count,
-                                                                     self.dirty, self.locks, self.next_use,
-                                                                     self.bypass_count))
+         self._k_bypass_count, self._k_way_of_rank) = (
+            self._launcher.array(t) for t in (self.tags, self.last_use, self.use_count, self.dirty, self.locks,
+                                              self.next_use, self.bypass_count, self._way_of_rank))
         self.mover = make_mover(mover, self.weights, self.state, self.tables, self.device, self._launcher,
                                 self._rows_end, threads=mover_threads, staging_rows=staging_rows)
         # CUDA graphs of the prefetch (assign and move), per batch shape.
@@ -235,8 +238,8 @@ class SlotCache(LookaheadHints):
     def slot_bytes(row_width: int, state_width: int, weights_dtype: torch.dtype) -> int:
         """Device bytes of one slot: its row (``row_width`` values of ``weights_dtype``), its fp32
         optimizer state (``state_width`` values) and its metadata (tag, policy state, dirty bit,
-        lock: 33 bytes)."""
-        metadata = sum(dtype.itemsize for dtype in _SLOT_METADATA.values())
+        lock: 33 bytes; a byte of the policy kernels' scratch)."""
+        metadata = sum(dtype.itemsize for dtype in _SLOT_METADATA.values()) + _SLOT_SCRATCH_BYTES
         return row_width * weights_dtype.itemsize + 4 * state_width + metadata
 
     @staticmethod
@@ -462,17 +465,29 @@ class SlotCache(LookaheadHints):
                                                self._rows_end, self.num_sets)
         # 2. The unique rows grouped by set (stable: ascending rows within a set).
         set_of_position, unique_of_position = stable_sort(u.set_of_unique, self.num_sets)
-        # 3. The policy: hits (a thread per unique row), then victims and fills (a thread per set touched).
-        self._launcher.launch(
-            _kernels.find_hits_kernel, rows.numel(), u.unique_rows, u.set_of_unique, self.associativity, step,
-            self._k_tags, self._k_last_use, self._k_use_count, self._k_locks, u.slot_of_unique, u.outcome)
-        set_start = batch_kernels.set_starts_of_batch(self._launcher, set_of_position, self.num_sets)
-        read_window_bits = self._policy_code == POLICY_LOOKAHEAD and self.window_bits is not None
-        self._launcher.launch(
-            _kernels.assign_slots_kernel, rows.numel(), set_start, set_of_position, unique_of_position, u.unique_rows,
-            self.associativity, step, self._policy_code, self._k_tags, self._k_last_use,
-            self._k_use_count, self._k_next_use, self._upcoming.kernel_bits, read_window_bits, self._k_locks,
-            self._k_dirty, self._k_bypass_count, u.slot_of_unique, u.outcome, u.victim_row, u.victim_was_dirty)
+        # 3. Hits, victims, fills: the policy's kernels (cache/policy_kernels.py), in their order.
+        n = rows.numel()
+        self._launcher.launch(policy_kernels.find_hits_kernel, n, u.unique_rows, u.set_of_unique,
+                              self.associativity, step, self._k_tags, self._k_last_use, self._k_use_count,
+                              self._k_locks, u.slot_of_unique, u.outcome)
+        set_start, set_number = batch_kernels.set_starts_of_batch(self._launcher, set_of_position, self.num_sets)
+        needs_slot = torch.empty(n, dtype=torch.int32, device=self.device)
+        self._launcher.launch(policy_kernels.slot_needed_kernel, n, unique_of_position, u.unique_rows, u.outcome,
+                              self._k_bypass_count, needs_slot)
+        needs_number = torch.cumsum(needs_slot, 0, dtype=torch.int32)
+        per_way = min(n, self.num_sets) * policy_kernels.LANES  # a warp per touched set
+        sets = (set_start, set_of_position, needs_number, self.associativity)
+        if self._policy_code == POLICY_LOOKAHEAD and self.window_bits is not None:
+            self._launcher.launch(policy_kernels.decode_next_use_kernel, per_way, *sets, step, self._k_tags,
+                                  self._upcoming.kernel_bits, self._k_next_use)
+        self._launcher.launch(policy_kernels.rank_ways_kernel, per_way, *sets, self._policy_code, self._k_tags,
+                              self._k_last_use, self._k_use_count, self._k_next_use, self._k_locks,
+                              self._k_way_of_rank)
+        self._launcher.launch(policy_kernels.fill_misses_kernel, n, set_start, set_number, set_of_position,
+                              unique_of_position, needs_slot, needs_number, u.unique_rows, self.associativity, step,
+                              self._k_way_of_rank, self._k_tags, self._k_last_use, self._k_use_count,
+                              self._k_dirty, self._k_locks, self._k_bypass_count, u.slot_of_unique, u.outcome,
+                              u.victim_row, u.victim_was_dirty)
         # 4. The remap, the rows left in the backing store, the write-back list, the counters (no sync).
         slot_of_index, bypassed_rows, write_back_keys, counters = batch_kernels.outcomes_of_batch(
             self._launcher, u, self._table_starts, self._table_row_bytes)

@@ -121,50 +121,41 @@ def test_touch_on_hit_and_fill():
     assert last_use.tolist() == [0, 10, 0] and use_count.tolist() == [0, 1, 0]
 
 
-@pytest.mark.parametrize("implementation", ["python", "njit"])
 @pytest.mark.parametrize("code", [POLICY_LRU, POLICY_LFU, POLICY_LOOKAHEAD])
-@pytest.mark.parametrize("ways", [1, 7, 32, 63, 64])
-def test_choose_free_way_repeats_choose_victim(implementation, code, ways):
-    """The GPU kernel's choice over bit masks (free_ways once, then choose_free_way for each miss,
-    the chosen way locked) gives the ways choose_victim gives miss after miss, on fresh random
-    sets: locked, empty, tied keys, way 63 (the sign bit), at a first_slot other than 0."""
-    free_ways, choose = ((policy.free_ways, policy.choose_free_way) if implementation == "python"
-                         else (policy.free_ways_cpu, policy.choose_free_way_cpu))
+@pytest.mark.parametrize("ways", [1, 7, 32, 64])
+def test_ranking_by_chosen_before_repeats_choose_victim(code, ways):
+    """The GPU kernels give a set's k-th asking miss its k-th unlocked way in the order of
+    chosen_before (rank: how many unlocked ways come before it). On fresh random sets (locked,
+    empty, tied keys, another set around it) that is the way choose_victim gives miss after miss,
+    each fill locking its way, until every way is locked."""
     rng = np.random.default_rng(1000 * code + ways)
-    for _ in range(40 if implementation == "njit" else 8):
+    for _ in range(30):
         first_slot = int(rng.integers(0, 3)) * ways
-        size = first_slot + ways + ways  # other sets around it, never read
+        size = first_slot + 2 * ways
         state = _set_state(
             tags=np.where(rng.random(size) < 0.2, EMPTY, rng.integers(0, 10**6, size)),
             last_use=rng.integers(0, 4, size), use_count=rng.integers(0, 4, size),
             locks=np.where(rng.random(size) < 0.3, rng.integers(1, 3, size), 0),
             next_use=np.where(rng.random(size) < 0.5, NEXT_USE_UNKNOWN, rng.integers(5, 9, size)),
         )
-        free, empty = free_ways(state["tags"], state["locks"], first_slot, ways)
-        for _miss in range(ways + 1):  # one more than ways: the last finds every way locked
-            expected = _victim("njit", code, state, first_slot, ways)
-            way = int(choose(code, state["last_use"], state["use_count"], state["next_use"], first_slot, ways,
-                             free, empty))
-            assert (first_slot + way if way >= 0 else NO_SLOT) == expected
-            if expected == NO_SLOT:
-                break
-            taken = ~(np.int64(1) << np.int64(way))
-            free, empty = free & taken, empty & taken
-            state["locks"][expected] += 1  # the fill locks it
-            state["tags"][expected] = 10**7 + _miss
-
-
-def test_lowest_set_bit():
-    for bit in range(64):
-        word = np.int64(-(1 << 63)) if bit == 63 else np.int64(1 << bit)
-        higher = np.int64(-1) << np.int64(bit)  # every bit from `bit` up
-        for fn in (policy.lowest_set_bit, policy.lowest_set_bit_cpu):
-            assert fn(word) == bit and fn(higher) == bit
+        slots = range(first_slot, first_slot + ways)
+        unlocked = [s for s in slots if state["locks"][s] == 0]
+        args = (state["tags"], state["last_use"], state["use_count"], state["next_use"])
+        rank = {s: sum(bool(policy.chosen_before_cpu(code, o, s, *args)) for o in unlocked if o != s)
+                for s in unlocked}
+        assert sorted(rank.values()) == list(range(len(unlocked)))  # a strict order
+        by_rank = sorted(unlocked, key=rank.get)
+        chosen = []
+        while (slot := _victim("njit", code, state, first_slot, ways)) != NO_SLOT:
+            chosen.append(slot)
+            state["locks"][slot] += 1  # the fill locks it (its tag changes too; nothing reads it again)
+            state["tags"][slot] = 10**7 + len(chosen)
+        assert chosen == by_rank
 
 
 def test_gpu_cache_takes_at_most_max_ways(device):
-    """The policy kernel keeps a set's free ways in an int64: more than MAX_WAYS ways is refused,
-    naming the limit; MAX_WAYS itself is a cache."""
+    """The policy kernels rank a set's ways with a warp, two ways a thread at most: more than
+    MAX_WAYS ways is refused, naming the limit; MAX_WAYS itself is a cache."""
     import torch
 
     from tiered_tbe.cache.policy import MAX_WAYS

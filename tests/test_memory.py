@@ -25,8 +25,8 @@ def test_a_slot_is_what_the_cache_allocates_per_slot(device):
                                 cache=CacheConfig(slots=32), weights_dtype=torch.float16, device=device).cache
     per_slot = sum(t.element_size() * t[0].numel() for t in (cache.tags, cache.last_use, cache.use_count,
                                                               cache.dirty, cache.locks, cache.next_use,
-                                                              cache.weights, cache.state))
-    assert SlotCache.slot_bytes(5, 1, torch.float16) == per_slot == 5 * 2 + 4 + 33
+                                                              cache.weights, cache.state, cache._way_of_rank))
+    assert SlotCache.slot_bytes(5, 1, torch.float16) == per_slot == 5 * 2 + 4 + 33 + 1
 
 
 @pytest.mark.parametrize("config", [CacheConfig(memory="1TB"), CacheConfig(slots=10**9), CacheConfig(fraction=1.0)])
@@ -59,7 +59,7 @@ def test_the_reported_cache_is_refused_with_a_size_that_fits(monkeypatch):
         TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(), cache=CacheConfig(memory="1TB"), device="cpu")
     message = str(error.value)
     # A row-wise state goes to the device ("auto" layout), which in simulation is the host.
-    assert "the slot cache (2,000,000 slots of 549 B" in message and "HOST tables (ads): 976.6 MiB" in message
+    assert "the slot cache (2,000,000 slots of 550 B" in message and "HOST tables (ads): 976.6 MiB" in message
     assert "the optimizer state of the HOST tables: 7.6 MiB" in message
     assert "1.2 GiB available on the host (CPU simulation" in message
     assert "CacheConfig(memory='1TB') does not fit. Use at most memory='" in message
@@ -88,7 +88,7 @@ def test_on_a_gpu_the_cache_is_checked_against_the_device(monkeypatch):
     state_width = [RowwiseAdagrad().state_width(128)]
     plan = memory_check.plan_cache(tables, state_width, torch.float32, CacheConfig(memory="1TB"))
     assert plan.num_slots == 200_000_000  # capped at the rows
-    with pytest.raises(ValueError, match=r"the module needs 102.4 GiB \(the slot cache \(200,000,000 slots of 549 B"
+    with pytest.raises(ValueError, match=r"the module needs 102.6 GiB \(the slot cache \(200,000,000 slots of 550 B"
                                          r".*18.2 GiB free on cuda:0: CacheConfig\(memory='1TB'\) does not fit. "
                                          r"Use at most memory='14\d\d\dMiB'"):
         memory_check.check_memory(tables, state_width, torch.float32, "separate", torch.device("cuda:0"), plan)
