@@ -259,6 +259,12 @@ class StepGraphs:
         return tuple(output.clone() for output in captured.outputs)
 
 
+def next_int64(values: bytes) -> bytes:
+    """``advance`` of an int64 [1] input that the graph adds one to (a prefetch's step)."""
+    step = (int.from_bytes(values, "little", signed=True) + 1 + 2**63) % 2**64 - 2**63  # wraps as int64 does
+    return step.to_bytes(8, "little", signed=True)
+
+
 def _current_stream_handle(device: torch.device) -> int:
     """``torch.cuda.current_stream(device).cuda_stream`` without building a Stream object (7 us a
     call on the H200 machine's host, on the path to every replay; Triton's launcher reads it so)."""

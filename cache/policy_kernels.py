@@ -1,7 +1,8 @@
 """The policy's Numba CUDA kernels: what each unique row of a prefetch gets (a hit, a filled slot and
 its victim, or no slot). Host code: ``SlotCache._assign`` (:mod:`tiered_tbe.cache.slot_cache`); the
 policy itself (the order of victims, the touches) is :mod:`tiered_tbe.cache.policy`, which the CPU
-simulator runs one miss at a time. Here it runs in five data-parallel passes, none serial per set::
+simulator runs one miss at a time. Here it runs in five data-parallel passes, none serial per set
+(host function: :func:`assign_slots`)::
 
     find_hits_kernel         a thread per unique row: the hits, locked and touched
     slot_needed_kernel       a thread per unique row, grouped by set: 1 for a miss that will
@@ -28,9 +29,13 @@ slot has one writer.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 from numba import cuda
 
 from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT, WINDOW_BITS
+from tiered_tbe.cache.batch_kernels import set_starts_of_batch
 from tiered_tbe.cache.launch import cached_kernel
 from tiered_tbe.cache.policy import (
     EMPTY,
@@ -43,6 +48,48 @@ from tiered_tbe.cache.policy import (
 )
 
 LANES = 32  # threads a set in the per-way kernels (a warp)
+
+
+class SlotMetadata(NamedTuple):
+    """The slot cache's state as the kernels take it (``KernelLauncher.array`` views): per slot [S]
+    ``tags`` int64, ``last_use`` int64, ``use_count`` int32, ``next_use`` int64, ``locks`` int32,
+    ``dirty`` uint8; per global row [R] ``bypass_count`` uint8; and the scratch ``way_of_rank`` int8 [S]."""
+
+    tags: object
+    last_use: object
+    use_count: object
+    next_use: object
+    locks: object
+    dirty: object
+    bypass_count: object
+    way_of_rank: object
+
+
+def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_position: torch.Tensor, num_sets: int,
+                 associativity: int, step: torch.Tensor, policy: int, slots: SlotMetadata, window_bits=None) -> None:
+    """Run the policy over a batch's unique rows: fill ``unique``'s ``slot_of_unique``, ``outcome``,
+    ``victim_row`` and ``victim_was_dirty`` (a ``batch_kernels.UniqueRows`` of N entries, initialised),
+    and update ``slots``. ``set_of_position`` int32 [N] and ``unique_of_position`` int32 [N]: the unique
+    rows sorted by set (stable); ``step`` int64 [1] on the device; ``policy`` a ``POLICY_*`` code;
+    ``window_bits`` the lookahead window's kernel array when the policy reads it (else None)."""
+    n = set_of_position.numel()
+    launcher.launch(find_hits_kernel, n, unique.unique_rows, unique.set_of_unique, associativity, step, slots.tags,
+                    slots.last_use, slots.use_count, slots.locks, unique.slot_of_unique, unique.outcome)
+    set_start, set_number = set_starts_of_batch(launcher, set_of_position, num_sets)
+    needs_slot = torch.empty(n, dtype=torch.int32, device=set_of_position.device)
+    launcher.launch(slot_needed_kernel, n, unique_of_position, unique.unique_rows, unique.outcome, slots.bypass_count,
+                    needs_slot)
+    needs_number = torch.cumsum(needs_slot, 0, dtype=torch.int32)
+    per_way = min(n, num_sets) * LANES  # a warp per touched set
+    sets = (set_start, set_of_position, needs_number, associativity)
+    if window_bits is not None:
+        launcher.launch(decode_next_use_kernel, per_way, *sets, step, slots.tags, window_bits, slots.next_use)
+    launcher.launch(rank_ways_kernel, per_way, *sets, policy, slots.tags, slots.last_use, slots.use_count,
+                    slots.next_use, slots.locks, slots.way_of_rank)
+    launcher.launch(fill_misses_kernel, n, set_start, set_number, set_of_position, unique_of_position, needs_slot,
+                    needs_number, unique.unique_rows, associativity, step, slots.way_of_rank, slots.tags,
+                    slots.last_use, slots.use_count, slots.dirty, slots.locks, slots.bypass_count,
+                    unique.slot_of_unique, unique.outcome, unique.victim_row, unique.victim_was_dirty)
 
 
 @cached_kernel

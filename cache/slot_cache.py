@@ -38,7 +38,7 @@ from dataclasses import fields
 
 import torch
 
-from tiered_tbe.base.graphs import PADDED_GRAPHS, StepGraphs, padded_size
+from tiered_tbe.base.graphs import PADDED_GRAPHS, StepGraphs, next_int64, padded_size
 from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.cache import _kernels, batch_kernels, policy_kernels
@@ -214,10 +214,9 @@ class SlotCache(LookaheadHints):
         self._launcher = KernelLauncher(self.device)
         compile_for_simulator()  # in this thread, not in a simulated kernel's (see there)
         self._upcoming = UpcomingBatches(self._rows_end, self.device, self._launcher)
-        (self._k_tags, self._k_last_use, self._k_use_count, self._k_dirty, self._k_locks, self._k_next_use,
-         self._k_bypass_count, self._k_way_of_rank) = (
-            self._launcher.array(t) for t in (self.tags, self.last_use, self.use_count, self.dirty, self.locks,
-                                              self.next_use, self.bypass_count, self._way_of_rank))
+        self._k_metadata = policy_kernels.SlotMetadata(*(
+            self._launcher.array(t) for t in (self.tags, self.last_use, self.use_count, self.next_use, self.locks,
+                                              self.dirty, self.bypass_count, self._way_of_rank)))
         self.mover = make_mover(mover, self.weights, self.state, self.tables, self.device, self._launcher,
                                 self._rows_end, threads=mover_threads, staging_rows=staging_rows)
         # CUDA graphs of the prefetch (assign and move), per batch shape.
@@ -313,7 +312,7 @@ class SlotCache(LookaheadHints):
         slot_of_index = torch.empty(rows.numel(), dtype=torch.int32, device=self.device)
         if rows.numel():
             self._launcher.launch(_kernels.lookup_kernel, rows.numel(), self._mask_uncached(rows), self.num_sets,
-                                  self.associativity, self._k_tags, slot_of_index)
+                                  self.associativity, self._k_metadata.tags, slot_of_index)
         return slot_of_index
 
     def unlock(self, batch: CacheBatch, mark_dirty: bool = False) -> None:
@@ -336,7 +335,8 @@ class SlotCache(LookaheadHints):
             def enqueue(tensors):
                 locked_slots, bypassed_rows = tensors
                 self._launcher.launch(_kernels.release_kernel, locked_slots.numel(), locked_slots, bypassed_rows,
-                                      mark, self._k_locks, self._k_dirty, self._k_bypass_count)
+                                      mark, self._k_metadata.locks, self._k_metadata.dirty,
+                                      self._k_metadata.bypass_count)
 
             self._release_graphs.run(("unlock", mark), (entry.locked_slots, entry.bypassed_rows), enqueue,
                                      self.device)
@@ -348,7 +348,8 @@ class SlotCache(LookaheadHints):
         slot_of_index = slots.slot_of_index if isinstance(slots, CacheBatch) else self._check_slots(slots)
         if slot_of_index.numel():
             def enqueue(tensors):
-                self._launcher.launch(_kernels.mark_dirty_kernel, tensors[0].numel(), tensors[0], self._k_dirty)
+                self._launcher.launch(_kernels.mark_dirty_kernel, tensors[0].numel(), tensors[0],
+                                      self._k_metadata.dirty)
 
             self._release_graphs.run(("mark_dirty",), (slot_of_index,), enqueue, self.device)
 
@@ -441,13 +442,19 @@ class SlotCache(LookaheadHints):
             rows = torch.cat([rows, rows.new_full((size - num_lookups,), self._rows_end)])
 
         def enqueue(tensors):
-            *outputs, moves = self._assign(*tensors)
-            return (*outputs, *self.mover.enqueue(moves))
+            rows, step = tensors
+            *outputs, moves = self._assign(rows, step)
+            outputs = (*outputs, *self.mover.enqueue(moves))
+            # The next prefetch's step, left in the graph's static input after this one's kernels read it:
+            # the next replay finds it there and skips the host-to-device copy (StepGraphs' advance), which
+            # cost ~0.1 ms of host time a prefetch on the H200 machine (scratch timers, docs/performance.md).
+            step.add_(1)
+            return outputs
 
         window_bits = self._upcoming.window_bits
         key = (self._policy_code == POLICY_LOOKAHEAD and window_bits is not None,
                None if window_bits is None else window_bits.data_ptr())
-        results = self._prefetch_graphs.run(key, (rows, step), enqueue, self.device)
+        results = self._prefetch_graphs.run(key, (rows, step), enqueue, self.device, advance=next_int64)
         (slot_of_index, locked_slots, bypassed_rows, sorted_rows, order), enqueued = \
             results[:_ASSIGN_OUTPUTS], results[_ASSIGN_OUTPUTS:]
         # The padding sorts after every lookup (stable: after the lookups outside the cached tables too),
@@ -465,29 +472,11 @@ class SlotCache(LookaheadHints):
                                                self._rows_end, self.num_sets)
         # 2. The unique rows grouped by set (stable: ascending rows within a set).
         set_of_position, unique_of_position = stable_sort(u.set_of_unique, self.num_sets)
-        # 3. Hits, victims, fills: the policy's kernels (cache/policy_kernels.py), in their order.
-        n = rows.numel()
-        self._launcher.launch(policy_kernels.find_hits_kernel, n, u.unique_rows, u.set_of_unique,
-                              self.associativity, step, self._k_tags, self._k_last_use, self._k_use_count,
-                              self._k_locks, u.slot_of_unique, u.outcome)
-        set_start, set_number = batch_kernels.set_starts_of_batch(self._launcher, set_of_position, self.num_sets)
-        needs_slot = torch.empty(n, dtype=torch.int32, device=self.device)
-        self._launcher.launch(policy_kernels.slot_needed_kernel, n, unique_of_position, u.unique_rows, u.outcome,
-                              self._k_bypass_count, needs_slot)
-        needs_number = torch.cumsum(needs_slot, 0, dtype=torch.int32)
-        per_way = min(n, self.num_sets) * policy_kernels.LANES  # a warp per touched set
-        sets = (set_start, set_of_position, needs_number, self.associativity)
-        if self._policy_code == POLICY_LOOKAHEAD and self.window_bits is not None:
-            self._launcher.launch(policy_kernels.decode_next_use_kernel, per_way, *sets, step, self._k_tags,
-                                  self._upcoming.kernel_bits, self._k_next_use)
-        self._launcher.launch(policy_kernels.rank_ways_kernel, per_way, *sets, self._policy_code, self._k_tags,
-                              self._k_last_use, self._k_use_count, self._k_next_use, self._k_locks,
-                              self._k_way_of_rank)
-        self._launcher.launch(policy_kernels.fill_misses_kernel, n, set_start, set_number, set_of_position,
-                              unique_of_position, needs_slot, needs_number, u.unique_rows, self.associativity, step,
-                              self._k_way_of_rank, self._k_tags, self._k_last_use, self._k_use_count,
-                              self._k_dirty, self._k_locks, self._k_bypass_count, u.slot_of_unique, u.outcome,
-                              u.victim_row, u.victim_was_dirty)
+        # 3. Hits, victims, fills: the policy's kernels, in their order.
+        window_bits = self._upcoming.kernel_bits if (self._policy_code == POLICY_LOOKAHEAD
+                                                     and self.window_bits is not None) else None
+        policy_kernels.assign_slots(self._launcher, u, set_of_position, unique_of_position, self.num_sets,
+                                    self.associativity, step, self._policy_code, self._k_metadata, window_bits)
         # 4. The remap, the rows left in the backing store, the write-back list, the counters (no sync).
         slot_of_index, bypassed_rows, write_back_keys, counters = batch_kernels.outcomes_of_batch(
             self._launcher, u, self._table_starts, self._table_row_bytes)
@@ -551,3 +540,4 @@ class SlotCache(LookaheadHints):
         if slot_of_index.device.type != self.device.type:
             raise ValueError(f"slots on {slot_of_index.device}, the cache on {self.device}")
         return slot_of_index.contiguous()
+

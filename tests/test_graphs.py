@@ -73,6 +73,23 @@ def test_a_replay_skips_the_copy_of_host_inputs_it_advanced(monkeypatch):
     assert graphs.replays == 5
 
 
+def test_a_prefetch_replay_skips_the_copy_of_its_next_step(monkeypatch):
+    """The slot cache's prefetch graph adds one to its step input after its kernels (next_int64 says
+    so): consecutive prefetches copy no step; a step that jumps (another shape's graph ran between) is copied."""
+    copies = []
+    monkeypatch.setattr(graphs_module, "copy_to_device", lambda target, source: copies.append(int(source[0])))
+
+    class Graph:
+        def replay(self):
+            pass
+
+    graphs = StepGraphs(enabled=False)
+    captured = graphs_module._Captured(Graph(), [torch.empty(1, dtype=torch.int64)], [None], None)
+    for step in (5, 6, 7, 12, 13, -1, 0, 2**63 - 1):
+        graphs._replay(captured, [torch.tensor([step], dtype=torch.int64)], advance=graphs_module.next_int64)
+    assert copies == [5, 12, -1, 2**63 - 1]
+
+
 def test_step_graphs_run_eagerly_off_the_gpu():
     calls = []
     graphs = StepGraphs(enabled=True)

@@ -359,10 +359,10 @@ def test_cache_configs_that_hold_nothing_are_refused(config, message):
 
 def test_a_memory_smaller_than_one_slot_is_refused_at_construction():
     tables = [TableSpec(40, 4, placement=Placement.HOST_CACHED)]
-    with pytest.raises(ValueError, match=r"memory='20B' holds no slot: a slot takes 53 bytes"):
+    with pytest.raises(ValueError, match=r"memory='20B' holds no slot: a slot takes 54 bytes"):
         TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(), cache=CacheConfig(memory="20B"))
     # One slot's worth is a cache: rounded up to one whole set.
-    module = TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(), cache=CacheConfig(memory=53, associativity=4))
+    module = TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(), cache=CacheConfig(memory=54, associativity=4))
     assert module.cache.num_slots == 4
 
 

@@ -82,6 +82,8 @@ def fixture_records(tmp_path) -> Path:
                       dict(prefetch=2.0, forward=0.7, backward=1.1, step=3.0)),
         fbgemm_record("cached-managed-lfu", dict(step=1.0), dict(step=1.0), commit="other02"),  # another run
         fbgemm_record("cached-managed-lru-pipelined", dict(step=2.4), dict(step=4.0)),
+        # A later run of the pipelined shape alone: FBGEMM's serial step unmeasured there, so it is not shown.
+        fbgemm_record("cached-managed-lru-pipelined", dict(step=2.0), dict(step=9.0), commit="later03"),
         dict(fbgemm_record("big-zipf-sgd", dict(forward=1, backward=1, step=2), dict(forward=1, backward=1, step=2)),
              simulation=True, device="CPU simulation"),  # simulated: never shown
     ]
@@ -99,7 +101,8 @@ def test_results_table_prints_the_latest_complete_records(fixture_records, capsy
             "0.600 / 0.800 (0.75) | 0.900 / 1.200 (**0.75**) |") in out
     assert "the same, SGD" not in out and "Zipf 1.05, SGD" not in out  # incomplete, simulated
     assert "| 2.000 / 2.100 (0.95) | 0.600 / 0.700 (0.86) | 0.900 / 1.100 (0.82) | 3.500 / 3.900 (**0.90**) |" in out
-    # The pipelined step against FBGEMM's best step of the same run: its LFU's 3.0, not another run's 1.0.
+    # The pipelined step against FBGEMM's best step of the same run: its LFU's 3.0, not another run's 1.0;
+    # the later run that measured no serial step is passed over.
     assert "| Criteo cached, pipelined (depth 2), against FBGEMM's best step |  |  |  | 2.400 / 3.000 (**0.80**) |" \
         in out
 
@@ -222,10 +225,10 @@ def test_compile_cache_kernels_records_a_launch_of_every_cache_kernel():
     from numba import types
     from numba.cuda.simulator.kernel import FakeCUDAKernel
 
-    from tiered_tbe.cache import _kernels, batch_kernels
+    from tiered_tbe.cache import _kernels, batch_kernels, policy_kernels
 
     compile_cache_kernels = tool("compile_cache_kernels")
-    every = {name for module in (_kernels, batch_kernels) for name, value in vars(module).items()
+    every = {name for module in (_kernels, batch_kernels, policy_kernels) for name, value in vars(module).items()
              if isinstance(value, FakeCUDAKernel) and not getattr(value, "_device", False)}
     launches = compile_cache_kernels.record_launches()
     assert {entry["kernel"] for entry in launches} == every

@@ -62,14 +62,14 @@ def launch_overhead(cache, device, repeats: int = 200) -> None:
     pieces = [("torch op (rows + 1)", lambda: rows + 1),
               ("SlotCache.lookup of 8 rows", lambda: cache.lookup(rows)),
               ("a launch of a 2-argument kernel", lambda: cache._launcher.launch(_kernels.mark_dirty_kernel, 8,
-                                                                                  no_slots, cache._k_dirty))]
+                                                                                  no_slots, cache._k_metadata.dirty))]
     if not SIMULATION:
         from numba import cuda
 
         k_no_slots = cuda.as_cuda_array(no_slots)
         stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
         pieces += [("bare numba launch, 2 arguments", lambda: _kernels.mark_dirty_kernel[1, 32, stream](
-                        k_no_slots, cache._k_dirty)),
+                        k_no_slots, cache._k_metadata.dirty)),
                    ("numba.cuda.as_cuda_array", lambda: cuda.as_cuda_array(rows)),
                    ("cached device array", lambda: launch.device_array(rows))]
     for name, fn in pieces:

@@ -83,16 +83,24 @@ def complete(record: dict, phases) -> bool:
                for side in sides for phase in phases)
 
 
-def latest(records: list[dict], name: str, device: str, phases) -> dict | None:
+def latest(records: list[dict], name: str, device: str, phases, baselines=()) -> dict | None:
     """The last record (file order: the file is appended to) of ``name`` on ``device`` with
-    ``phases`` on both sides."""
+    ``phases`` on both sides; with ``baselines`` (a pipelined row), the last one whose run also
+    measured FBGEMM's serial step of one of them (else FBGEMM's best step would be its pipelined one)."""
     found = None
     for record in records:
         if (record.get("benchmark") == "fbgemm" and record.get("configuration", {}).get("name") == name
                 and record.get("device") == device and not record.get("simulation") and complete(record, phases)
-                and "+" not in record.get("commit", "+")):  # committed code only: a commit one can check out
+                and "+" not in record.get("commit", "+")  # committed code only: a commit one can check out
+                and (not baselines or serial_baselines(records, record, baselines))):
             found = record
     return found
+
+
+def serial_baselines(records: list[dict], record: dict, baselines) -> list[dict]:
+    """The records of ``baselines`` (configuration names) measured in ``record``'s run."""
+    return [other for other in records if other.get("configuration", {}).get("name") in baselines
+            and same_run(other, record) and complete(other, ("step",))]
 
 
 def same_run(a: dict, b: dict) -> bool:
@@ -116,7 +124,7 @@ def table(records: list[dict], device: str) -> list[str]:
     """The lines between the README's markers."""
     rows, used = [], []
     for name, label, baselines in ROWS:
-        record = latest(records, name, device, phases_of(name, baselines))
+        record = latest(records, name, device, phases_of(name, baselines), baselines)
         if record is None:
             continue
         used.append(record)
@@ -124,12 +132,9 @@ def table(records: list[dict], device: str) -> list[str]:
         if baselines:
             # FBGEMM's best step of this shape in the same run: its prefetch_pipeline step, its serial ones.
             steps = [theirs["step_ms"]]
-            for baseline in baselines:
-                for other in records:
-                    if other.get("configuration", {}).get("name") == baseline and same_run(other, record) \
-                            and complete(other, ("step",)):
-                        steps.append(other["figures"]["fbgemm"]["step_ms"])
-                        used.append(other)
+            for other in serial_baselines(records, record, baselines):
+                steps.append(other["figures"]["fbgemm"]["step_ms"])
+                used.append(other)
             rows.append([label, "", "", "", cell(ours["step_ms"], min(steps), bold=True)])
             continue
         cells = [cell(ours[f"{p}_ms"], theirs[f"{p}_ms"], bold=p == "step") if f"{p}_ms" in ours and
