@@ -290,3 +290,25 @@ def test_results_table_pairs_records_of_one_run_and_shows_committed_code_only(tm
     out = capsys.readouterr().out
     assert "| mixed dims, pipelined (depth 2), against FBGEMM's best step |  |  |  | 10.3 / 12.0 (**0.86**) |" in out
     assert "uncommitted" not in out and "5.000" not in out
+
+
+def test_dmp_host_time_times_the_parts_of_a_step_on_both_sides(tmp_path, capsys):
+    """tools/dmp_host_time.py in simulation (one process over gloo, bench torchrec's tiny size): each
+    side's steps are timed, our module's and FBGEMM's methods on the path are counted once a step,
+    and --record appends a full record."""
+    import torch
+
+    dmp_host_time = tool("dmp_host_time")
+    clone = torch.Tensor.clone
+    path = tmp_path / "measurements.jsonl"
+    assert dmp_host_time.main(["--configs", "cached", "--steps", "2", "--warmup", "1", "--record", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "cached ours turn 0: wall" in out and "cached torchrec turn 1: wall" in out
+    [record] = records.read(path)
+    assert all(field in record for field in RECORD_FIELDS) and record["benchmark"] == "torchrec-host-time"
+    ours, theirs = record["figures"]["ours"][0]["parts"], record["figures"]["torchrec"][0]["parts"]
+    assert ours["ours: kernel forward (adapter and module)"]["calls"] == 1
+    assert ours["ours: SlotCache prefetch"]["calls"] == 1 and ours["ours: SlotCache unlock"]["calls"] == 1
+    assert theirs["torchrec: kernel forward"]["calls"] == 1 and "ours: SlotCache prefetch" not in theirs
+    from tiered_tbe.cache.slot_cache import SlotCache
+    assert SlotCache.prefetch.__qualname__ == "SlotCache.prefetch" and torch.Tensor.clone is clone  # removed
