@@ -66,6 +66,13 @@ def test_several_features_looking_up_one_table_train_as_torchrecs_fused_kernel()
     ranks.spawn(scenarios.shared_tables_equal_fbgemm, WORLD)
 
 
+@on_the_cpu
+def test_an_embedding_collection_trains_as_torchrecs_fused_kernel():
+    """EmbeddingCollection (a row per lookup) under our sharder: table-wise, row-wise, column-wise and mixed
+    placements, against TorchRec's own sequence kernel, forward and fused update."""
+    ranks.spawn(scenarios.sequence_plans_equal_fbgemm, WORLD)
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -76,16 +76,19 @@ def plan(ebc, layout: dict, world_size: int, path: str = ""):
     """``layout``: table -> (sharding, compute kernel), sharding ``"tw0"`` / ``"tw1"`` (table-wise on that
     rank), ``"rw"``, ``"cw"`` (two column shards, on ranks 0 and 1, or both on rank 0 in a 1-rank job),
     ``"twrw"``."""
-    from torchrec.distributed.sharding_plan import (
-        column_wise,
-        construct_module_sharding_plan,
-        row_wise,
-        table_row_wise,
-        table_wise,
-    )
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
     from torchrec.distributed.types import ShardingPlan
 
     from tiered_tbe.torchrec import TieredEmbeddingBagCollectionSharder
+
+    module_plan = construct_module_sharding_plan(ebc, sharding_generators(layout, world_size), world_size=world_size,
+                                                 device_type=DEVICE.type, sharder=TieredEmbeddingBagCollectionSharder())
+    return ShardingPlan({path: module_plan})
+
+
+def sharding_generators(layout: dict, world_size: int) -> dict:
+    """TorchRec's per-table plan generators for ``layout`` (see :func:`plan`)."""
+    from torchrec.distributed.sharding_plan import column_wise, row_wise, table_row_wise, table_wise
 
     generators = {}
     for name, (sharding, kernel) in layout.items():
@@ -97,9 +100,7 @@ def plan(ebc, layout: dict, world_size: int, path: str = ""):
             generators[name] = column_wise(ranks=[0, 1] if world_size > 1 else [0, 0], compute_kernel=kernel)
         else:
             generators[name] = _with_kernel(table_row_wise(host_index=0), kernel)
-    module_plan = construct_module_sharding_plan(ebc, generators, world_size=world_size, device_type=DEVICE.type,
-                                                 sharder=TieredEmbeddingBagCollectionSharder())
-    return ShardingPlan({path: module_plan})
+    return generators
 
 
 def _with_kernel(generator, kernel):

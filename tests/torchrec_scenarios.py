@@ -320,6 +320,74 @@ def shared_tables_equal_fbgemm(rank, world):
     side_by_side(PLANS["table-wise"], batch_sizes=lambda step: [2 + rank, 3, 1 + step % 2, 2, 4 - rank, 1, 3])
 
 
+# ------------------------------------------------------------------ EmbeddingCollection (a row per lookup)
+SEQUENCE_TABLES = [("t0", 40, 8), ("t1", 24, 8), ("t2", 17, 8), ("t3", 33, 8)]  # one dim, as an EC's
+SEQUENCE_PLANS = {
+    "table-wise": {"t0": ("tw0", "fused"), "t1": ("tw1", "fused"), "t2": ("tw1", "fused"), "t3": ("tw0", "fused")},
+    "row-wise": {name: ("rw", "fused") for name, _, _ in SEQUENCE_TABLES},
+    "column-wise": {"t0": ("cw", "fused"), "t1": ("tw1", "fused"), "t2": ("tw0", "fused"), "t3": ("cw", "fused")},
+    "mixed": {"t0": ("tw0", "fused"), "t1": ("rw", "fused_uvm_caching"), "t2": ("cw", "fused_uvm"),
+              "t3": ("rw", "fused_uvm_caching")},
+}
+
+
+def _sequence_dmp(layout: dict, world: int, sharder):
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+
+    from tiered_tbe.torchrec import TieredEmbeddingCollectionSharder
+
+    collection = EmbeddingCollection(tables=[EmbeddingConfig(name=name, embedding_dim=dim, num_embeddings=rows,
+                                                             feature_names=[f"f{name[1:]}"])
+                                             for name, rows, dim in SEQUENCE_TABLES], device=torch.device("meta"))
+    generators = ranks.sharding_generators(layout, world)
+    module_plan = construct_module_sharding_plan(collection, generators, world_size=world,
+                                                 device_type=ranks.DEVICE.type,
+                                                 sharder=TieredEmbeddingCollectionSharder())
+    return DistributedModelParallel(collection, device=ranks.DEVICE, plan=ShardingPlan({"": module_plan}),
+                                    sharders=[sharder])
+
+
+def _sequence_step(model, kjt, step: int, rank: int) -> torch.Tensor:
+    """Forward (each feature's rows, a JaggedTensor), ``loss = sum(rows * fixed random weights)``, backward
+    (the fused update). Returns the rows ``[lookups, dim]``, the features in the input's order."""
+    out = model(kjt.to(ranks.DEVICE))
+    out = out.wait() if hasattr(out, "wait") else out
+    rows = torch.cat([out[key].values() for key in kjt.keys()])
+    (rows * ranks.loss_weights(step, rank, rows.shape).to(ranks.DEVICE)).sum().backward()
+    return rows.detach()
+
+
+def sequence_plans_equal_fbgemm(rank, world):
+    """An EmbeddingCollection under TieredEmbeddingCollectionSharder: table-wise, row-wise, column-wise and a
+    plan of HBM, managed and cached tables (a cache of 4 slots), 4 steps each, rows and every shard of the
+    weights and optimizer state against TorchRec's own sharder (FBGEMM's CPU TBE without pooling)."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+
+    class CpuSharder(EmbeddingCollectionSharder):
+        def compute_kernels(self, sharding_type, compute_device_type):
+            return super().compute_kernels(sharding_type, "cuda")
+
+    from tiered_tbe.torchrec import TieredEmbeddingCollectionSharder, TieredShardedEmbeddingCollection
+
+    for name, layout in SEQUENCE_PLANS.items():
+        for optimizer in ("EXACT_ROWWISE_ADAGRAD", "EXACT_SGD") if name == "mixed" else ("EXACT_ROWWISE_ADAGRAD",):
+            params = fused_params(optimizer)
+            stock = _sequence_dmp(ranks.fbgemm_kernel_layout(layout), world, CpuSharder(fused_params=dict(params)))
+            model = _sequence_dmp(layout, world, TieredEmbeddingCollectionSharder(fused_params=ours_params(params)))
+            [sharded] = [m for m in model.modules() if isinstance(m, TieredShardedEmbeddingCollection)]
+            assert sharded.tiered_modules() and all(m.pooling == "none" for m in sharded.tiered_modules())
+            model.load_state_dict(stock.state_dict())
+            for step in range(STEPS):
+                kjt = ranks.batch(step, rank, tables=SEQUENCE_TABLES)
+                expected = _sequence_step(stock, kjt, step, rank)
+                torch.testing.assert_close(_sequence_step(model, kjt, step, rank), expected, rtol=0, atol=1e-5,
+                                           msg=lambda m, s=step, n=name: f"{n} step {s}: {m}")
+            ranks.assert_states_close(stock, model)
+
+
 # ------------------------------------------------------------------ on one GPU (gpu-marked tests, NCCL)
 GPU_KERNELS = {"t0": ("tw0", "fused"), "t1": ("tw0", "fused_uvm"), "t2": ("tw0", "fused_uvm_caching"),
                "t3": ("tw0", "fused_uvm_caching")}

@@ -7,6 +7,8 @@
         "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
     model = DistributedModelParallel(model, plan=plan, sharders=[sharder])
 
+``TieredEmbeddingCollectionSharder`` does the same for an ``EmbeddingCollection`` (a row per lookup).
+
 The only package of tiered-tbe that imports torchrec (``import tiered_tbe`` does not); its public
 names load torchrec on first use, so ``tiered-tbe train`` reads its ``--torchrec`` flags without it.
 """
@@ -17,6 +19,9 @@ _PUBLIC = {
     "TieredEmbeddingBagCollectionSharder": "tiered_tbe.torchrec.sharder",
     "TieredShardedEmbeddingBagCollection": "tiered_tbe.torchrec.sharder",
     "TieredBatchedFusedEmbeddingBag": "tiered_tbe.torchrec.kernel",
+    "TieredEmbeddingCollectionSharder": "tiered_tbe.torchrec.sharder",
+    "TieredShardedEmbeddingCollection": "tiered_tbe.torchrec.sharder",
+    "TieredBatchedFusedEmbedding": "tiered_tbe.torchrec.kernel",
 }
 
 __all__ = list(_PUBLIC)

@@ -15,7 +15,11 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag, EmbeddingFusedOptimizer
+from torchrec.distributed.batched_embedding_kernel import (
+    BaseBatchedEmbedding,
+    BaseBatchedEmbeddingBag,
+    EmbeddingFusedOptimizer,
+)
 from torchrec.distributed.composable.table_batched_embedding_slice import TableBatchedEmbeddingSlice
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.types import ShardingType
@@ -111,23 +115,22 @@ class TieredEmbeddingFusedOptimizer(EmbeddingFusedOptimizer):
         self._tiered_module.reset_cache_states(write_back=False)  # the stores hold what was loaded
 
 
-class TieredBatchedFusedEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule):
-    """One ``TieredEmbeddingBags`` for a group of shards (``fused``, ``fused_uvm``, ``fused_uvm_caching``).
+class _TieredKernel:
+    """What a pooled and a sequence kernel share: one ``TieredEmbeddingBags`` for a group of shards
+    (``fused``, ``fused_uvm``, ``fused_uvm_caching``), its fused optimizer, and the calls TorchRec
+    makes of a fused kernel (``emb_module``, ``fused_optimizer``, ``flush``, ``purge``, the shards as
+    parameters). The TorchRec base class (``BaseBatchedEmbeddingBag`` or ``BaseBatchedEmbedding``)
+    comes after it and has laid the group out (``_feature_table_map``, ``_config``, ...)."""
 
-    Args are TorchRec's: ``config`` (the group: its shards, data type, pooling, fused_params),
-    ``pg``, ``device``, ``sharding_type`` (row-wise shardings pool by sum; TorchRec divides for mean).
-    """
-
-    def __init__(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None = None,
-                 device: torch.device | None = None, sharding_type: ShardingType | None = None, env=None):
-        super().__init__(config, pg, device, sharding_type)
+    def _build_module(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None,
+                      device: torch.device | None, pooling: str) -> None:
         specs = table_specs(config)
         arguments = module_arguments(config.fused_params, config.data_type,
                                      cached=any(s.placement.is_cached for s in specs))
         kwargs = arguments.as_kwargs()
         if self._feature_table_map != list(range(len(specs))):  # several features look up one table
             kwargs["feature_table_map"] = list(self._feature_table_map)
-        self._emb_module = TieredEmbeddingBags(specs, pooling=pooling_of(self._pooling), device=device, **kwargs)
+        self._emb_module = TieredEmbeddingBags(specs, pooling=pooling, device=device, **kwargs)
         self._optim = TieredEmbeddingFusedOptimizer(config, self._emb_module, pg)
         self.init_parameters()
 
@@ -138,22 +141,6 @@ class TieredBatchedFusedEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], Fuse
     @property
     def fused_optimizer(self) -> FusedOptimizer:
         return self._optim
-
-    def forward(self, features: KeyedJaggedTensor, vbe_output: torch.Tensor | None = None,
-                vbe_output_offsets: torch.Tensor | None = None) -> torch.Tensor:
-        """Pooled ``[B, sum of local dims]``, or (variable batch) FBGEMM's flat VBE layout; with
-        ``vbe_output`` (a lookup of several kernels) written into it at ``vbe_output_offsets``."""
-        weights = features.weights_or_none()
-        if weights is not None and not torch.is_floating_point(weights):
-            weights = None
-        batch_sizes = features.stride_per_key_per_rank() if features.variable_stride_per_key() else None
-        # values() and offsets() as they are: the prefetch saw these same tensors (no dtype copies).
-        pooled = self._emb_module(features.values(), features.offsets(), per_sample_weights=weights,
-                                  batch_size_per_feature_per_rank=batch_sizes)
-        if vbe_output is None:
-            return pooled
-        return _PlaceInVariableBatchOutput.apply(vbe_output, pooled, _positions_in_output(
-            vbe_output_offsets, batch_sizes, [self._local_cols[t] for t in self._feature_table_map]))
 
     def flush(self) -> None:
         self._emb_module.flush()
@@ -197,6 +184,51 @@ class TieredBatchedFusedEmbeddingBag(BaseBatchedEmbeddingBag[torch.Tensor], Fuse
     @_param_per_table.setter
     def _param_per_table(self, value) -> None:  # BaseBatchedEmbeddingBag assigns an empty dict
         pass
+
+
+
+class TieredBatchedFusedEmbeddingBag(_TieredKernel, BaseBatchedEmbeddingBag[torch.Tensor], FusedOptimizerModule):
+    """The pooled kernel (an ``EmbeddingBagCollection``'s), where TorchRec builds its ``BatchedFusedEmbeddingBag``.
+
+    Args are TorchRec's: ``config`` (the group: its shards, data type, pooling, fused_params),
+    ``pg``, ``device``, ``sharding_type`` (row-wise shardings pool by sum; TorchRec divides for mean).
+    """
+
+    def __init__(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None = None,
+                 device: torch.device | None = None, sharding_type: ShardingType | None = None, env=None):
+        super().__init__(config, pg, device, sharding_type)
+        self._build_module(config, pg, device, pooling_of(self._pooling))
+
+    def forward(self, features: KeyedJaggedTensor, vbe_output: torch.Tensor | None = None,
+                vbe_output_offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled ``[B, sum of local dims]``, or (variable batch) FBGEMM's flat VBE layout; with
+        ``vbe_output`` (a lookup of several kernels) written into it at ``vbe_output_offsets``."""
+        weights = features.weights_or_none()
+        if weights is not None and not torch.is_floating_point(weights):
+            weights = None
+        batch_sizes = features.stride_per_key_per_rank() if features.variable_stride_per_key() else None
+        # values() and offsets() as they are: the prefetch saw these same tensors (no dtype copies).
+        pooled = self._emb_module(features.values(), features.offsets(), per_sample_weights=weights,
+                                  batch_size_per_feature_per_rank=batch_sizes)
+        if vbe_output is None:
+            return pooled
+        return _PlaceInVariableBatchOutput.apply(vbe_output, pooled, _positions_in_output(
+            vbe_output_offsets, batch_sizes, [self._local_cols[t] for t in self._feature_table_map]))
+
+
+class TieredBatchedFusedEmbedding(_TieredKernel, BaseBatchedEmbedding[torch.Tensor], FusedOptimizerModule):
+    """The sequence kernel (an ``EmbeddingCollection``'s: a row per lookup, no pooling), where TorchRec
+    builds its ``BatchedFusedEmbedding``. Args are TorchRec's (``config``, ``pg``, ``device``); the
+    group's tables share one dim, as an ``EmbeddingCollection``'s do."""
+
+    def __init__(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None = None,
+                 device: torch.device | None = None, env=None):
+        super().__init__(config, pg, device)
+        self._build_module(config, pg, device, "none")
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """``[lookups, dim]``: each lookup's row, in the order of ``features.values()``."""
+        return self._emb_module(features.values(), features.offsets())
 
 
 def _contiguous_span(shards: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
