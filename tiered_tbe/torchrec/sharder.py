@@ -34,16 +34,24 @@ COMPUTE_KERNELS = [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.FU
                    EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
 
 
-class TieredShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
-    """TorchRec's sharded EmbeddingBagCollection whose shardings build tiered-tbe lookups.
-
-    Loading a state dict flushes every tiered module first (the backing stores then hold every
-    update) and drops their cached rows after (the stores hold what was loaded)."""
+class _TieredShardedModule:
+    """What both sharded collections add to TorchRec's: loading a state dict flushes every tiered
+    module first (the backing stores then hold every update) and drops their cached rows after (the
+    stores hold what was loaded)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register_load_state_dict_pre_hook(_flush_before_load)
         self.register_load_state_dict_post_hook(_drop_cached_rows_after_load)
+
+    def tiered_modules(self) -> list[TieredEmbeddingBags]:
+        """This rank's TieredEmbeddingBags, one per group of shards."""
+        return [kernel.emb_module for lookup in self._lookups for kernel in getattr(lookup, "_emb_modules", [])
+                if isinstance(kernel.emb_module, TieredEmbeddingBags)]
+
+
+class TieredShardedEmbeddingBagCollection(_TieredShardedModule, ShardedEmbeddingBagCollection):
+    """TorchRec's sharded EmbeddingBagCollection whose shardings build tiered-tbe lookups."""
 
     @classmethod
     def create_embedding_bag_sharding(cls, sharding_infos, env, device: torch.device | None = None,
@@ -58,18 +66,13 @@ class TieredShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             kwargs["permute_embeddings"] = permute_embeddings
         return TIERED_SHARDINGS[sharding_type](sharding_infos, env, device, **kwargs)
 
-    def tiered_modules(self) -> list[TieredEmbeddingBags]:
-        """This rank's TieredEmbeddingBags, one per group of shards."""
-        return [kernel.emb_module for lookup in self._lookups for kernel in getattr(lookup, "_emb_modules", [])
-                if isinstance(kernel.emb_module, TieredEmbeddingBags)]
 
-
-def _flush_before_load(module: TieredShardedEmbeddingBagCollection, *args) -> None:
+def _flush_before_load(module: _TieredShardedModule, *args) -> None:
     for tiered in module.tiered_modules():
         tiered.flush()
 
 
-def _drop_cached_rows_after_load(module: TieredShardedEmbeddingBagCollection, incompatible_keys) -> None:
+def _drop_cached_rows_after_load(module: _TieredShardedModule, incompatible_keys) -> None:
     for tiered in module.tiered_modules():
         tiered.reset_cache_states(write_back=False)
 
@@ -113,14 +116,8 @@ def _check_plan(params: dict, sharding_types: list[str]) -> None:
 
 
 # ------------------------------------------------------------------ EmbeddingCollection (sequence embeddings)
-class TieredShardedEmbeddingCollection(ShardedEmbeddingCollection):
-    """TorchRec's sharded EmbeddingCollection whose shardings build tiered-tbe lookups (a row per
-    lookup). Loading a state dict flushes every tiered module first and drops their cached rows after."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.register_load_state_dict_pre_hook(_flush_before_load)
-        self.register_load_state_dict_post_hook(_drop_cached_rows_after_load)
+class TieredShardedEmbeddingCollection(_TieredShardedModule, ShardedEmbeddingCollection):
+    """TorchRec's sharded EmbeddingCollection whose shardings build tiered-tbe lookups (a row per lookup)."""
 
     @classmethod
     def create_embedding_sharding(cls, sharding_type: str, sharding_infos, env, device: torch.device | None = None,
@@ -130,11 +127,6 @@ class TieredShardedEmbeddingCollection(ShardedEmbeddingCollection):
                              f"{SEQUENCE_SHARDING_TYPES}")
         return TIERED_SEQUENCE_SHARDINGS[sharding_type](sharding_infos=sharding_infos, env=env, device=device,
                                                         qcomm_codecs_registry=qcomm_codecs_registry)
-
-    def tiered_modules(self) -> list[TieredEmbeddingBags]:
-        """This rank's TieredEmbeddingBags, one per group of shards."""
-        return [kernel.emb_module for lookup in self._lookups for kernel in getattr(lookup, "_emb_modules", [])
-                if isinstance(kernel.emb_module, TieredEmbeddingBags)]
 
 
 class TieredEmbeddingCollectionSharder(EmbeddingCollectionSharder):
