@@ -86,7 +86,7 @@ class SlotCache(LookaheadHints):
     Args:
         tables: the cached tables; their global row ranges must not overlap.
         num_slots: slots in all, a multiple of ``associativity``.
-        associativity: ways per set.
+        associativity: ways per set, at most ``MAX_WAYS`` (64).
         policy: ``"lru"``, ``"lfu"`` or ``"lookahead"`` (see :mod:`tiered_tbe.cache.policy`;
             lookahead ranks by :attr:`next_use`, which a prefetch decodes from the batches a
             prefetch pipeline records with :meth:`add_upcoming`; before the first hint it

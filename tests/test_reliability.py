@@ -351,6 +351,7 @@ def test_without_nan_check_a_nan_reaches_the_rows_it_touches(one_simulated_threa
     (dict(fraction=0), r"fraction must be in \(0, 1\], got 0"),
     (dict(policy="mru"), "policy must be one of 'lru', 'lfu', 'lookahead', got 'mru'"),
     (dict(associativity=0), "associativity must be a whole number >= 1, got 0"),
+    (dict(associativity=65), "associativity must be at most 64 ways a set, got 65"),
 ])
 def test_cache_configs_that_hold_nothing_are_refused(config, message):
     with pytest.raises(ValueError, match=message):
