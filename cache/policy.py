@@ -114,7 +114,7 @@ Extending the policy
     line's choices, the benchmarks and the tests read it. A policy that ranks by the per-slot
     state above (``last_use``, ``use_count``, ``next_use``) is a code below, a branch in
     :func:`victim_key`, and one line in :data:`POLICIES`; the kernels and the simulator call
-    ``victim_key`` through :func:`chosen_before` (the order of victims) and need no change, and the tests that run
+    ``victim_key`` through :func:`victim_order` (the order of victims) and need no change, and the tests that run
     every registered policy (the simulator against the real cache, hit for hit) cover it.
 
     A policy that needs new per-slot state needs more than this file:
@@ -262,19 +262,24 @@ def find_way(tags, first_slot, associativity, row):
     return NO_SLOT
 
 
-def chosen_before(policy, slot, other, tags, last_use, use_count, next_use):
-    """Whether unlocked slot ``slot`` is taken before unlocked slot ``other`` of the same set: the order
-    of victims. Empty slots first, the lower first; then the smaller ``victim_key``; then the lower slot.
+def victim_order(policy, slot, tags, last_use, use_count, next_use):
+    """``(group, primary, secondary)`` of an unlocked slot: its place in the order of victims, compared
+    as a tuple and then by slot (the lower first). Empty slots are group 0 (before every occupied one,
+    the lowest first); occupied ones group 1, ranked by :func:`victim_key`.
 
     The one definition of the order: :func:`choose_victim` takes the first unlocked slot in it; the
-    GPU kernel ranks a set's unlocked slots by it and gives its ``k``-th miss the ``k``-th slot
-    (``cache/_kernels.py``), which is the same, as only fills (which lock) change a set meanwhile."""
-    empty = tags[slot] == EMPTY
-    other_empty = tags[other] == EMPTY
-    if empty or other_empty:
-        return empty and (not other_empty or slot < other)
+    GPU kernels rank a set's unlocked slots by it and give its ``k``-th miss the ``k``-th slot
+    (``cache/policy_kernels.py``), which is the same, as only fills (which lock) change a set meanwhile."""
+    # No early return for an empty slot: inlined in choose_victim's loop it ran 3x slower (numba, measured).
+    group = np.int64(0) if tags[slot] == EMPTY else np.int64(1)
     primary, secondary = victim_key(policy, slot, last_use, use_count, next_use)
-    other_primary, other_secondary = victim_key(policy, other, last_use, use_count, next_use)
+    return group, primary * group, secondary * group  # an empty slot's keys: 0
+
+
+def comes_before(group, primary, secondary, slot, other_group, other_primary, other_secondary, other):
+    """Whether a slot of :func:`victim_order` ``(group, primary, secondary)`` comes before another."""
+    if group != other_group:
+        return group < other_group
     if primary != other_primary:
         return primary < other_primary
     if secondary != other_secondary:
@@ -282,18 +287,30 @@ def chosen_before(policy, slot, other, tags, last_use, use_count, next_use):
     return slot < other
 
 
+def chosen_before(policy, slot, other, tags, last_use, use_count, next_use):
+    """Whether unlocked slot ``slot`` is taken before unlocked slot ``other`` of the same set."""
+    group, primary, secondary = victim_order(policy, slot, tags, last_use, use_count, next_use)
+    other_group, other_primary, other_secondary = victim_order(policy, other, tags, last_use, use_count, next_use)
+    return comes_before(group, primary, secondary, slot, other_group, other_primary, other_secondary, other)
+
+
 def choose_victim(policy, tags, last_use, use_count, next_use, locks, first_slot, associativity):
     """The slot a missed row of this set takes, or ``NO_SLOT`` when every way is locked: the
-    first unlocked way in the order of :func:`chosen_before` (an empty way wins outright)."""
+    first unlocked way in the order of :func:`victim_order` (an empty way wins outright)."""
     best = NO_SLOT
+    best_group = np.int64(0)
+    best_primary = np.int64(0)
+    best_secondary = np.int64(0)
     for way in range(associativity):
         slot = first_slot + way
         if locks[slot] != 0:
             continue
-        if tags[slot] == EMPTY:
+        group, primary, secondary = victim_order(policy, slot, tags, last_use, use_count, next_use)
+        if group == 0:
             return slot  # ways are scanned in order, so this is the lowest empty way: first in the order
-        if best == NO_SLOT or chosen_before(policy, slot, best, tags, last_use, use_count, next_use):
-            best = slot
+        if best == NO_SLOT or comes_before(group, primary, secondary, slot, best_group, best_primary, best_secondary,
+                                           best):
+            best, best_group, best_primary, best_secondary = slot, group, primary, secondary
     return best
 
 
@@ -330,8 +347,10 @@ mix64_cpu = _cpu_inlined(mix64)
 set_of_row_cpu = _cpu_inlined(_rebind(set_of_row, mix64=mix64_cpu))
 victim_key_cpu = _cpu_inlined(victim_key)
 find_way_cpu = _cpu(find_way)
-chosen_before_cpu = _cpu_inlined(_rebind(chosen_before, victim_key=victim_key_cpu))
-choose_victim_cpu = _cpu(_rebind(choose_victim, chosen_before=chosen_before_cpu))
+victim_order_cpu = _cpu_inlined(_rebind(victim_order, victim_key=victim_key_cpu))
+comes_before_cpu = _cpu_inlined(comes_before)
+chosen_before_cpu = _cpu_inlined(_rebind(chosen_before, victim_order=victim_order_cpu, comes_before=comes_before_cpu))
+choose_victim_cpu = _cpu(_rebind(choose_victim, victim_order=victim_order_cpu, comes_before=comes_before_cpu))
 touch_on_hit_cpu = _cpu_inlined(touch_on_hit)
 touch_on_fill_cpu = _cpu_inlined(touch_on_fill)
 
@@ -361,7 +380,9 @@ def compile_for_simulator() -> None:
         set_of_row_cpu(np.int64(0), np.int64(1))
 victim_key_device = _device(victim_key)
 find_way_device = _device(find_way)
-chosen_before_device = _device(_rebind(chosen_before, victim_key=victim_key_device))
-choose_victim_device = _device(_rebind(choose_victim, chosen_before=chosen_before_device))
+victim_order_device = _device(_rebind(victim_order, victim_key=victim_key_device))
+comes_before_device = _device(comes_before)
+chosen_before_device = _device(_rebind(chosen_before, victim_order=victim_order_device,
+                                       comes_before=comes_before_device))
 touch_on_hit_device = _device(touch_on_hit)
 touch_on_fill_device = _device(touch_on_fill)
