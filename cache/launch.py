@@ -109,6 +109,11 @@ _COUNTED: dict = {}
 # (TIERED_TBE_SIMULATED_THREADS=1), the cache's own tests keep several so threads interleave.
 # Read at every launch: tests may change it.
 SIMULATED_THREADS = int(os.environ.get("TIERED_TBE_SIMULATED_THREADS", "32"))
+# Simulated threads of a kernel that calls device functions in its inner loop (the policy's ranks):
+# the simulator takes a global lock at every device-function call, and with 32 threads polled by a
+# main thread that never sleeps each handoff waited out a GIL switch interval. A prefetch of 100 rows
+# into 16 sets of 16 ways took 11-44 s with 32 threads, 0.5 s with one (2-core machine).
+DEVICE_CALL_THREADS = 2
 
 
 class KernelLauncher:
@@ -137,11 +142,14 @@ class KernelLauncher:
         self.launch_configured(kernel, *self.shape_of(num_items), *args)
 
     @staticmethod
-    def shape_of(num_items: int, max_blocks: int = 65535, max_threads: int = 256) -> tuple[int, int]:
+    def shape_of(num_items: int, max_blocks: int = 65535, max_threads: int = 256,
+                 simulated_threads: int | None = None) -> tuple[int, int]:
         """``(blocks, threads a block)`` of a 1-D grid-stride launch over ``num_items`` entries:
-        blocks of ``max_threads`` on the GPU, one block of a few threads in the simulator."""
+        blocks of ``max_threads`` on the GPU, one block of a few threads in the simulator (at most
+        ``simulated_threads`` when given: see ``DEVICE_CALL_THREADS``)."""
         if SIMULATION:
-            return 1, max(1, min(num_items, SIMULATED_THREADS, max_threads))
+            most = SIMULATED_THREADS if simulated_threads is None else min(SIMULATED_THREADS, simulated_threads)
+            return 1, max(1, min(num_items, most, max_threads))
         return max(1, min(-(-num_items // max_threads), max_blocks)), max_threads
 
     def launch_configured(self, kernel, grid, block, *args) -> None:

@@ -268,8 +268,9 @@ def victim_order(policy, slot, tags, last_use, use_count, next_use):
     the lowest first); occupied ones group 1, ranked by :func:`victim_key`.
 
     The one definition of the order: :func:`choose_victim` takes the first unlocked slot in it; the
-    GPU kernels rank a set's unlocked slots by it and give its ``k``-th miss the ``k``-th slot
-    (``cache/policy_kernels.py``), which is the same, as only fills (which lock) change a set meanwhile."""
+    GPU kernels rank a set's unlocked slots by it (:func:`comes_before`) and give its ``k``-th miss
+    the ``k``-th slot (``cache/policy_kernels.py``), which is the same, as only fills (which lock)
+    change a set meanwhile."""
     # No early return for an empty slot: inlined in choose_victim's loop it ran 3x slower (numba, measured).
     group = np.int64(0) if tags[slot] == EMPTY else np.int64(1)
     primary, secondary = victim_key(policy, slot, last_use, use_count, next_use)
@@ -285,13 +286,6 @@ def comes_before(group, primary, secondary, slot, other_group, other_primary, ot
     if secondary != other_secondary:
         return secondary < other_secondary
     return slot < other
-
-
-def chosen_before(policy, slot, other, tags, last_use, use_count, next_use):
-    """Whether unlocked slot ``slot`` is taken before unlocked slot ``other`` of the same set."""
-    group, primary, secondary = victim_order(policy, slot, tags, last_use, use_count, next_use)
-    other_group, other_primary, other_secondary = victim_order(policy, other, tags, last_use, use_count, next_use)
-    return comes_before(group, primary, secondary, slot, other_group, other_primary, other_secondary, other)
 
 
 def choose_victim(policy, tags, last_use, use_count, next_use, locks, first_slot, associativity):
@@ -349,7 +343,6 @@ victim_key_cpu = _cpu_inlined(victim_key)
 find_way_cpu = _cpu(find_way)
 victim_order_cpu = _cpu_inlined(_rebind(victim_order, victim_key=victim_key_cpu))
 comes_before_cpu = _cpu_inlined(comes_before)
-chosen_before_cpu = _cpu_inlined(_rebind(chosen_before, victim_order=victim_order_cpu, comes_before=comes_before_cpu))
 choose_victim_cpu = _cpu(_rebind(choose_victim, victim_order=victim_order_cpu, comes_before=comes_before_cpu))
 touch_on_hit_cpu = _cpu_inlined(touch_on_hit)
 touch_on_fill_cpu = _cpu_inlined(touch_on_fill)
@@ -382,7 +375,5 @@ victim_key_device = _device(victim_key)
 find_way_device = _device(find_way)
 victim_order_device = _device(_rebind(victim_order, victim_key=victim_key_device))
 comes_before_device = _device(comes_before)
-chosen_before_device = _device(_rebind(chosen_before, victim_order=victim_order_device,
-                                       comes_before=comes_before_device))
 touch_on_hit_device = _device(touch_on_hit)
 touch_on_fill_device = _device(touch_on_fill)

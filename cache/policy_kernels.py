@@ -11,7 +11,7 @@ simulator runs one miss at a time. Here it runs in five data-parallel passes, no
     decode_next_use_kernel   lookahead only: a thread per way of each set that will choose a
                              victim: the way's next use, from the window bits
     rank_ways_kernel         a thread per way of each such set: the unlocked ways in the order
-                             of ``policy.chosen_before`` (a way's rank: how many come before it)
+                             of ``policy.victim_order`` (a way's rank: how many come before it)
     fill_misses_kernel       a thread per asking miss: the k-th takes the way of rank k, or
                              no slot when its set has fewer unlocked ways
 
@@ -36,15 +36,16 @@ from numba import cuda
 
 from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT, WINDOW_BITS
 from tiered_tbe.cache.batch_kernels import set_starts_of_batch
-from tiered_tbe.cache.launch import cached_kernel
+from tiered_tbe.cache.launch import DEVICE_CALL_THREADS, cached_kernel
 from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
     NO_SLOT,
-    chosen_before_device,
+    comes_before_device,
     find_way_device,
     touch_on_fill_device,
     touch_on_hit_device,
+    victim_order_device,
 )
 
 LANES = 32  # threads a set in the per-way kernels (a warp)
@@ -80,12 +81,14 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
     launcher.launch(slot_needed_kernel, n, unique_of_position, unique.unique_rows, unique.outcome, slots.bypass_count,
                     needs_slot)
     needs_number = torch.cumsum(needs_slot, 0, dtype=torch.int32)
-    per_way = min(n, num_sets) * LANES  # a warp per touched set
+    # A warp per touched set; few threads in the simulator (launch.DEVICE_CALL_THREADS).
+    per_way = launcher.shape_of(min(n, num_sets) * LANES, simulated_threads=DEVICE_CALL_THREADS)
     sets = (set_start, set_of_position, needs_number, associativity)
     if window_bits is not None:
-        launcher.launch(decode_next_use_kernel, per_way, *sets, step, slots.tags, window_bits, slots.next_use)
-    launcher.launch(rank_ways_kernel, per_way, *sets, policy, slots.tags, slots.last_use, slots.use_count,
-                    slots.next_use, slots.locks, slots.way_of_rank)
+        launcher.launch_configured(decode_next_use_kernel, *per_way, *sets, step, slots.tags, window_bits,
+                                   slots.next_use)
+    launcher.launch_configured(rank_ways_kernel, *per_way, *sets, policy, slots.tags, slots.last_use,
+                               slots.use_count, slots.next_use, slots.locks, slots.way_of_rank)
     launcher.launch(fill_misses_kernel, n, set_start, set_number, set_of_position, unique_of_position, needs_slot,
                     needs_number, unique.unique_rows, associativity, step, slots.way_of_rank, slots.tags,
                     slots.last_use, slots.use_count, slots.dirty, slots.locks, slots.bypass_count,
@@ -196,13 +199,14 @@ def rank_ways_kernel(
     use_count,  # int32 [S]
     next_use,  # int64 [S]
     locks,  # int32 [S]: the hits of this batch are locked already
-    way_of_rank,  # int8 [S] out: in each set that will choose a victim, at index rank: the way of that rank
-    #               among the unlocked ways, in the order of policy.chosen_before; -1 past the last
+    way_of_rank,  # int8 [S] out: in each set that will choose a victim, at index k below its asking misses:
+    #               the way of rank k among the unlocked ways (policy.victim_order); -1 past the last
 ):
-    """The order in which a set's asking misses take its unlocked ways. Each thread ranks its way
-    by counting the unlocked ways that come before it; ranks fill the indices below the count of
-    unlocked ways, and the thread of way ``w`` writes -1 at index ``w`` when ``w`` is at or past
-    that count (one writer each)."""
+    """The order in which a set's asking misses take its unlocked ways. Each thread ranks its way by
+    counting the unlocked ways that come before it, up to the set's count of asking misses (only ranks
+    below it are read). Ranks fill the indices below the count of unlocked ways; the thread of way
+    ``w`` writes -1 at index ``w`` when ``w`` is at or past that count and below the asking misses
+    (one writer each)."""
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     n = set_start.shape[0]
@@ -213,20 +217,30 @@ def rank_ways_kernel(
         if asking == 0:
             continue
         first_slot = set_of_position[begin] * associativity
+        unlocked = 0
+        for other in range(first_slot, first_slot + associativity):
+            if locks[other] == 0:
+                unlocked += 1
         for way in range(t % LANES, associativity, LANES):
             slot = first_slot + way
+            if unlocked <= way < asking:
+                way_of_rank[slot] = -1  # a miss past the unlocked ways gets no slot
+            if locks[slot] != 0:
+                continue
+            group, primary, secondary = victim_order_device(policy, slot, tags, last_use, use_count, next_use)
             rank = 0
-            unlocked = 0
             for other in range(first_slot, first_slot + associativity):
-                if locks[other] == 0:
-                    unlocked += 1
-                    if other != slot and chosen_before_device(policy, other, slot, tags, last_use, use_count,
-                                                              next_use):
-                        rank += 1
-            if locks[slot] == 0:
+                if locks[other] != 0 or other == slot:
+                    continue
+                other_group, other_primary, other_secondary = victim_order_device(
+                    policy, other, tags, last_use, use_count, next_use)
+                if comes_before_device(other_group, other_primary, other_secondary, other, group, primary,
+                                       secondary, slot):
+                    rank += 1
+                    if rank >= asking:
+                        break  # no miss of this batch takes this way: its rank is not needed
+            if rank < asking:
                 way_of_rank[first_slot + rank] = way
-            if way >= unlocked:
-                way_of_rank[slot] = -1
 
 
 @cached_kernel

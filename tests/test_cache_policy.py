@@ -123,9 +123,9 @@ def test_touch_on_hit_and_fill():
 
 @pytest.mark.parametrize("code", [POLICY_LRU, POLICY_LFU, POLICY_LOOKAHEAD])
 @pytest.mark.parametrize("ways", [1, 7, 32, 64])
-def test_ranking_by_chosen_before_repeats_choose_victim(code, ways):
+def test_ranking_by_victim_order_repeats_choose_victim(code, ways):
     """The GPU kernels give a set's k-th asking miss its k-th unlocked way in the order of
-    chosen_before (rank: how many unlocked ways come before it). On fresh random sets (locked,
+    victim_order (rank: how many unlocked ways come before it, by comes_before). On fresh random sets (locked,
     empty, tied keys, another set around it) that is the way choose_victim gives miss after miss,
     each fill locking its way, until every way is locked."""
     rng = np.random.default_rng(1000 * code + ways)
@@ -141,7 +141,8 @@ def test_ranking_by_chosen_before_repeats_choose_victim(code, ways):
         slots = range(first_slot, first_slot + ways)
         unlocked = [s for s in slots if state["locks"][s] == 0]
         args = (state["tags"], state["last_use"], state["use_count"], state["next_use"])
-        rank = {s: sum(bool(policy.chosen_before_cpu(code, o, s, *args)) for o in unlocked if o != s)
+        order = {s: tuple(policy.victim_order_cpu(code, s, *args)) for s in unlocked}
+        rank = {s: sum(bool(policy.comes_before_cpu(*order[o], o, *order[s], s)) for o in unlocked if o != s)
                 for s in unlocked}
         assert sorted(rank.values()) == list(range(len(unlocked)))  # a strict order
         by_rank = sorted(unlocked, key=rank.get)
