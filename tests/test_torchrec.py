@@ -73,6 +73,13 @@ def test_an_embedding_collection_trains_as_torchrecs_fused_kernel():
     ranks.spawn(scenarios.sequence_plans_equal_fbgemm, WORLD)
 
 
+@on_the_cpu
+def test_an_embedding_collection_checkpoint_loads_into_another_plan(tmp_path):
+    """Saved with torch.distributed.checkpoint from a plan of HBM, managed and cached tables, loaded into a
+    table-wise plan: the same full state, and the two train on alike."""
+    ranks.spawn(scenarios.sequence_checkpoint_reshards, WORLD, str(tmp_path))
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

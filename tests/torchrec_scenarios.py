@@ -388,6 +388,43 @@ def sequence_plans_equal_fbgemm(rank, world):
             ranks.assert_states_close(stock, model)
 
 
+# No column-wise table in a checkpoint that reshards (as PLAN_A and PLAN_B): a column-wise table's row-wise
+# optimizer state is one per column shard, and does not load into a plan of another shape.
+SEQUENCE_CHECKPOINT_PLAN = {"t0": ("rw", "fused_uvm_caching"), "t1": ("tw0", "fused"), "t2": ("tw1", "fused_uvm"),
+                            "t3": ("rw", "fused_uvm_caching")}
+
+
+def sequence_checkpoint_reshards(rank, world, directory):
+    """An EmbeddingCollection's sharded checkpoint (torch.distributed.checkpoint, cached tables flushed)
+    from a row-wise and table-wise plan of HBM, managed and cached tables loads into an all table-wise
+    plan, which trains on as the saved model does."""
+    import os
+
+    from tiered_tbe.torchrec import TieredEmbeddingCollectionSharder
+
+    def make(layout):
+        return _sequence_dmp(layout, world, TieredEmbeddingCollectionSharder(fused_params=ours_params(fused_params())))
+
+    path = os.path.join(directory, "sequence")
+    saved_model = make(SEQUENCE_CHECKPOINT_PLAN)
+    for step in range(2):
+        _sequence_step(saved_model, ranks.batch(step, rank, tables=SEQUENCE_TABLES), step, rank)
+    _save(saved_model, path)
+    resharded = make(SEQUENCE_PLANS["table-wise"])
+    _load(resharded, path, 2)
+    saved = _full_state(saved_model)
+    loaded = _full_state(resharded)
+    assert loaded.keys() == saved.keys()
+    assert all(torch.equal(loaded[key], saved[key]) for key in saved)
+    for step in range(2, STEPS):
+        kjt = ranks.batch(step, rank, tables=SEQUENCE_TABLES)
+        torch.testing.assert_close(_sequence_step(resharded, kjt, step, rank),
+                                   _sequence_step(saved_model, kjt, step, rank), rtol=0, atol=1e-5)
+    final = _full_state(saved_model)
+    for key, value in _full_state(resharded).items():
+        torch.testing.assert_close(value, final[key], rtol=0, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
 # ------------------------------------------------------------------ on one GPU (gpu-marked tests, NCCL)
 GPU_KERNELS = {"t0": ("tw0", "fused"), "t1": ("tw0", "fused_uvm"), "t2": ("tw0", "fused_uvm_caching"),
                "t3": ("tw0", "fused_uvm_caching")}
