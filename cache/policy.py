@@ -214,10 +214,17 @@ def round_to_sets(rows: int, associativity: int) -> int:
     return max(1, -(-int(rows) // associativity)) * associativity
 
 
-# Most ways a set of the GPU slot cache may have: its policy kernel ranks a set's ways with a thread
-# per way, 32 a warp, each taking at most two (cache/_kernels.py), and a way is an int8.
+# Most ways a set of the GPU slot cache may have: its policy kernels rank a set's ways with a thread
+# per way, 32 a warp, each taking at most two (cache/policy_kernels.py), and a way is an int8.
 # The CPU simulator takes any associativity.
 MAX_WAYS = 64
+
+
+def check_gpu_ways(associativity: int) -> None:
+    """The one check of :data:`MAX_WAYS` (``CacheConfig`` calls it as it is made, ``SlotCache`` too)."""
+    if associativity > MAX_WAYS:
+        raise ValueError(f"associativity must be at most {MAX_WAYS} ways a set, got {associativity} (the GPU "
+                         "slot cache's policy kernels rank a set's ways with a warp, two ways a thread at most)")
 
 
 def check_geometry(num_slots: int, associativity: int, lfu_decay_interval: int) -> None:

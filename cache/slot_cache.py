@@ -49,10 +49,10 @@ from tiered_tbe.cache.launch import KernelLauncher
 from tiered_tbe.cache.mover import Moves, make_mover, sorted_write_backs
 from tiered_tbe.cache.policy import (
     EMPTY,
-    MAX_WAYS,
     NEXT_USE_UNKNOWN,
     POLICY_LOOKAHEAD,
     check_geometry,
+    check_gpu_ways,
     compile_for_simulator,
     policy_code,
     policy_named,
@@ -163,9 +163,7 @@ class SlotCache(LookaheadHints):
         if self.device.type == "cuda" and SIMULATION:
             raise ValueError("SlotCache on cuda, but tiered_tbe runs in CPU simulation mode")
         check_geometry(num_slots, associativity, lfu_decay_interval)
-        if associativity > MAX_WAYS:
-            raise ValueError(f"associativity {associativity}: the GPU slot cache has at most {MAX_WAYS} ways a set "
-                             "(its policy kernels rank a set's ways a warp a set, two ways a thread at most)")
+        check_gpu_ways(associativity)
         self.policy = policy
         self._policy_code = policy_code(policy)
         self.num_slots = num_slots

@@ -124,11 +124,13 @@ def dmp(layout: dict, world_size: int, sharder, tables=TABLES, features_of=None,
     return DistributedModelParallel(ebc, device=DEVICE, plan=plan(ebc, layout, world_size), sharders=[sharder])
 
 
-def stock_sharder(fused_params: dict):
-    """TorchRec's own sharder (FBGEMM's CPU TBE), offering every sharding type on the CPU."""
+def stock_sharder(fused_params: dict, sequence: bool = False):
+    """TorchRec's own sharder (FBGEMM's CPU TBE), offering every sharding type and kernel on the CPU;
+    ``sequence``: its EmbeddingCollectionSharder, else its EmbeddingBagCollectionSharder."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-    class CpuSharder(EmbeddingBagCollectionSharder):
+    class CpuSharder(EmbeddingCollectionSharder if sequence else EmbeddingBagCollectionSharder):
         def sharding_types(self, compute_device_type):
             return super().sharding_types("cuda")
 

@@ -364,18 +364,12 @@ def sequence_plans_equal_fbgemm(rank, world):
     """An EmbeddingCollection under TieredEmbeddingCollectionSharder: table-wise, row-wise, column-wise and a
     plan of HBM, managed and cached tables (a cache of 4 slots), 4 steps each, rows and every shard of the
     weights and optimizer state against TorchRec's own sharder (FBGEMM's CPU TBE without pooling)."""
-    from torchrec.distributed.embedding import EmbeddingCollectionSharder
-
-    class CpuSharder(EmbeddingCollectionSharder):
-        def compute_kernels(self, sharding_type, compute_device_type):
-            return super().compute_kernels(sharding_type, "cuda")
-
     from tiered_tbe.torchrec import TieredEmbeddingCollectionSharder, TieredShardedEmbeddingCollection
 
     for name, layout in SEQUENCE_PLANS.items():
         for optimizer in ("EXACT_ROWWISE_ADAGRAD", "EXACT_SGD") if name == "mixed" else ("EXACT_ROWWISE_ADAGRAD",):
             params = fused_params(optimizer)
-            stock = _sequence_dmp(ranks.fbgemm_kernel_layout(layout), world, CpuSharder(fused_params=dict(params)))
+            stock = _sequence_dmp(ranks.fbgemm_kernel_layout(layout), world, ranks.stock_sharder(params, sequence=True))
             model = _sequence_dmp(layout, world, TieredEmbeddingCollectionSharder(fused_params=ours_params(params)))
             [sharded] = [m for m in model.modules() if isinstance(m, TieredShardedEmbeddingCollection)]
             assert sharded.tiered_modules() and all(m.pooling == "none" for m in sharded.tiered_modules())

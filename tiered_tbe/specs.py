@@ -10,7 +10,7 @@ import torch
 
 from tiered_tbe.base.codes import Placement  # noqa: F401  (re-exported: public API)
 from tiered_tbe.cache.mover import MOVERS
-from tiered_tbe.cache.policy import DEFAULT_POLICY, MAX_WAYS, POLICIES, round_to_sets
+from tiered_tbe.cache.policy import DEFAULT_POLICY, POLICIES, check_gpu_ways, round_to_sets
 
 # Weights dtypes by the names the command line and the benchmarks use (``--dtype``).
 WEIGHTS_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -101,9 +101,7 @@ class CacheConfig:
             value = getattr(self, name)
             if not _is_whole_number(value) or value < 1:
                 raise ValueError(f"CacheConfig: {name} must be a whole number >= 1, got {value!r}")
-        if self.associativity > MAX_WAYS:
-            raise ValueError(f"CacheConfig: associativity must be at most {MAX_WAYS} ways a set, got "
-                             f"{self.associativity}")
+        check_gpu_ways(self.associativity)
         if self.slots is not None and (not _is_whole_number(self.slots) or self.slots < 1):
             raise ValueError(f"CacheConfig: slots must be a whole number >= 1, got {self.slots!r}")
         if self.memory is not None:
