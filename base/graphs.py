@@ -38,10 +38,13 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .mode import SIMULATION
+from .streams import current_stream, current_stream_handle
 
 Inputs = Sequence[torch.Tensor | None]
 Outputs = tuple[torch.Tensor, ...] | None
@@ -84,12 +87,13 @@ def to_device(inputs: Inputs, device: torch.device) -> list[torch.Tensor | None]
     return moved
 
 
-def copy_to_device(target: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy a small host tensor into ``target`` on the current stream, without a host sync."""
+def copy_to_device(target: torch.Tensor, source: torch.Tensor, values: bytes | None = None) -> None:
+    """Copy a small host tensor into ``target`` on the current stream, without a host sync
+    (``values``: the bytes of ``source``, where the caller has them)."""
     if target.device.type != "cuda":
         target.copy_(source)
         return
-    staging(target.device).copy(target, source)
+    staging(target.device).copy(target, source, values)
 
 
 class PinnedRing:
@@ -99,30 +103,43 @@ class PinnedRing:
     a synchronizing call; so the values go through one of ``slots`` pinned slots allocated once,
     each reused only after the copy that last read it has run (its event; the host waits there
     only if it is ``slots`` copies ahead of the device).
+
+    The values reach a slot through numpy (the slots' host view) and the slot's typed tensor view is
+    made once: one torch op a copy (the host-to-device copy), where slicing, viewing and copying with
+    torch ops took ~0.1 ms of host time a step on the H200 machine (``tools/dmp_host_time.py``).
     """
 
     def __init__(self, slots: int = 64, slot_bytes: int = 256):
         self.slot_bytes = slot_bytes
         self._buffer = torch.empty(slots, slot_bytes, dtype=torch.uint8, pin_memory=True)
+        self._host = self._buffer.numpy()  # the same pinned bytes
+        self._views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         self._events = [torch.cuda.Event() for _ in range(slots)]
         self._next = 0
         self._lock = threading.Lock()
 
-    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+    def copy(self, target: torch.Tensor, source: torch.Tensor, values: bytes | None = None) -> None:
+        """Copy the host tensor ``source`` into ``target`` (on the current stream); ``values``: its bytes,
+        where the caller has them already."""
         nbytes = source.numel() * source.element_size()
         if nbytes > self.slot_bytes or not source.is_contiguous():
             raise ValueError(f"PinnedRing copies contiguous tensors of at most {self.slot_bytes} bytes, got "
                              f"{tuple(source.shape)} {source.dtype}")
+        if values is None:
+            values = source.reshape(-1).view(torch.uint8).numpy().tobytes()
         with self._lock:  # the forward's replays run on the caller's thread, the backward's on autograd's
             slot = self._next
             self._next = (slot + 1) % len(self._events)
         event = self._events[slot]
         if not event.query():
             event.synchronize()  # back-pressure: this slot's last copy has not run yet
-        pinned = self._buffer[slot, :nbytes].view(source.dtype).view(source.shape)
-        pinned.copy_(source)
+        key = (slot, source.dtype, tuple(source.shape))
+        pinned = self._views.get(key)
+        if pinned is None:
+            pinned = self._views[key] = self._buffer[slot, :nbytes].view(source.dtype).view(source.shape)
+        self._host[slot, :nbytes] = np.frombuffer(values, dtype=np.uint8)
         target.copy_(pinned, non_blocking=True)
-        event.record()
+        event.record(current_stream(target.device))
 
 
 _RINGS: dict[torch.device, PinnedRing] = {}
@@ -142,6 +159,16 @@ def staging(device: torch.device) -> PinnedRing:
     if device.index is not None:  # "cuda" alone names whichever device is current: not kept under it
         _RINGS[device] = ring
     return ring
+
+
+class GraphLaunches(NamedTuple):
+    """Launches that one module hands another to enqueue in its CUDA graph (the slot cache's unlock in
+    the backward's): they read the batch only through ``inputs`` (as ``StepGraphs.run``'s enqueue), and
+    ``key`` is everything they bake in (part of the graph's key)."""
+
+    key: Hashable
+    inputs: Inputs
+    enqueue: Callable[[list], None]
 
 
 class _Captured:
@@ -184,7 +211,7 @@ class StepGraphs:
         be there, and equal ones are not copied again."""
         if not self.enabled or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return enqueue(to_device(inputs, device))
-        key = (key, tuple(_signature(tensor) for tensor in inputs), _current_stream_handle(device))
+        key = (key, tuple(_signature(tensor) for tensor in inputs), current_stream_handle(device))
         captured = self._graphs.get(key)
         if captured is not None:
             self._graphs.move_to_end(key)
@@ -239,7 +266,7 @@ class StepGraphs:
                 values = tensor.numpy().tobytes()
                 if captured.host_values[index] == values:
                     continue  # the static already holds these values
-                copy_to_device(static, tensor)
+                copy_to_device(static, tensor, values)
                 captured.host_values[index] = values
             else:
                 targets.append(static)
@@ -256,19 +283,17 @@ class StepGraphs:
             captured.host_values = [None if values is None else advance(values) for values in captured.host_values]
         if captured.outputs is None:
             return None
-        return tuple(output.clone() for output in captured.outputs)
+        # Copies, in one op: five clones (a prefetch's outputs) took ~0.07 ms of host time on the H200
+        # machine (tools/dmp_host_time.py), five allocations and one multi-tensor copy about half that.
+        copies = [torch.empty_like(output) for output in captured.outputs]
+        torch._foreach_copy_(copies, captured.outputs)
+        return tuple(copies)
 
 
 def next_int64(values: bytes) -> bytes:
     """``advance`` of an int64 [1] input that the graph adds one to (a prefetch's step)."""
     step = (int.from_bytes(values, "little", signed=True) + 1 + 2**63) % 2**64 - 2**63  # wraps as int64 does
     return step.to_bytes(8, "little", signed=True)
-
-
-def _current_stream_handle(device: torch.device) -> int:
-    """``torch.cuda.current_stream(device).cuda_stream`` without building a Stream object (7 us a
-    call on the H200 machine's host, on the path to every replay; Triton's launcher reads it so)."""
-    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _signature(tensor: torch.Tensor | None) -> tuple | None:

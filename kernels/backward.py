@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tiered_tbe.base.graphs import to_device
+from tiered_tbe.base.graphs import GraphLaunches, to_device
 
 from .addressing import INTERPRETING, POOLING_NONE, pooling_code, row_slice_alignment_bytes
 from .grouping import SortedLookups, sort_lookups
@@ -297,6 +297,7 @@ def backward_update(
     config: BackwardConfig | None = None,
     graphs=None,
     presorted: tuple[torch.Tensor, torch.Tensor] | None = None,
+    then: GraphLaunches | None = None,
 ) -> None:
     """Sum the gradient of each unique row of the batch and apply the optimizer to it, in place.
 
@@ -320,6 +321,8 @@ def backward_update(
         presorted: ``(sorted_rows, order)``, a stable sort of the batch's global rows made already
             (the cache's prefetch): the grouping starts from it instead of sorting again
             (``sort_lookups``; the same result). Unlike ``sorted_lookups`` it runs in the graph.
+        then: launches to enqueue after the update, in its graph (the slot cache's unlock of the
+            batch, ``SlotCache.unlock_launches``): one replay a step instead of two.
     """
     if not isinstance(optimizer, FusedOptimizer):
         raise TypeError(f"optimizer must be a FusedOptimizer (tiered_tbe.optimizers), got {type(optimizer).__name__}")
@@ -329,6 +332,8 @@ def backward_update(
     check_lookups(stores, lookups, slot_of_index)
     grad_output = check_grad_output(grad_output, stores, lookups, mode)
     if lookups.num_lookups == 0 or lookups.batch_size == 0:
+        if then is not None:
+            then.enqueue(to_device(then.inputs, grad_output.device))
         return
     block_d = stores.block_d
     config = config or default_config(block_d)
@@ -355,13 +360,19 @@ def backward_update(
                              step if plan.reads_step else 0),
               *(presorted or (None, None)))
 
+    update_inputs = len(inputs)
+    if then is not None:
+        inputs = (*inputs, *then.inputs)
+
     def enqueue(tensors):
-        _enqueue_update(plan, stores, *tensors, sorted_lookups=sorted_lookups)
+        _enqueue_update(plan, stores, *tensors[:update_inputs], sorted_lookups=sorted_lookups)
+        if then is not None:
+            then.enqueue(tensors[update_inputs:])
 
     if graphs is None or sorted_lookups is not None:
         enqueue(to_device(inputs, grad_output.device))
     else:
-        graphs.run((plan, id(stores)), inputs, enqueue, grad_output.device,
+        graphs.run((plan, id(stores), None if then is None else then.key), inputs, enqueue, grad_output.device,
                    advance=advance_step_arguments if plan.reads_step else None)
 
 

@@ -132,6 +132,30 @@ def test_unlock_with_mark_dirty_dirties_exactly_the_batchs_slots_and_releases_it
     assert int(cache.dirty.sum()) == 2 and cache.num_locked() == 0
 
 
+def test_unlock_launches_enqueued_by_the_caller_release_as_unlock_does():
+    """The backward enqueues a batch's unlock in its own graph (unlock_launches), then drops the
+    batch's record (launched=True): the same locks, dirty bits and bypassed rows as unlock(mark_dirty);
+    the launches alone change nothing, and a batch unlocked already has none."""
+    conflicting = rows_of_set(0, 2, 3)
+    cache = SlotCache(make_tables(), num_slots=4, associativity=2)
+    batch = prefetch(cache, rows_tensor(conflicting + conflicting[:1]))  # 2 slots locked, 1 row bypassed
+    launches = cache.unlock_launches(batch, mark_dirty=True)
+    marks = cache.mark_dirty_launches(batch)
+    assert cache.num_locked() == 2 and int(cache.bypass_count.sum()) == 1 and int(cache.dirty.sum()) == 0
+    assert launches.key != marks.key and len(launches.inputs) == 2
+    launches.enqueue(list(launches.inputs))
+    cache.unlock(batch, mark_dirty=True, launched=True)
+    assert cache.num_locked() == 0 and int(cache.bypass_count.sum()) == 0
+    assert set(cache.dirty.nonzero().flatten().tolist()) == {s for s in batch.slot_of_index.tolist() if s >= 0}
+    with pytest.raises(RuntimeError, match="holds no lock"):
+        cache.unlock_launches(batch)
+    with pytest.raises(RuntimeError, match="holds no lock"):
+        cache.unlock(batch, launched=True)
+    empty = prefetch(cache, rows_tensor([]))
+    assert cache.unlock_launches(empty) is None and cache.mark_dirty_launches(empty) is None
+    cache.unlock(empty, launched=True)
+
+
 def test_unlock_twice_or_with_a_tensor_is_refused(mover):
     cache = SlotCache(make_tables(), num_slots=8, associativity=4, mover=mover)
     batch = prefetch(cache, rows_tensor([1, 1, 2]))

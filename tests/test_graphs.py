@@ -55,7 +55,7 @@ def test_a_replay_skips_the_copy_of_host_inputs_it_advanced(monkeypatch):
     """After a replay whose graph advances its step in place, the next step's arguments are known to
     be on the device: not copied again. Arguments that differ otherwise (a new grad_output) are."""
     copies = []
-    monkeypatch.setattr(graphs_module, "copy_to_device", lambda target, source: copies.append(source.clone()))
+    monkeypatch.setattr(graphs_module, "copy_to_device", lambda target, source, _=None: copies.append(source.clone()))
 
     class Graph:
         def replay(self):
@@ -77,7 +77,7 @@ def test_a_prefetch_replay_skips_the_copy_of_its_next_step(monkeypatch):
     """The slot cache's prefetch graph adds one to its step input after its kernels (next_int64 says
     so): consecutive prefetches copy no step; a step that jumps (another shape's graph ran between) is copied."""
     copies = []
-    monkeypatch.setattr(graphs_module, "copy_to_device", lambda target, source: copies.append(int(source[0])))
+    monkeypatch.setattr(graphs_module, "copy_to_device", lambda target, source, _=None: copies.append(int(source[0])))
 
     class Graph:
         def replay(self):
@@ -231,6 +231,50 @@ def test_graphed_steps_never_wait_for_the_device(placement):
         torch.cuda.set_sync_debug_mode("default")
     for graphs in (module._forward_graphs, module._backward_graphs):
         assert graphs.captures == 1 and graphs.replays == 3
+    if module.cache is not None:  # each batch's unlock ran in its backward's graph
+        assert module.cache._release_graphs.replays == 0 and module.cache.num_locked() == 0
+
+
+@pytest.mark.gpu
+def test_pinned_ring_copies_every_value_in_order_and_waits_for_nothing():
+    """Three rounds of the ring's slots: each copy lands its own values (int64, fp32, 2-D, empty), a
+    slot's typed view made once is rewritten through numpy before each of its copies, and a ring that
+    is not ahead of the device issues no synchronizing call."""
+    ring = graphs_module.PinnedRing(slots=4, slot_bytes=64)
+    generator = torch.Generator().manual_seed(3)
+    sources = []
+    for i in range(12):
+        shape, dtype = [((5,), torch.int64), ((2, 3), torch.float32), ((0,), torch.int64), ((8,), torch.float64)][i % 4]
+        sources.append(torch.randint(-2**40, 2**40, shape, generator=generator).to(dtype))
+    targets = [torch.full(s.shape, -7, dtype=s.dtype, device="cuda") for s in sources]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i, (target, source) in enumerate(zip(targets[:4], sources[:4])):
+            ring.copy(target, source, source.reshape(-1).view(torch.uint8).numpy().tobytes() if i % 2 else None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for target, source in zip(targets[4:], sources[4:]):  # the slots again: each waits for its last copy
+        ring.copy(target, source)
+    torch.cuda.synchronize()
+    for target, source in zip(targets, sources):
+        assert torch.equal(target.cpu(), source)
+    with pytest.raises(ValueError, match="at most 64 bytes"):
+        ring.copy(torch.empty(9, dtype=torch.int64, device="cuda"), torch.zeros(9, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+def test_the_cached_current_stream_follows_the_current_stream():
+    from tiered_tbe.base import streams
+
+    side = torch.cuda.Stream()
+    assert streams.current_stream(torch.device("cuda")) == torch.cuda.current_stream()
+    with torch.cuda.stream(side):
+        assert streams.current_stream(torch.device("cuda:0")) == side
+        assert streams.current_stream_handle(torch.device("cuda")) == side.cuda_stream
+        event = streams.record(torch.cuda.Event(), torch.device("cuda"))
+    torch.cuda.current_stream().wait_event(event)
+    assert streams.current_stream(torch.device("cuda")) == torch.cuda.current_stream()
 
 
 @pytest.mark.gpu

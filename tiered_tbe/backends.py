@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiered_tbe.base.graphs import to_device
 from tiered_tbe.kernels import backward, forward, per_sample_weights, reference
 
 
@@ -22,7 +23,8 @@ class KernelBackend:
     name: str
     forward: Callable  # (stores, lookups, slot_of_index, pooling, graphs=None) -> fp32 output
     backward_update: Callable  # (grad_output, stores, lookups, slot_of_index, pooling, optimizer, step, ...) -> None
-    #                            (graphs=, presorted=: used by the triton kernels, ignored by the reference)
+    #                            (graphs=, presorted=: used by the triton kernels, ignored by the reference;
+    #                            then=: launches enqueued after the update, in its graph where it has one)
     per_sample_weights_grad: Callable  # (grad_output, stores, lookups, slot_of_index, pooling) -> fp32 [N]
 
 
@@ -31,10 +33,13 @@ def _reference_forward(stores, lookups, slot_of_index, pooling, graphs=None):
 
 
 def _reference_backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, step=1,
-                               stochastic_rounding: bool = False, seed: int = 0, graphs=None, presorted=None):
+                               stochastic_rounding: bool = False, seed: int = 0, graphs=None, presorted=None,
+                               then=None):
     if stochastic_rounding:
         raise ValueError("backend='torch' rounds to nearest only: use backend='triton' for stochastic rounding")
     reference.reference_backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, step)
+    if then is not None:
+        then.enqueue(to_device(then.inputs, grad_output.device))
 
 
 def _reference_per_sample_weights_grad(*args) -> torch.Tensor:

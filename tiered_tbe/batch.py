@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tiered_tbe import validation
+from tiered_tbe.base import streams
+from tiered_tbe.base.graphs import GraphLaunches
 from tiered_tbe.cache.slot_cache import CacheBatch, SlotCache
 from tiered_tbe.kernels.rows import Lookups
 
@@ -76,23 +78,36 @@ class PreparedBatch:
                      self.cache_batch.order]
         return [t for t in (*self.lookups, *held) if isinstance(t, torch.Tensor)]
 
-    def release(self, updated: bool = False) -> None:
+    def release(self, updated: bool = False, launched: bool = False) -> None:
         """The batch is done with its rows: unlock them now, or queue the unlock (``deferred``).
         ``updated``: its backward updated them in their slots, which become dirty (in the unlock's
-        launch when it unlocks now; else now, on the current stream, before the unlock is queued)."""
+        launch when it unlocks now; else now, on the current stream, before the unlock is queued).
+        ``launched``: the backward enqueued :meth:`release_launches` (in its graph) already."""
         if self._released or self.cache is None:
             return
         self._released = True
-        if self.deferred is None or not self.deferred.open:
-            self.unlock(mark_dirty=updated)
+        if self._unlocks_now():
+            self.cache.unlock(self.cache_batch, mark_dirty=updated, launched=launched)
             return
-        if updated:
+        if updated and not launched:
             self.cache.mark_dirty(self.cache_batch)
         done = None
         if self.remap is not None and self.remap.is_cuda:
-            done = torch.cuda.Event()
-            done.record()  # on the stream that ran the batch's last kernel
+            done = streams.record(torch.cuda.Event(), self.remap.device)  # on the stream of the batch's last kernel
         self.deferred.queue.append((done, self))
+
+    def release_launches(self, updated: bool = False) -> GraphLaunches | None:
+        """What :meth:`release` would launch now (the unlock, or the dirty marks of a deferred unlock),
+        for the backward to enqueue in its own CUDA graph before it calls ``release(updated,
+        launched=True)``; ``None``: nothing to launch. Changes nothing of the batch or its locks."""
+        if self._released or self.cache is None:
+            return None
+        if self._unlocks_now():
+            return self.cache.unlock_launches(self.cache_batch, mark_dirty=updated)
+        return self.cache.mark_dirty_launches(self.cache_batch) if updated else None
+
+    def _unlocks_now(self) -> bool:
+        return self.deferred is None or not self.deferred.open
 
     def unlock(self, mark_dirty: bool = False) -> None:
         """Release the batch's locks, and the rows it left in their backing stores, on the current

@@ -9,6 +9,7 @@ from torch import nn
 
 from tiered_tbe import validation
 from tiered_tbe.backends import backend_named
+from tiered_tbe.base import streams
 from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
 from tiered_tbe.base.graphs import StepGraphs
 from tiered_tbe.base.mode import default_device
@@ -331,8 +332,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         layout = self._variable_batch(batch_size_per_feature_per_rank)
         batch = self._prepare(indices, fixed_batch_offsets(offsets, layout), ahead=True)
         if self.device.type == "cuda":
-            batch.ready = torch.cuda.Event()
-            batch.ready.record()
+            batch.ready = streams.record(torch.cuda.Event(), self.device)
         if defer_unlock or forward_stream is not None:
             batch.deferred = self._deferred_unlocks
         batch.for_forward_stream = forward_stream is not None
@@ -405,10 +405,15 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
             cache_batch = batch.cache_batch
             presorted = (cache_batch.sorted_rows, cache_batch.order) \
                 if self._every_table_cached and cache_batch is not None else None
+            # The batch's unlock (or dirty marks) runs in the update's graph: one replay, not two.
+            release = batch.release_launches(updated=True)
             self.backend.backward_update(grad_output, self.row_stores, batch.lookups, slot_of_index, self.pooling,
                                          optimizer, self.optimizer_step, stochastic_rounding=self.stochastic_rounding,
-                                         seed=self.seed, graphs=self._backward_graphs, presorted=presorted)
-        batch.release(updated=optimizer is not None)
+                                         seed=self.seed, graphs=self._backward_graphs, presorted=presorted,
+                                         then=release)
+            batch.release(updated=True, launched=release is not None)
+        else:
+            batch.release()
 
     def extra_repr(self) -> str:
         lines = [f"pooling={self.pooling!r}, optimizer={self.optimizer}, weights_dtype={self.weights_dtype}"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from tiered_tbe.base import streams
 from tiered_tbe.batch import DeferredUnlocks, PreparedBatch, same_batch
 from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD
 
@@ -23,7 +24,7 @@ class PrefetchQueue:
         while self._deferred_unlocks.queue:
             done, batch = self._deferred_unlocks.queue.popleft()
             if done is not None:
-                torch.cuda.current_stream(self.device).wait_event(done)
+                streams.current_stream(self.device).wait_event(done)
             batch.unlock()
 
     @property
@@ -103,7 +104,7 @@ class PrefetchQueue:
             queued_indices, queued_offsets, batch = self._prefetched[0]
         self._prefetched.popleft()
         if batch.ready is not None:  # prefetched on another stream (PrefetchPipeline)
-            training_stream = torch.cuda.current_stream(self.device)
+            training_stream = streams.current_stream(self.device)
             training_stream.wait_event(batch.ready)
             for tensor in batch.tensors():
                 tensor.record_stream(training_stream)

@@ -1,0 +1,44 @@
+"""The current CUDA stream and events on it, at a few microseconds of host time each.
+
+``torch.cuda.current_stream()`` builds a new Python ``Stream`` object on every call (~7 us of host time
+on the H200 machine), and ``torch.cuda.Event.record()`` and ``Stream.record_event()`` call it (the latter
+also makes an event). A training step with a cache does a handful of these on the path between a batch's
+kernels, where the GPU waits for the host (``docs/performance.md``, "Host time in a DMP step"). Here the
+raw handle of the current stream (~1 us) keys a cache of its ``Stream`` object.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# (device index, raw stream handle) -> its Stream. Torch's streams (its pools and torch.cuda.Stream) are
+# never destroyed, so a handle names one stream for the life of the process; an external stream whose
+# handle is reused after it was destroyed is, for recording and waiting, the stream behind that handle.
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (``cuda`` alone: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def current_stream_handle(device: torch.device) -> int:
+    """``torch.cuda.current_stream(device).cuda_stream`` without building a Stream object (Triton's
+    launcher reads it so)."""
+    return torch._C._cuda_getCurrentRawStream(device_index(device))
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(device)``, the same object for as long as the stream is current."""
+    index = device_index(device)
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = _STREAMS[key] = torch.cuda.current_stream(index)
+    return stream
+
+
+def record(event: torch.cuda.Event, device: torch.device) -> torch.cuda.Event:
+    """Record ``event`` on the current stream of ``device``; returns it."""
+    event.record(current_stream(device))
+    return event
