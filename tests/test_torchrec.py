@@ -163,6 +163,11 @@ def test_gpu_kernels_equal_fbgemms_cuda_tbe():
 
 
 @pytest.mark.gpu
+def test_gpu_sequence_kernels_equal_fbgemms_cuda_tbe():
+    ranks.spawn(scenarios.gpu_sequence_kernels_equal_fbgemm, 1, nccl=True)
+
+
+@pytest.mark.gpu
 def test_gpu_prefetch_train_pipeline_equals_serial_and_evaluation_leaves_no_lock():
     ranks.spawn(scenarios.prefetch_pipeline_equals_serial, 1, nccl=True)
 

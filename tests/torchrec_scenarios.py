@@ -440,6 +440,26 @@ def gpu_kernels_equal_fbgemm(rank, world):
         ranks.assert_states_close(stock, model)
 
 
+def gpu_sequence_kernels_equal_fbgemm(rank, world):
+    """On the GPU: an EmbeddingCollection of fused, fused_uvm and fused_uvm_caching tables under our sequence
+    sharder (Triton kernels, pooling none; the cache of a few slots: heavy eviction) against FBGEMM's CUDA
+    TBE under TorchRec's own sharder and the same plan, 4 steps, row-wise Adagrad and SGD."""
+    from tiered_tbe.torchrec import TieredEmbeddingCollectionSharder
+
+    for optimizer in ("EXACT_ROWWISE_ADAGRAD", "EXACT_SGD"):
+        params = fused_params(optimizer)
+        stock = _sequence_dmp(GPU_KERNELS, world, ranks.stock_sharder(params, sequence=True))
+        model = _sequence_dmp(GPU_KERNELS, world,
+                              TieredEmbeddingCollectionSharder(fused_params=ours_params(params, backend="triton")))
+        model.load_state_dict(stock.state_dict())
+        for step in range(STEPS):
+            kjt = ranks.batch(step, rank, tables=SEQUENCE_TABLES)
+            expected = _sequence_step(stock, kjt, step, rank)
+            torch.testing.assert_close(_sequence_step(model, kjt, step, rank), expected, rtol=0, atol=1e-5,
+                                       msg=lambda m, o=optimizer, s=step: f"{o} step {s}: {m}")
+        ranks.assert_states_close(stock, model)
+
+
 def prefetch_pipeline_equals_serial(rank, world):
     """PrefetchTrainPipelineSparseDist (our prefetch on TorchRec's prefetch stream, a batch ahead) trains
     fused_uvm_caching tables bitwise as a plain serial loop does, and is stopped early (a batch prefetched,

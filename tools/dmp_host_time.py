@@ -76,6 +76,7 @@ def install_timers(totals: dict, counts: dict) -> list:
             (torch.cuda.Event, "query", "any: Event query"),
             (torch.cuda.Event, "record", "any: Event record"),
             (torch.Tensor, "clone", "any: Tensor clone"),
+            (torch, "_foreach_copy_", "any: torch _foreach_copy_"),
             (BatchedFusedEmbeddingBag, "forward", "torchrec: kernel forward"),
             (SplitTableBatchedEmbeddingBagsCodegen, "forward", "torchrec: FBGEMM forward"),
             (SplitTableBatchedEmbeddingBagsCodegen, "prefetch", "torchrec: FBGEMM prefetch"),
