@@ -160,7 +160,9 @@ def test_graphed_training_equals_eager_bitwise(case):
     module, got = _train(True, batches, **CASES[case])
     every_graphs = [module._forward_graphs, module._backward_graphs]
     if module.cache:
-        every_graphs += [module.cache._prefetch_graphs, module.cache._release_graphs]  # (unlock with mark_dirty)
+        every_graphs.append(module.cache._prefetch_graphs)
+        # The unlock (with mark_dirty) runs in the backward's graph, not in one of its own.
+        assert module.cache._release_graphs.captures == module.cache._release_graphs.replays == 0
     for graphs in every_graphs:
         assert graphs.captures == len(shapes), "each repeating shape is captured once"
         assert graphs.replays == len(batches) - len(shapes), "every later batch of a shape replays its graph"
