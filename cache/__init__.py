@@ -5,7 +5,8 @@
   ``POLICIES``, one definition compiled for the GPU kernels and the CPU simulator.
 - :mod:`~tiered_tbe.cache.slot_cache`: ``SlotCache``, the slots in HBM and the decisions about
   them (hits, victims, locks, the remap; Numba kernels in ``_kernels``, launched by ``launch``);
-  ``CacheBatch``, what a prefetch returns; ``hints``: the lookahead window
+  ``CacheBatch``, what a prefetch returns; ``releases``: the unlock and dirty marks of a batch (and
+  their launches, for the backward's or the next prefetch's graph); ``hints``: the lookahead window
   (``MAX_LOOKAHEAD``, the most batches a hint can name after the next prefetch;
   ``DEFAULT_LOOKAHEAD``, how many a pipeline names unless told).
 - :mod:`~tiered_tbe.cache.mover`: how rows cross the bus, ``zero_copy`` (copy kernels reading

@@ -58,6 +58,7 @@ from tiered_tbe.cache.policy import (
     policy_code,
     policy_named,
 )
+from tiered_tbe.cache.releases import SlotReleases
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.cache.tables import CachedTable, check_tables
 
@@ -81,7 +82,7 @@ _ROW_BYTES = torch.uint8.itemsize
 _HINT_ROW_BYTES = torch.int64.itemsize
 
 
-class SlotCache(LookaheadHints):
+class SlotCache(LookaheadHints, SlotReleases):
     """A set-associative cache of rows in device memory, shared by one module's cached tables.
 
     Args:
@@ -256,13 +257,17 @@ class SlotCache(LookaheadHints):
         """Prefetches so far (the policy's clock; see tiered_tbe.cache.policy)."""
         return self._step
 
-    def prefetch(self, global_rows: torch.Tensor) -> CacheBatch:
+    def prefetch(self, global_rows: torch.Tensor, unlock_first: Sequence[CacheBatch] = ()) -> CacheBatch:
         """Bring a batch's rows into the cache, lock them, and say where each lookup's row is.
 
         Args:
             global_rows: int64 (or int32) [N], the global row of every lookup of the batch
                 (repeats allowed).
                 Rows outside every cached table are left alone (their slot is -1).
+            unlock_first: batches to :meth:`unlock` (without ``mark_dirty``) before this one is
+                assigned, in the prefetch's own CUDA graph (a pipeline's deferred unlocks: one replay
+                where two cost ~0.1 ms more of host time). ``RuntimeError`` before any change when one
+                holds no lock.
 
         Returns:
             The batch's :class:`CacheBatch`; its ``slot_of_index`` (int32 [N]) is the slot holding
@@ -277,13 +282,29 @@ class SlotCache(LookaheadHints):
         and the rows it gave no slot, which no prefetch caches until then.
         """
         rows = self._check_rows(global_rows, dtypes=(torch.int64, torch.int32))
+        unlocks = [self.unlock_launches(batch) for batch in unlock_first]  # refused before any change
+        if len({batch.step for batch in unlock_first}) < len(unlock_first):
+            raise RuntimeError("unlock_first names a batch twice: it holds its locks once")
         self._order_metadata()
+        # Added to this prefetch's graph when they have its (padded) size, the steady state of a pipeline of
+        # batches of one shape: pairs of sizes would multiply the graphs of batches whose size changes.
+        fused = []
+        for earlier, launches in zip(unlock_first, unlocks):
+            if rows.numel() and (launches is None or launches.inputs[0].numel() == padded_size(rows.numel())):
+                fused.append((earlier, launches))
+            else:
+                self.unlock(earlier)
         self._step += 1
         self._batches += 1
         self._upcoming.forget(through=self._step)  # this batch's own hint, if any, leaves the window
         ticket = None
         if rows.numel() > 0:
-            slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, ticket = self._assign_and_move(rows)
+            try:
+                slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, ticket = self._assign_and_move(
+                    rows, [launches for _, launches in fused if launches is not None])
+            finally:  # their launches come first in the prefetch's (graph or eager launches)
+                for earlier, _ in fused:
+                    self.unlock(earlier, launched=True)
         else:
             slot_of_index = locked_slots = torch.empty(0, dtype=torch.int32, device=self.device)
             bypassed_rows = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -316,68 +337,6 @@ class SlotCache(LookaheadHints):
             self._launcher.launch(_kernels.lookup_kernel, rows.numel(), self._mask_uncached(rows), self.num_sets,
                                   self.associativity, self._k_metadata.tags, slot_of_index)
         return slot_of_index
-
-    def unlock(self, batch: CacheBatch, mark_dirty: bool = False, launched: bool = False) -> None:
-        """Release a prefetched batch: its locks (one per unique row) and the rows it gave no slot.
-
-        ``batch`` is the :class:`CacheBatch` its prefetch returned, or a copy: the batch is found
-        by its step, so what is released is what the prefetch took. ``mark_dirty``: first mark
-        its slots dirty, as :meth:`mark_dirty` of the batch would (in the same launch).
-        ``launched``: the caller enqueued :meth:`unlock_launches` of the batch already (in its own
-        CUDA graph): only the host's record of the batch is dropped.
-        ``RuntimeError`` (nothing changes) when that batch was unlocked already; ``TypeError``
-        for anything but a CacheBatch.
-        """
-        launches = None if launched else self.unlock_launches(batch, mark_dirty)
-        if self._unreleased.pop(batch.step, None) is None:
-            raise RuntimeError(f"unlock of the batch of step {batch.step}, which holds no lock: unlocked twice, "
-                               "or not prefetched by this cache")
-        if launches is not None:
-            self._release_graphs.run(launches.key, launches.inputs, launches.enqueue, self.device)
-        self._metadata_done()
-
-    def unlock_launches(self, batch: CacheBatch, mark_dirty: bool = False) -> GraphLaunches | None:
-        """The launches of :meth:`unlock` of ``batch``, for a caller to enqueue in its own CUDA graph (the
-        backward's: one replay where two cost ~0.1 ms more of host time a step), then to call
-        ``unlock(batch, mark_dirty, launched=True)``; ``None`` when there is nothing to launch. Nothing
-        changes here but the current stream's order after the last operation on the metadata.
-        ``RuntimeError`` when that batch holds no lock."""
-        entry = self._unreleased.get(check_batch(batch).step)
-        if entry is None:
-            raise RuntimeError(f"unlock of the batch of step {batch.step}, which holds no lock: unlocked twice, "
-                               "or not prefetched by this cache")
-        self._order_metadata()
-        if not entry.locked_slots.numel():  # as long as bypassed_rows
-            return None
-        mark = bool(mark_dirty)
-
-        def enqueue(tensors):
-            locked_slots, bypassed_rows = tensors
-            self._launcher.launch(_kernels.release_kernel, locked_slots.numel(), locked_slots, bypassed_rows,
-                                  mark, self._k_metadata.locks, self._k_metadata.dirty,
-                                  self._k_metadata.bypass_count)
-
-        return GraphLaunches(("unlock", mark, id(self)), (entry.locked_slots, entry.bypassed_rows), enqueue)
-
-    def mark_dirty(self, slots: CacheBatch | torch.Tensor, launched: bool = False) -> None:
-        """Mark slots updated in place (by backward): they are written back before being dropped.
-        ``slots``: a batch (its ``slot_of_index``), or int32/int64 [N] slots, -1 skipped.
-        ``launched``: the caller enqueued :meth:`mark_dirty_launches` of them already."""
-        launches = None if launched else self.mark_dirty_launches(slots)
-        if launches is not None:
-            self._release_graphs.run(launches.key, launches.inputs, launches.enqueue, self.device)
-
-    def mark_dirty_launches(self, slots: CacheBatch | torch.Tensor) -> GraphLaunches | None:
-        """The launches of :meth:`mark_dirty` of ``slots``, for a caller's own CUDA graph (as
-        :meth:`unlock_launches`); ``None`` when there are none."""
-        slot_of_index = slots.slot_of_index if isinstance(slots, CacheBatch) else self._check_slots(slots)
-        if not slot_of_index.numel():
-            return None
-
-        def enqueue(tensors):
-            self._launcher.launch(_kernels.mark_dirty_kernel, tensors[0].numel(), tensors[0], self._k_metadata.dirty)
-
-        return GraphLaunches(("mark_dirty", id(self)), (slot_of_index,), enqueue)
 
     def write_back(self, slot_of_index: torch.Tensor) -> None:
         """Copy the rows of these slots (int32/int64 [N]; -1 skipped, repeats fine) to their backing
@@ -453,12 +412,12 @@ class SlotCache(LookaheadHints):
 
     # ------------------------------------------------------------------ prefetch
 
-    def _assign_and_move(self, rows: torch.Tensor):
+    def _assign_and_move(self, rows: torch.Tensor, unlocks: Sequence[GraphLaunches] = ()):
         """(slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, the mover's ticket) of a
-        batch: :meth:`_assign` and the mover's device work (:meth:`RowMover.enqueue`) replay as one
-        CUDA graph per batch shape (``base/graphs.py``; the step reaches the kernels in a tensor),
-        then the mover's host part (:meth:`RowMover.hand_off`: the staged mover hands the lists to
-        its threads) runs on the host."""
+        batch: ``unlocks`` (earlier batches' :meth:`unlock_launches`), :meth:`_assign` and the mover's
+        device work (:meth:`RowMover.enqueue`) replay as one CUDA graph per batch shape
+        (``base/graphs.py``; the step reaches the kernels in a tensor), then the mover's host part
+        (:meth:`RowMover.hand_off`: the staged mover hands the lists to its threads) runs on the host."""
         step = torch.tensor([self._step], dtype=torch.int64)
         # Padded to a size bucket with a row outside every cached table (sorted last as no row,
         # counted nowhere), so that batches whose size changes every step replay a few graphs.
@@ -467,8 +426,13 @@ class SlotCache(LookaheadHints):
         if size != num_lookups:
             rows = torch.cat([rows, rows.new_full((size - num_lookups,), self._rows_end)])
 
+        unlock_inputs = [launches.inputs for launches in unlocks]
+
         def enqueue(tensors):
-            rows, step = tensors
+            rows, step, *released = tensors
+            for launches, count in zip(unlocks, map(len, unlock_inputs)):
+                launches.enqueue(released[:count])
+                released = released[count:]
             *outputs, moves = self._assign(rows, step)
             outputs = (*outputs, *self.mover.enqueue(moves))
             # The next prefetch's step, left in the graph's static input after this one's kernels read it:
@@ -479,8 +443,9 @@ class SlotCache(LookaheadHints):
 
         window_bits = self._upcoming.window_bits
         key = (self._policy_code == POLICY_LOOKAHEAD and window_bits is not None,
-               None if window_bits is None else window_bits.data_ptr())
-        results = self._prefetch_graphs.run(key, (rows, step), enqueue, self.device, advance=next_int64)
+               None if window_bits is None else window_bits.data_ptr(), tuple(launches.key for launches in unlocks))
+        inputs = (rows, step, *(tensor for tensors in unlock_inputs for tensor in tensors))
+        results = self._prefetch_graphs.run(key, inputs, enqueue, self.device, advance=next_int64)
         (slot_of_index, locked_slots, bypassed_rows, sorted_rows, order), enqueued = \
             results[:_ASSIGN_OUTPUTS], results[_ASSIGN_OUTPUTS:]
         # The padding sorts after every lookup (stable: after the lookups outside the cached tables too),

@@ -8,6 +8,8 @@ import pytest
 import torch
 from cache_helpers import (
     DEVICE,
+    TABLE_A,
+    TABLE_B,
     initial_rows,
     make_tables,
     prefetch,
@@ -154,6 +156,45 @@ def test_unlock_launches_enqueued_by_the_caller_release_as_unlock_does():
     empty = prefetch(cache, rows_tensor([]))
     assert cache.unlock_launches(empty) is None and cache.mark_dirty_launches(empty) is None
     cache.unlock(empty, launched=True)
+
+
+@pytest.mark.parametrize("second_size", [5, 40], ids=["same_padded_size", "another_size"])
+def test_a_prefetch_that_unlocks_earlier_batches_first_equals_unlock_then_prefetch(mover, second_size):
+    """prefetch(rows, unlock_first=[...]) (a pipeline's deferred unlocks, in the prefetch's graph when their
+    size is the batch's, else by their own launch) leaves the cache as unlock() of each, then prefetch()."""
+    generator = torch.Generator().manual_seed(4)
+    batches = [torch.randint(0, 60, (n,), generator=generator) for n in (5, 5, second_size)]
+    caches = [SlotCache(make_tables(), num_slots=8, associativity=2, mover=mover) for _ in range(2)]
+    held = [[prefetch(cache, rows_tensor(batches[0].tolist())), prefetch(cache, rows_tensor(batches[1].tolist()))]
+            for cache in caches]
+    for batch in held[0]:
+        caches[0].unlock(batch)
+    expected = prefetch(caches[0], rows_tensor(batches[2].tolist()))
+    got = caches[1].prefetch(rows_tensor(batches[2].tolist()), unlock_first=held[1])
+    caches[1].wait_filled(got)
+    assert not any(caches[1].holds(batch) for batch in held[1]) and caches[1].holds(got)
+    assert torch.equal(got.slot_of_index, expected.slot_of_index)
+    for name in ("tags", "locks", "dirty", "bypass_count", "last_use"):
+        assert torch.equal(getattr(caches[1], name), getattr(caches[0], name)), name
+    for slot, row in enumerate(caches[0].tags.tolist()):  # a slot's columns past its table's dim are not its row's
+        dim = next((dim for start, rows, dim, _ in (TABLE_A, TABLE_B) if start <= row < start + rows), 0)
+        assert torch.equal(caches[1].weights[slot, :dim], caches[0].weights[slot, :dim]), slot
+    assert caches[1].stats() == caches[0].stats()
+
+
+def test_a_prefetch_refuses_to_unlock_a_batch_it_does_not_hold_and_changes_nothing(mover):
+    cache = SlotCache(make_tables(), num_slots=8, associativity=2, mover=mover)
+    first = prefetch(cache, rows_tensor([1, 2, 3]))
+    second = prefetch(cache, rows_tensor([4]))
+    cache.unlock(second)
+    locks, step = cache.locks.clone(), cache.step
+    for unlock_first in ([first, second], [first, first]):
+        with pytest.raises(RuntimeError, match="holds no lock|twice"):
+            cache.prefetch(rows_tensor([5, 6]), unlock_first=unlock_first)
+        assert cache.step == step and torch.equal(cache.locks, locks) and cache.holds(first)
+    empty = cache.prefetch(rows_tensor([]), unlock_first=[first])  # no graph: unlocked by its own launch
+    assert not cache.holds(first) and cache.num_locked() == 0
+    cache.unlock(empty)
 
 
 def test_unlock_twice_or_with_a_tensor_is_refused(mover):

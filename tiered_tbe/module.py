@@ -223,7 +223,6 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         is read at that forward (see :mod:`tiered_tbe.validation`), so nothing here waits for
         the GPU. Until then the batch only moves rows into the cache (no value changes).
         """
-        self.run_deferred_unlocks()  # batches finished since the last prefetch free their slots first
         batch_size = validation.check_static(self.tables, indices, offsets, self.device, self._features_if_shared)
         value_check = None
         if self.bounds_check == "off":
@@ -264,7 +263,8 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
             lookups = Lookups(indices, offsets, batch_size, global_rows=global_rows, bag_of_index=bag_of_index)
             if self.cache is None:
                 return PreparedBatch(lookups, None, None, value_check=value_check)
-        cache_batch = self.cache.prefetch(lookups.global_rows)
+        # Batches finished since the last prefetch free their slots first (in the prefetch's graph).
+        cache_batch = self._prefetch_unlocking_deferred(lookups.global_rows)
         return PreparedBatch(lookups, cache_batch.slot_of_index, self.cache, cache_batch, value_check=value_check)
 
     def bounds_check_repairs(self) -> int:

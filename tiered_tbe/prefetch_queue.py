@@ -21,11 +21,31 @@ class PrefetchQueue:
     def run_deferred_unlocks(self) -> None:
         """Unlock, on the current stream, the batches a pipeline's training loop has released
         since the last prefetch, each after the event recorded at its release (its backward)."""
+        for batch in self._take_deferred_unlocks():
+            batch.unlock()
+
+    def _take_deferred_unlocks(self) -> list[PreparedBatch]:
+        """The batches a pipeline's training loop has released since the last prefetch, for the caller
+        to unlock (a prefetch: in its own graph, ``SlotCache.prefetch(unlock_first=...)``), the
+        current stream ordered after the event recorded at each one's release; the queue emptied."""
+        taken = []
         while self._deferred_unlocks.queue:
             done, batch = self._deferred_unlocks.queue.popleft()
             if done is not None:
                 streams.current_stream(self.device).wait_event(done)
-            batch.unlock()
+            taken.append(batch)
+        return taken
+
+    def _prefetch_unlocking_deferred(self, global_rows: torch.Tensor):
+        """``cache.prefetch(global_rows)``, which first unlocks the batches released since the last
+        prefetch (in its graph). If it refuses, they stay queued for the next one."""
+        taken = self._take_deferred_unlocks()
+        try:
+            return self.cache.prefetch(global_rows, unlock_first=[batch.cache_batch for batch in taken])
+        except Exception:
+            self._deferred_unlocks.queue.extendleft((None, batch) for batch in reversed(taken)
+                                                    if self.cache.holds(batch.cache_batch))
+            raise
 
     @property
     def uses_lookahead(self) -> bool:

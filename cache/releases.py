@@ -1,0 +1,89 @@
+"""How a prefetched batch gives back what it holds: the unlock (its locks, and the rows it left in their
+backing stores) and the dirty marks of the slots its backward updated.
+
+A mixin of :class:`~tiered_tbe.cache.slot_cache.SlotCache`. Each operation also comes as launches
+(:class:`~tiered_tbe.base.graphs.GraphLaunches`) that another CUDA graph can take in: the backward's
+(the unlock, or a pipeline's dirty marks) and the next prefetch's (a pipeline's deferred unlocks). A
+graph replay costs the host ~0.1 ms on the H200 machine in a DMP step, where the GPU waits for the host
+(``docs/performance.md``); one replay instead of two is that much off the step. Needs of the cache:
+``_unreleased``, ``_release_graphs``, ``_launcher``, ``_k_metadata``, ``device``, ``_check_slots``,
+``_order_metadata`` and ``_metadata_done``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiered_tbe.base.graphs import GraphLaunches
+from tiered_tbe.cache import _kernels
+from tiered_tbe.cache.cache_batch import CacheBatch, check_batch
+
+
+class SlotReleases:
+    """:meth:`unlock` and :meth:`mark_dirty` of a :class:`SlotCache`, and their launches."""
+
+    def unlock(self, batch: CacheBatch, mark_dirty: bool = False, launched: bool = False) -> None:
+        """Release a prefetched batch: its locks (one per unique row) and the rows it gave no slot.
+
+        ``batch`` is the :class:`CacheBatch` its prefetch returned, or a copy: the batch is found
+        by its step, so what is released is what the prefetch took. ``mark_dirty``: first mark
+        its slots dirty, as :meth:`mark_dirty` of the batch would (in the same launch).
+        ``launched``: the caller enqueued :meth:`unlock_launches` of the batch already (in its own
+        CUDA graph): only the host's record of the batch is dropped.
+        ``RuntimeError`` (nothing changes) when that batch was unlocked already; ``TypeError``
+        for anything but a CacheBatch.
+        """
+        launches = None if launched else self.unlock_launches(batch, mark_dirty)
+        if self._unreleased.pop(batch.step, None) is None:
+            raise RuntimeError(f"unlock of the batch of step {batch.step}, which holds no lock: unlocked twice, "
+                               "or not prefetched by this cache")
+        if launches is not None:
+            self._release_graphs.run(launches.key, launches.inputs, launches.enqueue, self.device)
+        self._metadata_done()
+
+    def holds(self, batch: CacheBatch) -> bool:
+        """Whether ``batch`` (or a copy) still holds its locks: prefetched by this cache, not unlocked."""
+        return check_batch(batch).step in self._unreleased
+
+    def unlock_launches(self, batch: CacheBatch, mark_dirty: bool = False) -> GraphLaunches | None:
+        """The launches of :meth:`unlock` of ``batch``, for a caller to enqueue in its own CUDA graph (the
+        backward's: one replay where two cost ~0.1 ms more of host time a step), then to call
+        ``unlock(batch, mark_dirty, launched=True)``; ``None`` when there is nothing to launch. Nothing
+        changes here but the current stream's order after the last operation on the metadata.
+        ``RuntimeError`` when that batch holds no lock."""
+        entry = self._unreleased.get(check_batch(batch).step)
+        if entry is None:
+            raise RuntimeError(f"unlock of the batch of step {batch.step}, which holds no lock: unlocked twice, "
+                               "or not prefetched by this cache")
+        self._order_metadata()
+        if not entry.locked_slots.numel():  # as long as bypassed_rows
+            return None
+        mark = bool(mark_dirty)
+
+        def enqueue(tensors):
+            locked_slots, bypassed_rows = tensors
+            self._launcher.launch(_kernels.release_kernel, locked_slots.numel(), locked_slots, bypassed_rows,
+                                  mark, self._k_metadata.locks, self._k_metadata.dirty,
+                                  self._k_metadata.bypass_count)
+
+        return GraphLaunches(("unlock", mark, id(self)), (entry.locked_slots, entry.bypassed_rows), enqueue)
+
+    def mark_dirty(self, slots: CacheBatch | torch.Tensor, launched: bool = False) -> None:
+        """Mark slots updated in place (by backward): they are written back before being dropped.
+        ``slots``: a batch (its ``slot_of_index``), or int32/int64 [N] slots, -1 skipped.
+        ``launched``: the caller enqueued :meth:`mark_dirty_launches` of them already."""
+        launches = None if launched else self.mark_dirty_launches(slots)
+        if launches is not None:
+            self._release_graphs.run(launches.key, launches.inputs, launches.enqueue, self.device)
+
+    def mark_dirty_launches(self, slots: CacheBatch | torch.Tensor) -> GraphLaunches | None:
+        """The launches of :meth:`mark_dirty` of ``slots``, for a caller's own CUDA graph (as
+        :meth:`unlock_launches`); ``None`` when there are none."""
+        slot_of_index = slots.slot_of_index if isinstance(slots, CacheBatch) else self._check_slots(slots)
+        if not slot_of_index.numel():
+            return None
+
+        def enqueue(tensors):
+            self._launcher.launch(_kernels.mark_dirty_kernel, tensors[0].numel(), tensors[0], self._k_metadata.dirty)
+
+        return GraphLaunches(("mark_dirty", id(self)), (slot_of_index,), enqueue)
