@@ -92,6 +92,13 @@ def fixture_records(tmp_path) -> Path:
     return path
 
 
+def test_a_commit_given_in_the_environment_is_recorded_as_git_prints_it(monkeypatch):
+    monkeypatch.setenv("TIERED_TBE_COMMIT", "21584d4b367ccf6ad3154e9fc3364c361d4b9d54")
+    assert records.git_commit() == "21584d4"
+    monkeypatch.setenv("TIERED_TBE_COMMIT", "21584d4+uncommitted")
+    assert records.git_commit() == "21584d4+uncommitted"
+
+
 def test_results_table_prints_the_latest_complete_records(fixture_records, capsys):
     results_table = tool("results_table")
     assert results_table.main(["--results", str(fixture_records)]) == 0

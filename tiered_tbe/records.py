@@ -29,6 +29,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
@@ -53,8 +54,9 @@ def git_commit() -> str:
     """Short commit of the checkout, ``+uncommitted`` when tracked files changed; ``unknown``
     outside a git checkout. ``TIERED_TBE_COMMIT`` overrides it (a copy of a working tree whose
     git metadata is missing or stale, e.g. on a machine the tree was copied to)."""
-    if os.environ.get("TIERED_TBE_COMMIT"):
-        return os.environ["TIERED_TBE_COMMIT"]
+    given = os.environ.get("TIERED_TBE_COMMIT")
+    if given:
+        return given[:7] if re.fullmatch(r"[0-9a-f]{40}", given) else given  # a full hash, short as git's
     here = Path(__file__).parent
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
