@@ -319,3 +319,17 @@ def test_dmp_host_time_times_the_parts_of_a_step_on_both_sides(tmp_path, capsys)
     assert theirs["torchrec: kernel forward"]["calls"] == 1 and "ours: SlotCache prefetch" not in theirs
     from tiered_tbe.cache.slot_cache import SlotCache
     assert SlotCache.prefetch.__qualname__ == "SlotCache.prefetch" and torch.Tensor.clone is clone  # removed
+
+
+def test_host_costs_refuses_without_a_gpu_and_times_every_call_with_one(tmp_path, capsys):
+    import torch
+
+    host_costs = tool("host_costs")
+    if not torch.cuda.is_available():
+        assert host_costs.main([]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
+        return
+    path = tmp_path / "measurements.jsonl"
+    assert host_costs.main(["--calls", "20", "--record", str(path)]) == 0
+    [record] = records.read(path)
+    assert record["benchmark"] == "host-costs" and all(value > 0 for value in record["figures"]["host_us"].values())
