@@ -360,6 +360,18 @@ def _sequence_step(model, kjt, step: int, rank: int) -> torch.Tensor:
     return rows.detach()
 
 
+def _sequence_steps_equal(stock, model, rank: int, label: str) -> None:
+    """``model`` loads ``stock``'s weights, then STEPS steps of both give the same rows (within 1e-5) and
+    leave the same weights and optimizer state."""
+    model.load_state_dict(stock.state_dict())
+    for step in range(STEPS):
+        kjt = ranks.batch(step, rank, tables=SEQUENCE_TABLES)
+        expected = _sequence_step(stock, kjt, step, rank)
+        torch.testing.assert_close(_sequence_step(model, kjt, step, rank), expected, rtol=0, atol=1e-5,
+                                   msg=lambda m, s=step: f"{label} step {s}: {m}")
+    ranks.assert_states_close(stock, model)
+
+
 def sequence_plans_equal_fbgemm(rank, world):
     """An EmbeddingCollection under TieredEmbeddingCollectionSharder: table-wise, row-wise, column-wise and a
     plan of HBM, managed and cached tables (a cache of 4 slots), 4 steps each, rows and every shard of the
@@ -373,13 +385,7 @@ def sequence_plans_equal_fbgemm(rank, world):
             model = _sequence_dmp(layout, world, TieredEmbeddingCollectionSharder(fused_params=ours_params(params)))
             [sharded] = [m for m in model.modules() if isinstance(m, TieredShardedEmbeddingCollection)]
             assert sharded.tiered_modules() and all(m.pooling == "none" for m in sharded.tiered_modules())
-            model.load_state_dict(stock.state_dict())
-            for step in range(STEPS):
-                kjt = ranks.batch(step, rank, tables=SEQUENCE_TABLES)
-                expected = _sequence_step(stock, kjt, step, rank)
-                torch.testing.assert_close(_sequence_step(model, kjt, step, rank), expected, rtol=0, atol=1e-5,
-                                           msg=lambda m, s=step, n=name: f"{n} step {s}: {m}")
-            ranks.assert_states_close(stock, model)
+            _sequence_steps_equal(stock, model, rank, name)
 
 
 # No column-wise table in a checkpoint that reshards (as PLAN_A and PLAN_B): a column-wise table's row-wise
@@ -451,13 +457,7 @@ def gpu_sequence_kernels_equal_fbgemm(rank, world):
         stock = _sequence_dmp(GPU_KERNELS, world, ranks.stock_sharder(params, sequence=True))
         model = _sequence_dmp(GPU_KERNELS, world,
                               TieredEmbeddingCollectionSharder(fused_params=ours_params(params, backend="triton")))
-        model.load_state_dict(stock.state_dict())
-        for step in range(STEPS):
-            kjt = ranks.batch(step, rank, tables=SEQUENCE_TABLES)
-            expected = _sequence_step(stock, kjt, step, rank)
-            torch.testing.assert_close(_sequence_step(model, kjt, step, rank), expected, rtol=0, atol=1e-5,
-                                       msg=lambda m, o=optimizer, s=step: f"{o} step {s}: {m}")
-        ranks.assert_states_close(stock, model)
+        _sequence_steps_equal(stock, model, rank, optimizer)
 
 
 def prefetch_pipeline_equals_serial(rank, world):
