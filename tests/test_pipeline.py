@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tiered_tbe import SGD, Adam, CacheConfig, Placement, PrefetchPipeline, RowwiseAdagrad, TableSpec
+from tiered_tbe.cache import SlotCache
 from tiered_tbe.cache.mover import MOVERS
 from tiered_tbe.cache.policy import POLICIES
 from tiered_tbe.module import TieredEmbeddingBags
@@ -88,10 +89,15 @@ def assert_no_locks(model: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_pipelined_training_equals_serial(policy, one_simulated_thread):
+def test_pipelined_training_equals_serial(policy, one_simulated_thread, monkeypatch):
     """Both movers, depths 1 to 4; the staged mover's threads slowed at random (sleeps, one
     thread, many chunks): bitwise the tables of serial training (30 steps: LFU ages 10 times,
-    and the cache is under heavy pressure, as asserted)."""
+    and the cache is under heavy pressure, as asserted). The deferred unlocks reach the next
+    prefetch (``unlock_first``: in its graph on a GPU)."""
+    unlocked_first = []
+    prefetch = SlotCache.prefetch
+    monkeypatch.setattr(SlotCache, "prefetch", lambda cache, rows, unlock_first=(): (
+        unlocked_first.append(len(unlock_first)), prefetch(cache, rows, unlock_first))[1])
     steps = 30
     batches = make_batches(steps)
     serial = make_model(policy)
@@ -114,6 +120,7 @@ def test_pipelined_training_equals_serial(policy, one_simulated_thread):
         got = tables_of(pipelined)
         for key in expected:  # fp32 rows, same math in the same order: bitwise
             assert torch.equal(got[key], expected[key]), f"{mover}, depth {depth}: {key} differs"
+    assert sum(unlocked_first) >= 4 * (steps - 4), "each pipeline's prefetches unlock the batches released before"
 
 
 @pytest.mark.parametrize("mover", list(MOVERS))
