@@ -12,7 +12,8 @@ fused update) and the whole step with CUDA events, medians of ``--steps`` steps 
 whose batch size changes every step is timed after at least 60 warm-up steps (``warmup_steps``): its
 steady state, once each of its few padded batch shapes has its CUDA graph. Cached
 configurations add the prefetch (FBGEMM ``MANAGED_CACHING`` with ``cache_load_factor`` equal to
-our cache fraction, ``prefetch`` before each step, or with ``prefetch_pipeline=True`` and the next
+our cache fraction, its tables in host-mapped pinned memory (``uvm_host_mapped``) beside our
+``HOST_CACHED`` ones, ``prefetch`` before each step, or with ``prefetch_pipeline=True`` and the next
 batch prefetched on a side stream as TorchRec does; ours ``HOST_CACHED`` / ``MANAGED_CACHED``,
 ``prefetch`` before each step, or a depth-2 :class:`~tiered_tbe.PrefetchPipeline`).
 
@@ -296,8 +297,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         print(f"FBGEMM_GPU: {missing}; timing our side only" + (", at a tiny size (times mean nothing)"
                                                                  if SIMULATION else ""))
     print("settings: no bounds checks on either side (FBGEMM BoundsCheckMode.NONE, ours bounds_check='off'); "
-          "fp32 output; stochastic rounding for fp16 weights on both sides; cached: FBGEMM MANAGED_CACHING, "
-          f"ours HOST_CACHED/MANAGED_CACHED{'' if not args.mover else f' mover={args.mover}'}, same cache fraction; "
+          "fp32 output; stochastic rounding for fp16 weights on both sides; cached: FBGEMM MANAGED_CACHING "
+          "(uvm_host_mapped beside our HOST_CACHED), ours HOST_CACHED/MANAGED_CACHED"
+          f"{'' if not args.mover else f' mover={args.mover}'}, same cache fraction; "
           f"ours state_layout={args.state_layout or 'auto (with_rows in *-with-rows)'}; our forward tuned on "
           "each configuration's own batches; HBM: the sides take turns, "
           f"{ROUND_STEPS} steps each; FBGEMM's cache counters "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 
 import torch
 
@@ -135,6 +136,12 @@ def fbgemm_module(config: Config, device=None, cache_stats: bool = False):
                  "adam": EmbOptimType.ADAM}[config.optimizer]
     hyper = HYPER[config.optimizer]
     cached = config.cached and not on_cpu
+    # Our HOST_CACHED tables live in pinned host memory: FBGEMM's counterpart keeps its UVM tables in
+    # host-mapped pinned memory (`uvm_host_mapped`) instead of managed memory.
+    extra = {}
+    if cached and config.placement == "host_cached" and \
+            "uvm_host_mapped" in inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).parameters:
+        extra["uvm_host_mapped"] = True
     emb = SplitTableBatchedEmbeddingBagsCodegen(
         embedding_specs=[(n, dim, location, compute) for n, dim in zip(config.tables, config.dims)],
         optimizer=optimizer, learning_rate=hyper["lr"], eps=hyper.get("eps", 1e-8),
@@ -143,7 +150,7 @@ def fbgemm_module(config: Config, device=None, cache_stats: bool = False):
         cache_load_factor=config.cache_fraction,
         cache_algorithm=CacheAlgorithm.LFU if config.policy == "lfu" else CacheAlgorithm.LRU,
         prefetch_pipeline=config.pipelined and cached, stochastic_rounding=config.dtype != "fp32",
-        gather_uvm_cache_stats=cache_stats and cached, device=device)
+        gather_uvm_cache_stats=cache_stats and cached, device=device, **extra)
     bound = 1.0 / max(config.tables) ** 0.5
     emb.init_embedding_weights_uniform(-bound, bound)
     return emb

@@ -194,6 +194,8 @@ def measurements_of(results: list[dict], args) -> list[tuple[dict, dict]]:
         configuration = dict(row["configuration"], mover=args.mover, steps=args.steps,
                              warmup=warmup_steps(_BY_NAME[row['config']], args),
                              fbgemm_cache_stats=args.fbgemm_cache_stats)
+        if row["configuration"].get("placement") == "host_cached":
+            configuration["fbgemm_placement"] = "managed_caching_host_mapped"  # fbgemm_sides.fbgemm_module
         if args.state_layout:
             configuration["state_layout"] = args.state_layout
         figures = {"ours": _figures(row["ours"]), "fbgemm": _figures(row["fbgemm"]),

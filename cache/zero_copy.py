@@ -35,8 +35,9 @@ DEFAULT_COPY_ROWS_PER_BLOCK = int(os.environ.get("TIERED_TBE_COPY_ROWS_PER_BLOCK
 # tables in managed memory, 2.35M rows in and out a batch: prefetch 41.7 ms against 49.2; 214K rows: 8.3 against
 # 10.1 (docs/performance.md). SM reads and writes of host memory share one ~52 GB/s limit (they do not overlap
 # as copy-engine DMAs do), but interleaved in one warp they reach ~55-62. Managed memory only (see __init__).
-# Env TIERED_TBE_FUSED_MOVES=0: two launches everywhere.
-DEFAULT_FUSED_MOVES = os.environ.get("TIERED_TBE_FUSED_MOVES", "1") == "1"
+# Env TIERED_TBE_FUSED_MOVES=0: two launches everywhere; =all: one launch into pinned memory too (to measure it).
+FUSED_MOVES_SETTING = os.environ.get("TIERED_TBE_FUSED_MOVES", "1")
+DEFAULT_FUSED_MOVES = FUSED_MOVES_SETTING in ("1", "all")
 
 
 class ZeroCopyMover(RowMover):
@@ -58,7 +59,8 @@ class ZeroCopyMover(RowMover):
         # One launch for a prefetch's moves: one buffer group only, and not into pinned memory, where writes in
         # random order (a victim's) ran at ~12 GB/s against ~52 in row order (managed memory: ~45; the H200,
         # docs/performance.md): there the two launches keep the write-backs sorted by row.
-        self.fused_moves = DEFAULT_FUSED_MOVES and not any(is_pinned_host_memory(t.weights) for t in tables)
+        self.fused_moves = DEFAULT_FUSED_MOVES and (
+            FUSED_MOVES_SETTING == "all" or not any(is_pinned_host_memory(t.weights) for t in tables))
         self._copy_groups = self._make_copy_groups(weights, state, tables)
 
     def enqueue(self, moves: Moves) -> tuple[torch.Tensor, ...]:
