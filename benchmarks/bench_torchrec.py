@@ -17,7 +17,7 @@ Configurations (``--configs``):
   prefetch on TorchRec's prefetch stream a step ahead (CUDA only).
 
 Prints each side's median step time (CUDA events on the training stream at each step's start:
-nothing waits for the device between steps; both sides built at once and timed in four turns each,
+nothing waits for the device between steps; both sides built at once and timed in eight turns each,
 alternating) and ours / TorchRec. ``--profile`` adds, per side, the
 embedding lookups' GPU time (forward, fused backward, prefetch) and where the rest of the step's
 GPU time goes, by TorchRec's pipeline stages, and the host time of the adapter around our module.
@@ -51,10 +51,12 @@ CONFIGS = {  # name: (compute kernel, pipeline)
 }
 SIDES = ("torchrec", "ours")
 # GPU: the issue's shape; simulation: a few small tables.
-_SIZES = dict(tables=(26, 4), max_rows=(None, 300), dim=(128, 8), batch_size=(65536, 16), steps=(40, 3),
+_SIZES = dict(tables=(26, 4), max_rows=(None, 300), dim=(128, 8), batch_size=(65536, 16), steps=(120, 3),
               warmup=(20, 1))
 PROFILED_STEPS = 5
-ROUNDS = 4  # timed turns per side, taken in alternation
+# Timed turns per side, taken in alternation. A DMP step is host time, and the host's speed wanders: with 4 turns
+# of 10 steps the same code's ratios moved by up to 0.1 from run to run (docs/TORCHREC.md).
+ROUNDS = 8
 
 
 def _default(name: str):
@@ -78,7 +80,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the lookups (default 1.05)")
     parser.add_argument("--cache-load-factor", type=float, default=0.05,
                         help="cache size of the cached configurations, a fraction of the rows (default 0.05)")
-    parser.add_argument("--steps", type=int, default=_default("steps"), help="timed steps per side (40; 3 in sim.)")
+    parser.add_argument("--steps", type=int, default=_default("steps"), help="timed steps per side (120; 3 in sim.)")
     parser.add_argument("--warmup", type=int, default=_default("warmup"), help="untimed steps first (20; 1 in sim.)")
     parser.add_argument("--vbe", action="store_true",
                         help="variable batch size per feature (TorchRec's VBE): feature f looks up B / 2^(f mod 4) "
@@ -437,7 +439,8 @@ def run(args: argparse.Namespace) -> dict:
                 command = getattr(args, "command_line", "tiered-tbe bench torchrec")
                 configuration = dict(world_size=world_size, tables=len(table_rows(args)), dim=args.dim,
                                      batch_size=args.batch_size, alpha=args.alpha, vbe=bool(args.vbe),
-                                     cache_load_factor=args.cache_load_factor)
+                                     cache_load_factor=args.cache_load_factor, steps=args.steps,
+                                     warmup=args.warmup, turns=ROUNDS)
                 records.append(args.record, [records.measurement("torchrec", command, dict(configuration, name=name),
                                                                  result) for name, result in results.items()])
         return results
