@@ -204,5 +204,11 @@ def measurements_of(results: list[dict], args) -> list[tuple[dict, dict]]:
         if _BY_NAME[row["config"]].cached:
             figures["moved"] = {"ours": moved(row["ours"], row["ours"]), "fbgemm": moved(row["fbgemm"], row["ours"])}
         figures.update({key: _figures(value) for key, value in row.items() if key.startswith(SWEEP_PREFIXES)})
+        # --profile: every kernel's device ms a step (longest first), so that two records can be compared kernel
+        # by kernel (the printed table lists the longest few).
+        profiles = {side: [[kernel, round(ms, 4)] for kernel, ms in row[side]["profile"] if ms >= 0.001]
+                    for side in ("ours", "fbgemm") if row[side].get("profile")}
+        if profiles:
+            figures["kernel_ms_per_step"] = profiles
         found.append((configuration, figures))
     return found
