@@ -1,7 +1,7 @@
 """The policy's Numba CUDA kernels: what each unique row of a prefetch gets (a hit, a filled slot and
 its victim, or no slot). Host code: ``SlotCache._assign`` (:mod:`tiered_tbe.cache.slot_cache`); the
 policy itself (the order of victims, the touches) is :mod:`tiered_tbe.cache.policy`, which the CPU
-simulator runs one miss at a time. Here it runs in five data-parallel passes, none serial per set
+simulator runs one miss at a time. Here it runs in six data-parallel passes, none serial per set
 (host function: :func:`assign_slots`)::
 
     find_hits_kernel         a thread per unique row: the hits, locked and touched
@@ -10,6 +10,7 @@ simulator runs one miss at a time. Here it runs in five data-parallel passes, no
     torch.cumsum             numbers those misses: the k-th of its set asks k-1 before it
     decode_next_use_kernel   lookahead only: a thread per way of each set that will choose a
                              victim: the way's next use, from the window bits
+    way_of_rank.fill_(-1)    no rank yet anywhere
     rank_ways_kernel         a thread per way of each such set: the unlocked ways in the order
                              of ``policy.victim_order`` (a way's rank: how many come before it)
     fill_misses_kernel       a thread per asking miss: the k-th takes the way of rank k, or
@@ -67,12 +68,14 @@ class SlotMetadata(NamedTuple):
 
 
 def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_position: torch.Tensor, num_sets: int,
-                 associativity: int, step: torch.Tensor, policy: int, slots: SlotMetadata, window_bits=None) -> None:
+                 associativity: int, step: torch.Tensor, policy: int, slots: SlotMetadata, way_of_rank: torch.Tensor,
+                 window_bits=None) -> None:
     """Run the policy over a batch's unique rows: fill ``unique``'s ``slot_of_unique``, ``outcome``,
     ``victim_row`` and ``victim_was_dirty`` (a ``batch_kernels.UniqueRows`` of N entries, initialised),
     and update ``slots``. ``set_of_position`` int32 [N] and ``unique_of_position`` int32 [N]: the unique
     rows sorted by set (stable); ``step`` int64 [1] on the device; ``policy`` a ``POLICY_*`` code;
-    ``window_bits`` the lookahead window's kernel array when the policy reads it (else None)."""
+    ``way_of_rank`` int8 [S]: the tensor behind ``slots.way_of_rank``; ``window_bits`` the lookahead
+    window's kernel array when the policy reads it (else None)."""
     n = set_of_position.numel()
     launcher.launch(find_hits_kernel, n, unique.unique_rows, unique.set_of_unique, associativity, step, slots.tags,
                     slots.last_use, slots.use_count, slots.locks, unique.slot_of_unique, unique.outcome)
@@ -87,6 +90,10 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
     if window_bits is not None:
         launcher.launch_configured(decode_next_use_kernel, *per_way, *sets, step, slots.tags, window_bits,
                                    slots.next_use)
+    # -1 wherever no rank is written: a rank at or past its set's unlocked ways (no slot for that miss). One
+    # memset of S bytes in the graph; counting each set's unlocked ways in every thread of its warp instead cost
+    # the rank kernel 0.61 -> 0.79 ms a step on the H200 (mixed dims, bags of 20; results/measurements.jsonl).
+    way_of_rank.fill_(-1)
     launcher.launch_configured(rank_ways_kernel, *per_way, *sets, policy, slots.tags, slots.last_use,
                                slots.use_count, slots.next_use, slots.locks, slots.way_of_rank)
     launcher.launch(fill_misses_kernel, n, set_start, set_number, set_of_position, unique_of_position, needs_slot,
@@ -199,14 +206,13 @@ def rank_ways_kernel(
     use_count,  # int32 [S]
     next_use,  # int64 [S]
     locks,  # int32 [S]: the hits of this batch are locked already
-    way_of_rank,  # int8 [S] out: in each set that will choose a victim, at index k below its asking misses:
-    #               the way of rank k among the unlocked ways (policy.victim_order); -1 past the last
+    way_of_rank,  # int8 [S] in/out: -1 on entry (assign_slots); in each set that will choose a victim, at
+    #               index k below its asking misses: the way of rank k among the unlocked ways
+    #               (policy.victim_order); left -1 at ranks past the last unlocked way
 ):
     """The order in which a set's asking misses take its unlocked ways. Each thread ranks its way by
     counting the unlocked ways that come before it, up to the set's count of asking misses (only ranks
-    below it are read). Ranks fill the indices below the count of unlocked ways; the thread of way
-    ``w`` writes -1 at index ``w`` when ``w`` is at or past that count and below the asking misses
-    (one writer each)."""
+    below it are read), and writes its way at its rank (ranks are distinct: one writer each)."""
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     n = set_start.shape[0]
@@ -217,14 +223,8 @@ def rank_ways_kernel(
         if asking == 0:
             continue
         first_slot = set_of_position[begin] * associativity
-        unlocked = 0
-        for other in range(first_slot, first_slot + associativity):
-            if locks[other] == 0:
-                unlocked += 1
         for way in range(t % LANES, associativity, LANES):
             slot = first_slot + way
-            if unlocked <= way < asking:
-                way_of_rank[slot] = -1  # a miss past the unlocked ways gets no slot
             if locks[slot] != 0:
                 continue
             group, primary, secondary = victim_order_device(policy, slot, tags, last_use, use_count, next_use)

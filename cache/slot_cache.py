@@ -467,7 +467,8 @@ class SlotCache(LookaheadHints, SlotReleases):
         window_bits = self._upcoming.kernel_bits if (self._policy_code == POLICY_LOOKAHEAD
                                                      and self.window_bits is not None) else None
         policy_kernels.assign_slots(self._launcher, u, set_of_position, unique_of_position, self.num_sets,
-                                    self.associativity, step, self._policy_code, self._k_metadata, window_bits)
+                                    self.associativity, step, self._policy_code, self._k_metadata,
+                                    self._way_of_rank, window_bits)
         # 4. The remap, the rows left in the backing store, the write-back list, the counters (no sync).
         slot_of_index, bypassed_rows, write_back_keys, counters = batch_kernels.outcomes_of_batch(
             self._launcher, u, self._table_starts, self._table_row_bytes)
