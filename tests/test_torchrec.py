@@ -19,6 +19,7 @@ import sys  # noqa: E402
 
 import torchrec_ranks as ranks  # noqa: E402
 import torchrec_scenarios as scenarios  # noqa: E402
+import torchrec_world_sizes as world_sizes  # noqa: E402
 from background import run_in_background  # noqa: E402
 
 from tiered_tbe.base.mode import SIMULATION  # noqa: E402
@@ -59,8 +60,15 @@ def test_sharded_checkpoints_resume_bitwise_and_load_into_other_plans_and_world_
 
 
 @on_the_cpu
-@pytest.mark.skipif(not scenarios.shares_tables(), reason="several features of one table need "
-                    "TieredEmbeddingBags(feature_table_map=...), which this build lacks")
+def test_two_ranks_train_as_one_rank_on_the_same_global_batches(tmp_path):
+    """Every plan (table-, row-, column-, table-row-wise, mixed, all cached: 4 slots a rank) on 2 ranks and on
+    1 rank given both ranks' samples: every step's outputs and the final weights and optimizer state within
+    1e-5 (tests/torchrec_world_sizes.py)."""
+    ranks.spawn(world_sizes.train_on_two_ranks, WORLD, str(tmp_path), 6, "torch")
+    ranks.spawn(world_sizes.train_on_one_rank, 1, str(tmp_path), 6, "torch")
+
+
+@on_the_cpu
 def test_several_features_looking_up_one_table_train_as_torchrecs_fused_kernel():
     """Tables looked up by several features, in every plan and with a variable batch, against TorchRec's."""
     ranks.spawn(scenarios.shared_tables_equal_fbgemm, WORLD)
@@ -165,6 +173,18 @@ def test_gpu_kernels_equal_fbgemms_cuda_tbe():
 @pytest.mark.gpu
 def test_gpu_sequence_kernels_equal_fbgemms_cuda_tbe():
     ranks.spawn(scenarios.gpu_sequence_kernels_equal_fbgemm, 1, nccl=True)
+
+
+@pytest.mark.gpu
+def test_gpu_two_ranks_train_as_one_rank_on_the_same_global_batches(tmp_path):
+    """On two GPUs over NCCL (our Triton kernels): 20 steps of every plan on 2 ranks equal 1 rank given both
+    ranks' samples, within 1e-5. Skipped on a machine of one GPU."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    ranks.spawn(world_sizes.train_on_two_ranks, 2, str(tmp_path), 20, "triton", nccl=True)
+    ranks.spawn(world_sizes.train_on_one_rank, 1, str(tmp_path), 20, "triton", nccl=True)
 
 
 @pytest.mark.gpu

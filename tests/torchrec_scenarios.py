@@ -209,7 +209,7 @@ def _full_state(model) -> dict:
         elif hasattr(value, "local_shards"):
             for shard in value.local_shards():
                 shards.append((prefix[:-1], tuple(value.size()), shard.metadata.shard_offsets,
-                               shard.metadata.shard_sizes, shard.tensor.clone()))
+                               shard.metadata.shard_sizes, shard.tensor.detach().cpu().clone()))
 
     visit("", {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()})
     everyone = [None] * dist.get_world_size()
@@ -289,14 +289,6 @@ def checkpoint_on_one_rank(rank, world, directory):
         loaded = _full_state(model)
         assert loaded.keys() == saved.keys()
         assert all(torch.equal(loaded[key], saved[key]) for key in saved), label
-
-
-def shares_tables() -> bool:
-    import inspect
-
-    from tiered_tbe.module import TieredEmbeddingBags
-
-    return "feature_table_map" in inspect.signature(TieredEmbeddingBags).parameters
 
 
 SHARED = {"t1": ["f1", "f4"], "t3": ["f3", "f5", "f6"]}  # t1 and t3 looked up by several features
