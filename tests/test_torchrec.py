@@ -54,7 +54,8 @@ def test_variable_batch_size_train_pipeline_and_evaluation():
 
 @on_the_cpu
 def test_sharded_checkpoints_resume_bitwise_and_load_into_other_plans_and_world_sizes(tmp_path):
-    """torch.distributed.checkpoint: resumed = uninterrupted bitwise; another plan, and a 1-rank job, load it."""
+    """torch.distributed.checkpoint: resumed = uninterrupted bitwise; another plan loads it and trains on alike;
+    a 1-rank job loads it and, trained on both ranks' samples, reaches the uninterrupted 2-rank run."""
     ranks.spawn(scenarios.checkpoints, WORLD, str(tmp_path))
     ranks.spawn(scenarios.checkpoint_on_one_rank, 1, str(tmp_path))
 

@@ -272,23 +272,36 @@ def checkpoints(rank, world, directory):
                 ranks.train_step(model, ranks.batch(step, rank), step, rank)
         ranks.assert_states_close(uninterrupted, resumed, exact=True)
         final = _full_state(uninterrupted)
+        if rank == 0:  # what checkpoint_on_one_rank's continued training must reach
+            torch.save(final, os.path.join(directory, f"{label}-final.pt"))
         for key, value in _full_state(resharded).items():
             torch.testing.assert_close(value, final[key], rtol=0, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def checkpoint_on_one_rank(rank, world, directory):
-    """The 2-rank checkpoints loaded by a 1-rank job (another world size, every table on rank 0)."""
+    """The 2-rank checkpoints loaded by a 1-rank job (another world size, every table on rank 0), which then
+    trains on both ranks' samples of the remaining steps (tests/torchrec_world_sizes.py) and reaches the
+    uninterrupted 2-rank run's weights and optimizer state within 1e-5."""
     import os
+
+    from torchrec_world_sizes import global_train_step
 
     from tiered_tbe.optimizers import Adam
 
-    for label, params in (("rowwise_adagrad", fused_params()), ("adam", {"optimizer": Adam(lr=0.05)})):
+    for label, params in (("rowwise_adagrad", fused_params()),
+                          ("adam", {"optimizer": Adam(lr=0.05, betas=(0.8, 0.95), eps=1e-6)})):
         model = ranks.dmp(PLAN_ONE_RANK, world, ranks.ours_sharder(ours_params(params)))
         _load(model, os.path.join(directory, label), STEPS // 2)
         saved = torch.load(os.path.join(directory, f"{label}.pt"))
         loaded = _full_state(model)
         assert loaded.keys() == saved.keys()
         assert all(torch.equal(loaded[key], saved[key]) for key in saved), label
+        for step in range(STEPS // 2, STEPS):
+            global_train_step(model, step, 2)
+        final = torch.load(os.path.join(directory, f"{label}-final.pt"))
+        for key, value in _full_state(model).items():
+            torch.testing.assert_close(value, final[key], rtol=0, atol=1e-5,
+                                       msg=lambda m, k=key, n=label: f"{n} {k}: {m}")
 
 
 SHARED = {"t1": ["f1", "f4"], "t3": ["f3", "f5", "f6"]}  # t1 and t3 looked up by several features

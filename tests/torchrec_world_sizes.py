@@ -47,7 +47,7 @@ def global_batch(step: int, world: int):
                                                lengths=torch.cat(lengths))
 
 
-def _global_step(model, step: int, world: int) -> torch.Tensor:
+def global_train_step(model, step: int, world: int) -> torch.Tensor:
     """``ranks.train_step`` on the global batch of ``step``: each sample weighted as on its own rank, the
     loss divided by ``world`` (the mean of the ranks' losses; see the module's docstring)."""
     kjt = global_batch(step, world)
@@ -86,7 +86,7 @@ def train_on_one_rank(rank: int, world: int, directory: str, steps: int, backend
                                         for table, _, _ in ranks.TABLES})
         for step in range(steps):
             expected = torch.cat([outputs[step] for outputs in saved["outputs"]])
-            torch.testing.assert_close(_global_step(model, step, saved_world), expected, rtol=0, atol=1e-5,
+            torch.testing.assert_close(global_train_step(model, step, saved_world), expected, rtol=0, atol=1e-5,
                                        msg=lambda m, s=step, n=name: f"{n} step {s}: {m}")
         final = scenarios._full_state(model)
         assert final.keys() == saved["final"].keys(), (name, sorted(final), sorted(saved["final"]))
