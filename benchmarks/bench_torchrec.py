@@ -16,11 +16,12 @@ Configurations (``--configs``):
 - ``cached-prefetch``: the same under ``PrefetchTrainPipelineSparseDist``, each batch's cache
   prefetch on TorchRec's prefetch stream a step ahead (CUDA only).
 
-Prints each side's median step time (CUDA events on the training stream at each step's start:
-nothing waits for the device between steps; both sides built at once and timed in eight turns each,
-alternating) and ours / TorchRec. ``--profile`` adds, per side, the
+Prints each side's median step time and samples per second of all ranks (CUDA events on the training
+stream at each step's start: nothing waits for the device between steps; both sides built at once and
+timed in eight turns each, alternating) and ours / TorchRec. ``--profile`` adds, per side, the
 embedding lookups' GPU time (forward, fused backward, prefetch) and where the rest of the step's
-GPU time goes, by TorchRec's pipeline stages, and the host time of the adapter around our module.
+GPU time goes, by TorchRec's pipeline stages, NCCL's collectives' share of the step (with several ranks:
+the all-to-alls), and the host time of the adapter around our module.
 ``--record PATH`` appends the results, one JSON line per configuration. One process by default (a process group of
 one); under ``torchrun`` every rank runs its share of the tables. In CPU simulation it runs at a tiny
 size, to check that it works (the times mean nothing).
@@ -348,6 +349,7 @@ def profile_steps(pipeline, model, batches, count: int, trace: str | None = None
     host: dict[str, float] = defaultdict(float)
     stages: dict[str, float] = defaultdict(float)
     runtime: dict[str, float] = defaultdict(float)
+    collective = 0.0
     for event in profile.events():
         if event.device_type != torch.autograd.DeviceType.CPU:
             continue
@@ -363,11 +365,14 @@ def profile_steps(pipeline, model, batches, count: int, trace: str | None = None
         launched = sum(kernel.duration for kernel in event.kernels)  # us, kernels this op launched itself
         if launched:
             gpu[_stage_of(event)] += launched / 1e3 / count
+        # NCCL's kernels (the input and output all-to-alls, the dense gradients' all-reduce): with several
+        # ranks, the communication's share of the step. Gloo (CPU) launches none.
+        collective += sum(kernel.duration for kernel in event.kernels if "nccl" in kernel.name.lower()) / 1e3 / count
     def by_time(values: dict[str, float], most: int | None = None) -> dict[str, float]:
         return dict(sorted(values.items(), key=lambda item: -item[1])[:most])
 
     return dict(gpu_ms=by_time(gpu), host_ms=dict(host), host_stage_ms=by_time(stages, 8),
-                cuda_runtime_ms=by_time(runtime, 6))
+                cuda_runtime_ms=by_time(runtime, 6), collective_gpu_ms=collective)
 
 
 def _is_embedding_backward(name: str) -> bool:
@@ -423,6 +428,9 @@ def run(args: argparse.Namespace) -> dict:
                 for side in (SIDES if turn % 2 == 0 else SIDES[::-1]):
                     times[side] += timed_steps(runs[side][1], runs[side][2], steps)
             results[name] = {side: dict(step_ms=statistics.median(times[side])) for side in SIDES}
+            for side in SIDES:  # every rank's samples: weak scaling keeps B per rank
+                step_s = results[name][side]["step_ms"] / 1e3
+                results[name][side]["samples_per_s"] = world_size * args.batch_size / step_s
             if args.profile:
                 for side, (model, pipeline, stream) in runs.items():
                     results[name][side]["adapter_host_ms"] = adapter_host_ms(pipeline, model, stream, PROFILED_STEPS)
@@ -456,10 +464,12 @@ def _print(args, results: dict, world_size: int) -> None:
           f"feature, Zipf {args.alpha:g}, "
           f"row-wise Adagrad, a linear head; cache load factor {args.cache_load_factor:g}; median of {args.steps} "
           f"steps after {args.warmup}")
-    print(f"{'config':<18}{'TorchRec ms':>13}{'ours ms':>10}{'ours/TorchRec':>15}")
+    print(f"{'config':<18}{'TorchRec ms':>13}{'ours ms':>10}{'ours/TorchRec':>15}"
+          f"{'TorchRec samples/s':>20}{'ours samples/s':>16}")
     for name, result in results.items():
         print(f"{name:<18}{result['torchrec']['step_ms']:>13.3f}{result['ours']['step_ms']:>10.3f}"
-              f"{result['ratio']:>15.3f}")
+              f"{result['ratio']:>15.3f}{result['torchrec']['samples_per_s']:>20,.0f}"
+              f"{result['ours']['samples_per_s']:>16,.0f}")
     for name, result in results.items():
         if "profile" not in result["ours"]:
             continue
@@ -474,6 +484,10 @@ def _print(args, results: dict, world_size: int) -> None:
         theirs, ours = result["torchrec"]["embedding_gpu_ms"], result["ours"]["embedding_gpu_ms"]
         ratio = ours / theirs if theirs else float("nan")
         print(f"  {'embedding lookups, all':<40}{theirs:>10.3f}{ours:>10.3f}   ours/TorchRec {ratio:.3f}")
+        theirs, ours = (result[side]["profile"]["collective_gpu_ms"] for side in SIDES)
+        print(f"  {'NCCL collectives (all-to-all, all-reduce)':<40}{theirs:>10.3f}{ours:>10.3f}   share of the step: "
+              f"TorchRec {100 * theirs / result['torchrec']['step_ms']:.1f}%, "
+              f"ours {100 * ours / result['ours']['step_ms']:.1f}%")
         for side in SIDES:
             host = result[side]["profile"]["host_ms"]
             around = host.get("kernel", 0.0) - host.get("module", 0.0)

@@ -153,13 +153,16 @@ def test_bench_torchrec_runs_in_simulation(tmp_path, capsys):
     assert main(["bench", "torchrec", "--tables", "2", "--steps", "1", "--warmup", "0", "--profile",
                  "--trace", str(tmp_path / "traces"), "--record", str(record)]) == 0
     out = capsys.readouterr().out
-    assert "ours/TorchRec" in out and "fused " in out and "cached " in out
+    assert "ours/TorchRec" in out and "fused " in out and "cached " in out and "ours samples/s" in out
+    assert "NCCL collectives" in out
     assert "ours: host ms per step by pipeline stage" in out and "of the embedding backward" in out
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
         f"{config}-{side}.json" for config in ("cached", "fused") for side in ("ours", "torchrec")]
     lines = {line["configuration"]["name"]: line for line in map(json.loads, record.read_text().splitlines())}
     assert set(lines) == {"fused", "cached"} and all(line["simulation"] for line in lines.values())
     assert lines["cached"]["figures"]["ours"]["step_ms"] > 0 and lines["cached"]["benchmark"] == "torchrec"
+    for figures in (lines["cached"]["figures"][side] for side in ("ours", "torchrec")):  # one rank, B=16 a step
+        assert figures["samples_per_s"] == pytest.approx(16 / figures["step_ms"] * 1e3)
     for side in ("ours", "torchrec"):  # the unprofiled host time around each side's TBE module
         adapter = lines["fused"]["figures"][side]["adapter_host_ms"]
         assert adapter["kernel"] > adapter["module"] > 0 and adapter["around"] > 0
