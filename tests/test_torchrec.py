@@ -192,6 +192,18 @@ def test_gpu_two_ranks_train_as_one_rank_on_the_same_global_batches(tmp_path):
 
 
 @pytest.mark.gpu
+def test_gpu_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
+    """On two GPUs over NCCL: the checkpoint scenarios of the CPU test above (resumed bitwise, another plan)
+    saved by 2 ranks, then loaded by 1 GPU, which trains on to the uninterrupted run. Skipped on one GPU."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    ranks.spawn(scenarios.checkpoints, 2, str(tmp_path), nccl=True)
+    ranks.spawn(scenarios.checkpoint_on_one_rank, 1, str(tmp_path), nccl=True)
+
+
+@pytest.mark.gpu
 def test_gpu_prefetch_train_pipeline_equals_serial_and_evaluation_leaves_no_lock():
     ranks.spawn(scenarios.prefetch_pipeline_equals_serial, 1, nccl=True)
 
