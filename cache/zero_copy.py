@@ -58,7 +58,9 @@ class ZeroCopyMover(RowMover):
         self.copy_rows_per_block = DEFAULT_COPY_ROWS_PER_BLOCK  # warps per copy block (GPU only)
         # One launch for a prefetch's moves: one buffer group only, and not into pinned memory, where writes in
         # random order (a victim's) ran at ~12 GB/s against ~52 in row order (managed memory: ~45; the H200,
-        # docs/performance.md): there the two launches keep the write-backs sorted by row.
+        # docs/performance.md): there the two launches keep the write-backs sorted by row. Measured end to end
+        # on pinned tables: 12 mixed-dim tables 11.9 ms a prefetch with two launches, 21.0 with one; the Criteo
+        # tables 2.73 and 2.55 (bench fbgemm, records of f4e466c and 875449f).
         self.fused_moves = DEFAULT_FUSED_MOVES and (
             FUSED_MOVES_SETTING == "all" or not any(is_pinned_host_memory(t.weights) for t in tables))
         self._copy_groups = self._make_copy_groups(weights, state, tables)
