@@ -35,8 +35,7 @@ class SlotReleases:
         """
         launches = None if launched else self.unlock_launches(batch, mark_dirty)
         if self._unreleased.pop(batch.step, None) is None:
-            raise RuntimeError(f"unlock of the batch of step {batch.step}, which holds no lock: unlocked twice, "
-                               "or not prefetched by this cache")
+            raise _holds_no_lock(batch)
         if launches is not None:
             self._release_graphs.run(launches.key, launches.inputs, launches.enqueue, self.device)
         self._metadata_done()
@@ -53,8 +52,7 @@ class SlotReleases:
         ``RuntimeError`` when that batch holds no lock."""
         entry = self._unreleased.get(check_batch(batch).step)
         if entry is None:
-            raise RuntimeError(f"unlock of the batch of step {batch.step}, which holds no lock: unlocked twice, "
-                               "or not prefetched by this cache")
+            raise _holds_no_lock(batch)
         self._order_metadata()
         if not entry.locked_slots.numel():  # as long as bypassed_rows
             return None
@@ -87,3 +85,8 @@ class SlotReleases:
             self._launcher.launch(_kernels.mark_dirty_kernel, tensors[0].numel(), tensors[0], self._k_metadata.dirty)
 
         return GraphLaunches(("mark_dirty", id(self)), (slot_of_index,), enqueue)
+
+
+def _holds_no_lock(batch: CacheBatch) -> RuntimeError:
+    return RuntimeError(f"unlock of the batch of step {batch.step}, which holds no lock: unlocked twice, "
+                        "or not prefetched by this cache")

@@ -195,7 +195,7 @@ PLAN_B = {"t0": ("tw1", "fused"), "t1": ("rw", "fused_uvm_caching"), "t2": ("tw0
 PLAN_ONE_RANK = {name: ("tw0", "fused_uvm_caching") for name, _, _ in ranks.TABLES}
 
 
-def _full_state(model) -> dict:
+def full_state(model) -> dict:
     """Every sharded tensor of the model and of its fused optimizer, whole, on every rank (a rank's
     optimizer state dict names only the tables it holds shards of)."""
     import torch.distributed as dist
@@ -258,23 +258,23 @@ def checkpoints(rank, world, directory):
             if step < STEPS // 2:
                 ranks.train_step(interrupted, ranks.batch(step, rank), step, rank)
         _save(interrupted, path)
-        saved = _full_state(interrupted)
+        saved = full_state(interrupted)
         if rank == 0:
             torch.save(saved, os.path.join(directory, f"{label}.pt"))
 
         resumed, resharded = make(PLAN_A), make(PLAN_B)
         for model in (resumed, resharded):
             _load(model, path, STEPS // 2)
-            loaded = _full_state(model)
+            loaded = full_state(model)
             assert loaded.keys() == saved.keys()
             assert all(torch.equal(loaded[key], saved[key]) for key in saved), label
             for step in range(STEPS // 2, STEPS):
                 ranks.train_step(model, ranks.batch(step, rank), step, rank)
         ranks.assert_states_close(uninterrupted, resumed, exact=True)
-        final = _full_state(uninterrupted)
+        final = full_state(uninterrupted)
         if rank == 0:  # what checkpoint_on_one_rank's continued training must reach
             torch.save(final, os.path.join(directory, f"{label}-final.pt"))
-        for key, value in _full_state(resharded).items():
+        for key, value in full_state(resharded).items():
             torch.testing.assert_close(value, final[key], rtol=0, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
 
 
@@ -293,13 +293,13 @@ def checkpoint_on_one_rank(rank, world, directory):
         model = ranks.dmp(PLAN_ONE_RANK, world, ranks.ours_sharder(ours_params(params)))
         _load(model, os.path.join(directory, label), STEPS // 2)
         saved = torch.load(os.path.join(directory, f"{label}.pt"))
-        loaded = _full_state(model)
+        loaded = full_state(model)
         assert loaded.keys() == saved.keys()
         assert all(torch.equal(loaded[key], saved[key]) for key in saved), label
         for step in range(STEPS // 2, STEPS):
             global_train_step(model, step, 2)
         final = torch.load(os.path.join(directory, f"{label}-final.pt"))
-        for key, value in _full_state(model).items():
+        for key, value in full_state(model).items():
             torch.testing.assert_close(value, final[key], rtol=0, atol=1e-5,
                                        msg=lambda m, k=key, n=label: f"{n} {k}: {m}")
 
@@ -417,16 +417,16 @@ def sequence_checkpoint_reshards(rank, world, directory):
     _save(saved_model, path)
     resharded = make(SEQUENCE_PLANS["table-wise"])
     _load(resharded, path, 2)
-    saved = _full_state(saved_model)
-    loaded = _full_state(resharded)
+    saved = full_state(saved_model)
+    loaded = full_state(resharded)
     assert loaded.keys() == saved.keys()
     assert all(torch.equal(loaded[key], saved[key]) for key in saved)
     for step in range(2, STEPS):
         kjt = ranks.batch(step, rank, tables=SEQUENCE_TABLES)
         torch.testing.assert_close(_sequence_step(resharded, kjt, step, rank),
                                    _sequence_step(saved_model, kjt, step, rank), rtol=0, atol=1e-5)
-    final = _full_state(saved_model)
-    for key, value in _full_state(resharded).items():
+    final = full_state(saved_model)
+    for key, value in full_state(resharded).items():
         torch.testing.assert_close(value, final[key], rtol=0, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
 
 

@@ -68,11 +68,11 @@ def _params(backend: str) -> dict:
 def train_on_two_ranks(rank: int, world: int, directory: str, steps: int, backend: str) -> None:
     for name, layout in PLANS.items():
         model = ranks.dmp(layout, world, ranks.ours_sharder(_params(backend)))
-        initial = scenarios._full_state(model)
+        initial = scenarios.full_state(model)
         outputs = [ranks.train_step(model, ranks.batch(step, rank), step, rank).cpu() for step in range(steps)]
         everyone = [None] * world
         dist.all_gather_object(everyone, outputs)
-        final = scenarios._full_state(model)
+        final = scenarios.full_state(model)
         if rank == 0:
             torch.save(dict(initial=initial, outputs=everyone, final=final), os.path.join(directory, f"{name}.pt"))
         dist.barrier()
@@ -88,7 +88,7 @@ def train_on_one_rank(rank: int, world: int, directory: str, steps: int, backend
             expected = torch.cat([outputs[step] for outputs in saved["outputs"]])
             torch.testing.assert_close(global_train_step(model, step, saved_world), expected, rtol=0, atol=1e-5,
                                        msg=lambda m, s=step, n=name: f"{n} step {s}: {m}")
-        final = scenarios._full_state(model)
+        final = scenarios.full_state(model)
         assert final.keys() == saved["final"].keys(), (name, sorted(final), sorted(saved["final"]))
         for key, value in saved["final"].items():
             torch.testing.assert_close(final[key], value, rtol=0, atol=1e-5,
