@@ -105,6 +105,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--forward-one-launch", action="store_true",
                         help="also time our HBM steps with the forward launched once over every feature "
                              "(TIERED_TBE_FORWARD_ONE_LAUNCH=1) instead of once per column group of dims")
+    parser.add_argument("--backward-one-launch", action="store_true",
+                        help="also time our HBM steps with the backward's row updates launched once over every row "
+                             "(TIERED_TBE_BACKWARD_ONE_LAUNCH=1) instead of once per column group of dims")
     parser.add_argument("--profile", action="store_true",
                         help="also profile a few steps of each side: device ms per step of each kernel, and each "
                              "phase's fraction of the copy bandwidth measured in the same run")
@@ -317,6 +320,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     variants.update({f"ours forward {spec}": {"TIERED_TBE_FORWARD_TILE": spec} for spec in args.forward_tiles or []})
     if args.forward_one_launch:
         variants["ours forward one-launch"] = {"TIERED_TBE_FORWARD_ONE_LAUNCH": "1"}
+    if args.backward_one_launch:
+        variants["ours backward one-launch"] = {"TIERED_TBE_BACKWARD_ONE_LAUNCH": "1"}
     results = []
     for base in configs:
         config = shape_of(base)

@@ -56,6 +56,7 @@ from .grouping import SortedLookups, sort_lookups
 from .hot_rows import hot_group_sums_kernel, hot_row_update_kernel, hot_window_sums_kernel
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
+from .run_groups import grouped_runs, plan_run_groups
 from .update_rows import (
     advance_step_arguments,
     advance_step_kernel,
@@ -137,6 +138,10 @@ def _row_update_kernel(
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
     cache_state_stride,  # elements between consecutive slots of cache_state
     hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters
+    runs_end_ptr,  # int32 [T]: grouped runs up to each entry of TableGroups.tables (if GROUPED: kernels/run_groups.py)
+    run_shift_ptr,  # int32 [T]: run number minus grouped run of each entry's runs (if GROUPED)
+    group_begin,  # the column group's first entry of TableGroups.tables (if GROUPED)
+    group_end,  # one past its last (if GROUPED)
     num_lookups,  # N
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code
@@ -155,13 +160,27 @@ def _row_update_kernel(
     STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
     ROWS: tl.constexpr,  # runs per program
     BLOCK_L: tl.constexpr,  # lookups of each run per step in tiles whose longest run has more than one
-    BLOCK_D: tl.constexpr,  # next power of two of the largest embedding_dim
+    BLOCK_D: tl.constexpr,  # the column tile: the next power of two of the widest dim (of the group, if GROUPED)
+    GROUPED: tl.constexpr,  # update the runs of one column group's tables only (its grouped runs)
+    TABLE_STEPS: tl.constexpr,  # at least T's bit length (if GROUPED)
 ):
     # Tiles of runs, a grid's stride apart, up to the batch's count of runs (read here, on the device):
     # a grid sized by lookups would mostly be programs that find no run (90% of them on Criteo).
-    num_tiles = (tl.load(num_runs_ptr) + ROWS - 1) // ROWS
+    if GROUPED:  # the group's grouped runs, first_grouped .. end_grouped - 1
+        first_grouped = tl.load(runs_end_ptr + tl.maximum(group_begin - 1, 0))
+        first_grouped = tl.where(group_begin > 0, first_grouped, 0)
+        end_grouped = tl.load(runs_end_ptr + group_end - 1)
+        num_tiles = (end_grouped - first_grouped + ROWS - 1) // ROWS
+    else:
+        num_tiles = (tl.load(num_runs_ptr) + ROWS - 1) // ROWS
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        runs = tile * ROWS + tl.arange(0, ROWS)
+        if GROUPED:
+            grouped = first_grouped + tile * ROWS + tl.arange(0, ROWS)
+            in_group = grouped < end_grouped
+            runs = grouped_runs(grouped, in_group, runs_end_ptr, run_shift_ptr, group_begin, group_end, TABLE_STEPS)
+            runs = tl.where(in_group, runs, num_lookups)  # run numbers from N read as empty runs
+        else:
+            runs = tile * ROWS + tl.arange(0, ROWS)
         starts, ends, row_mask = _runs_of_tile(runs, run_end_ptr, num_lookups, CHUNK)
         if tl.max(row_mask.to(tl.int32), axis=0) > 0:  # not a tile of hot runs only
             columns = tl.arange(0, BLOCK_D)
@@ -376,6 +395,41 @@ def backward_update(
                    advance=advance_step_arguments if plan.reads_step else None)
 
 
+class _RowUpdateLaunch(NamedTuple):
+    """One launch of ``_row_update_kernel``: over every run, or over a column group's runs."""
+
+    block_d: int  # BLOCK_D
+    rows: int  # ROWS
+    grouped: bool  # GROUPED
+    groups: tuple  # (runs_end, run_shift, group_begin, group_end): plan_run_groups' and the group's entries
+    table_steps: int  # TABLE_STEPS
+
+
+def updates_per_group(stores: RowStores) -> bool:
+    """Whether the row-update kernel launches once per column group of the stores' tables: where they
+    have several, unless ``TIERED_TBE_BACKWARD_ONE_LAUNCH=1`` (one launch over every run at the widest
+    dim's column tile, as before the groups: measurements side by side)."""
+    return stores.table_groups is not None and os.environ.get("TIERED_TBE_BACKWARD_ONE_LAUNCH", "0") != "1"
+
+
+def _row_update_launches(stores: RowStores, s: SortedLookups, config: BackwardConfig) -> list[_RowUpdateLaunch]:
+    """The row-update launches of a batch: one per column group of the stores' tables (their grouped runs
+    planned on the device, ``kernels/run_groups.py``), each with tiles of runs of its own width (``config``'s
+    runs a tile scaled to the group's columns, at most 16), or one over every run."""
+    if not updates_per_group(stores):
+        dummy = s.run_end[:1]  # never read
+        return [_RowUpdateLaunch(stores.block_d, config.rows, False, (dummy, dummy, 0, 1), 1)]
+    groups = stores.table_groups
+    runs_end, run_shift = plan_run_groups(groups, s.sorted_rows, s.run_count, s.num_runs)
+    table_steps = max(1, groups.tables.numel().bit_length())
+    launches, begin = [], 0
+    for block_d, end in zip(groups.block_ds, groups.ends):
+        rows = max(1, min(16, config.rows * stores.block_d // block_d))
+        launches.append(_RowUpdateLaunch(block_d, rows, True, (runs_end, run_shift, begin, end), table_steps))
+        begin = end
+    return launches
+
+
 def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_sample_weights, global_rows,
                     bag_of_index, slot_of_index, step_args, sorted_rows=None, order=None,
                     sorted_lookups: SortedLookups | None = None) -> None:
@@ -423,9 +477,11 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
         window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups,
         plan.batch_size, **common, **updating, GROUP=group, WINDOWS=config.hot_windows,
         BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES, num_warps=4)
-    _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, config.rows), config.tiles),)](
-        s.num_runs, s.run_end, *gradient_args, *update_args, num_lookups, plan.batch_size,
-        **common, **updating, ROWS=config.rows, BLOCK_L=config.lanes, num_warps=config.num_warps)
+    for launch in _row_update_launches(stores, s, config):
+        _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, launch.rows), config.tiles),)](
+            s.num_runs, s.run_end, *gradient_args, *update_args, *launch.groups, num_lookups, plan.batch_size,
+            **dict(common, BLOCK_D=launch.block_d), **updating, ROWS=launch.rows, BLOCK_L=config.lanes,
+            num_warps=config.num_warps, GROUPED=launch.grouped, TABLE_STEPS=launch.table_steps)
     if plan.reads_step and step_args.is_cuda and torch.cuda.is_current_stream_capturing():
         # The step's arguments one step on, in place, after every kernel that reads them: a graph's next
         # replay finds the next step's there, and its host-to-device copy is skipped (StepGraphs' advance).

@@ -39,6 +39,39 @@ class ColumnGroup(NamedTuple):
     descriptor: torch.Tensor
 
 
+class TableGroups(NamedTuple):
+    """The tables grouped by column tile, as the features are in ``column_groups``: the backward
+    updates each group's rows with a launch of its own width (``kernels/run_groups.py``)."""
+
+    block_ds: tuple[int, ...]  # each group's column tile, narrowest first
+    ends: tuple[int, ...]  # one past each group's last entry of ``tables`` (group g: ends[g-1] .. ends[g])
+    tables: torch.Tensor  # int32 [T]: the tables, group by group, ascending within a group
+    row_starts: torch.Tensor  # int64 [T + 1]: global row of each table's row 0, then the end of all rows
+
+
+def column_class(dim: int) -> int:
+    """The column tile a row of ``dim`` columns is grouped by (the next power of two, at least
+    ``MIN_GROUP_COLUMNS``)."""
+    return max(power_of_two_at_least(dim), MIN_GROUP_COLUMNS)
+
+
+def table_groups(dims: tuple[int, ...], row_offsets: tuple[int, ...], num_rows: int,
+                 device: torch.device) -> TableGroups | None:
+    """The tables of ``dims`` by column class (``column_class``); None when they all fall in one."""
+    classes: dict[int, list[int]] = {}
+    for t, dim in enumerate(dims):
+        classes.setdefault(column_class(dim), []).append(t)
+    if len(classes) == 1:
+        return None
+    block_ds, ends, order = [], [], []
+    for _, tables in sorted(classes.items()):
+        block_ds.append(power_of_two_at_least(max(dims[t] for t in tables)))
+        order += tables
+        ends.append(len(order))
+    return TableGroups(tuple(block_ds), tuple(ends), torch.tensor(order, dtype=torch.int32, device=device),
+                       torch.tensor([*row_offsets, num_rows], dtype=torch.int64, device=device))
+
+
 def power_of_two_at_least(n: int) -> int:
     """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
     return 1 << max(n - 1, 0).bit_length()
@@ -51,7 +84,7 @@ def column_groups(dims_of_features: tuple[int, ...], block_d: int, descriptor: t
     feature, the whole ``descriptor`` and the stores' ``block_d`` (one launch, as of old)."""
     classes: dict[int, list[int]] = {}
     for f, dim in enumerate(dims_of_features):
-        classes.setdefault(max(power_of_two_at_least(dim), MIN_GROUP_COLUMNS), []).append(f)
+        classes.setdefault(column_class(dim), []).append(f)
     if len(classes) == 1:
         return (ColumnGroup(block_d, tuple(range(len(dims_of_features))), descriptor),)
     groups = []
@@ -100,6 +133,8 @@ class RowStores:
     block_d: int = field(init=False)  # the kernels' column tile: the widest row rounded up to a power of two
     # The features by column tile: the forward launches once per group (one group when every dim rounds alike).
     column_groups: tuple[ColumnGroup, ...] = field(init=False)
+    # The tables by column tile: the backward updates each group's rows with a launch of its own (None: one group).
+    table_groups: TableGroups | None = field(init=False)
 
     def __post_init__(self):
         if not self.table_weights or len(self.table_weights) != len(self.table_state):
@@ -162,6 +197,7 @@ class RowStores:
         values = {
             "descriptor": descriptor, "block_d": block_d,
             "column_groups": column_groups(tuple(dims[t] for t in features), block_d, descriptor),
+            "table_groups": table_groups(dims, tuple(row_offsets), total, device),
             "dims": dims, "row_offsets": tuple(row_offsets), "features": features, "output_offsets": output_offsets,
             "shares_tables": len(set(features)) < len(features), "num_rows": total,
             "alignment": alignment, "state_alignment": state_alignment,

@@ -31,7 +31,7 @@ torch.__version__, triton.__version__); from tiered_tbe.base.sorting import sort
     || exit 1
 python3 -c "import fbgemm_gpu; print('fbgemm_gpu', fbgemm_gpu.__version__)" 2>&1 | tail -1
 
-TESTS=${TESTS-tests/test_kernels.py tests/test_graphs.py tests/test_compile_once.py tests/test_sorting.py}
+TESTS=${TESTS-tests/test_forward.py tests/test_backward.py tests/test_backward_groups.py tests/test_graphs.py tests/test_compile_once.py tests/test_sorting.py}
 if [[ -n $TESTS ]]; then
     # shellcheck disable=SC2086
     timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu -q ${PYTEST_ARGS--x} -p no:cacheprovider $TESTS \
