@@ -19,6 +19,7 @@
 #   STATE_LAYOUT   where our backing stores keep the optimizer state: separate (default) or with_rows
 #   PROFILE=1      also profile each configuration (bench fbgemm --profile: kernels, copy-bandwidth fractions)
 #   TRACE_CONFIGS  configurations also traced phase by phase, ours beside FBGEMM (tools/trace_step.py; default: none)
+#   BENCH_ARGS     more bench fbgemm flags (e.g. --backward-one-launch)
 #   SKIP_INSTALL=1 the project and wheels are installed already
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -43,7 +44,7 @@ big-uniform-adagrad big-zipf-sgd big-zipf-adagrad big-zipf-adagrad-fp16 cached-m
 cached-managed-lru-pipelined}
 # shellcheck disable=SC2086
 python3 benchmarks/bench_fbgemm.py --configs $CONFIGS --steps "${STEPS:-20}" --warmup "${WARMUP:-8}" \
-    ${MOVER:+--mover "$MOVER"} ${STATE_LAYOUT:+--state-layout "$STATE_LAYOUT"} ${PROFILE:+--profile} \
+    ${MOVER:+--mover "$MOVER"} ${STATE_LAYOUT:+--state-layout "$STATE_LAYOUT"} ${PROFILE:+--profile} ${BENCH_ARGS:-} \
     --json "$OUT/bench_fbgemm.json" --record "$OUT/measurements.jsonl" 2>&1 | tee "$OUT/bench_fbgemm.log" \
     | grep -v -i "warn"
 if [[ -n ${TRACE_CONFIGS:-} ]]; then
