@@ -49,10 +49,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tiered_tbe.base.graphs import GraphLaunches, to_device
+from tiered_tbe.base.graphs import GraphLaunches, padded_size, to_device
 
 from .addressing import INTERPRETING, POOLING_NONE, pooling_code, row_slice_alignment_bytes
-from .grouping import SortedLookups, sort_lookups
+from .grouping import SortedLookups, pad_batch, sort_lookups
 from .hot_rows import hot_group_sums_kernel, hot_row_update_kernel, hot_window_sums_kernel
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
@@ -138,6 +138,7 @@ def _row_update_kernel(
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
     cache_state_stride,  # elements between consecutive slots of cache_state
     hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters
+    rows_end,  # one past the last global row: a padded batch's padding row (never updated)
     runs_end_ptr,  # int32 [T]: grouped runs up to each entry of TableGroups.tables (if GROUPED: kernels/run_groups.py)
     run_shift_ptr,  # int32 [T]: run number minus grouped run of each entry's runs (if GROUPED)
     group_begin,  # the column group's first entry of TableGroups.tables (if GROUPED)
@@ -182,6 +183,8 @@ def _row_update_kernel(
         else:
             runs = tile * ROWS + tl.arange(0, ROWS)
         starts, ends, row_mask = _runs_of_tile(runs, run_end_ptr, num_lookups, CHUNK)
+        global_rows = tl.load(sorted_rows_ptr + starts, mask=row_mask, other=0).to(tl.int64)
+        row_mask = row_mask & (global_rows < rows_end)
         if tl.max(row_mask.to(tl.int32), axis=0) > 0:  # not a tile of hot runs only
             columns = tl.arange(0, BLOCK_D)
             grad_output_ptr = grad_output_of_step(step_args_ptr)
@@ -208,7 +211,6 @@ def _row_update_kernel(
                                                     features[:, None], first_columns[:, None], mask[:, None, :],
                                                     *gradient_args, POOLING, HAS_PER_SAMPLE_WEIGHTS,
                                                     GRAD_ALIGN_BYTES, SHARED_TABLES, ALIGN), axis=1)
-            global_rows = tl.load(sorted_rows_ptr + starts, mask=row_mask, other=0).to(tl.int64)
             slots = tl.zeros_like(features)
             if USE_CACHE:
                 slots = tl.load(sorted_slots_ptr + starts, mask=row_mask, other=-1)
@@ -300,6 +302,7 @@ class _UpdatePlan(NamedTuple):
     num_hyper: int
     stochastic_rounding: bool
     reads_step: bool  # the kernels read the step (stochastic rounding, an optimizer's USES_STEP)
+    padded: bool  # the batch ends with grouping.pad_batch's padding
 
 
 def backward_update(
@@ -317,6 +320,7 @@ def backward_update(
     graphs=None,
     presorted: tuple[torch.Tensor, torch.Tensor] | None = None,
     then: GraphLaunches | None = None,
+    pad: bool | None = None,
 ) -> None:
     """Sum the gradient of each unique row of the batch and apply the optimizer to it, in place.
 
@@ -342,6 +346,10 @@ def backward_update(
             (``sort_lookups``; the same result). Unlike ``sorted_lookups`` it runs in the graph.
         then: launches to enqueue after the update, in its graph (the slot cache's unlock of the
             batch, ``SlotCache.unlock_launches``): one replay a step instead of two.
+        pad: pad the batch to ``padded_size(N)`` lookups (``grouping.pad_batch``: the same update), so
+            that batches whose lookup count changes every step replay a few graphs rather than run eagerly
+            (~1-6 ms of host time). Default: when ``graphs`` run on a GPU and pooling is not none (whose
+            gradient rows are the lookups').
     """
     if not isinstance(optimizer, FusedOptimizer):
         raise TypeError(f"optimizer must be a FusedOptimizer (tiered_tbe.optimizers), got {type(optimizer).__name__}")
@@ -354,6 +362,15 @@ def backward_update(
         if then is not None:
             then.enqueue(to_device(then.inputs, grad_output.device))
         return
+    if pad is None:
+        pad = (graphs is not None and graphs.enabled and sorted_lookups is None and grad_output.is_cuda
+               and mode != POOLING_NONE)
+    padded = bool(pad) and sorted_lookups is None and padded_size(lookups.num_lookups) != lookups.num_lookups
+    if padded:
+        if mode == POOLING_NONE:
+            raise ValueError("pooling none's gradient rows are its lookups': its batch cannot be padded")
+        lookups, slot_of_index, presorted = pad_batch(stores, lookups, slot_of_index, presorted,
+                                                      padded_size(lookups.num_lookups))
     block_d = stores.block_d
     config = config or default_config(block_d)
     if not 2 <= config.chunk <= 1024 or config.chunk & (config.chunk - 1):
@@ -368,7 +385,7 @@ def backward_update(
         use_cache=slot_of_index is not None and stores.uses_cache, optimizer_triton=optimizer.TRITON,
         num_hyper=len(hyper),
         stochastic_rounding=rounds_stochastically,
-        reads_step=rounds_stochastically or optimizer.USES_STEP)
+        reads_step=rounds_stochastically or optimizer.USES_STEP, padded=padded)
     # The step is read by stochastic rounding and by the optimizers whose update reads it (Adam's
     # bias corrections), and passed only then: otherwise a replay's arguments stay the same from
     # step to step. When passed, the graph advances it on the device after the step's kernels
@@ -444,7 +461,7 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     has_per_sample_weights = per_sample_weights is not None
     need_order = has_per_sample_weights or plan.use_cache or plan.mode == POOLING_NONE
     s = sorted_lookups or sort_lookups(stores, lookups, None if sorted_rows is None else (sorted_rows, order),
-                                       need_order=need_order)
+                                       need_order=need_order, padded=plan.padded)
     hyper = hyper_view(step_args, plan.num_hyper)
     load_state, update, store_state = plan.optimizer_triton
     common = dict(POOLING=plan.mode, HAS_PER_SAMPLE_WEIGHTS=has_per_sample_weights, ALIGN=stores.alignment,
@@ -466,7 +483,8 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     num_windows = triton.cdiv(num_lookups, chunk)
     window_sums = torch.empty(num_windows, block_d, dtype=torch.float32, device=device)
     hot_window_sums_kernel[(triton.cdiv(num_windows, config.sum_windows),)](
-        window_sums, s.run_count, *gradient_args, num_lookups, plan.batch_size, **common, WINDOWS=config.sum_windows,
+        window_sums, s.run_count, *gradient_args, s.sorted_rows, stores.num_rows, num_lookups, plan.batch_size,
+        **common, WINDOWS=config.sum_windows,
         num_warps=config.sum_warps)
     group = HOT_GROUP
     num_groups = triton.cdiv(num_windows, group)
@@ -474,12 +492,13 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     hot_group_sums_kernel[(num_groups,)](group_sums, window_sums, s.run_count, num_lookups, CHUNK=chunk, GROUP=group,
                                           BLOCK_D=block_d, num_warps=4)
     hot_row_update_kernel[(triton.cdiv(num_windows, config.hot_windows),)](
-        window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, num_lookups,
+        window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, stores.num_rows, num_lookups,
         plan.batch_size, **common, **updating, GROUP=group, WINDOWS=config.hot_windows,
         BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES, num_warps=4)
     for launch in _row_update_launches(stores, s, config):
         _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, launch.rows), config.tiles),)](
-            s.num_runs, s.run_end, *gradient_args, *update_args, *launch.groups, num_lookups, plan.batch_size,
+            s.num_runs, s.run_end, *gradient_args, *update_args, stores.num_rows, *launch.groups, num_lookups,
+            plan.batch_size,
             **dict(common, BLOCK_D=launch.block_d), **updating, ROWS=launch.rows, BLOCK_L=config.lanes,
             num_warps=config.num_warps, GROUPED=launch.grouped, TABLE_STEPS=launch.table_steps)
     if plan.reads_step and step_args.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -81,8 +81,35 @@ def _run_ends_kernel(
     tl.store(num_runs_ptr + tl.zeros_like(runs), runs + 1, mask=inside & last)
 
 
+def pad_batch(stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None,
+              presorted: tuple[torch.Tensor, torch.Tensor] | None, size: int):
+    """``(lookups, slot_of_index, presorted)`` padded to ``size`` lookups, so that batches whose lookup
+    count changes every step share a few CUDA graphs of the backward (``base/graphs.padded_size``).
+
+    A padding lookup's global row is ``stores.num_rows`` (past every table: it sorts after every
+    lookup, and the update kernels skip its run), its index and bag 0 (a gradient row that exists), its
+    per-sample weight 0 and its slot -1; in ``presorted`` the padding's rows follow the batch's and its
+    positions are its own. ``offsets`` stay the batch's: its last entry, the real count, ends its last bag.
+    """
+    extra = size - lookups.num_lookups
+    if extra <= 0:
+        return lookups, slot_of_index, presorted
+
+    def pad(tensor, value):
+        return None if tensor is None else torch.cat([tensor, tensor.new_full((extra,), value)])
+
+    lookups = lookups._replace(indices=pad(lookups.indices, 0), per_sample_weights=pad(lookups.per_sample_weights, 0),
+                               global_rows=pad(lookups.global_rows, stores.num_rows),
+                               bag_of_index=pad(lookups.bag_of_index, 0))
+    if presorted is not None:
+        sorted_rows, order = presorted
+        positions = torch.arange(order.numel(), size, dtype=order.dtype, device=order.device)
+        presorted = (pad(sorted_rows, stores.num_rows), torch.cat([order, positions]))
+    return lookups, pad(slot_of_index, -1), presorted
+
+
 def sort_lookups(stores: RowStores, lookups: Lookups, presorted: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 need_order: bool = True) -> SortedLookups:
+                 need_order: bool = True, padded: bool = False) -> SortedLookups:
     """Group a batch's lookups by global row (step 1 of the module docstring). No host sync.
 
     ``need_order=False``: the caller reads no lookup by sorted position (no per-sample weights,
@@ -91,7 +118,10 @@ def sort_lookups(stores: RowStores, lookups: Lookups, presorted: tuple[torch.Ten
 
     ``presorted``: ``(sorted_rows, order)`` of a stable sort of the batch's global rows made
     already (int32/int64 [N], int32 [N]: the cache's prefetch when every table is cached), used
-    instead of sorting again; ``lookups`` must then carry ``bag_of_index``."""
+    instead of sorting again; ``lookups`` must then carry ``bag_of_index``.
+
+    ``padded``: the batch ends with ``pad_batch``'s padding (positions from ``offsets[-1]`` on), whose
+    global row ``stores.num_rows`` linearize leaves to this function to write."""
     num_lookups = lookups.num_lookups
     if num_lookups >= INT32_MAX:
         raise ValueError(f"a batch holds at most 2^31 - 1 lookups, got {num_lookups}")
@@ -103,16 +133,17 @@ def sort_lookups(stores: RowStores, lookups: Lookups, presorted: tuple[torch.Ten
             raise ValueError(f"presorted needs the batch's bag_of_index and {num_lookups} sorted rows and positions, "
                              f"got {sorted_rows.numel()} and {order.numel()}")
     else:
-        lookups = linearize(stores, lookups, key_dtype=torch.int32 if small else torch.int64)
+        lookups = linearize(stores, lookups, key_dtype=torch.int32 if small else torch.int64,
+                            padding_row=stores.num_rows if padded else None)
         if lookups.global_rows.dtype == torch.int32 or not small:
-            bound = max(stores.num_rows - 1, 0)
+            bound = stores.num_rows if padded else max(stores.num_rows - 1, 0)
             if need_order:
                 sorted_rows, order = stable_sort(lookups.global_rows, bound)
             else:
                 sorted_rows, sorted_bags = stable_sort(lookups.global_rows, bound, values=lookups.bag_of_index)
                 order = None
         else:  # int64 rows computed by the caller (the module's checked path): sort them on int32 keys
-            sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows)
+            sorted_rows, order = sort_ids(lookups.global_rows, stores.num_rows + int(padded))
     run_starts = torch.empty(num_lookups, dtype=torch.int32, device=device)
     run_end = torch.empty(num_lookups, dtype=torch.int32, device=device)
     num_runs = torch.empty(1, dtype=torch.int32, device=device)

@@ -26,6 +26,8 @@ def hot_window_sums_kernel(
     step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: grad_output's address)
     grad_output_stride,  # elements between consecutive rows of grad_output
     descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: each feature's table and output column (base/descriptors.py)
+    sorted_rows_ptr,  # int32/int64 [N]: global rows, ascending
+    rows_end,  # one past the last global row: a padded batch's padding row (its windows are not summed)
     num_lookups,  # N
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code
@@ -44,6 +46,7 @@ def hot_window_sums_kernel(
     inside = (windows + 1) * CHUNK <= num_lookups
     pure = inside & (tl.load(run_count_ptr + windows * CHUNK, mask=inside, other=0)
                      == tl.load(run_count_ptr + windows * CHUNK + CHUNK - 1, mask=inside, other=-1))
+    pure = pure & (tl.load(sorted_rows_ptr + windows * CHUNK, mask=pure, other=0) < rows_end)
     if tl.max(pure.to(tl.int32), axis=0) > 0:
         columns = tl.arange(0, BLOCK_D)
         grad_output_ptr = grad_output_of_step(step_args_ptr)
@@ -123,6 +126,7 @@ def hot_row_update_kernel(
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
     cache_state_stride,  # elements between consecutive slots of cache_state
     hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters
+    rows_end,  # one past the last global row: a padded batch's padding row (never updated)
     num_lookups,  # N
     batch_size,  # B
     POOLING: tl.constexpr,  # pooling code
@@ -155,6 +159,7 @@ def hot_row_update_kernel(
     run_starts = tl.load(run_end_ptr + run_counts - 2, mask=pure & (run_counts > 1), other=0).to(tl.int64)
     run_ends = tl.load(run_end_ptr + run_counts - 1, mask=pure, other=0).to(tl.int64)
     owns = pure & (windows == (run_starts + CHUNK - 1) // CHUNK)  # the run's first pure window owns it
+    owns = owns & (tl.load(sorted_rows_ptr + windows * CHUNK, mask=owns, other=0) < rows_end)
     for lane in range(0, WINDOWS):
         this = lanes == lane
         if tl.sum(tl.where(owns & this, 1, 0), axis=0) > 0:

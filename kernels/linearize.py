@@ -55,13 +55,15 @@ def linearize_tile(num_lookups: int, num_bags: int) -> tuple[int, int]:
 
 
 def linearize(stores: RowStores, lookups: Lookups, key_dtype: torch.dtype = torch.int64,
-              tile: tuple[int, int] | None = None) -> Lookups:
+              tile: tuple[int, int] | None = None, padding_row: int | None = None) -> Lookups:
     """``lookups`` with ``global_rows`` (``key_dtype`` [N]) and ``bag_of_index`` (int32 [N]) filled in.
 
     ``key_dtype=torch.int32`` (sort keys) needs every global row id below 2^31. Lookups that
     come with both already are returned as they are. Indices are not checked here: an index out
     of its table's range gives a global row of another table (the module validates first).
-    ``tile``: ``(BLOCK_B, BLOCK_L)`` instead of ``linearize_tile``'s (tests).
+    ``tile``: ``(BLOCK_B, BLOCK_L)`` instead of ``linearize_tile``'s (tests). ``padding_row``: the
+    global row of the positions past ``offsets[-1]`` (a padded batch, ``grouping.pad_batch``; their bag
+    is 0), which the kernel does not write.
     """
     if lookups.global_rows is not None and lookups.bag_of_index is not None:
         return lookups
@@ -69,8 +71,12 @@ def linearize(stores: RowStores, lookups: Lookups, key_dtype: torch.dtype = torc
         raise ValueError(f"int32 keys need fewer than 2^31 global rows, the tables have {stores.num_rows}")
     device = lookups.indices.device
     num_lookups = lookups.num_lookups
-    global_rows = torch.empty(num_lookups, dtype=key_dtype, device=device)
-    bag_of_index = torch.empty(num_lookups, dtype=torch.int32, device=device)
+    if padding_row is None:
+        global_rows = torch.empty(num_lookups, dtype=key_dtype, device=device)
+        bag_of_index = torch.empty(num_lookups, dtype=torch.int32, device=device)
+    else:
+        global_rows = torch.full((num_lookups,), padding_row, dtype=key_dtype, device=device)
+        bag_of_index = torch.zeros(num_lookups, dtype=torch.int32, device=device)
     if num_lookups > 0 and lookups.batch_size > 0:
         if tile is None:
             tile = (2, 2) if INTERPRETING else linearize_tile(num_lookups, stores.num_features * lookups.batch_size)

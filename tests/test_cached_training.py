@@ -148,9 +148,9 @@ def test_every_table_cached_backward_takes_the_prefetch_sort(bounds_check, devic
     given = []
     sort_lookups = backward.sort_lookups
 
-    def recording(stores, lookups, presorted=None, need_order=True):
+    def recording(stores, lookups, presorted=None, need_order=True, padded=False):
         given.append(presorted is not None)
-        return sort_lookups(stores, lookups, presorted, need_order)
+        return sort_lookups(stores, lookups, presorted, need_order, padded)
 
     monkeypatch.setattr(backward, "sort_lookups", recording)
     specs = [TableSpec(40, 5, name="a", placement=Placement.HOST_CACHED),
