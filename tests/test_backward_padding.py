@@ -2,7 +2,8 @@
 batches whose lookup count changes every step replay a few CUDA graphs: the padding's row lies past every
 table, sorts last and is never updated, so the padded update equals the unpadded one bit for bit, with the
 padding short or long enough to be a hot run, with slots, per-sample weights, the prefetch's sort, one
-column group or several. Pooling none (gradient rows per lookup) is not padded."""
+column group or several. Pooling none (gradient rows per lookup) is not padded. On the GPU, through the
+module: tests/test_column_groups_training.py."""
 
 from __future__ import annotations
 
@@ -10,15 +11,12 @@ import pytest
 import torch
 from kernel_inputs import ALL_OPTIMIZERS, STEP, make_batch, poison_empty  # noqa: F401
 from test_backward_groups import _assert_equal_stores
-from test_column_groups_training import _ragged_batches, _train
 
-from tiered_tbe import CacheConfig, Placement, TableSpec, TieredEmbeddingBags
 from tiered_tbe.base.graphs import padded_size
 from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.kernels.backward import backward_update
 from tiered_tbe.kernels.linearize import linearize
 from tiered_tbe.kernels.rows import Lookups
-from tiered_tbe.optimizers import RowwiseAdagrad
 
 
 def _batch(dims, num_lookups, optimizer, weighted, device, batch_size=4, seed=0):
@@ -107,29 +105,3 @@ def test_pooling_none_is_not_padded(device):
     with pytest.raises(ValueError, match="pooling none"):
         backward_update(grad_output, stores, lookups, None, "none", optimizer, STEP, pad=True)
     backward_update(grad_output, stores, lookups, None, "none", optimizer, STEP)  # default: not padded
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dims", [(8, 24, 64, 256), (64, 64, 64, 64)])
-def test_batches_of_changing_lookup_counts_replay_a_few_backward_graphs(dims):
-    """On the GPU: 24 batches, each of its own lookup count: the backward captures at most one graph per
-    padded size and replays the rest, and the tables equal the eager module's bit for bit."""
-    device = torch.device("cuda")
-    table_rows = (40_000, 3, 25_000, 60_000)
-    batches = _ragged_batches(table_rows, 4, steps=24, batch_size=512, device=device)
-    kwargs = dict(optimizer=RowwiseAdagrad(lr=0.1), device=device, seed=3, bounds_check="off",
-                  cache=CacheConfig(slots=4096, associativity=32))
-    tables = [TableSpec(rows, dim, name=f"t{t}", placement=Placement.MANAGED_CACHED)
-              for t, (rows, dim) in enumerate(zip(table_rows, dims))]
-    graphed = TieredEmbeddingBags(tables, **kwargs)
-    eager = TieredEmbeddingBags(tables, cuda_graphs=False, **kwargs)
-    graphed_outputs, graphed_state = _train(graphed, batches)
-    eager_outputs, eager_state = _train(eager, batches)
-    torch.cuda.synchronize()
-    keys = len({padded_size(int(offsets[-1])) for _, offsets, _ in batches})
-    assert keys <= 4 and 1 <= graphed._backward_graphs.captures <= keys
-    assert graphed._backward_graphs.replays >= len(batches) - 2 * keys
-    for a, b in zip(graphed_outputs, eager_outputs):
-        assert torch.equal(a, b)
-    for key, value in graphed_state.items():
-        assert torch.equal(value, eager_state[key]), key

@@ -1,7 +1,8 @@
 """Training through the module on batches whose lookup count changes every step: a forward launched per
 column group (kernels/rows.py ``ColumnGroup``) trains bit for bit as one launch over every feature, pooling
 none's padded outputs as outputs of exactly N rows, and on the GPU a few forward graphs serve every batch
-(the lookup count is not in a pooled forward's graph key; pooling none's is its padded size)."""
+(the lookup count is not in a pooled forward's graph key; pooling none's is its padded size), and the backward,
+its batch padded (kernels/grouping.py pad_batch), replays a graph per padded size."""
 
 from __future__ import annotations
 
@@ -107,6 +108,32 @@ def test_batches_of_changing_lookup_counts_replay_a_few_forward_graphs(pooling):
                     for _, offsets, _ in batches})
     assert keys <= 4 and 1 <= graphed._forward_graphs.captures <= keys
     assert graphed._forward_graphs.replays >= len(batches) - 2 * keys
+    for a, b in zip(graphed_outputs, eager_outputs):
+        assert torch.equal(a, b)
+    for key, value in graphed_state.items():
+        assert torch.equal(value, eager_state[key]), key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [(8, 24, 64, 256), (64, 64, 64, 64)])
+def test_batches_of_changing_lookup_counts_replay_a_few_backward_graphs(dims):
+    """On the GPU: 24 batches, each of its own lookup count: the backward captures at most one graph per
+    padded size and replays the rest, and the tables equal the eager module's bit for bit."""
+    device = torch.device("cuda")
+    table_rows = (40_000, 3, 25_000, 60_000)
+    batches = _ragged_batches(table_rows, 4, steps=24, batch_size=512, device=device)
+    kwargs = dict(optimizer=RowwiseAdagrad(lr=0.1), device=device, seed=3, bounds_check="off",
+                  cache=CacheConfig(slots=4096, associativity=32))
+    tables = [TableSpec(rows, dim, name=f"t{t}", placement=Placement.MANAGED_CACHED)
+              for t, (rows, dim) in enumerate(zip(table_rows, dims))]
+    graphed = TieredEmbeddingBags(tables, **kwargs)
+    eager = TieredEmbeddingBags(tables, cuda_graphs=False, **kwargs)
+    graphed_outputs, graphed_state = _train(graphed, batches)
+    eager_outputs, eager_state = _train(eager, batches)
+    torch.cuda.synchronize()
+    keys = len({padded_size(int(offsets[-1])) for _, offsets, _ in batches})
+    assert keys <= 4 and 1 <= graphed._backward_graphs.captures <= keys
+    assert graphed._backward_graphs.replays >= len(batches) - 2 * keys
     for a, b in zip(graphed_outputs, eager_outputs):
         assert torch.equal(a, b)
     for key, value in graphed_state.items():

@@ -163,7 +163,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     # order, bags, weights, offsets, step arguments, grad stride, the tables' descriptor
     gradient_args = (i64, i32, f32, i64, i64, 3328, descriptor)
     results.append(_report("hot window sums", backward.hot_window_sums_kernel.warmup(
-        f32, i32, *gradient_args, n, 65536, **common, WINDOWS=config.sum_windows, grid=grid,
+        f32, i32, *gradient_args, i32, 1 << 20, n, 65536, **common, WINDOWS=config.sum_windows, grid=grid,
         num_warps=config.sum_warps), arch))
     results.append(_report("hot group sums", backward.hot_group_sums_kernel.warmup(
         f32, f32, i32, n, CHUNK=config.chunk, GROUP=32, BLOCK_D=block_d, grid=grid, num_warps=4), arch))
@@ -179,15 +179,23 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
                         STATE_ALIGN_BYTES=4 if optimizer.state_width(dim) % 4 else 16)
         update_args = (i32, i32, weights, dim, state, 2 * dim, f32)
         label = f"row update ({name}) R{config.rows} L{config.lanes} w{config.num_warps}"
+        # rows_end, then the column groups' plan (runs_end, run_shift, the group's first and end entries)
+        one_launch = (1 << 20, i32, i32, 0, 1)
         results.append(_report(label, backward._row_update_kernel.warmup(
-            i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, ROWS=config.rows,
-            BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
+            i32, i32, *gradient_args, *update_args, *one_launch, n, 65536, **common, **updating, ROWS=config.rows,
+            BLOCK_L=config.lanes, GROUPED=False, TABLE_STEPS=1, grid=grid, num_warps=config.num_warps), arch))
         if name == (optimizers or list(OPTIMIZERS))[0]:  # features sharing a table: a column read per lookup
             results.append(_report(f"{label}, shared tables", backward._row_update_kernel.warmup(
-                i32, i32, *gradient_args, *update_args, n, 65536, **dict(common, SHARED_TABLES=True), **updating,
-                ROWS=config.rows, BLOCK_L=config.lanes, grid=grid, num_warps=config.num_warps), arch))
+                i32, i32, *gradient_args, *update_args, *one_launch, n, 65536, **dict(common, SHARED_TABLES=True),
+                **updating, ROWS=config.rows, BLOCK_L=config.lanes, GROUPED=False, TABLE_STEPS=1, grid=grid,
+                num_warps=config.num_warps), arch))
+            # A column group of a model of mixed dims: its runs through the plan, a tile of its own width.
+            results.append(_report(f"{label}, grouped", backward._row_update_kernel.warmup(
+                i32, i32, *gradient_args, *update_args, 1 << 20, i32, i32, 2, 6, n, 65536, **common, **updating,
+                ROWS=config.rows, BLOCK_L=config.lanes, GROUPED=True, TABLE_STEPS=4, grid=grid,
+                num_warps=config.num_warps), arch))
         results.append(_report(f"hot row update ({name})", backward.hot_row_update_kernel.warmup(
-            f32, f32, i32, i32, *gradient_args, *update_args, n, 65536, **common, **updating, GROUP=32,
+            f32, f32, i32, i32, *gradient_args, *update_args, 1 << 20, n, 65536, **common, **updating, GROUP=32,
             WINDOWS=config.hot_windows, BLOCK_P=32, BLOCK_L=backward.HOT_LANES, grid=grid, num_warps=4), arch))
     import tiered_tbe.kernels.per_sample_weights as per_sample_weights
 
