@@ -363,8 +363,8 @@ def backward_update(
             then.enqueue(to_device(then.inputs, grad_output.device))
         return
     if pad is None:
-        pad = (graphs is not None and graphs.enabled and sorted_lookups is None and grad_output.is_cuda
-               and mode != POOLING_NONE)
+        pad = (graphs is not None and getattr(graphs, "enabled", True) and sorted_lookups is None
+               and grad_output.is_cuda and mode != POOLING_NONE)
     padded = bool(pad) and sorted_lookups is None and padded_size(lookups.num_lookups) != lookups.num_lookups
     if padded:
         if mode == POOLING_NONE:
