@@ -349,7 +349,7 @@ def backward_update(
         pad: pad the batch to ``padded_size(N)`` lookups (``grouping.pad_batch``: the same update), so
             that batches whose lookup count changes every step replay a few graphs rather than run eagerly
             (~1-6 ms of host time). Default: when ``graphs`` run on a GPU and pooling is not none (whose
-            gradient rows are the lookups').
+            gradient rows are the lookups'), unless ``TIERED_TBE_BACKWARD_PAD=0``.
     """
     if not isinstance(optimizer, FusedOptimizer):
         raise TypeError(f"optimizer must be a FusedOptimizer (tiered_tbe.optimizers), got {type(optimizer).__name__}")
@@ -364,7 +364,8 @@ def backward_update(
         return
     if pad is None:
         pad = (graphs is not None and getattr(graphs, "enabled", True) and sorted_lookups is None
-               and grad_output.is_cuda and mode != POOLING_NONE)
+               and grad_output.is_cuda and mode != POOLING_NONE
+               and os.environ.get("TIERED_TBE_BACKWARD_PAD", "1") != "0")
     padded = bool(pad) and sorted_lookups is None and padded_size(lookups.num_lookups) != lookups.num_lookups
     if padded:
         if mode == POOLING_NONE:
