@@ -37,6 +37,7 @@ ROWS = [
     ("criteo-adam", "the same, Adam", ()),
     ("big-uniform-sgd", "one table 20M x 128, B=65536, bags of 32, uniform, SGD, HBM", ()),
     ("big-zipf-adagrad", "the same at Zipf 1.05, row-wise Adagrad", ()),
+    ("mixed-weighted", "12 tables of dims 8-256 (64M rows), B=16384, bags of 0-40 with weights, HBM", ()),
     ("cached-managed-lru", "26 Criteo tables (17 GB), `MANAGED_CACHED` / `MANAGED_CACHING`, 5% cache, LRU, serial", ()),
     ("cached-managed-lru-z1.2", "the same at Zipf 1.2", ()),
     ("cached-mixed-weighted", "12 tables of dims 8-256 (64M rows), B=16384, bags of 0-40 with weights, 10% cache, "
