@@ -85,17 +85,14 @@ def test_padded_pooling_none_trains_as_unpadded_bitwise(monkeypatch, device):
 
 # ---------------------------------------------------------------------------------------------- GPU
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("pooling", ["sum", "none"])
-def test_batches_of_changing_lookup_counts_replay_a_few_forward_graphs(pooling):
-    """On the GPU: 24 batches, each of its own lookup count, one batch size: the forward captures at most
-    one graph per bag-length class (pooled: the count is not in its key) or per padded size (none), and
-    every output equals the eager module's bit for bit, as do the tables after."""
+def _graphed_equals_eager(dims, pooling, optimizer):
+    """On the GPU: 24 batches of 512 samples, each of its own lookup count, trained by a module with CUDA
+    graphs and one without; every output and the tables after are equal bit for bit. Returns the graphed
+    module and the batches."""
     device = torch.device("cuda")
-    dims = (8,) * 4 if pooling == "none" else (8, 24, 64, 256)
     table_rows = (40_000, 3, 25_000, 60_000)
     batches = _ragged_batches(table_rows, 4, steps=24, batch_size=512, device=device)
-    kwargs = dict(pooling=pooling, optimizer=SGD(lr=0.1), device=device, seed=3, bounds_check="off",
+    kwargs = dict(pooling=pooling, optimizer=optimizer, device=device, seed=3, bounds_check="off",
                   cache=CacheConfig(slots=4096, associativity=32))
     tables = [TableSpec(rows, dim, name=f"t{t}", placement=Placement.MANAGED_CACHED)
               for t, (rows, dim) in enumerate(zip(table_rows, dims))]
@@ -104,6 +101,20 @@ def test_batches_of_changing_lookup_counts_replay_a_few_forward_graphs(pooling):
     graphed_outputs, graphed_state = _train(graphed, batches)
     eager_outputs, eager_state = _train(eager, batches)
     torch.cuda.synchronize()
+    for a, b in zip(graphed_outputs, eager_outputs):
+        assert torch.equal(a, b)
+    for key, value in graphed_state.items():
+        assert torch.equal(value, eager_state[key]), key
+    return graphed, batches
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pooling", ["sum", "none"])
+def test_batches_of_changing_lookup_counts_replay_a_few_forward_graphs(pooling):
+    """The forward captures at most one graph per bag-length class (pooled: the count is not in its key) or
+    per padded size (none), and trains as the eager module does (_graphed_equals_eager)."""
+    dims = (8,) * 4 if pooling == "none" else (8, 24, 64, 256)
+    graphed, batches = _graphed_equals_eager(dims, pooling, SGD(lr=0.1))
     if pooling == "none":
         keys = len({padded_size(int(offsets[-1])) for _, offsets, _ in batches})
     else:
@@ -111,33 +122,14 @@ def test_batches_of_changing_lookup_counts_replay_a_few_forward_graphs(pooling):
                     for _, offsets, _ in batches})
     assert keys <= 4 and 1 <= graphed._forward_graphs.captures <= keys
     assert graphed._forward_graphs.replays >= len(batches) - 2 * keys
-    for a, b in zip(graphed_outputs, eager_outputs):
-        assert torch.equal(a, b)
-    for key, value in graphed_state.items():
-        assert torch.equal(value, eager_state[key]), key
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims", [(8, 24, 64, 256), (64, 64, 64, 64)])
 def test_batches_of_changing_lookup_counts_replay_a_few_backward_graphs(dims):
-    """On the GPU: 24 batches, each of its own lookup count: the backward captures at most one graph per
-    padded size and replays the rest, and the tables equal the eager module's bit for bit."""
-    device = torch.device("cuda")
-    table_rows = (40_000, 3, 25_000, 60_000)
-    batches = _ragged_batches(table_rows, 4, steps=24, batch_size=512, device=device)
-    kwargs = dict(optimizer=RowwiseAdagrad(lr=0.1), device=device, seed=3, bounds_check="off",
-                  cache=CacheConfig(slots=4096, associativity=32))
-    tables = [TableSpec(rows, dim, name=f"t{t}", placement=Placement.MANAGED_CACHED)
-              for t, (rows, dim) in enumerate(zip(table_rows, dims))]
-    graphed = TieredEmbeddingBags(tables, **kwargs)
-    eager = TieredEmbeddingBags(tables, cuda_graphs=False, **kwargs)
-    graphed_outputs, graphed_state = _train(graphed, batches)
-    eager_outputs, eager_state = _train(eager, batches)
-    torch.cuda.synchronize()
+    """The backward, its batch padded to padded_size(N), captures at most one graph per padded size and
+    replays the rest, and trains as the eager module does (_graphed_equals_eager)."""
+    graphed, batches = _graphed_equals_eager(dims, "sum", RowwiseAdagrad(lr=0.1))
     keys = len({padded_size(int(offsets[-1])) for _, offsets, _ in batches})
     assert keys <= 4 and 1 <= graphed._backward_graphs.captures <= keys
     assert graphed._backward_graphs.replays >= len(batches) - 2 * keys
-    for a, b in zip(graphed_outputs, eager_outputs):
-        assert torch.equal(a, b)
-    for key, value in graphed_state.items():
-        assert torch.equal(value, eager_state[key]), key
