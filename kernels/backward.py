@@ -26,7 +26,11 @@ How, without atomics and without a host synchronization (``sort_lookups``, then 
    each run's lookups ``BLOCK_L`` at a time (a ``[ROWS, BLOCK_L, BLOCK_D]`` tile summed over its
    lanes; one at a time in a tile whose runs are all single lookups) and applies the optimizer
    to the tile's rows at once (a slice of a warp per row, as FBGEMM's warp-per-row kernels, with
-   every load of the tile issued together).
+   every load of the tile issued together). Tables of mixed dims: one launch per column group, each
+   over its tables' runs with a tile of its own width (``kernels/run_groups.py``).
+
+A batch whose lookup count changes every step is padded to ``padded_size(N)`` where its launches run
+as CUDA graphs (``grouping.pad_batch``), so a few graphs serve it; its padding's run is never updated.
 
 The gradient of a lookup and the optimizer's update of a tile of rows are shared by both
 (``kernels/update_rows.py``, with the step's arguments the kernels read from one device tensor,
