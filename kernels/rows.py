@@ -49,23 +49,26 @@ class TableGroups(NamedTuple):
     row_starts: torch.Tensor  # int64 [T + 1]: global row of each table's row 0, then the end of all rows
 
 
-def column_class(dim: int) -> int:
-    """The column tile a row of ``dim`` columns is grouped by (the next power of two, at least
-    ``MIN_GROUP_COLUMNS``)."""
-    return max(power_of_two_at_least(dim), MIN_GROUP_COLUMNS)
+def by_column_tile(dims: tuple[int, ...]) -> list[tuple[int, list[int]]]:
+    """``[(block_d, members)]``: the indices of ``dims`` grouped by column tile (the next power of two of
+    their dim, dims up to ``MIN_GROUP_COLUMNS`` together), narrowest first, each group's ``block_d`` its
+    widest dim rounded up to a power of two."""
+    classes: dict[int, list[int]] = {}
+    for i, dim in enumerate(dims):
+        classes.setdefault(max(power_of_two_at_least(dim), MIN_GROUP_COLUMNS), []).append(i)
+    return [(power_of_two_at_least(max(dims[i] for i in members)), members)
+            for _, members in sorted(classes.items())]
 
 
 def table_groups(dims: tuple[int, ...], row_offsets: tuple[int, ...], num_rows: int,
                  device: torch.device) -> TableGroups | None:
-    """The tables of ``dims`` by column class (``column_class``); None when they all fall in one."""
-    classes: dict[int, list[int]] = {}
-    for t, dim in enumerate(dims):
-        classes.setdefault(column_class(dim), []).append(t)
-    if len(classes) == 1:
+    """The tables of ``dims`` by column tile (``by_column_tile``); None when they all fall in one."""
+    groups = by_column_tile(dims)
+    if len(groups) == 1:
         return None
     block_ds, ends, order = [], [], []
-    for _, tables in sorted(classes.items()):
-        block_ds.append(power_of_two_at_least(max(dims[t] for t in tables)))
+    for block_d, tables in groups:
+        block_ds.append(block_d)
         order += tables
         ends.append(len(order))
     return TableGroups(tuple(block_ds), tuple(ends), torch.tensor(order, dtype=torch.int32, device=device),
@@ -82,16 +85,13 @@ def column_groups(dims_of_features: tuple[int, ...], block_d: int, descriptor: t
     """The features grouped by column tile (the next power of two of their dim, dims up to
     ``MIN_GROUP_COLUMNS`` together), narrowest first; when they all fall in one: one group of every
     feature, the whole ``descriptor`` and the stores' ``block_d`` (one launch, as of old)."""
-    classes: dict[int, list[int]] = {}
-    for f, dim in enumerate(dims_of_features):
-        classes.setdefault(column_class(dim), []).append(f)
-    if len(classes) == 1:
+    by_tile = by_column_tile(dims_of_features)
+    if len(by_tile) == 1:
         return (ColumnGroup(block_d, tuple(range(len(dims_of_features))), descriptor),)
     groups = []
-    for _, features in sorted(classes.items()):
-        block_d = power_of_two_at_least(max(dims_of_features[f] for f in features))
+    for group_block_d, features in by_tile:
         rows = torch.tensor(features, dtype=torch.int64, device=descriptor.device)
-        groups.append(ColumnGroup(block_d, tuple(features), descriptor.index_select(0, rows)))
+        groups.append(ColumnGroup(group_block_d, tuple(features), descriptor.index_select(0, rows)))
     return tuple(groups)
 
 

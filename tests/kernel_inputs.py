@@ -123,6 +123,15 @@ def assert_stores_close(actual: RowStores, expected: RowStores, dtype: torch.dty
         torch.testing.assert_close(a.cpu(), e.cpu(), rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def assert_stores_equal(actual: RowStores, expected: RowStores) -> None:
+    """Every weight and state value of the two stores, and of their slots, equal bit for bit."""
+    for name in ("table_weights", "table_state"):
+        for t, (a, e) in enumerate(zip(getattr(actual, name), getattr(expected, name))):
+            assert (a is None and e is None) or torch.equal(a, e), f"{name} of table {t}"
+    assert torch.equal(actual.cache_weights, expected.cache_weights)
+    assert torch.equal(actual.cache_state, expected.cache_state)
+
+
 def one_table_stores(weights: torch.Tensor) -> RowStores:
     """RowStores of one table (SGD: no state, no cache) whose rows are ``weights`` [rows, dim]."""
     return RowStores((weights,), (None,), *no_cache(weights.dtype, weights.device))

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import ALL_OPTIMIZERS, STEP, assert_stores_close, make_batch, poison_empty  # noqa: F401
+from kernel_inputs import (  # noqa: F401  (poison_empty: an autouse fixture)
+    ALL_OPTIMIZERS,
+    STEP,
+    assert_stores_close,
+    assert_stores_equal,
+    make_batch,
+    poison_empty,
+)
 from test_column_groups import MIXED_DIMS, MIXED_FEATURES, MIXED_ROWS
 
 from tiered_tbe.kernels import backward as backward_module
@@ -86,16 +93,9 @@ def _assert_same_update(grouped, one_launch, name):
     rounding where it sums over the row's columns (row-wise state: a tile of the group's width sums in
     another order than one of the widest dim's on the GPU)."""
     if name in ("sgd", "adam"):
-        _assert_equal_stores(grouped, one_launch)
+        assert_stores_equal(grouped, one_launch)
     else:
         assert_stores_close(grouped, one_launch, torch.float32)
-
-
-def _assert_equal_stores(a, b):
-    for name in ("table_weights", "table_state"):
-        for t, (x, y) in enumerate(zip(getattr(a, name), getattr(b, name))):
-            assert (x is None and y is None) or torch.equal(x, y), f"{name} of table {t}"
-    assert torch.equal(a.cache_weights, b.cache_weights) and torch.equal(a.cache_state, b.cache_state)
 
 
 @pytest.mark.parametrize("name, pooling", [("sgd", "sum"), ("rowwise_adagrad", "sum"), ("rowwise_adagrad", "mean"),

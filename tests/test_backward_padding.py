@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_inputs import ALL_OPTIMIZERS, STEP, make_batch, poison_empty  # noqa: F401
-from test_backward_groups import _assert_equal_stores
+from kernel_inputs import ALL_OPTIMIZERS, STEP, assert_stores_equal, make_batch, poison_empty  # noqa: F401
 
 from tiered_tbe.base.graphs import padded_size
 from tiered_tbe.base.sorting import stable_sort
@@ -58,7 +57,7 @@ def test_padded_update_equals_unpadded_bitwise(num_lookups, dims, name, pooling,
     plain, padded = stores.clone(), stores.clone()
     backward_update(grad_output, plain, lookups, slot_of_index, pooling, optimizer, STEP, pad=False)
     backward_update(grad_output, padded, lookups, slot_of_index, pooling, optimizer, STEP, pad=True)
-    _assert_equal_stores(padded, plain)
+    assert_stores_equal(padded, plain)
     assert not torch.equal(plain.table_weights[0], stores.table_weights[0])  # the update did something
 
 
@@ -71,7 +70,7 @@ def test_every_optimizer_padded_equals_unpadded_bitwise(name, device):
     plain, padded = stores.clone(), stores.clone()
     backward_update(grad_output, plain, lookups, slot_of_index, "mean", optimizer, STEP, pad=False)
     backward_update(grad_output, padded, lookups, slot_of_index, "mean", optimizer, STEP, pad=True)
-    _assert_equal_stores(padded, plain)
+    assert_stores_equal(padded, plain)
 
 
 @pytest.mark.parametrize("dims", [(3, 17, 33, 1), (16, 12, 16, 9)])
@@ -87,7 +86,7 @@ def test_padded_update_from_the_prefetchs_sort(dims, device):
                     pad=False)
     backward_update(grad_output, padded, lookups, slot_of_index, "sum", optimizer, STEP, presorted=presorted,
                     pad=True)
-    _assert_equal_stores(padded, plain)
+    assert_stores_equal(padded, plain)
 
 
 def test_linearize_writes_the_padding_row_past_the_last_bag(device):
