@@ -29,8 +29,9 @@ How, without atomics and without a host synchronization (``sort_lookups``, then 
    every load of the tile issued together). Tables of mixed dims: one launch per column group, each
    over its tables' runs with a tile of its own width (``kernels/run_groups.py``).
 
-A batch whose lookup count changes every step is padded to ``padded_size(N)`` where its launches run
-as CUDA graphs (``grouping.pad_batch``), so a few graphs serve it; its padding's run is never updated.
+A batch whose lookup count or batch size changes every step is padded to ``padded_size(N)`` lookups and
+a power of two of bags a feature where its launches run as CUDA graphs (``grouping.pad_batch``,
+``grouping.pad_bags``), so a few graphs serve it; its padding's run is never updated, its bags are empty.
 
 The gradient of a lookup and the optimizer's update of a tile of rows are shared by both
 (``kernels/update_rows.py``, with the step's arguments the kernels read from one device tensor,
@@ -56,7 +57,7 @@ import triton.language as tl
 from tiered_tbe.base.graphs import GraphLaunches, padded_size, to_device
 
 from .addressing import INTERPRETING, POOLING_NONE, pooling_code, row_slice_alignment_bytes
-from .grouping import SortedLookups, pad_batch, sort_lookups
+from .grouping import SortedLookups, pad_bags, pad_batch, padded_batch_size, pads_batches, sort_lookups
 from .hot_rows import hot_group_sums_kernel, hot_row_update_kernel, hot_window_sums_kernel
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
@@ -350,10 +351,10 @@ def backward_update(
             (``sort_lookups``; the same result). Unlike ``sorted_lookups`` it runs in the graph.
         then: launches to enqueue after the update, in its graph (the slot cache's unlock of the
             batch, ``SlotCache.unlock_launches``): one replay a step instead of two.
-        pad: pad the batch to ``padded_size(N)`` lookups (``grouping.pad_batch``: the same update), so
-            that batches whose lookup count changes every step replay a few graphs rather than run eagerly
-            (~1-6 ms of host time). Default: when ``graphs`` run on a GPU and pooling is not none (whose
-            gradient rows are the lookups'), unless ``TIERED_TBE_BACKWARD_PAD=0``.
+        pad: pad the batch to ``padded_size(N)`` lookups and ``padded_batch_size(B)`` bags a feature
+            (``grouping.pad_batch``, ``grouping.pad_bags``: the same update), so that batches whose lookup
+            count or batch size changes every step replay a few graphs rather than run eagerly (~1-6 ms of
+            host time). Default: ``grouping.pads_batches`` (graphs on a GPU, pooling not none).
     """
     if not isinstance(optimizer, FusedOptimizer):
         raise TypeError(f"optimizer must be a FusedOptimizer (tiered_tbe.optimizers), got {type(optimizer).__name__}")
@@ -367,13 +368,14 @@ def backward_update(
             then.enqueue(to_device(then.inputs, grad_output.device))
         return
     if pad is None:
-        pad = (graphs is not None and getattr(graphs, "enabled", True) and sorted_lookups is None
-               and grad_output.is_cuda and mode != POOLING_NONE
-               and os.environ.get("TIERED_TBE_BACKWARD_PAD", "1") != "0")
-    padded = bool(pad) and sorted_lookups is None and padded_size(lookups.num_lookups) != lookups.num_lookups
+        pad = sorted_lookups is None and pads_batches(graphs, grad_output.device, mode)
+    pad = bool(pad) and sorted_lookups is None
+    if pad and mode == POOLING_NONE:
+        raise ValueError("pooling none's gradient rows are its lookups': its batch cannot be padded")
+    padded = pad and padded_size(lookups.num_lookups) != lookups.num_lookups
+    if pad:  # grad_output keeps its B rows: the padding's bags are empty, so no kernel reads a row past B
+        lookups = pad_bags(lookups, stores.num_features, padded_batch_size(lookups.batch_size))
     if padded:
-        if mode == POOLING_NONE:
-            raise ValueError("pooling none's gradient rows are its lookups': its batch cannot be padded")
         lookups, slot_of_index, presorted = pad_batch(stores, lookups, slot_of_index, presorted,
                                                       padded_size(lookups.num_lookups))
     block_d = stores.block_d

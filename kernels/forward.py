@@ -54,6 +54,7 @@ from .addressing import (
     row_slice_alignment_bytes,
     table_row_zero,
 )
+from .grouping import pad_bags, pads_batches
 from .rows import ColumnGroup, Lookups, RowStores, check_lookups
 
 # Tiles of more than this many elements spill registers: the autotuner never tries them.
@@ -279,7 +280,7 @@ class _ForwardPlan(NamedTuple):
 
 def pooled_forward(
     stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None, pooling: str,
-    tile: ForwardTile | None = None, graphs=None,
+    tile: ForwardTile | None = None, graphs=None, pad: bool | None = None,
 ) -> torch.Tensor:
     """Pool the rows of every bag of every table: one launch per column group of the stores
     (``RowStores.column_groups``; one for pooling none, and see :func:`launches_per_group`).
@@ -296,6 +297,10 @@ def pooled_forward(
             a CUDA graph per batch shape, which reads the batch's tensors and writes its output at
             addresses passed in one small tensor (no device copy; a replay costs the host a few
             microseconds where Triton's launch path cost tens).
+        pad: pooled: lay the batch out at ``padded_size(B)`` bags a feature (``grouping.pad_bags``: the
+            padding's bags are empty and their output rows dropped; the output is bit for bit the
+            unpadded one), so that batches whose batch size changes every step share a few graphs.
+            Default: ``grouping.pads_batches`` (graphs on a GPU).
 
     Returns:
         fp32 ``[B, stores.total_dim]`` for sum and mean: feature ``f``'s bag ``b`` in the dim of its
@@ -309,14 +314,23 @@ def pooled_forward(
     check_lookups(stores, lookups, slot_of_index)
     device = lookups.indices.device
     batch_size = lookups.batch_size
+    # Of the batch's own bags: a padded batch picks the tile an unpadded one does (the same sums, bit for bit).
+    bag_class = bag_length_class(lookups.num_lookups, stores.num_features * batch_size)
+    if pad is None:
+        pad = pads_batches(graphs, device, mode)
     if mode == POOLING_NONE:
         num_lookups = lookups.num_lookups
         padded = torch.empty(padded_size(num_lookups), stores.max_dim, dtype=torch.float32, device=device)
         output = padded[:num_lookups]
     else:
-        output = padded = torch.empty(batch_size, stores.total_dim, dtype=torch.float32, device=device)
+        rows = padded_size(batch_size) if pad else batch_size
+        padded = torch.empty(rows, stores.total_dim, dtype=torch.float32, device=device)
+        output = padded[:batch_size]
     if batch_size == 0 or output.numel() == 0:
         return output
+    if padded.shape[0] != output.shape[0] and mode != POOLING_NONE:
+        lookups = pad_bags(lookups, stores.num_features, padded.shape[0])
+        batch_size = lookups.batch_size
     override = os.environ.get("TIERED_TBE_FORWARD_TILE")  # a tuning run's tile for every forward
     if tile is None and override:
         tile = ForwardTile(*(int(value) for value in override.split(",")))
@@ -326,7 +340,7 @@ def pooled_forward(
     plan = _ForwardPlan(mode, batch_size, tuple(padded.shape), launches_per_group(stores, mode),
                         row_slice_alignment_bytes(output, stores),
                         min(_alignment_bytes(tensor) for tensor in tensors[1:] if tensor is not None),
-                        bag_length_class(lookups.num_lookups, stores.num_features * batch_size),
+                        bag_class,
                         (lookups.indices.dtype, lookups.offsets.dtype), use_cache, tensors[4] is not None, tile)
     # Launched directly where no graph will be replayed (graphs off) or inside a caller's capture (a
     # capture bakes the addresses in; the address block's pinned copy would be replayed stale).

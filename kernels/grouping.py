@@ -11,6 +11,7 @@ launch is sized from the number of lookups.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -20,7 +21,7 @@ import triton.language as tl
 from tiered_tbe.base.codes import INT32_MAX
 from tiered_tbe.base.sorting import sort_ids, stable_sort
 
-from .addressing import INTERPRETING
+from .addressing import INTERPRETING, POOLING_NONE
 from .linearize import linearize
 from .rows import Lookups, RowStores
 
@@ -106,6 +107,45 @@ def pad_batch(stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor |
         positions = torch.arange(order.numel(), size, dtype=order.dtype, device=order.device)
         presorted = (pad(sorted_rows, stores.num_rows), torch.cat([order, positions]))
     return lookups, pad(slot_of_index, -1), presorted
+
+
+def pads_batches(graphs, device: torch.device, mode: int) -> bool:
+    """Whether a step's launches pad a batch (``pad_batch``, ``pad_bags``): where they run as CUDA graphs
+    (``graphs``, a ``StepGraphs``, enabled) on a GPU, so that batches whose lookup count or batch size
+    changes every step replay a few graphs instead of running eagerly (~1-6 ms of host time a step on the
+    H200 machine, docs/performance.md); never for pooling none, whose output rows and gradient rows are its
+    lookups'. ``TIERED_TBE_PAD_BATCHES=0`` turns it off (to bisect)."""
+    return (graphs is not None and getattr(graphs, "enabled", True) and device.type == "cuda"
+            and mode != POOLING_NONE and os.environ.get("TIERED_TBE_PAD_BATCHES", "1") != "0")
+
+
+def padded_batch_size(batch_size: int) -> int:
+    """The batch size a padded backward lays its bags out at (``pad_bags``): the next power of two. Its
+    launches are sized by lookups, never by bags, so empty bags cost only their offsets, and one size an
+    octave leaves the lookup count's padded size as the only part of a graph key that changes (batch sizes
+    drawn from 8K-16K every step: one or two sizes, not ~5 times as many graphs)."""
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
+def pad_bags(lookups: Lookups, num_features: int, batch_size: int) -> Lookups:
+    """``lookups`` laid out at ``batch_size`` bags a feature, so that batches whose batch size changes every
+    step share a few CUDA graphs (the graph's key holds the offsets' length and the kernels' batch size):
+    feature ``f``'s bags ``B .. batch_size - 1`` are empty (their offsets repeat where its last bag ends), and
+    ``bag_of_index`` (where given) is renumbered to the new layout (``f * batch_size + b``). Every bag of the
+    batch keeps its lookups, so the forward's rows and the backward's update are the unpadded ones, bit for bit
+    (the caller's output rows and gradient rows past ``B`` are never read). ~5 small device ops, no sync."""
+    extra = batch_size - lookups.batch_size
+    if extra <= 0 or num_features == 0 or num_features * batch_size >= INT32_MAX:  # bag ids are int32
+        return lookups
+    old = lookups.batch_size
+    offsets = lookups.offsets
+    bags = offsets[:-1].view(num_features, old)
+    ends = offsets[old::old].unsqueeze(1)  # [F, 1]: offsets[(f+1)*B], where feature f's last bag ends
+    offsets = torch.cat([torch.cat([bags, ends.expand(num_features, extra)], 1).view(-1), offsets[-1:]])
+    bag_of_index = lookups.bag_of_index
+    if bag_of_index is not None:  # f*B + b -> f*B' + b = (f*B + b) + f*(B' - B)
+        bag_of_index = torch.div(bag_of_index, old, rounding_mode="floor").mul_(extra).add_(bag_of_index)
+    return lookups._replace(offsets=offsets, batch_size=batch_size, bag_of_index=bag_of_index)
 
 
 def sort_lookups(stores: RowStores, lookups: Lookups, presorted: tuple[torch.Tensor, torch.Tensor] | None = None,

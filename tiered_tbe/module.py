@@ -11,7 +11,7 @@ from tiered_tbe import validation
 from tiered_tbe.backends import backend_named
 from tiered_tbe.base import streams
 from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
-from tiered_tbe.base.graphs import StepGraphs
+from tiered_tbe.base.graphs import PADDED_GRAPHS, StepGraphs
 from tiered_tbe.base.mode import default_device
 from tiered_tbe.base.sorting import sort_ids
 from tiered_tbe.batch import DeferredUnlocks, PreparedBatch
@@ -157,9 +157,12 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         # CUDA graphs of the forward and the backward, per batch shape (the triton backend only). The
         # forward is one launch, but Triton's launch path took 2-3 times the host time of a replay:
         # its kernels (0.11 ms at big Zipf) ended before its host part did (results/measurements.jsonl, 2026-12-03).
+        # Batches whose size changes every step are padded to a few shapes (kernels/grouping.pads_batches): as
+        # many graphs as the prefetch keeps. A model of one batch shape captures one; a backward graph holds
+        # its padded size's sort buffers and window sums, a forward graph nothing.
         graphs_enabled = None if cuda_graphs else False  # None: on where a GPU runs the compiled kernels
         self._forward_graphs, self._backward_graphs = (
-            (StepGraphs(enabled=graphs_enabled), StepGraphs(enabled=graphs_enabled))
+            (StepGraphs(PADDED_GRAPHS, enabled=graphs_enabled), StepGraphs(PADDED_GRAPHS, enabled=graphs_enabled))
             if self.backend.name == "triton" else (None, None))
         # ... and of a lookahead hint's rows (rows_for_hint: two sorts and ~15 torch ops, 2.6-4 ms of
         # host time a batch when enqueued one by one on the H200 machine).

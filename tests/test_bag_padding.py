@@ -1,0 +1,109 @@
+"""A batch laid out at more bags a feature than it has (kernels/grouping.py ``pad_bags``), so that batches
+whose batch size changes every step share a few CUDA graphs of the forward (``padded_size(B)`` bags) and of
+the backward (a power of two): the padding's bags are empty, so the forward's rows and the backward's update
+are the unpadded ones bit for bit. Against a plain-torch layout of the bags; edge sizes: one bag a feature,
+empty bags, shared tables, int32 offsets, the caller's ``bag_of_index``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_inputs import ALL_OPTIMIZERS, STEP, assert_stores_equal, make_batch, poison_empty  # noqa: F401
+
+from tiered_tbe.base.graphs import padded_size
+from tiered_tbe.kernels.backward import backward_update
+from tiered_tbe.kernels.forward import pooled_forward
+from tiered_tbe.kernels.grouping import pad_bags, padded_batch_size
+from tiered_tbe.kernels.linearize import linearize
+
+
+def _reference_layout(offsets: torch.Tensor, num_features: int, batch_size: int, padded: int):
+    """Bag lengths ``[F, padded]`` (zeros past ``batch_size``) and the bag ``f * padded + b`` of every lookup."""
+    lengths = torch.zeros(num_features, padded, dtype=torch.int64)
+    lengths[:, :batch_size] = offsets.cpu().long().diff().view(num_features, batch_size)
+    bags = torch.repeat_interleave(torch.arange(num_features * padded), lengths.view(-1))
+    return lengths, bags
+
+
+@pytest.mark.parametrize("batch_size, padded, feature_table_map, index_dtype", [
+    (1, 2, None, torch.int64),
+    (3, 4, None, torch.int64),
+    (5, 8, (0, 1, 2, 1, 3), torch.int32),
+    (9, 10, None, torch.int32),
+    (6, 6, None, torch.int64),  # nothing to pad: the batch as it is
+])
+def test_pad_bags_matches_a_plain_layout(batch_size, padded, feature_table_map, index_dtype, device):
+    stores, lookups, _ = make_batch(batch_size=batch_size, index_dtype=index_dtype, device=device,
+                                    feature_table_map=feature_table_map)
+    lookups = linearize(stores, lookups)
+    result = pad_bags(lookups, stores.num_features, padded)
+    num_features = stores.num_features
+    assert result.batch_size == padded and result.offsets.numel() == num_features * padded + 1
+    assert result.offsets.dtype == lookups.offsets.dtype
+    lengths, bags = _reference_layout(lookups.offsets, num_features, batch_size, padded)
+    assert result.offsets[0].item() == 0 and result.offsets[-1].item() == lookups.num_lookups
+    assert torch.equal(result.offsets.cpu().long().diff(), lengths.view(-1))
+    assert torch.equal(result.bag_of_index.cpu().long(), bags)
+    assert result.bag_of_index.dtype == torch.int32
+    # The linearize of the padded layout gives the same bags: a batch padded before or after it agrees.
+    relinearized = linearize(stores, result._replace(global_rows=None, bag_of_index=None))
+    assert torch.equal(relinearized.bag_of_index, result.bag_of_index)
+    assert torch.equal(relinearized.global_rows, lookups.global_rows)
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("batch_size, weighted, cached", [(9, True, True), (13, False, True), (17, True, False)])
+def test_padded_forward_equals_unpadded_bitwise(batch_size, pooling, weighted, cached, device):
+    assert padded_size(batch_size) > batch_size
+    stores, lookups, slot_of_index = make_batch(batch_size=batch_size, weighted=weighted, device=device)
+    slot_of_index = slot_of_index if cached else None
+    plain = pooled_forward(stores, lookups, slot_of_index, pooling, pad=False)
+    padded = pooled_forward(stores, lookups, slot_of_index, pooling, pad=True)
+    assert padded.shape == plain.shape == (batch_size, stores.total_dim) and padded.is_contiguous()
+    assert torch.equal(padded, plain)
+    # Against fp64 plain torch: a padded bag's rows never land in the output.
+    weights = lookups.per_sample_weights if weighted else torch.ones(lookups.num_lookups, device=device)
+    expected = torch.zeros(batch_size, stores.total_dim, dtype=torch.float64, device=device)
+    table_rows = [t.double() for t in stores.table_weights]
+    if cached:
+        cache = stores.cache_weights.double()
+    for bag in range(stores.num_features * batch_size):
+        feature, sample = divmod(bag, batch_size)
+        table = stores.features[feature]
+        dim = stores.dims[table]
+        start, end = int(lookups.offsets[bag]), int(lookups.offsets[bag + 1])
+        column = stores.output_offsets[feature]
+        for position in range(start, end):
+            slot = int(slot_of_index[position]) if cached else -1
+            row = cache[slot, :dim] if slot >= 0 else table_rows[table][int(lookups.indices[position]), :dim]
+            expected[sample, column:column + dim] += weights[position].double() * row
+        if pooling == "mean" and end > start:
+            expected[sample, column:column + dim] /= end - start
+    torch.testing.assert_close(padded.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, pooling, batch_size, weighted, cached, given_bags", [
+    ("rowwise_adagrad", "sum", 5, True, True, False),
+    ("adam", "mean", 3, False, True, True),
+    ("sgd", "mean", 7, True, False, True),
+    ("adagrad", "sum", 1, False, True, False),
+])
+def test_padded_backward_equals_unpadded_bitwise(name, pooling, batch_size, weighted, cached, given_bags, device):
+    """Bags padded to a power of two (and lookups to padded_size(N)), with the batch's bag_of_index given
+    (the module's checked path and the prefetch) or linearized in the backward."""
+    assert padded_batch_size(batch_size) > batch_size or batch_size == 1
+    optimizer = ALL_OPTIMIZERS[name]
+    stores, lookups, slot_of_index = make_batch(batch_size=batch_size, weighted=weighted, optimizer=optimizer,
+                                                device=device, feature_table_map=(0, 1, 2, 3, 2))
+    lookups = linearize(stores, lookups) if given_bags else lookups
+    slot_of_index = slot_of_index if cached else None
+    grad_output = torch.randn(batch_size, stores.total_dim, device=device)
+    plain, padded = stores.clone(), stores.clone()
+    backward_update(grad_output, plain, lookups, slot_of_index, pooling, optimizer, STEP, pad=False)
+    backward_update(grad_output, padded, lookups, slot_of_index, pooling, optimizer, STEP, pad=True)
+    assert_stores_equal(padded, plain)
+
+
+def test_padded_batch_size_is_a_power_of_two():
+    assert [padded_batch_size(n) for n in (0, 1, 2, 3, 5, 8, 9, 8192, 8193, 16384)] == \
+        [1, 1, 2, 4, 8, 8, 16, 8192, 16384, 16384]
