@@ -307,7 +307,7 @@ class _UpdatePlan(NamedTuple):
     num_hyper: int
     stochastic_rounding: bool
     reads_step: bool  # the kernels read the step (stochastic rounding, an optimizer's USES_STEP)
-    padded: bool  # the batch ends with grouping.pad_batch's padding
+    padded: bool  # the batch went through grouping.pad_batch (its padding, if any, ends it)
 
 
 def backward_update(
@@ -372,10 +372,9 @@ def backward_update(
     pad = bool(pad) and sorted_lookups is None
     if pad and mode == POOLING_NONE:
         raise ValueError("pooling none's gradient rows are its lookups': its batch cannot be padded")
-    padded = pad and padded_size(lookups.num_lookups) != lookups.num_lookups
-    if pad:  # grad_output keeps its B rows: the padding's bags are empty, so no kernel reads a row past B
+    if pad:  # grad_output keeps its B rows: the padding's bags are empty, so no kernel reads a row past B.
+        # A batch of a padded size already takes the same launches (and graph) as the ones padded to it.
         lookups = pad_bags(lookups, stores.num_features, padded_batch_size(lookups.batch_size))
-    if padded:
         lookups, slot_of_index, presorted = pad_batch(stores, lookups, slot_of_index, presorted,
                                                       padded_size(lookups.num_lookups))
     block_d = stores.block_d
@@ -392,7 +391,7 @@ def backward_update(
         use_cache=slot_of_index is not None and stores.uses_cache, optimizer_triton=optimizer.TRITON,
         num_hyper=len(hyper),
         stochastic_rounding=rounds_stochastically,
-        reads_step=rounds_stochastically or optimizer.USES_STEP, padded=padded)
+        reads_step=rounds_stochastically or optimizer.USES_STEP, padded=pad)
     # The step is read by stochastic rounding and by the optimizers whose update reads it (Adam's
     # bias corrections), and passed only then: otherwise a replay's arguments stay the same from
     # step to step. When passed, the graph advances it on the device after the step's kernels

@@ -10,11 +10,12 @@ import pytest
 import torch
 from kernel_inputs import ALL_OPTIMIZERS, STEP, assert_stores_equal, make_batch, poison_empty  # noqa: F401
 
-from tiered_tbe.base.graphs import padded_size
+from tiered_tbe.base.graphs import padded_size, to_device
 from tiered_tbe.kernels.backward import backward_update
 from tiered_tbe.kernels.forward import pooled_forward
 from tiered_tbe.kernels.grouping import pad_bags, padded_batch_size
 from tiered_tbe.kernels.linearize import linearize
+from tiered_tbe.kernels.rows import Lookups
 
 
 def _reference_layout(offsets: torch.Tensor, num_features: int, batch_size: int, padded: int):
@@ -107,3 +108,53 @@ def test_padded_backward_equals_unpadded_bitwise(name, pooling, batch_size, weig
 def test_padded_batch_size_is_a_power_of_two():
     assert [padded_batch_size(n) for n in (0, 1, 2, 3, 5, 8, 9, 8192, 8193, 16384)] == \
         [1, 1, 2, 4, 8, 8, 16, 8192, 16384, 16384]
+
+
+class _KeyRecorder:
+    """Stands in for a ``StepGraphs``: records each call's key and its inputs' shapes (what a graph is keyed
+    by), then runs the launches eagerly."""
+
+    enabled = True
+
+    def __init__(self):
+        self.keys = []
+
+    def run(self, key, inputs, enqueue, device, advance=None):
+        self.keys.append((key, tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs)))
+        return enqueue(to_device(inputs, device))
+
+
+def _batch_of(stores, batch_size: int, num_lookups: int, generator: torch.Generator, device):
+    """A batch of exactly ``num_lookups`` lookups in ``batch_size`` bags a feature (random bag lengths)."""
+    num_bags = stores.num_features * batch_size
+    cuts = torch.sort(torch.randint(0, num_lookups + 1, (num_bags - 1,), generator=generator)).values
+    offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([num_lookups])])
+    table_of_index = torch.tensor(stores.features)[torch.repeat_interleave(torch.arange(num_bags),
+                                                                           offsets.diff()) // batch_size]
+    rows = torch.tensor([w.shape[0] for w in stores.table_weights])[table_of_index]
+    indices = (torch.rand(num_lookups, generator=generator) * rows).long()
+    return Lookups(indices.to(device), offsets.to(device), batch_size)
+
+
+def test_batch_sizes_of_one_padded_size_share_a_graph_key(device):
+    """Batch sizes 5-8 (the backward's power of two: 8) and 9-10 (the forward's padded_size: 10), lookup
+    counts of one padded size: one key each for the forward and the backward, where unpadded batches
+    of those sizes had one key each."""
+    optimizer = ALL_OPTIMIZERS["rowwise_adagrad"]
+    stores, _, _ = make_batch(optimizer=optimizer, device=device)
+    generator = torch.Generator().manual_seed(5)
+    padded_keys, plain_keys = _KeyRecorder(), _KeyRecorder()
+    for batch_size, num_lookups in ((5, 61), (7, 58), (8, 64), (6, 57)):
+        assert padded_size(num_lookups) == 64
+        lookups = _batch_of(stores, batch_size, num_lookups, generator, device)
+        grad_output = torch.randn(batch_size, stores.total_dim, device=device)
+        for graphs, pad in ((padded_keys, True), (plain_keys, False)):
+            backward_update(grad_output, stores, lookups, None, "sum", optimizer, STEP, graphs=graphs, pad=pad)
+    assert len(set(padded_keys.keys)) == 1 and len(set(plain_keys.keys)) == 4
+    forward_keys, plain_forward_keys = _KeyRecorder(), _KeyRecorder()
+    for batch_size in (9, 10, 9):
+        lookups = _batch_of(stores, batch_size, 6 * batch_size, generator, device)
+        padded = pooled_forward(stores, lookups, None, "mean", graphs=forward_keys, pad=True)
+        plain = pooled_forward(stores, lookups, None, "mean", graphs=plain_forward_keys, pad=False)
+        assert torch.equal(padded, plain)
+    assert len(set(forward_keys.keys)) == 1 and len(set(plain_forward_keys.keys)) == 2

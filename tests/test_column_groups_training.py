@@ -2,7 +2,9 @@
 column group (kernels/rows.py ``ColumnGroup``) trains bit for bit as one launch over every feature, pooling
 none's padded outputs as outputs of exactly N rows, and on the GPU a few forward graphs serve every batch
 (the lookup count is not in a pooled forward's graph key; pooling none's is its padded size), and the backward,
-its batch padded (kernels/grouping.py pad_batch), replays a graph per padded size."""
+its batch padded (kernels/grouping.py pad_batch), replays a graph per padded size. Batches whose batch size
+changes every step too: padded bags (pad_bags) train bit for bit as unpadded ones, and on the GPU replay a
+few graphs."""
 
 from __future__ import annotations
 
@@ -11,15 +13,21 @@ import torch
 
 from tiered_tbe import CacheConfig, Placement, TableSpec, TieredEmbeddingBags
 from tiered_tbe.base.graphs import padded_size
+from tiered_tbe.kernels import backward as backward_module
 from tiered_tbe.kernels import forward as forward_module
+from tiered_tbe.kernels import grouping
+from tiered_tbe.kernels.addressing import POOLING_NONE
+from tiered_tbe.kernels.grouping import padded_batch_size
 from tiered_tbe.optimizers import SGD, RowwiseAdagrad
 
 
-def _ragged_batches(table_rows, num_features, steps, batch_size, device, weighted=True, seed=0):
-    """Batches of one batch size whose lookup count changes every step (no count twice): bags of 0..5 lookups."""
+def _ragged_batches(table_rows, num_features, steps, batch_size, device, weighted=True, seed=0, batch_sizes=None):
+    """Batches whose lookup count changes every step (no count twice): bags of 0..5 lookups, ``batch_size``
+    samples, or the sizes of ``batch_sizes`` in turn."""
     generator = torch.Generator(device=device).manual_seed(seed)
     batches, counts = [], set()
-    for _ in range(steps):
+    for step in range(steps):
+        batch_size = batch_size if batch_sizes is None else batch_sizes[step % len(batch_sizes)]
         lengths = torch.randint(0, 6, (num_features * batch_size,), generator=generator, device=device)
         while int(lengths.sum()) in counts:  # one more lookup in the first bag that can take one
             lengths[int(torch.nonzero(lengths < 5)[0])] += 1
@@ -83,15 +91,44 @@ def test_padded_pooling_none_trains_as_unpadded_bitwise(monkeypatch, device):
         assert torch.equal(value, unpadded[1][key]), key
 
 
+def test_module_training_on_changing_batch_sizes_padded_equals_unpadded_bitwise(monkeypatch, device):
+    """A cached module trained on batches whose batch size and lookup count change every step, its forward's
+    and backward's batches padded (bags and lookups: kernels/grouping.py pad_bags, pad_batch) as where they run
+    as CUDA graphs, trains bit for bit as one that pads nothing: outputs (the batch's rows only) and tables."""
+    dims = (3, 16, 33, 120)
+    batches = _ragged_batches((40, 3, 25, 60), 4, steps=5, batch_size=None, device=device,
+                              batch_sizes=(3, 5, 9, 6, 11))
+    plain = _train(_module(dims, device), batches)
+    padded_to = []
+
+    def recording_pad_bags(lookups, num_features, batch_size):
+        padded_to.append((lookups.batch_size, batch_size))
+        return grouping.pad_bags(lookups, num_features, batch_size)
+
+    def pads(graphs, device, mode):
+        return mode != POOLING_NONE
+
+    for module in (forward_module, backward_module):
+        monkeypatch.setattr(module, "pads_batches", pads)
+        monkeypatch.setattr(module, "pad_bags", recording_pad_bags)
+    padded = _train(_module(dims, device), batches)
+    # The forward pads to padded_size(B) (3, 5 and 6 are such sizes), the backward to a power of two.
+    assert padded_to == [(3, 4), (5, 8), (9, 10), (9, 16), (6, 8), (11, 12), (11, 16)]
+    for a, b in zip(padded[0], plain[0]):
+        assert a.shape == b.shape and torch.equal(a, b)
+    for key, value in padded[1].items():
+        assert torch.equal(value, plain[1][key]), key
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
-def _graphed_equals_eager(dims, pooling, optimizer):
-    """On the GPU: 24 batches of 512 samples, each of its own lookup count, trained by a module with CUDA
-    graphs and one without; every output and the tables after are equal bit for bit. Returns the graphed
-    module and the batches."""
+def _graphed_equals_eager(dims, pooling, optimizer, batch_sizes=None):
+    """On the GPU: 24 batches of 512 samples (or of ``batch_sizes`` in turn), each of its own lookup count,
+    trained by a module with CUDA graphs and one without; every output and the tables after are equal bit for
+    bit. Returns the graphed module and the batches."""
     device = torch.device("cuda")
     table_rows = (40_000, 3, 25_000, 60_000)
-    batches = _ragged_batches(table_rows, 4, steps=24, batch_size=512, device=device)
+    batches = _ragged_batches(table_rows, 4, steps=24, batch_size=512, device=device, batch_sizes=batch_sizes)
     kwargs = dict(pooling=pooling, optimizer=optimizer, device=device, seed=3, bounds_check="off",
                   cache=CacheConfig(slots=4096, associativity=32))
     tables = [TableSpec(rows, dim, name=f"t{t}", placement=Placement.MANAGED_CACHED)
@@ -133,3 +170,24 @@ def test_batches_of_changing_lookup_counts_replay_a_few_backward_graphs(dims):
     keys = len({padded_size(int(offsets[-1])) for _, offsets, _ in batches})
     assert keys <= 4 and 1 <= graphed._backward_graphs.captures <= keys
     assert graphed._backward_graphs.replays >= len(batches) - 2 * keys
+
+
+@pytest.mark.gpu
+def test_batches_of_changing_batch_sizes_replay_a_few_graphs():
+    """Batch sizes from 300 to 507, a new one every step: the forward, its bags padded to padded_size(B),
+    captures at most one graph per padded size and bag-length class; the backward, its bags padded to a
+    power of two and its lookups to padded_size(N), at most one per padded lookup count; both replay the
+    rest and train as the eager module does (_graphed_equals_eager)."""
+    graphed, batches = _graphed_equals_eager((8, 24, 64, 256), "sum", RowwiseAdagrad(lr=0.1),
+                                             batch_sizes=tuple(range(300, 508, 9)))
+    sizes = [(offsets.numel() - 1) // 4 for _, offsets, _ in batches]
+    assert len(set(sizes)) == len(batches)
+    forward_keys = len({(padded_size(size), forward_module.bag_length_class(int(offsets[-1]), offsets.numel() - 1))
+                        for size, (_, offsets, _) in zip(sizes, batches)})
+    backward_keys = len({(padded_batch_size(size), padded_size(int(offsets[-1])))
+                         for size, (_, offsets, _) in zip(sizes, batches)})
+    assert forward_keys <= 8 and backward_keys <= 6
+    assert 1 <= graphed._forward_graphs.captures <= forward_keys
+    assert graphed._forward_graphs.replays >= len(batches) - 2 * forward_keys
+    assert 1 <= graphed._backward_graphs.captures <= backward_keys
+    assert graphed._backward_graphs.replays >= len(batches) - 2 * backward_keys
