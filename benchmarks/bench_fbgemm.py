@@ -108,6 +108,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--backward-one-launch", action="store_true",
                         help="also time our HBM steps with the backward's row updates launched once over every row "
                              "(TIERED_TBE_BACKWARD_ONE_LAUNCH=1) instead of once per column group of dims")
+    parser.add_argument("--fit-cache", action="store_true",
+                        help="pipelined configurations: PrefetchPipeline(fit_cache=True), which holds fewer batches "
+                             "ahead while its prefetches find the cache full (tiered_tbe/ahead.py); the batches it "
+                             "held ahead at the end are reported")
     parser.add_argument("--profile", action="store_true",
                         help="also profile a few steps of each side: device ms per step of each kernel, and each "
                              "phase's fraction of the copy bandwidth measured in the same run")
@@ -160,9 +164,12 @@ def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags |
         batches_run = common.cycle(batches, count + window, first)  # the last steps see a whole window too
         reset = emb.reset_cache_stats if config.cached else None  # the counters of the timed steps
         if config.pipelined:
-            pipeline = PrefetchPipeline(emb, batches_run, depth=2, lookahead=window if window else None)
+            pipeline = PrefetchPipeline(emb, batches_run, depth=2, lookahead=window if window else None,
+                                        fit_cache=args.fit_cache)
             result = time_steps(forward_of, pipeline, grad, warmup, after_warmup=reset, count=count)
             pipeline.close()
+            if pipeline.ahead_control is not None:
+                result.update(ahead_at_end=pipeline.ahead_control.ahead, ahead_lowered=pipeline.ahead_control.lowered)
             return result
         if config.cached:
             before = lookahead_prefetch(emb, batches_run, window) if window \

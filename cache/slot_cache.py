@@ -397,6 +397,12 @@ class SlotCache(LookaheadHints, SlotReleases):
         values = dict(zip(_DEVICE_COUNTERS, self._counters.tolist()))
         return CacheStats(batches=self._batches, **values)
 
+    def copy_counters(self, target: torch.Tensor) -> None:
+        """Copy the counters :meth:`stats` reads (int64, ``batch_kernels.COUNTER_NAMES`` order) into ``target``
+        (pinned host memory) on the current stream, without waiting for it: a caller polls an event after it
+        (``PrefetchPipeline(fit_cache=True)``, ``tiered_tbe/ahead.py``)."""
+        target.copy_(self._counters, non_blocking=target.is_pinned())
+
     def reset_stats(self) -> None:
         self._counters.zero_()
         self._batches = 0

@@ -385,11 +385,11 @@ def test_cli_bench_fbgemm_without_fbgemm_times_our_side(capsys, tmp_path):
 
 def test_bench_fbgemm_mixed_dims_ragged_bags_and_weights(capsys, tmp_path):
     """The cached configurations of mixed dims, bags of drawn lengths, per-sample weights and batch
-    sizes that change every step run end to end, serial and pipelined (tiny in simulation), and
-    report each phase, what the cache moved per batch and the bus rate."""
+    sizes that change every step run end to end, serial and pipelined (tiny in simulation; the pipeline
+    fitted to the cache), and report each phase, what the cache moved per batch and the bus rate."""
     json_file = tmp_path / "fbgemm.json"
     code = cli_main(["bench", "fbgemm", "--configs", "cached-mixed-weighted", "cached-mixed-weighted-pipelined",
-                     "cached-odd-dims-ragged-pipelined", "--steps", "2", "--json", str(json_file)])
+                     "cached-odd-dims-ragged-pipelined", "--steps", "2", "--fit-cache", "--json", str(json_file)])
     assert code == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| cached-mixed-weighted | ")
@@ -405,6 +405,7 @@ def test_bench_fbgemm_mixed_dims_ragged_bags_and_weights(capsys, tmp_path):
     assert ours["steps"] == 2 and ours["prefetch_total"] > 0
     for name in ("cached-mixed-weighted-pipelined", "cached-odd-dims-ragged-pipelined"):
         assert results[name]["ours"]["step"] > 0, name
+        assert 0 <= results[name]["ours"]["ahead_at_end"] <= 2, name  # --fit-cache
     assert_no_verdicts(out)
 
 

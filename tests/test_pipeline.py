@@ -282,3 +282,30 @@ def test_single_module_and_default_lookups(mover):
         PrefetchPipeline(module, batches, lookahead=65)
     with pytest.raises(ValueError, match="holds no TieredEmbeddingBags"):
         PrefetchPipeline(nn.Linear(2, 2), batches)
+
+
+def test_a_pipeline_fitted_to_the_cache_holds_fewer_batches_while_it_is_full(one_simulated_thread):
+    """8-slot caches are too small for 5 batches in flight: with fit_cache the pipeline holds fewer ahead
+    (tiered_tbe/ahead.py; its rule alone: tests/test_ahead.py), trains bit for bit as the serial loop, leaves
+    no lock, and leaves fewer rows without a slot than depth 4 throughout."""
+    steps = 30
+    batches = make_batches(steps)
+    serial = make_model("lru")
+    for batch in batches:
+        train_step(serial, batch)
+    fixed = make_model("lru")
+    for batch in PrefetchPipeline(fixed, batches, depth=4, lookups=lookups):
+        train_step(fixed, batch)
+    fitted = make_model("lru")
+    pipeline = PrefetchPipeline(fitted, batches, depth=4, lookups=lookups, fit_cache=True)
+    aheads = []
+    for batch in pipeline:
+        aheads.append(pipeline.ahead_control.ahead)
+        train_step(fitted, batch)
+    assert len(aheads) == steps
+    assert pipeline.ahead_control.lowered >= 2 and min(aheads) == 0, aheads
+    assert_no_locks(fitted)
+    got, expected = tables_of(fitted), tables_of(serial)
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+    assert fitted.sgd.cache_stats().misses_no_slot < fixed.sgd.cache_stats().misses_no_slot

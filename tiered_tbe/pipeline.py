@@ -13,6 +13,8 @@ forward/backward, all ``B`` and ``F`` on the training stream, all ``P`` on a sid
    unlock, or (no free way) the backing store, and a later prefetch copies none of those rows
    into a slot until batch ``i`` is unlocked (``tiered_tbe.cache.policy``, "Rows left in the
    backing store"). So training equals serial training, bitwise.
+4. With ``fit_cache``, ``k`` falls while prefetches find the cache full (``tiered_tbe/ahead.py``); at
+   ``k = 0`` ``P(i+1)`` is issued after step ``i``, which the serial loop does.
 
 Rows of every batch in flight stay locked from its prefetch until its backward (or its
 forward, under no_grad; or when the pipeline closes) has run and the next prefetch has
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiered_tbe.ahead import AheadControl
 from tiered_tbe.cache.hints import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD
 from tiered_tbe.module import TieredEmbeddingBags
 
@@ -118,6 +121,10 @@ class PrefetchPipeline:
             the end waits for it). The GPU then schedules the training kernels' blocks before
             the prefetch's pending copy blocks, which otherwise hold every SM while they move
             rows over the bus (results/measurements.jsonl). False keeps the steps on the current stream.
+        fit_cache: hold fewer batches ahead (down to none: each batch prefetched after the step before it)
+            while the batches in flight hold more rows than the cache has room for, seen as prefetches that
+            leave rows without a slot (``tiered_tbe/ahead.py``: read without a host sync; one batch more is
+            tried again every ``PROBE_STEPS`` steps). The training is the same, bit for bit, at any depth.
 
     Use it as a plain iterator or a context manager; ``close()`` (also on exceptions, and at the
     end of iteration) releases the locks of batches prefetched but never trained.
@@ -130,7 +137,7 @@ class PrefetchPipeline:
     """
 
     def __init__(self, model: nn.Module, batches: Iterable, depth: int = 2, lookups: LookupsOf | None = None,
-                 lookahead: int | None = None, high_priority: bool = True):
+                 lookahead: int | None = None, high_priority: bool = True, fit_cache: bool = False):
         if not 1 <= depth <= 8:
             raise ValueError(f"depth must be between 1 and 8, got {depth}")
         if lookahead is not None and not 0 <= lookahead <= MAX_LOOKAHEAD:
@@ -159,6 +166,9 @@ class PrefetchPipeline:
         # nothing is read or prefetched after it.
         self.error: Exception | None = None
         self.closed = False
+        # fit_cache: fewer batches ahead while prefetches find the cache's sets full (tiered_tbe/ahead.py).
+        self.ahead_control = AheadControl(depth, [m.cache for m in self.modules.values() if m.cache is not None]) \
+            if fit_cache else None
 
     # --------------------------------------------------------------- plumbing
     def _lookups_by_module(self, batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -217,6 +227,8 @@ class PrefetchPipeline:
                     if module.uses_lookahead:
                         module.hint_upcoming([hint_rows[name].rows() for hint_rows in window])
                     module.prefetch(indices, offsets, defer_unlock=True)
+                if self.ahead_control is not None:
+                    self.ahead_control.record()
                 ready = None
                 if self.is_cuda:
                     ready = torch.cuda.Event()
@@ -242,7 +254,9 @@ class PrefetchPipeline:
                 pass
             while self.queue and not self.closed:
                 batch, lookups, ready = self.queue.popleft()
-                self._prefetch_next()  # P(i + depth), overlapping this step
+                ahead = self.depth if self.ahead_control is None else self.ahead_control.update()
+                while len(self.queue) < ahead and self._prefetch_next():  # P(i + ahead), overlapping this step
+                    pass
                 if ready is not None:
                     self.training_stream.wait_event(ready)
                     for tensor in _tensors(batch):
@@ -254,6 +268,8 @@ class PrefetchPipeline:
                 # its queue (the next forward would find it in the way).
                 for name, (indices, offsets) in lookups.items():
                     self.modules[name].drop_prefetched(indices, offsets)
+                if not self.queue:  # none ahead (fit_cache): the next batch's prefetch follows this step
+                    self._prefetch_next()
             if self.error is not None and not self.closed:
                 raise self.error
         finally:
