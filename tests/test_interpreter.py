@@ -5,7 +5,6 @@ TIERED_TBE_INTERPRETER_PATCHES=all)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -73,8 +72,9 @@ def test_a_launch_patches_the_language_once_whatever_its_helper_calls(monkeypatc
     assert counts[0] == counts[1] > 0
 
 
-def test_the_kernels_give_the_bits_of_every_patch():
+def test_the_kernels_give_the_bits_of_every_patch(capsys):
+    exec(_PROGRAM, {})  # here, with the repeated patches skipped
+    here = capsys.readouterr().out
     expected = _EVERY_PATCH.result()
     assert expected.returncode == 0, expected.stderr
-    here = subprocess.run([sys.executable, "-c", _PROGRAM], capture_output=True, text=True, timeout=300, check=True)
-    assert here.stdout == expected.stdout
+    assert len(here.strip()) == 64 and here == expected.stdout
