@@ -158,3 +158,18 @@ def test_batch_sizes_of_one_padded_size_share_a_graph_key(device):
         plain = pooled_forward(stores, lookups, None, "mean", graphs=plain_forward_keys, pad=False)
         assert torch.equal(padded, plain)
     assert len(set(forward_keys.keys)) == 1 and len(set(plain_forward_keys.keys)) == 2
+
+
+def test_batches_are_padded_where_graphs_run_on_a_gpu_for_pooled_outputs(monkeypatch):
+    from tiered_tbe.kernels.addressing import POOLING_MEAN, POOLING_NONE, POOLING_SUM
+    from tiered_tbe.kernels.grouping import pads_batches
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    on, off = _KeyRecorder(), _KeyRecorder()
+    off.enabled = False
+    assert pads_batches(on, cuda, POOLING_SUM) and pads_batches(on, cuda, POOLING_MEAN)
+    assert not pads_batches(on, cuda, POOLING_NONE)  # its output and gradient rows are its lookups'
+    assert not pads_batches(on, cpu, POOLING_SUM) and not pads_batches(None, cuda, POOLING_SUM)
+    assert not pads_batches(off, cuda, POOLING_SUM)
+    monkeypatch.setenv("TIERED_TBE_PAD_BATCHES", "0")
+    assert not pads_batches(on, cuda, POOLING_SUM)
