@@ -41,11 +41,13 @@ def make(placement: Placement, optimizer, policy: str = "lru", mover: str = "zer
                                state_layout=state_layout)
 
 
-def train(module, batches, depth: int = 0):
-    source = PrefetchPipeline(module, batches, depth=depth) if depth else batches
+def train(module, batches, depth: int = 0, fit_cache: bool = False):
+    source = PrefetchPipeline(module, batches, depth=depth, fit_cache=fit_cache) if depth else batches
     for indices, offsets, grad in source:
         module(indices, offsets).backward(grad)
     torch.cuda.synchronize()
+    if fit_cache:  # 40K rows a batch against 8K slots: it holds fewer batches ahead than its depth
+        assert source.ahead_control.lowered >= 1 and source.ahead_control.ahead < depth
     return {k: v.clone() for k, v in module.state_dict().items()}
 
 
@@ -87,16 +89,16 @@ def test_every_state_layout_trains_identically(optimizer, layout):
 def test_pipelined_equals_serial_on_side_stream(policy, mover):
     batches = zipf_batches(40, 2, seed=1)
     expected = train(make(Placement.HOST_CACHED, SGD(lr=0.1), policy), batches)
-    for depth in (1, 2, 4):
+    for depth, fit_cache in ((1, False), (2, False), (4, False), (4, True)):
         module = make(Placement.HOST_CACHED, SGD(lr=0.1), policy, mover)
-        got = train(module, batches, depth)
+        got = train(module, batches, depth, fit_cache)
         assert module.cache.num_locked() == 0
         stats = module.cache_stats()
         # ~40K distinct rows a batch against 8K slots: sets fill with locked rows, and rows left
         # in the backing store must stay out of the cache while their batch is in flight.
         assert stats.evictions > 0 and stats.misses_no_slot > 0
         for key in expected:
-            assert torch.equal(got[key], expected[key]), f"depth {depth}: {key}"
+            assert torch.equal(got[key], expected[key]), f"depth {depth}, fit_cache={fit_cache}: {key}"
 
 
 @pytest.mark.parametrize("policy, mover", [("lru", "zero_copy"), ("lookahead", "zero_copy"), ("lru", "staged"),
