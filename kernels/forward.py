@@ -321,11 +321,11 @@ def pooled_forward(
     if mode == POOLING_NONE:
         num_lookups = lookups.num_lookups
         padded = torch.empty(padded_size(num_lookups), stores.max_dim, dtype=torch.float32, device=device)
-        output = padded[:num_lookups]
+        output = leading_rows(padded, num_lookups)
     else:
         rows = padded_size(batch_size) if pad else batch_size
         padded = torch.empty(rows, stores.total_dim, dtype=torch.float32, device=device)
-        output = padded[:batch_size]
+        output = leading_rows(padded, batch_size)
     if batch_size == 0 or output.numel() == 0:
         return output
     if padded.shape[0] != output.shape[0] and mode != POOLING_NONE:
@@ -351,6 +351,14 @@ def pooled_forward(
         graphs.run((plan, id(stores)), (batch_addresses(tensors),),
                    lambda addresses: _enqueue_forward(plan, stores, addresses[0], *tensors), device)
     return output
+
+
+def leading_rows(padded: torch.Tensor, rows: int) -> torch.Tensor:
+    """``padded[:rows]`` (of a contiguous 2-D tensor) as a tensor of its own over the same memory, not a view:
+    autograd refuses an in-place op on a view that a custom Function returns (the module's output, which a
+    model may scale in place), and a copy would cost a pass over the output."""
+    return padded.new_empty(0).set_(padded.untyped_storage(), padded.storage_offset(), (rows, padded.shape[1]),
+                                    padded.stride())
 
 
 def batch_addresses(tensors) -> torch.Tensor:

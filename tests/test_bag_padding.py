@@ -61,6 +61,8 @@ def test_padded_forward_equals_unpadded_bitwise(batch_size, pooling, weighted, c
     plain = pooled_forward(stores, lookups, slot_of_index, pooling, pad=False)
     padded = pooled_forward(stores, lookups, slot_of_index, pooling, pad=True)
     assert padded.shape == plain.shape == (batch_size, stores.total_dim) and padded.is_contiguous()
+    assert not padded._is_view()  # autograd takes in-place ops on the module's output (kernels/forward.leading_rows)
+    assert padded.untyped_storage().nbytes() == padded_size(batch_size) * stores.total_dim * 4
     assert torch.equal(padded, plain)
     # Against fp64 plain torch: a padded bag's rows never land in the output.
     weights = lookups.per_sample_weights if weighted else torch.ones(lookups.num_lookups, device=device)

@@ -120,6 +120,26 @@ def test_module_training_on_changing_batch_sizes_padded_equals_unpadded_bitwise(
         assert torch.equal(value, plain[1][key]), key
 
 
+@pytest.mark.parametrize("pooling", ["sum", "none"])
+def test_the_output_of_a_padded_batch_takes_in_place_ops(monkeypatch, pooling, device):
+    """The module's output over a padded buffer (a pooled batch's bags padded as where graphs run, pooling
+    none's lookups always) is no view: a model that scales it in place trains as one that scales a copy."""
+    monkeypatch.setattr(forward_module, "pads_batches", lambda graphs, device, mode: mode != POOLING_NONE)
+    dims = (8,) * 4 if pooling == "none" else (3, 16, 33, 120)
+    batches = _ragged_batches((40, 3, 25, 60), 4, steps=3, batch_size=None, device=device, batch_sizes=(5, 9, 11))
+    tables = []
+    for in_place in (True, False):
+        module = _module(dims, device, pooling=pooling)
+        for indices, offsets, weights in batches:
+            output = module(indices, offsets, per_sample_weights=weights)
+            assert not output._is_view()
+            output = output.mul_(3) if in_place else output * 3
+            output.backward(torch.linspace(-1, 1, output.numel(), device=device).view(output.shape))
+        tables.append(module.state_dict())
+    for key, value in tables[0].items():
+        assert torch.equal(value, tables[1][key]), key
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 def _graphed_equals_eager(dims, pooling, optimizer, batch_sizes=None):
