@@ -368,7 +368,7 @@ def backward_update(
             then.enqueue(to_device(then.inputs, grad_output.device))
         return
     if pad is None:
-        pad = sorted_lookups is None and pads_batches(graphs, grad_output.device, mode)
+        pad = pads_batches(graphs, grad_output.device, mode)
     pad = bool(pad) and sorted_lookups is None
     if pad and mode == POOLING_NONE:
         raise ValueError("pooling none's gradient rows are its lookups': its batch cannot be padded")

@@ -323,12 +323,12 @@ def pooled_forward(
         padded = torch.empty(padded_size(num_lookups), stores.max_dim, dtype=torch.float32, device=device)
         output = leading_rows(padded, num_lookups)
     else:
-        rows = padded_size(batch_size) if pad else batch_size
-        padded = torch.empty(rows, stores.total_dim, dtype=torch.float32, device=device)
+        padded = torch.empty(padded_size(batch_size) if pad else batch_size, stores.total_dim,
+                             dtype=torch.float32, device=device)
         output = leading_rows(padded, batch_size)
     if batch_size == 0 or output.numel() == 0:
         return output
-    if padded.shape[0] != output.shape[0] and mode != POOLING_NONE:
+    if mode != POOLING_NONE and padded.shape[0] != batch_size:  # the bags laid out at the output's rows
         lookups = pad_bags(lookups, stores.num_features, padded.shape[0])
         batch_size = lookups.batch_size
     override = os.environ.get("TIERED_TBE_FORWARD_TILE")  # a tuning run's tile for every forward
