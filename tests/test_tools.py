@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import tiered_tbe  # noqa: F401  (chooses GPU / simulation mode before the tools import triton or numba)
 from tiered_tbe import records
@@ -333,3 +334,33 @@ def test_host_costs_refuses_without_a_gpu_and_times_every_call_with_one(tmp_path
     assert host_costs.main(["--calls", "20", "--record", str(path)]) == 0
     [record] = records.read(path)
     assert record["benchmark"] == "host-costs" and all(value > 0 for value in record["figures"]["host_us"].values())
+
+
+def test_bench_trace_writes_a_configurations_batches_for_the_simulator(tmp_path, monkeypatch, capsys):
+    """A ``bench fbgemm`` configuration's batches (here a tiny twin of the ragged one: batch size and bag
+    length drawn every batch) written as a trace: the simulator reads every lookup of every batch,
+    each in its own table's rows."""
+    bench_trace = tool("bench_trace")
+    configs = importlib.import_module("tiered_tbe.benchmarks.fbgemm_configs")
+    tiny = configs.simulation_shape(next(c for c in configs.CONFIGS if c.name == "cached-odd-dims-ragged"))
+    monkeypatch.setattr(configs, "CONFIGS", [tiny])
+    monkeypatch.setattr(configs, "CONFIG_NAMES", [tiny.name])
+    path = tmp_path / "trace.pt"
+    assert bench_trace.main([tiny.name, "6", str(path)]) == 0
+    assert f"--table-rows {','.join(map(str, tiny.tables))}" in capsys.readouterr().out
+    batches = torch.load(path)
+    assert len(batches) == 6 and len({offsets.numel() for _, offsets in batches}) > 1  # batch sizes change
+    for indices, offsets in batches:
+        assert (offsets.numel() - 1) % len(tiny.tables) == 0 and offsets[-1] == indices.numel()
+        bags = (offsets.numel() - 1) // len(tiny.tables)
+        table_of_lookup = torch.repeat_interleave(torch.arange(len(tiny.tables)).repeat_interleave(bags),
+                                                  offsets.diff())
+        assert (indices >= 0).all() and (indices < torch.tensor(tiny.tables)[table_of_lookup]).all()
+    report = tmp_path / "hit_rate.json"
+    assert cli_main(["bench", "hit-rate", "--trace", "file", "--file", str(path), "--table-rows",
+                     ",".join(map(str, tiny.tables)), "--cache-sizes", "10%", "--policies", "lru",
+                     "--no-progress", "--json", str(report)]) == 0
+    trace = json.loads(report.read_text())["trace"]
+    assert trace["lookups"] == sum(indices.numel() for indices, _ in batches) and trace["batches"] == 6
+    with pytest.raises(SystemExit, match="unknown configuration"):
+        bench_trace.main(["no-such-configuration", "2", str(path)])
