@@ -43,6 +43,8 @@ ROWS = [
     ("cached-mixed-weighted", "12 tables of dims 8-256 (64M rows), B=16384, bags of 0-40 with weights, 10% cache, "
                               "serial", ()),
     ("cached-mixed-weighted-z0.6", "the same at Zipf 0.6 (most rows miss: ~2.7M rows, ~1 GB each way a batch)", ()),
+    ("cached-mixed-weighted-z0.6-lookahead", "the same at Zipf 0.6, ours `lookahead` (told the next 64 batches), "
+                                             "FBGEMM's LRU", ()),
     ("cached-mixed-bag20", "the same, every bag of 20 lookups", ()),
     ("cached-odd-dims-ragged", "8 tables of dims 4-132 (40M rows), B=8192-16384, bags of 1-30 drawn per batch, "
                                "weights, 10% cache, serial", ()),
