@@ -302,3 +302,27 @@ def test_graphed_hint_rows_equal_eager_and_never_wait_for_the_device():
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(got_rows, want_rows) and torch.equal(got_count, want_count), step
     assert graphed._hint_graphs.captures == 2 and graphed._hint_graphs.replays == 4
+
+
+@pytest.mark.gpu
+def test_hint_rows_of_batches_changing_size_every_step_replay_a_few_graphs():
+    """A ragged batch (batch size and bag lengths drawn anew each step) is hinted through a graph of its
+    padded size: the same rows and count as eager, and far fewer captures than batches."""
+    tables = [TableSpec(ROWS, DIM, name=f"t{i}", placement=Placement.HOST_CACHED) for i in range(3)]
+
+    def module(graphs: bool) -> TieredEmbeddingBags:
+        return TieredEmbeddingBags(tables, optimizer=SGD(lr=0.1), device="cuda", bounds_check="off",
+                                   cache=CacheConfig(fraction=0.05, policy="lookahead"), cuda_graphs=graphs)
+
+    eager, graphed = module(False), module(True)
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    steps = 40
+    for step in range(steps):
+        batch_size = int(torch.randint(48, 65, (), generator=generator, device="cuda"))
+        lengths = torch.randint(0, 9, (3 * batch_size,), generator=generator, device="cuda")
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        indices = torch.randint(0, ROWS, (int(offsets[-1]),), generator=generator, device="cuda")
+        want_rows, want_count = eager.rows_for_hint(indices, offsets)
+        got_rows, got_count = graphed.rows_for_hint(indices, offsets)
+        assert torch.equal(got_rows, want_rows) and torch.equal(got_count, want_count), step
+    assert graphed._hint_graphs.replays >= steps // 2 and graphed._hint_graphs.captures <= 8

@@ -418,6 +418,7 @@ def test_gpu_lookahead_pipeline_matches_simulator_and_never_syncs(mover):
 
 def test_rows_for_hint_gives_each_distinct_row_once_then_padding():
     from tiered_tbe import CacheConfig, Placement, TableSpec, TieredEmbeddingBags
+    from tiered_tbe.base.graphs import padded_size
     from tiered_tbe.base.sorting import INT64_MAX
     from tiered_tbe.pipeline import _HintRows
 
@@ -431,10 +432,38 @@ def test_rows_for_hint_gives_each_distinct_row_once_then_padding():
     offsets = torch.tensor([0, 2, 4, 5, 7, 7, 8, 9, 10, 11])
     rows, count = module.rows_for_hint(indices, offsets)
     expected = sorted({7, 3, 49, 50, 50 + 1 + 29, 50 + 1 + 5, 50 + 1 + 0})
-    assert int(count) == len(expected) and rows.shape == indices.shape
+    assert int(count) == len(expected) and rows.shape == (padded_size(indices.numel()),)
     assert rows[: len(expected)].tolist() == expected
     assert (rows[len(expected):] == INT64_MAX).all()
     assert _HintRows(rows, count).rows().tolist() == expected  # on the CPU the count is known at once
+
+
+def test_rows_for_hint_of_batches_changing_size_every_step_equal_a_set_of_their_rows():
+    """Hints are padded to a few shapes (batch size and bag lengths drawn anew each step): each batch's
+    distinct rows, as a plain set of its lookups' global rows names them, then only padding."""
+    from tiered_tbe import CacheConfig, Placement, TableSpec, TieredEmbeddingBags
+    from tiered_tbe.base.graphs import padded_size
+    from tiered_tbe.base.sorting import INT64_MAX
+
+    generator = torch.Generator().manual_seed(7)
+    table_rows = [97, 1, 40, 13]
+    tables = [TableSpec(n, 3, placement=Placement.HOST_CACHED) for n in table_rows]
+    module = TieredEmbeddingBags(tables, cache=CacheConfig(slots=32, policy="lookahead", associativity=4),
+                                 device="cpu", backend="torch")
+    starts = [sum(table_rows[:t]) for t in range(len(table_rows))]
+    for step in range(6):
+        batch_size = int(torch.randint(1, 9, (), generator=generator))
+        lengths = torch.randint(0, 7, (len(tables) * batch_size,), generator=generator)
+        lengths[0] = 0  # an empty bag every step
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        indices = torch.cat([torch.randint(0, n, (int(lengths[t * batch_size:(t + 1) * batch_size].sum()),),
+                                           generator=generator) for t, n in enumerate(table_rows)])
+        expected = sorted({starts[t] + int(i) for t in range(len(tables))
+                           for i in indices[int(offsets[t * batch_size]):int(offsets[(t + 1) * batch_size])]})
+        rows, count = module.rows_for_hint(indices, offsets)
+        assert rows.shape == (padded_size(indices.numel()),), step
+        assert int(count) == len(expected) and rows[: len(expected)].tolist() == expected, step
+        assert (rows[len(expected):] == INT64_MAX).all(), step
 
 
 def test_hint_upcoming_records_each_batch_once_up_to_max_lookahead():

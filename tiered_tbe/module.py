@@ -11,7 +11,7 @@ from tiered_tbe import validation
 from tiered_tbe.backends import backend_named
 from tiered_tbe.base import streams
 from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
-from tiered_tbe.base.graphs import PADDED_GRAPHS, StepGraphs
+from tiered_tbe.base.graphs import PADDED_GRAPHS, StepGraphs, padded_size
 from tiered_tbe.base.mode import default_device
 from tiered_tbe.base.sorting import sort_ids
 from tiered_tbe.batch import DeferredUnlocks, PreparedBatch
@@ -165,8 +165,8 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
             (StepGraphs(PADDED_GRAPHS, enabled=graphs_enabled), StepGraphs(PADDED_GRAPHS, enabled=graphs_enabled))
             if self.backend.name == "triton" else (None, None))
         # ... and of a lookahead hint's rows (rows_for_hint: two sorts and ~15 torch ops, 2.6-4 ms of
-        # host time a batch when enqueued one by one on the H200 machine).
-        self._hint_graphs = StepGraphs(enabled=graphs_enabled)
+        # host time a batch when enqueued one by one on the H200 machine), padded the same way.
+        self._hint_graphs = StepGraphs(PADDED_GRAPHS, enabled=graphs_enabled)
 
         state_width = [optimizer.state_width(s.embedding_dim) if optimizer else 0 for s in tables]
         cached = [t for t, s in enumerate(tables) if s.placement.is_cached]
@@ -288,29 +288,39 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
     def rows_for_hint(self, indices: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The distinct global rows of a batch not yet validated, for :meth:`hint_upcoming`.
 
-        Returns ``(rows, count)``: ``rows`` int64 [N] holds the batch's ``count`` distinct
-        global rows in ascending order, then ``INT64_MAX`` padding (rows a hint ignores);
+        Returns ``(rows, count)``: ``rows`` int64 [``padded_size(N)``] holds the batch's ``count``
+        distinct global rows in ascending order, then ``INT64_MAX`` padding (rows a hint ignores);
         ``count`` is an int64 device scalar (read it when convenient: nothing here waits for
         the GPU). ``rows[:count]`` is the same hint, shorter. Out-of-range indices are clamped
-        into their tables: that can only make a hint less exact, never a result wrong (values
-        are checked at the batch's prefetch)."""
+        into their tables and lookups outside every bag are left out: that can only make a hint
+        less exact, never a result wrong (values are checked at the batch's prefetch)."""
         batch_size = max(validation.check_static(self.tables, indices, offsets, self.device,
                                                  self._features_if_shared), 1)
+        # Shaped by the padded lookup count and the feature count only, so that batches whose bag
+        # lengths and batch size change every step replay a few graphs: eager, a ragged batch's hint
+        # cost its prefetch ~5 ms of host time on the H200 machine (docs/performance.md).
+        num_lookups = indices.numel()
+        size = padded_size(num_lookups)
+        if size != num_lookups:
+            indices = torch.cat([indices, indices.new_zeros(size - num_lookups)])
+        feature_starts = offsets[::batch_size]  # [F + 1]: where each feature's lookups start, then the end
 
         def enqueue(tensors):
-            indices, offsets = (t.long() for t in tensors)
-            feature_of_index = self._feature_of_index(self._bag_of_index(indices, offsets), batch_size)
+            indices, feature_starts = (t.long() for t in tensors)
+            positions = torch.arange(indices.numel(), device=indices.device)
+            feature_of_index = (torch.searchsorted(feature_starts, positions, right=True) - 1).clamp_(
+                0, len(self.feature_table_map) - 1)
             rows = torch.minimum(indices.clamp(min=0), self._num_rows_of_feature[feature_of_index] - 1)
-            rows = self._row_offset[feature_of_index] + rows
+            rows = torch.where(positions < feature_starts[-1], self._row_offset[feature_of_index] + rows, INT64_MAX)
             num_rows = self.row_stores.num_rows
             sorted_rows = sort_ids(rows, num_rows)[0]
             first = torch.ones_like(sorted_rows, dtype=torch.bool)
             first[1:] = sorted_rows[1:] != sorted_rows[:-1]
+            first &= sorted_rows != INT64_MAX
             distinct = sort_ids(torch.where(first, sorted_rows, INT64_MAX), num_rows)[0]  # repeats sort last
             return distinct, first.sum()
 
-        # One graph replay per batch shape (the batch size is part of the key: the kernels bake it in).
-        return self._hint_graphs.run(("hint rows", batch_size), (indices, offsets), enqueue, self.device)
+        return self._hint_graphs.run("hint rows", (indices, feature_starts), enqueue, self.device)
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream: torch.cuda.Stream | None = None,
                  batch_size_per_feature_per_rank: list[list[int]] | None = None, *, defer_unlock: bool = False) -> None:
