@@ -181,6 +181,7 @@ CONFIGS = [
     Config("cached-odd-dims-ragged-pipelined", **_ODD, pipelined=True),
     # The simulator on these batches: LFU moves 0.91 of LRU's rows, lookahead (8 batches) 0.86.
     Config("cached-odd-dims-ragged-lfu", **_ODD, policy="lfu"),
+    Config("cached-odd-dims-ragged-lookahead", **_ODD, policy="lookahead"),
     Config("cached-odd-dims-ragged-lookahead-pipelined", **_ODD, policy="lookahead", pipelined=True),
     Config("cached-criteo-mixed", **_CRITEO_MIXED),
     Config("cached-criteo-mixed-pipelined", **_CRITEO_MIXED, pipelined=True),
