@@ -169,7 +169,10 @@ def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags |
             result = time_steps(forward_of, pipeline, grad, warmup, after_warmup=reset, count=count)
             pipeline.close()
             if pipeline.ahead_control is not None:
-                result.update(ahead_at_end=pipeline.ahead_control.ahead, ahead_lowered=pipeline.ahead_control.lowered)
+                control = pipeline.ahead_control
+                # Steps run (warm-up included) at each depth: steps_ahead_0, steps_ahead_1, ...
+                result.update(ahead_at_end=control.ahead, ahead_lowered=control.lowered,
+                              **{f"steps_ahead_{k}": control.steps_at.get(k, 0) for k in range(control.depth + 1)})
             return result
         if config.cached:
             before = lookahead_prefetch(emb, batches_run, window) if window \

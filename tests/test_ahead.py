@@ -1,14 +1,16 @@
 """AheadControl (tiered_tbe/ahead.py): the batches a fitted PrefetchPipeline holds ahead. One fewer when a
 prefetch made at the current depth left more than NO_ROOM of its unique rows without a slot (never for a
 deeper, stale one, never below none), one more after PROBE_STEPS steps without such a prefetch (never past
-the depth), nothing read from counters that were reset. Through the pipeline: tests/test_pipeline.py."""
+the depth), nothing read from counters that were reset. Timed: a depth below is tried once one is timed and
+kept only when it steps faster; steps still in flight or just after a change are not counted. Through the
+pipeline: tests/test_pipeline.py."""
 
 from __future__ import annotations
 
 import torch
 
 from tiered_tbe import ahead as ahead_module
-from tiered_tbe.ahead import NO_ROOM, AheadControl
+from tiered_tbe.ahead import MARGIN, NO_ROOM, PROBE_STEPS, SAMPLES, SETTLE, AheadControl, StepTimer
 from tiered_tbe.cache.batch_kernels import COUNTER_NAMES
 
 
@@ -81,3 +83,85 @@ def test_no_cache_records_nothing():
     control = AheadControl(4, [])
     control.record()
     assert control.update() == 4
+
+
+class _FakeTimer(StepTimer):
+    """Steps that take ``cost[ahead]`` ms at each depth, landing ``lag`` steps after they start."""
+
+    def __init__(self, cost: dict[int, float], lag: int = 1):
+        super().__init__()
+        self.cost, self.lag, self.control = cost, lag, None
+        self.started: list[tuple[object, int]] = []
+        self.reported = 0
+
+    def mark(self, tag):
+        self.started.append((tag, self.control.ahead))
+
+    def landed(self):
+        # The step before the newest mark has ended; with a lag, the last `lag - 1` of those are still in flight.
+        done = max(len(self.started) - self.lag, 0)
+        timed = [(tag, self.cost[ahead]) for tag, ahead in self.started[self.reported:done]]
+        self.reported = max(self.reported, done)
+        return timed
+
+
+def _timed(cost: dict[int, float], depth: int, steps: int, lag: int = 1) -> tuple[list[int], AheadControl]:
+    timer = _FakeTimer(cost, lag)
+    control = AheadControl(depth, [], timer)
+    timer.control = control
+    return [control.update() for _ in range(steps)], control
+
+
+def test_timed_depths_go_down_while_each_steps_faster_down_to_none():
+    # Each depth is timed over SETTLE + SAMPLES steps (plus one: a step's time lands at the next update).
+    aheads, control = _timed({2: 40.0, 1: 35.0, 0: 30.0}, depth=2, steps=60)
+    per_depth = SETTLE + SAMPLES + 1
+    assert aheads[:per_depth] == [2] * per_depth and aheads[per_depth:2 * per_depth] == [1] * per_depth
+    assert aheads[2 * per_depth:] == [0] * (60 - 2 * per_depth)
+    assert control.lowered == 2 and control.steps_at[0] == 60 - 2 * per_depth
+
+
+def test_a_timed_depth_below_that_steps_no_faster_is_undone_then_tried_again_after_probe_steps():
+    no_faster = 40.0 * (1 - MARGIN / 2)  # faster by less than MARGIN: not kept
+    aheads, control = _timed({2: 40.0, 1: no_faster, 0: 10.0}, depth=2, steps=3 * PROBE_STEPS)
+    per_depth = SETTLE + SAMPLES + 1
+    assert 0 not in aheads  # depth 0 is never reached through a depth that does not pay
+    tries = [i for i in range(1, len(aheads)) if aheads[i] == 1 and aheads[i - 1] == 2]
+    assert tries[0] == per_depth and len(tries) >= 2
+    assert all(later - earlier >= PROBE_STEPS for earlier, later in zip(tries, tries[1:]))
+    runs = "".join(map(str, aheads)).split("2")
+    assert all(len(run) == per_depth for run in runs[:-1] if run)  # each try lasts the steps that time it
+    assert control.steps_at[2] > 2 * control.steps_at[1]
+
+
+def test_timed_pipeline_goes_back_up_when_a_depth_above_steps_faster():
+    # A no-room prefetch sends it to none ahead; after PROBE_STEPS one more is tried, timed and kept.
+    cost = {2: 20.0, 1: 25.0, 0: 30.0}
+    timer = _FakeTimer(cost)
+    cache = _Counters()
+    control = AheadControl(2, [cache], timer)
+    timer.control = control
+    aheads = [_step(control, [cache], [2 * NO_ROOM]) for _ in range(4)]
+    assert aheads[-1] == 0
+    aheads = [_step(control, [cache], [0.0]) for _ in range(3 * PROBE_STEPS)]
+    assert aheads[-1] == 2 and control.ahead == 2
+
+
+def test_steps_in_flight_or_just_after_a_change_are_not_timed():
+    # Times landing 4 steps late: a try waits for SAMPLES timed steps at its own depth, so a depth is never
+    # judged by the steps of the one before.
+    aheads, _ = _timed({2: 40.0, 1: 50.0, 0: 10.0}, depth=2, steps=40, lag=4)
+    first_try = aheads.index(1)
+    assert first_try >= SETTLE + SAMPLES + 4
+    back = aheads.index(2, first_try)
+    assert back - first_try >= SETTLE + SAMPLES + 4 and 0 not in aheads
+
+
+def test_step_timer_on_the_host_times_consecutive_marks():
+    timer = StepTimer()
+    timer.mark("a")
+    assert timer.landed() == []
+    timer.mark("b")
+    timer.mark("c")
+    landed = timer.landed()
+    assert [tag for tag, _ in landed] == ["a", "b"] and all(ms >= 0 for _, ms in landed)

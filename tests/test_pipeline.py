@@ -309,3 +309,50 @@ def test_a_pipeline_fitted_to_the_cache_holds_fewer_batches_while_it_is_full(one
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
     assert fitted.sgd.cache_stats().misses_no_slot < fixed.sgd.cache_stats().misses_no_slot
+
+
+def test_a_fitted_pipeline_holds_the_depth_whose_steps_time_fastest(one_simulated_thread, monkeypatch):
+    """Where every row finds a slot (a cache of 64 slots), fit_cache still holds fewer batches ahead when
+    fewer step faster, as its timer reads them (here a timer whose steps cost more the more are ahead), and
+    trains bit for bit as the serial loop at every depth it passes through."""
+    from tiered_tbe import ahead as ahead_module
+    from tiered_tbe import pipeline as pipeline_module
+
+    class DeeperIsSlower(ahead_module.StepTimer):
+        def __init__(self, stream=None):
+            super().__init__(stream)
+            self.control, self.started, self.reported = None, [], 0
+
+        def mark(self, tag):
+            self.started.append((tag, self.control.ahead))
+
+        def landed(self):
+            timed = [(tag, 10.0 + ahead) for tag, ahead in self.started[self.reported:-1]]
+            self.reported = max(len(self.started) - 1, 0)
+            return timed
+
+    made = []
+
+    def timer(stream=None):
+        made.append(DeeperIsSlower(stream))
+        made[-1].control = pipeline.ahead_control
+        return made[-1]
+
+    monkeypatch.setattr(pipeline_module, "StepTimer", timer)
+    steps = 3 * (ahead_module.SETTLE + ahead_module.SAMPLES + 1) + 4
+    batches = make_batches(steps)
+    serial = make_model("lru", slots=64)
+    for batch in batches:
+        train_step(serial, batch)
+    fitted = make_model("lru", slots=64)
+    pipeline = PrefetchPipeline(fitted, batches, depth=2, lookups=lookups, fit_cache=True)
+    aheads = []
+    for batch in pipeline:
+        aheads.append(pipeline.ahead_control.ahead)
+        train_step(fitted, batch)
+    assert len(made) == 1 and aheads[0] == 2 and aheads[-1] == 0 and sorted(set(aheads)) == [0, 1, 2], aheads
+    assert all(module.cache_stats().misses_no_slot == 0 for module in fitted.children())  # room throughout
+    assert_no_locks(fitted)
+    got, expected = tables_of(fitted), tables_of(serial)
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key

@@ -7,17 +7,28 @@ and the backward read and update those rows over the bus. On the H200 at Zipf 0.
 rows a batch, 6.4M slots) a depth-2 pipeline took 48.3 ms a step against 39.2 serial
 (docs/performance.md, "Where pipelining loses").
 
-:class:`AheadControl` watches for it without a host sync: after each prefetch the caches' counters are
-copied to pinned memory, and an event is polled, never waited for. When the newest prefetch seen, made
-with the pipeline ``ahead`` batches ahead, left more than ``NO_ROOM`` of its unique rows
-without a slot, the pipeline holds one batch fewer ahead, down to none (each batch prefetched after the
-step before it, as serial training does). After ``PROBE_STEPS`` steps without such a prefetch it tries
-one more, up to its depth. What the pipeline computes does not depend on it: pipelined training equals
-serial training bit for bit at every depth (``tiered_tbe/pipeline.py``).
+:class:`AheadControl` fits the depth by two rules, neither of which waits for the GPU:
+
+- **No room**: after each prefetch the caches' counters are copied to pinned memory, and an event is
+  polled, never waited for. When the newest prefetch seen, made with the pipeline ``ahead`` batches
+  ahead, left more than ``NO_ROOM`` of its unique rows without a slot, the pipeline holds one batch
+  fewer ahead at once, down to none (each batch prefetched after the step before it, as serial
+  training does).
+- **Timed** (with a :class:`StepTimer`): a pipeline may lose even where every row finds a slot (with
+  lookahead at Zipf 0.6 one batch ahead stepped 41.7 ms against 31.75 serial: the batch in flight keeps
+  the rows the hints would evict, so more rows move). So each depth is judged by the median of
+  ``SAMPLES`` step times (between the starts of consecutive steps on the training stream, read from
+  events once they have completed). After a depth is timed the one below it is tried, and kept when it
+  steps faster by ``MARGIN``; otherwise the pipeline goes back and tries again ``PROBE_STEPS`` steps later.
+
+After ``PROBE_STEPS`` steps at a depth below the pipeline's it tries one more (kept, when timed, only if
+faster). What the pipeline computes does not depend on either rule: pipelined training equals serial
+training bit for bit at every depth (``tiered_tbe/pipeline.py``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -32,18 +43,65 @@ NO_ROOM = 0.01
 # Steps at a depth below the pipeline's before it tries one batch more (a try that finds the cache full
 # costs a step or two with rows read over the bus).
 PROBE_STEPS = 64
+# Step times a depth is judged by (their median), and the steps after a change of depth left untimed (their
+# batches in flight were prefetched at the depth before).
+SAMPLES = 6
+SETTLE = 2
+# A depth tried is kept when its median step is faster than the one it was tried from by this share.
+MARGIN = 0.02
 # Pinned counter copies in flight at most (a prefetch whose slot's copy has not landed records nothing).
 _SLOTS = 16
 _UNIQUE_ROWS, _MISSES_NO_SLOT = COUNTER_NAMES.index("unique_rows"), COUNTER_NAMES.index("misses_no_slot")
 
 
-class AheadControl:
-    """The batches a pipeline of ``depth`` holds ahead, fitted to ``caches`` (one per tiered module)."""
+class StepTimer:
+    """Times consecutive steps without waiting: ``mark(tag)`` at each step's start, ``landed()`` the
+    ``(tag, ms)`` of each step whose end (the next mark) has been reached since.
 
-    def __init__(self, depth: int, caches: Sequence[SlotCache]):
+    On a CUDA ``stream`` the marks are events recorded on it (polled, never waited for); without one,
+    host clock readings (the CPU runs each step to its end before the next mark).
+    """
+
+    _LIMIT = 64  # marks kept at most (a GPU far behind the host drops the oldest untimed)
+
+    def __init__(self, stream: torch.cuda.Stream | None = None):
+        self.stream = stream
+        self._marks: deque[tuple[object, object]] = deque()
+
+    def mark(self, tag: object) -> None:
+        if self.stream is None:
+            self._marks.append((tag, time.perf_counter()))
+        else:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(self.stream)
+            self._marks.append((tag, event))
+        while len(self._marks) > self._LIMIT:
+            self._marks.popleft()
+
+    def landed(self) -> list[tuple[object, float]]:
+        timed = []
+        while len(self._marks) >= 2:
+            (tag, start), (_, end) = self._marks[0], self._marks[1]
+            if self.stream is None:
+                milliseconds = 1e3 * (end - start)
+            elif end.query():
+                milliseconds = start.elapsed_time(end)
+            else:
+                break
+            self._marks.popleft()
+            timed.append((tag, milliseconds))
+        return timed
+
+
+class AheadControl:
+    """The batches a pipeline of ``depth`` holds ahead, fitted to ``caches`` (one per tiered module) and,
+    given a ``timer``, to the step times it reads."""
+
+    def __init__(self, depth: int, caches: Sequence[SlotCache], timer: StepTimer | None = None):
         self.depth = depth
         self.ahead = depth
         self.caches = list(caches)
+        self.timer = timer
         pinned = bool(self.caches) and self.caches[0].device.type == "cuda"
         self._copies = torch.zeros(_SLOTS, len(self.caches), len(COUNTER_NAMES), dtype=torch.int64,
                                    pin_memory=pinned)
@@ -51,8 +109,17 @@ class AheadControl:
         self._next = 0
         self._pending: deque[tuple[int, int]] = deque()  # (ahead at the prefetch, its copy's slot)
         self._previous: torch.Tensor | None = None  # the counters of the last copy read, [caches, counters]
-        self._steps_since_full = 0
+        self._steps_since_probe = 0  # steps since the depth last went up, or a prefetch found no room
+        # Timing: a serial of the depth's changes and the steps since the last (they tag each step), the
+        # step times at this depth, the depth being tried from and its median, and steps before a try down.
+        self._change = 0
+        self._steps_at_depth = 0
+        self._samples: list[float] = []
+        self._median: float | None = None  # of the last SAMPLES timed at this depth
+        self._trial: tuple[int, float] | None = None
+        self._hold = 0
         self.lowered = 0  # times the pipeline held one batch fewer (read by tests and benchmarks)
+        self.steps_at: dict[int, int] = {}  # steps run at each depth (read by benchmarks)
 
     def record(self) -> None:
         """After a prefetch, on its stream: the caches' counters, copied without waiting."""
@@ -72,8 +139,26 @@ class AheadControl:
         self._next = (slot + 1) % _SLOTS
 
     def update(self) -> int:
-        """Before a step's prefetches: the batches to hold ahead, from the prefetches whose counters have landed."""
-        self._steps_since_full += 1
+        """Before a step's prefetches: the batches to hold ahead, from the prefetches whose counters and the
+        steps whose times have landed."""
+        self._steps_since_probe += 1
+        self._hold = max(self._hold - 1, 0)
+        if self._no_room():
+            self._steps_since_probe = 0
+            if self.ahead > 0:
+                self._set(self.ahead - 1)
+        self._time_steps()
+        if self.ahead < self.depth and self._steps_since_probe >= PROBE_STEPS:
+            self._try(self.ahead + 1)
+        self.steps_at[self.ahead] = self.steps_at.get(self.ahead, 0) + 1
+        if self.timer is not None:
+            self.timer.mark((self._change, self._steps_at_depth))
+        self._steps_at_depth += 1
+        return self.ahead
+
+    def _no_room(self) -> bool:
+        """Whether a prefetch made at the current depth, whose counters have landed, found no room."""
+        no_room = False
         while self._pending:
             ahead, slot = self._pending[0]
             event = self._events[slot]
@@ -89,11 +174,46 @@ class AheadControl:
             if bool((unique < 0).any() | (no_slot < 0).any()):
                 continue  # stats were reset between the two copies
             if bool((no_slot > NO_ROOM * unique).any()):
-                self._steps_since_full = 0
-                if ahead == self.ahead > 0:  # made at this depth (a deeper one's is stale): hold one fewer
-                    self.ahead -= 1
-                    self.lowered += 1
-        if self.ahead < self.depth and self._steps_since_full >= PROBE_STEPS:
-            self.ahead += 1
-            self._steps_since_full = 0
-        return self.ahead
+                self._steps_since_probe = 0
+                # Made at this depth (a deeper one's is stale); one fewer per update.
+                no_room |= ahead == self.ahead
+        return no_room
+
+    def _time_steps(self) -> None:
+        """Judge the current depth once ``SAMPLES`` of its steps are timed: keep or undo a depth being
+        tried, or try the one below."""
+        if self.timer is None:
+            return
+        for (change, index), milliseconds in self.timer.landed():
+            if change == self._change and index >= SETTLE:
+                self._samples.append(milliseconds)
+        if len(self._samples) < SAMPLES:
+            return
+        median = self._median = sorted(self._samples)[len(self._samples) // 2]
+        self._samples = []  # timed afresh from here: what a try is compared with is recent
+        if self._trial is not None:
+            tried_from, its_median = self._trial
+            self._trial = None
+            if median >= (1 - MARGIN) * its_median:  # no faster: back, and no try down for a while
+                self._set(tried_from)
+                self._hold = PROBE_STEPS
+                return
+        if self.ahead > 0 and self._hold == 0:
+            self._try(self.ahead - 1)
+
+    def _try(self, ahead: int) -> None:
+        """Move to ``ahead``, kept (when the current depth was timed) only if it steps faster."""
+        current, median = self.ahead, self._median
+        self._set(ahead)
+        self._steps_since_probe = 0
+        self._trial = (current, median) if median is not None else None
+
+    def _set(self, ahead: int) -> None:
+        if ahead < self.ahead:
+            self.lowered += 1
+        self.ahead = ahead
+        self._change += 1
+        self._steps_at_depth = 0
+        self._samples = []
+        self._median = None
+        self._trial = None

@@ -13,8 +13,8 @@ forward/backward, all ``B`` and ``F`` on the training stream, all ``P`` on a sid
    unlock, or (no free way) the backing store, and a later prefetch copies none of those rows
    into a slot until batch ``i`` is unlocked (``tiered_tbe.cache.policy``, "Rows left in the
    backing store"). So training equals serial training, bitwise.
-4. With ``fit_cache``, ``k`` falls while prefetches find the cache full (``tiered_tbe/ahead.py``); at
-   ``k = 0`` ``P(i+1)`` is issued after step ``i``, which the serial loop does.
+4. With ``fit_cache``, ``k`` falls while prefetches find the cache full or a smaller ``k`` steps faster
+   (``tiered_tbe/ahead.py``); at ``k = 0`` ``P(i+1)`` is issued after step ``i``, which the serial loop does.
 
 Rows of every batch in flight stay locked from its prefetch until its backward (or its
 forward, under no_grad; or when the pipeline closes) has run and the next prefetch has
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tiered_tbe.ahead import AheadControl
+from tiered_tbe.ahead import AheadControl, StepTimer
 from tiered_tbe.cache.hints import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD
 from tiered_tbe.module import TieredEmbeddingBags
 
@@ -123,8 +123,9 @@ class PrefetchPipeline:
             rows over the bus (results/measurements.jsonl). False keeps the steps on the current stream.
         fit_cache: hold fewer batches ahead (down to none: each batch prefetched after the step before it)
             while the batches in flight hold more rows than the cache has room for, seen as prefetches that
-            leave rows without a slot (``tiered_tbe/ahead.py``: read without a host sync; one batch more is
-            tried again every ``PROBE_STEPS`` steps). The training is the same, bit for bit, at any depth.
+            leave rows without a slot, or while fewer ahead step faster, timed on the training stream
+            (``tiered_tbe/ahead.py``: both read without a host sync; other depths are tried again every
+            ``PROBE_STEPS`` steps). The training is the same, bit for bit, at any depth.
 
     Use it as a plain iterator or a context manager; ``close()`` (also on exceptions, and at the
     end of iteration) releases the locks of batches prefetched but never trained.
@@ -249,6 +250,8 @@ class PrefetchPipeline:
             if self.high_priority_stream is not None:
                 self.high_priority_stream.wait_stream(self.training_stream)  # the work before the loop
                 self.training_stream = self.high_priority_stream
+        if self.ahead_control is not None:  # steps timed where they run (on the CPU: by the host's clock)
+            self.ahead_control.timer = StepTimer(self.training_stream)
         try:
             while len(self.queue) < self.depth and self._prefetch_next():
                 pass
