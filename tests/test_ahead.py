@@ -7,6 +7,7 @@ pipeline: tests/test_pipeline.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tiered_tbe import ahead as ahead_module
@@ -165,3 +166,19 @@ def test_step_timer_on_the_host_times_consecutive_marks():
     timer.mark("c")
     landed = timer.landed()
     assert [tag for tag, _ in landed] == ["a", "b"] and all(ms >= 0 for _, ms in landed)
+
+
+@pytest.mark.gpu
+def test_step_timer_on_a_stream_reads_events_once_they_have_completed():
+    stream = torch.cuda.Stream()
+    timer = StepTimer(stream)
+    with torch.cuda.stream(stream):
+        timer.mark("long")
+        torch.cuda._sleep(50_000_000)  # ~25-50 ms of spinning on the stream
+        timer.mark("short")
+        timer.mark("end")
+    early = timer.landed()  # the host runs ahead of the sleep: at most what has completed
+    stream.synchronize()
+    landed = early + timer.landed()
+    assert [tag for tag, _ in landed] == ["long", "short"]
+    assert landed[0][1] > 5 * landed[1][1] and landed[0][1] > 1.0
