@@ -50,7 +50,10 @@ SETTLE = 2
 # A depth tried is kept when its median step is faster than the one it was tried from by this share.
 MARGIN = 0.02
 # Pinned counter copies in flight at most (a prefetch whose slot's copy has not landed records nothing).
-_SLOTS = 16
+# Nothing on the training path waits for the GPU, so the host runs as many steps ahead as the launch
+# queue lets it: the lookahead pipeline at Zipf 0.6 enqueued ~10 ms of host work a 41.7 ms step, and with
+# 16 slots it lowered once, then probably saw no prefetch again (docs/performance.md).
+_SLOTS = 256
 _UNIQUE_ROWS, _MISSES_NO_SLOT = COUNTER_NAMES.index("unique_rows"), COUNTER_NAMES.index("misses_no_slot")
 
 
@@ -62,7 +65,7 @@ class StepTimer:
     host clock readings (the CPU runs each step to its end before the next mark).
     """
 
-    _LIMIT = 64  # marks kept at most (a GPU far behind the host drops the oldest untimed)
+    _LIMIT = 256  # marks kept at most (a GPU far behind the host drops the oldest untimed)
 
     def __init__(self, stream: torch.cuda.Stream | None = None):
         self.stream = stream
