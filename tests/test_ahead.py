@@ -122,14 +122,16 @@ def test_timed_depths_go_down_while_each_steps_faster_down_to_none():
     assert control.lowered == 2 and control.steps_at[0] == 60 - 2 * per_depth
 
 
-def test_a_timed_depth_below_that_steps_no_faster_is_undone_then_tried_again_after_probe_steps():
+def test_a_timed_depth_below_that_steps_no_faster_is_undone_then_tried_again_ever_later():
     no_faster = 40.0 * (1 - MARGIN / 2)  # faster by less than MARGIN: not kept
-    aheads, control = _timed({2: 40.0, 1: no_faster, 0: 10.0}, depth=2, steps=3 * PROBE_STEPS)
+    aheads, control = _timed({2: 40.0, 1: no_faster, 0: 10.0}, depth=2, steps=10 * PROBE_STEPS)
     per_depth = SETTLE + SAMPLES + 1
     assert 0 not in aheads  # depth 0 is never reached through a depth that does not pay
     tries = [i for i in range(1, len(aheads)) if aheads[i] == 1 and aheads[i - 1] == 2]
-    assert tries[0] == per_depth and len(tries) >= 2
-    assert all(later - earlier >= PROBE_STEPS for earlier, later in zip(tries, tries[1:]))
+    assert tries[0] == per_depth and len(tries) >= 3
+    gaps = [later - earlier for earlier, later in zip(tries, tries[1:])]
+    # Each try that did not pay doubles the wait before the next.
+    assert gaps[0] >= PROBE_STEPS and all(after > 1.9 * before for before, after in zip(gaps, gaps[1:])), gaps
     runs = "".join(map(str, aheads)).split("2")
     assert all(len(run) == per_depth for run in runs[:-1] if run)  # each try lasts the steps that time it
     assert control.steps_at[2] > 2 * control.steps_at[1]

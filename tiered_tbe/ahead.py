@@ -14,16 +14,18 @@ rows a batch, 6.4M slots) a depth-2 pipeline took 48.3 ms a step against 39.2 se
   ahead, left more than ``NO_ROOM`` of its unique rows without a slot, the pipeline holds one batch
   fewer ahead at once, down to none (each batch prefetched after the step before it, as serial
   training does).
-- **Timed** (with a :class:`StepTimer`): a pipeline may lose even where every row finds a slot (with
-  lookahead at Zipf 0.6 one batch ahead stepped 41.7 ms against 31.75 serial: the batch in flight keeps
-  the rows the hints would evict, so more rows move). So each depth is judged by the median of
+- **Timed** (with a :class:`StepTimer`): a depth can lose where few rows lack a slot too: rows locked by
+  the batch in flight cannot be evicted, so the policy evicts worse ones and more rows move, and the
+  forward and backward share the bus with the prefetch. So each depth is judged by the median of
   ``SAMPLES`` step times (between the starts of consecutive steps on the training stream, read from
   events once they have completed). After a depth is timed the one below it is tried, and kept when it
-  steps faster by ``MARGIN``; otherwise the pipeline goes back and tries again ``PROBE_STEPS`` steps later.
+  steps faster by ``MARGIN``; otherwise the pipeline goes back and tries again ``PROBE_STEPS`` steps
+  later, twice as late after each try in a row that did not pay (at most ``2**MAX_BACKOFF`` times): the
+  host may run tens of steps ahead of the GPU, and a try lasts until its steps' times land.
 
-After ``PROBE_STEPS`` steps at a depth below the pipeline's it tries one more (kept, when timed, only if
-faster). What the pipeline computes does not depend on either rule: pipelined training equals serial
-training bit for bit at every depth (``tiered_tbe/pipeline.py``).
+After ``PROBE_STEPS`` steps at a depth below the pipeline's (as late as a try down, when timed) it tries
+one more (kept, when timed, only if faster). What the pipeline computes does not depend on either rule:
+pipelined training equals serial training bit for bit at every depth (``tiered_tbe/pipeline.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ NO_ROOM = 0.01
 # Steps at a depth below the pipeline's before it tries one batch more (a try that finds the cache full
 # costs a step or two with rows read over the bus).
 PROBE_STEPS = 64
+# Tries in a row that did not pay double the wait before the next, up to 2**MAX_BACKOFF * PROBE_STEPS.
+MAX_BACKOFF = 4
 # Step times a depth is judged by (their median), and the steps after a change of depth left untimed (their
 # batches in flight were prefetched at the depth before).
 SAMPLES = 6
@@ -121,6 +125,7 @@ class AheadControl:
         self._median: float | None = None  # of the last SAMPLES timed at this depth
         self._trial: tuple[int, float] | None = None
         self._hold = 0
+        self._failed_tries = 0
         self.lowered = 0  # times the pipeline held one batch fewer (read by tests and benchmarks)
         self.steps_at: dict[int, int] = {}  # steps run at each depth (read by benchmarks)
 
@@ -151,7 +156,7 @@ class AheadControl:
             if self.ahead > 0:
                 self._set(self.ahead - 1)
         self._time_steps()
-        if self.ahead < self.depth and self._steps_since_probe >= PROBE_STEPS:
+        if self.ahead < self.depth and self._steps_since_probe >= self._patience():
             self._try(self.ahead + 1)
         self.steps_at[self.ahead] = self.steps_at.get(self.ahead, 0) + 1
         if self.timer is not None:
@@ -197,12 +202,20 @@ class AheadControl:
         if self._trial is not None:
             tried_from, its_median = self._trial
             self._trial = None
-            if median >= (1 - MARGIN) * its_median:  # no faster: back, and no try down for a while
+            if median >= (1 - MARGIN) * its_median:  # no faster: back, and no try for a while
+                self._failed_tries += 1
                 self._set(tried_from)
-                self._hold = PROBE_STEPS
+                self._hold = self._patience()
                 return
+            self._failed_tries = 0
+            if self.ahead > tried_from:  # one more paid: the depth below was just timed slower
+                self._hold = self._patience()
         if self.ahead > 0 and self._hold == 0:
             self._try(self.ahead - 1)
+
+    def _patience(self) -> int:
+        """Steps to wait before a try: longer after tries that did not pay."""
+        return PROBE_STEPS << min(self._failed_tries, MAX_BACKOFF)
 
     def _try(self, ahead: int) -> None:
         """Move to ``ahead``, kept (when the current depth was timed) only if it steps faster."""
