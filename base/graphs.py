@@ -69,6 +69,12 @@ def padded_size(n: int) -> int:
     return -(-n // granule) * granule
 
 
+def pad_to_padded_size(tensor: torch.Tensor, value: int) -> torch.Tensor:
+    """1-D ``tensor`` [N] with ``value`` appended up to ``padded_size(N)`` entries (itself when N is one)."""
+    extra = padded_size(tensor.numel()) - tensor.numel()
+    return tensor if extra == 0 else torch.cat([tensor, tensor.new_full((extra,), value)])
+
+
 def graphs_enabled() -> bool:
     """CUDA graphs need a GPU and the compiled kernels; ``TIERED_TBE_CUDA_GRAPHS=0`` turns them off."""
     return (not SIMULATION and torch.cuda.is_available()

@@ -38,7 +38,7 @@ from dataclasses import fields
 
 import torch
 
-from tiered_tbe.base.graphs import PADDED_GRAPHS, GraphLaunches, StepGraphs, next_int64, padded_size
+from tiered_tbe.base.graphs import PADDED_GRAPHS, GraphLaunches, StepGraphs, next_int64, pad_to_padded_size, padded_size
 from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.base.streams import current_stream, current_stream_handle
@@ -428,9 +428,7 @@ class SlotCache(LookaheadHints, SlotReleases):
         # Padded to a size bucket with a row outside every cached table (sorted last as no row,
         # counted nowhere), so that batches whose size changes every step replay a few graphs.
         num_lookups = rows.numel()
-        size = padded_size(num_lookups)
-        if size != num_lookups:
-            rows = torch.cat([rows, rows.new_full((size - num_lookups,), self._rows_end)])
+        rows = pad_to_padded_size(rows, self._rows_end)
 
         unlock_inputs = [launches.inputs for launches in unlocks]
 

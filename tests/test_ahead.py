@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fake_step_timer import FakeStepTimer
 
 from tiered_tbe import ahead as ahead_module
 from tiered_tbe.ahead import MARGIN, NO_ROOM, PROBE_STEPS, SAMPLES, SETTLE, AheadControl, StepTimer
@@ -86,28 +87,8 @@ def test_no_cache_records_nothing():
     assert control.update() == 4
 
 
-class _FakeTimer(StepTimer):
-    """Steps that take ``cost[ahead]`` ms at each depth, landing ``lag`` steps after they start."""
-
-    def __init__(self, cost: dict[int, float], lag: int = 1):
-        super().__init__()
-        self.cost, self.lag, self.control = cost, lag, None
-        self.started: list[tuple[object, int]] = []
-        self.reported = 0
-
-    def mark(self, tag):
-        self.started.append((tag, self.control.ahead))
-
-    def landed(self):
-        # The step before the newest mark has ended; with a lag, the last `lag - 1` of those are still in flight.
-        done = max(len(self.started) - self.lag, 0)
-        timed = [(tag, self.cost[ahead]) for tag, ahead in self.started[self.reported:done]]
-        self.reported = max(self.reported, done)
-        return timed
-
-
 def _timed(cost: dict[int, float], depth: int, steps: int, lag: int = 1) -> tuple[list[int], AheadControl]:
-    timer = _FakeTimer(cost, lag)
+    timer = FakeStepTimer(cost, lag)
     control = AheadControl(depth, [], timer)
     timer.control = control
     return [control.update() for _ in range(steps)], control
@@ -140,7 +121,7 @@ def test_a_timed_depth_below_that_steps_no_faster_is_undone_then_tried_again_eve
 def test_timed_pipeline_goes_back_up_when_a_depth_above_steps_faster():
     # A no-room prefetch sends it to none ahead; after PROBE_STEPS one more is tried, timed and kept.
     cost = {2: 20.0, 1: 25.0, 0: 30.0}
-    timer = _FakeTimer(cost)
+    timer = FakeStepTimer(cost)
     cache = _Counters()
     control = AheadControl(2, [cache], timer)
     timer.control = control

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from fake_step_timer import FakeStepTimer
 from torch import nn
 
 from tiered_tbe import SGD, Adam, CacheConfig, Placement, PrefetchPipeline, RowwiseAdagrad, TableSpec
@@ -318,23 +319,10 @@ def test_a_fitted_pipeline_holds_the_depth_whose_steps_time_fastest(one_simulate
     from tiered_tbe import ahead as ahead_module
     from tiered_tbe import pipeline as pipeline_module
 
-    class DeeperIsSlower(ahead_module.StepTimer):
-        def __init__(self, stream=None):
-            super().__init__(stream)
-            self.control, self.started, self.reported = None, [], 0
-
-        def mark(self, tag):
-            self.started.append((tag, self.control.ahead))
-
-        def landed(self):
-            timed = [(tag, 10.0 + ahead) for tag, ahead in self.started[self.reported:-1]]
-            self.reported = max(len(self.started) - 1, 0)
-            return timed
-
     made = []
 
-    def timer(stream=None):
-        made.append(DeeperIsSlower(stream))
+    def timer(stream=None):  # steps cost more the more batches are ahead
+        made.append(FakeStepTimer({0: 10.0, 1: 11.0, 2: 12.0}))
         made[-1].control = pipeline.ahead_control
         return made[-1]
 
