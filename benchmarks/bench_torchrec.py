@@ -75,6 +75,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="the first N Criteo Kaggle tables (26 on a GPU, 4 in simulation)")
     parser.add_argument("--max-rows", type=int, default=_default("max_rows"),
                         help="cap every table's rows (none on a GPU, 300 in simulation)")
+    parser.add_argument("--rows-scale", type=int, default=1,
+                        help="multiply every table's rows by N (default 1; 4: the 26 Criteo tables x 128 are ~69 GB, "
+                             "tables larger than a GPU's share of HBM, for fused_uvm_caching)")
     parser.add_argument("--dim", type=int, default=_default("dim"), help="embedding dim (128; 8 in simulation)")
     parser.add_argument("--batch-size", type=int, default=_default("batch_size"),
                         help="samples per step and rank (65536; 16 in simulation)")
@@ -101,7 +104,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def check_args(args: argparse.Namespace) -> argparse.Namespace:
-    for name in ("tables", "dim", "batch_size", "steps"):
+    for name in ("tables", "rows_scale", "dim", "batch_size", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 1 <= args.tables <= len(CRITEO_KAGGLE_TABLE_ROWS):
@@ -134,7 +137,7 @@ class ClickHead(nn.Module):
 
 
 def table_rows(args) -> list[int]:
-    rows = list(CRITEO_KAGGLE_TABLE_ROWS[: args.tables])
+    rows = [n * args.rows_scale for n in CRITEO_KAGGLE_TABLE_ROWS[: args.tables]]
     return [min(n, args.max_rows) for n in rows] if args.max_rows else rows
 
 
@@ -445,7 +448,8 @@ def run(args: argparse.Namespace) -> dict:
             _print(args, results, world_size)
             if args.record:
                 command = getattr(args, "command_line", "tiered-tbe bench torchrec")
-                configuration = dict(world_size=world_size, tables=len(table_rows(args)), dim=args.dim,
+                configuration = dict(world_size=world_size, tables=len(table_rows(args)), rows=sum(table_rows(args)),
+                                     rows_scale=args.rows_scale, dim=args.dim,
                                      batch_size=args.batch_size, alpha=args.alpha, vbe=bool(args.vbe),
                                      cache_load_factor=args.cache_load_factor, steps=args.steps,
                                      warmup=args.warmup, turns=ROUNDS)

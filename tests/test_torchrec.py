@@ -150,8 +150,8 @@ def test_bench_torchrec_runs_in_simulation(tmp_path, capsys):
     from tiered_tbe.cli import main
 
     record = tmp_path / "torchrec.jsonl"
-    assert main(["bench", "torchrec", "--tables", "2", "--steps", "1", "--warmup", "0", "--profile",
-                 "--trace", str(tmp_path / "traces"), "--record", str(record)]) == 0
+    assert main(["bench", "torchrec", "--tables", "2", "--rows-scale", "2", "--max-rows", "2000", "--steps", "1",
+                 "--warmup", "0", "--profile", "--trace", str(tmp_path / "traces"), "--record", str(record)]) == 0
     out = capsys.readouterr().out
     assert "ours/TorchRec" in out and "fused " in out and "cached " in out and "ours samples/s" in out
     assert "NCCL collectives" in out
@@ -160,6 +160,9 @@ def test_bench_torchrec_runs_in_simulation(tmp_path, capsys):
         f"{config}-{side}.json" for config in ("cached", "fused") for side in ("ours", "torchrec")]
     lines = {line["configuration"]["name"]: line for line in map(json.loads, record.read_text().splitlines())}
     assert set(lines) == {"fused", "cached"} and all(line["simulation"] for line in lines.values())
+    # The first two Criteo tables (1460 and 583 rows), twice the rows each, capped at 2000.
+    scaled = lines["cached"]["configuration"]
+    assert scaled["rows_scale"] == 2 and scaled["rows"] == 2000 + 1166
     assert lines["cached"]["figures"]["ours"]["step_ms"] > 0 and lines["cached"]["benchmark"] == "torchrec"
     for figures in (lines["cached"]["figures"][side] for side in ("ours", "torchrec")):  # one rank, B=16 a step
         assert figures["samples_per_s"] == pytest.approx(16 / figures["step_ms"] * 1e3)
@@ -192,20 +195,52 @@ def test_gpu_two_ranks_train_as_one_rank_on_the_same_global_batches(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
+def test_gpu_every_plan_on_two_gpus_equals_torchrecs_fbgemm_kernels():
+    """On two GPUs over NCCL: every plan (table-, row-, column-, table-row-wise, mixed, all cached: 4 slots a
+    rank's group), SGD, Adagrad and a weighted collection, 20 steps of our Triton kernels equal TorchRec's
+    FBGEMM CUDA kernels under the same plan within 1e-5. Skipped on one GPU."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    ranks.spawn(scenarios.every_plan_equals_fbgemm, 2, "triton", 20, nccl=True)
+
+
+@pytest.mark.gpu
+def test_gpu_checkpoint_of_two_ranks_resumes_on_one_gpu_and_on_the_cpu(tmp_path):
     """On two GPUs over NCCL: the checkpoint scenarios of the CPU test above (resumed bitwise, another plan)
-    saved by 2 ranks, then loaded by 1 GPU, which trains on to the uninterrupted run. Skipped on one GPU."""
+    saved by 2 ranks, then loaded by 1 GPU and by 1 CPU process (simulation mode, gloo), each of which trains
+    on to the uninterrupted run. Skipped on one GPU."""
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     ranks.spawn(scenarios.checkpoints, 2, str(tmp_path), nccl=True)
     ranks.spawn(scenarios.checkpoint_on_one_rank, 1, str(tmp_path), nccl=True)
+    ranks.spawn(scenarios.checkpoint_on_one_rank, 1, str(tmp_path), cpu_simulation=True)
 
 
 @pytest.mark.gpu
 def test_gpu_prefetch_train_pipeline_equals_serial_and_evaluation_leaves_no_lock():
     ranks.spawn(scenarios.prefetch_pipeline_equals_serial, 1, nccl=True)
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_train_pipeline_equals_torchrecs_fbgemm_kernels():
+    ranks.spawn(scenarios.prefetch_pipeline_equals_fbgemm, 1, nccl=True)
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_train_pipeline_on_two_gpus():
+    """On two GPUs over NCCL, the mixed plan under PrefetchTrainPipelineSparseDist: bitwise the serial loop
+    (whose 2 ranks equal 1 rank on the same global batches: the test above), no slot locked after evaluation,
+    and 20 steps equal TorchRec's FBGEMM kernels under the same pipeline within 1e-5. Skipped on one GPU."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    ranks.spawn(scenarios.prefetch_pipeline_equals_serial, 2, nccl=True)
+    ranks.spawn(scenarios.prefetch_pipeline_equals_fbgemm, 2, nccl=True)
 
 
 def test_device_script_is_valid_bash():

@@ -28,12 +28,22 @@ BATCH = 3  # samples per rank
 DEVICE = torch.device("cpu")  # where a rank's model runs: cuda:<rank> in a job spawned with nccl=True
 
 
-def spawn(function, world_size: int, *args, nccl: bool = False) -> None:
-    """``nccl``: one GPU per rank, NCCL (gpu-marked tests); else the CPU and gloo."""
+def spawn(function, world_size: int, *args, nccl: bool = False, cpu_simulation: bool = False) -> None:
+    """``nccl``: one GPU per rank, NCCL (gpu-marked tests); else the CPU and gloo. ``cpu_simulation``: the ranks
+    run in CPU simulation mode even on a machine with GPUs (a GPU job's checkpoint loaded on the CPU)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    mp.spawn(_rank_entry, args=(function, world_size, port, args, nccl), nprocs=world_size, join=True)
+    saved = os.environ.get("TIERED_TBE_SIMULATE")
+    if cpu_simulation:  # read by the ranks' `import tiered_tbe` (base/mode.py); spawned ranks inherit it
+        os.environ["TIERED_TBE_SIMULATE"] = "1"
+    try:
+        mp.spawn(_rank_entry, args=(function, world_size, port, args, nccl), nprocs=world_size, join=True)
+    finally:
+        if cpu_simulation and saved is None:
+            del os.environ["TIERED_TBE_SIMULATE"]
+        elif cpu_simulation:
+            os.environ["TIERED_TBE_SIMULATE"] = saved
 
 
 def _rank_entry(rank: int, function, world_size: int, port: int, args, nccl: bool = False) -> None:
@@ -147,8 +157,11 @@ def ours_sharder(fused_params: dict):
 
 
 def fbgemm_kernel_layout(layout: dict) -> dict:
-    """The plan for TorchRec's own kernels: every kernel ``fused`` (FBGEMM's CPU TBE keeps every table in
-    host memory whatever the kernel; its CPU TBE has no cache)."""
+    """The plan for TorchRec's own kernels: on GPUs the same plan (FBGEMM's CUDA TBE runs every kernel); on
+    the CPU every kernel ``fused`` (FBGEMM's CPU TBE keeps every table in host memory whatever the kernel,
+    and has no cache)."""
+    if DEVICE.type == "cuda":
+        return dict(layout)
     return {name: (sharding, "fused") for name, (sharding, _) in layout.items()}
 
 

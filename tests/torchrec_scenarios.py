@@ -53,15 +53,19 @@ def _train_side_by_side(rank, world, layout, params, ours, batch_sizes=None, ste
     return stock, model
 
 
-def every_plan_equals_fbgemm(rank, world):
+def every_plan_equals_fbgemm(rank, world, backend: str = "torch", steps: int = STEPS):
+    """Every plan of PLANS, then SGD, Adagrad and a weighted collection on the mixed plan: ``steps`` steps
+    of ours (``backend``) equal TorchRec's own kernels (FBGEMM's CPU TBE on the CPU, its CUDA TBE under the
+    same plan on GPUs)."""
     for name, layout in PLANS.items():
-        _train_side_by_side(rank, world, layout, fused_params(), ours_params(fused_params()), label=name)
+        _train_side_by_side(rank, world, layout, fused_params(), ours_params(fused_params(), backend), steps=steps,
+                            label=name)
     for optimizer in ("EXACT_SGD", "EXACT_ADAGRAD"):
-        _train_side_by_side(rank, world, PLANS["mixed"], fused_params(optimizer), ours_params(fused_params(optimizer)),
-                            label=optimizer)
+        _train_side_by_side(rank, world, PLANS["mixed"], fused_params(optimizer),
+                            ours_params(fused_params(optimizer), backend), steps=steps, label=optimizer)
     # A weighted collection: a weight per lookup (per-sample weights) scales its row in the bag.
-    _train_side_by_side(rank, world, PLANS["mixed"], fused_params(), ours_params(fused_params()), label="weighted",
-                        weighted=True)
+    _train_side_by_side(rank, world, PLANS["mixed"], fused_params(), ours_params(fused_params(), backend),
+                        steps=steps, label="weighted", weighted=True)
     # The Triton kernels (the others ran their plain-torch reference, far faster in simulation).
     _train_side_by_side(rank, world, PLANS["mixed"], fused_params(), ours_params(fused_params(), backend="triton"),
                         steps=2, label="triton")
@@ -465,6 +469,16 @@ def gpu_sequence_kernels_equal_fbgemm(rank, world):
         _sequence_steps_equal(stock, model, rank, optimizer)
 
 
+def _pipeline_layout(world: int) -> dict:
+    """Cached tables for the prefetch pipeline's scenarios: on one rank table-wise with one HBM table; on two,
+    PLANS' mixed plan (HBM, managed and cached tables; table-, row-, table-row- and column-wise)."""
+    if world > 1:
+        return dict(PLANS["mixed"])
+    layout = {name: ("tw0", "fused_uvm_caching") for name, _, _ in ranks.TABLES}
+    layout["t1"] = ("tw0", "fused")
+    return layout
+
+
 def prefetch_pipeline_equals_serial(rank, world):
     """PrefetchTrainPipelineSparseDist (our prefetch on TorchRec's prefetch stream, a batch ahead) trains
     fused_uvm_caching tables bitwise as a plain serial loop does, and is stopped early (a batch prefetched,
@@ -475,8 +489,7 @@ def prefetch_pipeline_equals_serial(rank, world):
 
     from tiered_tbe import CacheConfig
 
-    layout = {name: ("tw0", "fused_uvm_caching") for name, _, _ in ranks.TABLES}
-    layout["t1"] = ("tw0", "fused")
+    layout = _pipeline_layout(world)
     steps = 12
     # More slots than the cached tables' 90 rows: a leak would show as locks piling up.
     params = ours_params(fused_params(), backend="triton") | dict(cache_config=CacheConfig(slots=128, associativity=8))
@@ -503,10 +516,35 @@ def prefetch_pipeline_equals_serial(rank, world):
         batches = iter(ranks.click_batches(rank, 3 * steps, seed=1))
         for _ in range(3 * steps):
             evaluation.progress(batches)
-            # At most two batches hold locks (the one evaluated, the one prefetched): 27 rows each at most.
-            assert all(m.cache.num_locked() <= 2 * 27 for m in cached)
+            # At most two batches hold locks (the one evaluated, the one prefetched): 27 rows each at most
+            # of every rank's batch (row-wise shards take lookups of every rank).
+            assert all(m.cache.num_locked() <= 2 * 27 * world for m in cached)
         evaluation.detach()
     for m in cached:
         m.run_deferred_unlocks()
     torch.cuda.synchronize()
     assert all(m.cache.num_locked() == 0 and not m._prefetched for m in cached)
+
+
+def prefetch_pipeline_equals_fbgemm(rank, world, steps: int = 20):
+    """Under PrefetchTrainPipelineSparseDist on GPUs, our sharder (Triton kernels, a cache of 4 slots a rank's
+    group: heavy eviction) and TorchRec's own (FBGEMM's CUDA TBE, ``prefetch_pipeline=True``) train the same
+    plan on the same batches: every step's logits, then the weights and the fused optimizer's state, within
+    1e-5."""
+    from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist
+
+    layout = _pipeline_layout(world)
+    params = fused_params(prefetch_pipeline=True)
+    stock, stock_optimizer = ranks.click_dmp(layout, world, ranks.stock_sharder(params))
+    model, optimizer = ranks.click_dmp(layout, world, ranks.ours_sharder(ours_params(params, backend="triton")))
+    model.load_state_dict(stock.state_dict())
+    pipelines = [PrefetchTrainPipelineSparseDist(m, o, ranks.DEVICE)
+                 for m, o in ((stock, stock_optimizer), (model, optimizer))]
+    batches = [iter(ranks.click_batches(rank, steps + 2)) for _ in pipelines]
+    for step in range(steps):
+        (_, expected), (_, actual) = (pipeline.progress(b) for pipeline, b in zip(pipelines, batches))
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5, msg=lambda m, s=step: f"step {s}: {m}")
+    for pipeline in pipelines:
+        pipeline.detach()
+    torch.cuda.synchronize()
+    ranks.assert_states_close(stock, model)

@@ -15,3 +15,10 @@ if [[ ${SKIP_INSTALL:-0} != 1 ]]; then
         echo "no .peer: carry the FBGEMM_GPU peer archive with TorchRec's wheels (CONTRIBUTING.md)"; exit 1
     fi
 fi
+# A later call on the same machine (SKIP_INSTALL=1) starts a fresh shell: find what an earlier one unpacked.
+for site in /tmp/site /tmp/fbsite; do
+    [[ -d $site && :${PYTHONPATH:-}: != *:$site:* ]] && export PYTHONPATH=$site:${PYTHONPATH:-}
+done
+# NVLink multicast stays off on the shared GPU hosts (NCCL, PyTorch's symmetric memory, NVSHMEM), also for the
+# processes torchrun and mp.spawn start, which inherit these.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
