@@ -117,3 +117,35 @@ def test_no_slot_locked_after_an_exception_and_memory_flat_over_2000_steps():
     (device_at_200, host_at_200), (device_at_2000, host_at_2000) = readings[199], readings[1999]
     assert device_at_2000 <= device_at_200 * 1.01 + (1 << 20), readings
     assert host_at_2000 <= host_at_200 * 1.02 + (64 << 20), readings
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "lookahead"])
+def test_ragged_serial_steps_never_wait_for_the_device(policy):
+    """The serial step of `bench fbgemm`'s ragged configurations (`cached-odd-dims-ragged`, its lookahead twin):
+    8 tables of odd dims (several column groups), batch size and bag lengths drawn anew every step, per-sample
+    weights, a prefetch before each forward (and, with lookahead, the hints of the next two batches). Once every
+    batch's shapes have been seen, no step issues a synchronizing CUDA call (torch's sync debug mode): a sync
+    would leave the GPU idle while the host enqueues the next step."""
+    dims = [4, 12, 20, 36, 52, 76, 100, 132]
+    rows = [r // 64 for r in GPU_ROWS[: len(dims)]]
+    module = mixed_module(rows, dims, [Placement.MANAGED_CACHED] * len(dims), "cuda",
+                          cache=CacheConfig(fraction=0.1, policy=policy))
+    batches = ragged_batches(rows, dims, steps=12, batch_sizes=[512, 300, 448, 256], max_bag=30, device="cuda")
+
+    def train_serially():
+        for i, (indices, offsets, weights, grad) in enumerate(batches):
+            if policy == "lookahead":
+                module.hint_upcoming([module.rows_for_hint(*batch[:2])[0] for batch in batches[i + 1: i + 3]])
+            module.prefetch(indices, offsets)
+            module(indices, offsets, per_sample_weights=weights).backward(grad)
+
+    train_serially()  # every shape seen: the forward's tiles tuned (which times kernels), graphs captured
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        train_serially()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert module.cache.num_locked() == 0 and module.cache_stats().evictions > 0

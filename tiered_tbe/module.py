@@ -303,7 +303,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         feature_starts = offsets[::batch_size]  # [F + 1]: where each feature's lookups start, then the end
 
         def enqueue(tensors):
-            indices, feature_starts = (t.long() for t in tensors)
+            indices, feature_starts = (t.long().contiguous() for t in tensors)  # (a graph's inputs are already)
             positions = torch.arange(indices.numel(), device=indices.device)
             feature_of_index = (torch.searchsorted(feature_starts, positions, right=True) - 1).clamp_(
                 0, len(self.feature_table_map) - 1)
