@@ -16,6 +16,8 @@ pytest.importorskip("fbgemm_gpu")
 
 import socket  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torchrec_ranks as ranks  # noqa: E402
 import torchrec_scenarios as scenarios  # noqa: E402
@@ -102,6 +104,13 @@ _NO_TORCHREC = run_in_background([sys.executable, "-c", (
     "print(sorted(m for m in sys.modules if m == 'torchrec' or m.startswith('torchrec.')))")],
     timeout=120, check=True)
 TRAIN_FLAGS = ["--tables", "3", "--rows", "50", "--dim", "8", "--batch-size", "8", "--steps", "8", "--backend", "torch"]
+# bench torchrec on 2 ranks, recorded for the weak-scaling summary (tools/torchrec_scaling.py) beside a 1-rank run.
+_SCALING_RECORDS = Path(tempfile.mkdtemp(prefix="tiered-tbe-scaling-")) / "bench_torchrec.jsonl"
+BENCH_FLAGS = ["--tables", "2", "--max-rows", "2000", "--steps", "2", "--warmup", "0",
+               "--record", str(_SCALING_RECORDS)]
+_BENCH_ON_TWO = run_in_background([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                   "--master-port", str(_free_port()), "-m", "tiered_tbe", "bench", "torchrec",
+                                   *BENCH_FLAGS, "--configs", "fused", "cached"], timeout=300) if SIMULATION else None
 _TRAIN_ON_TWO = run_in_background([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                    "--master-port", str(_free_port()), "-m", "tiered_tbe", "train", "--torchrec",
                                    *TRAIN_FLAGS, "--sharding", "table-row-wise", "--torchrec-pipeline", "sparse-dist"],
@@ -121,6 +130,39 @@ def test_train_torchrec_on_two_processes():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es), gloo" in result.stdout and "table_row_wise" in result.stdout
     assert "over 8 steps (mean of 2 ranks)" in result.stdout
+
+
+@on_the_cpu
+def test_weak_scaling_pairs_a_two_rank_benchmark_with_its_one_rank_run(capsys):
+    """`bench torchrec` on 2 ranks (torchrun, gloo) and on 1 rank, recorded to one file: tools/torchrec_scaling.py
+    pairs each configuration run at both world sizes and divides each side's samples per second of all ranks;
+    `fused`, run on 2 ranks only, has no row."""
+    from tiered_tbe.cli import main
+
+    result = _BENCH_ON_TWO.result()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert main(["bench", "torchrec", *BENCH_FLAGS, "--configs", "cached"]) == 0
+    capsys.readouterr()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import torchrec_scaling
+
+    records = torchrec_scaling.read_records(_SCALING_RECORDS)
+    assert sorted((r["configuration"]["name"], r["configuration"]["world_size"]) for r in records) == [
+        ("cached", 1), ("cached", 2), ("fused", 2)]
+    [row] = torchrec_scaling.scaling_rows(records)
+    by_world = {r["configuration"]["world_size"]: r["figures"]
+                for r in records if r["configuration"]["name"] == "cached"}
+    assert row["name"] == "cached" and row["world_size"] == 2 and row["rows"] == 1460 + 583
+    for side in ("ours", "torchrec"):  # samples/s of all ranks: 2 x 16 samples a step on 2 ranks
+        assert by_world[2][side]["samples_per_s"] == pytest.approx(32 / by_world[2][side]["step_ms"] * 1e3)
+        assert row[f"{side}_scaling"] == pytest.approx(by_world[2][side]["samples_per_s"] /
+                                                       by_world[1][side]["samples_per_s"])
+        assert row[f"{side}_nccl_share"] is None  # not profiled
+    steps = {side: by_world[2][side]["step_ms"] for side in ("ours", "torchrec")}
+    assert row["ours_over_torchrec"] == pytest.approx(steps["ours"] / steps["torchrec"])
+    assert torchrec_scaling.main([str(_SCALING_RECORDS)]) == 0
+    out = capsys.readouterr().out
+    assert "| cached | 2,043 | 2 |" in out and "| fused |" not in out
 
 
 @on_the_cpu

@@ -14,6 +14,7 @@
 #   scale  the same weak scaling with every table's rows x SCALE_ROWS (default 4: ~69 GB of Criteo tables,
 #          fused_uvm_caching only: SCALE_CONFIGS, default "cached cached-prefetch")
 #   vbe    the benchmark with a variable batch size per feature (--vbe; fused and cached)
+# With several GPUs, tools/torchrec_scaling.py then pairs each N-GPU record with its 1-GPU one ($OUT/scaling.md).
 # Environment (all optional):
 #   TESTS          pytest targets of the tests part (default tests/test_torchrec.py)
 #   TESTS_TIMEOUT  seconds for the tests (default 420)
@@ -69,4 +70,7 @@ if part scale; then  # tables larger than a GPU's share of HBM, behind the cache
 fi
 if part vbe; then
     bench "$NPROC" bench_torchrec_vbe.log --vbe --configs fused cached
+fi
+if [[ $NPROC -gt 1 && -f $OUT/bench_torchrec.jsonl ]]; then  # N GPUs against 1, both sides: a markdown table
+    python3 tools/torchrec_scaling.py "$OUT/bench_torchrec.jsonl" | tee "$OUT/scaling.md"
 fi
