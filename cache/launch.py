@@ -135,7 +135,13 @@ class KernelLauncher:
             from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
             return FakeCUDAArray(tensor.detach().numpy())
-        return device_array(tensor)
+        from numba import cuda
+
+        with cuda.gpus[self._device_index()]:  # (see launch_configured)
+            return device_array(tensor)
+
+    def _device_index(self) -> int:
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
     def launch(self, kernel, num_items: int, *args) -> None:
         """Launch a 1-D grid-stride kernel over ``num_items`` entries."""
@@ -154,18 +160,20 @@ class KernelLauncher:
 
     def launch_configured(self, kernel, grid, block, *args) -> None:
         """Launch ``kernel[grid, block]`` on torch's current stream; tensors become kernel arrays."""
-        args = [self.array(a) if isinstance(a, torch.Tensor) else a for a in args]
         if SIMULATION:
-            kernel[grid, block](*args)
+            kernel[grid, block](*(self.array(a) if isinstance(a, torch.Tensor) else a for a in args))
             return
         from numba import cuda
 
-        # torch's current stream, so the kernels are ordered with torch's work on it.
-        pointer = torch.cuda.current_stream(self.device).cuda_stream
-        if pointer != self._stream_pointer:
-            self._stream_pointer, self._numba_stream = pointer, cuda.external_stream(pointer)
         known = len(kernel.overloads)
-        with cuda.gpus[self.device.index if self.device.index is not None else torch.cuda.current_device()]:
+        # Numba binds streams and arrays to its current context: this device's, also in a process that drives
+        # several GPUs or on a thread where another device is current (no context is made on GPU 0 for them).
+        with cuda.gpus[self._device_index()]:
+            args = [device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
+            # torch's current stream, so the kernels are ordered with torch's work on it.
+            pointer = torch.cuda.current_stream(self.device).cuda_stream
+            if pointer != self._stream_pointer:
+                self._stream_pointer, self._numba_stream = pointer, cuda.external_stream(pointer)
             kernel[grid, block, self._numba_stream](*args)
         if len(kernel.overloads) != known:  # compiled or loaded for these argument types
             _count_compiles(kernel)

@@ -164,3 +164,48 @@ def test_staged_mover_memory_stays_flat_over_2000_steps():
     assert pinned_2000 <= pinned_200 + (4 << 20), (pinned_200, pinned_2000)
     assert rss_2000 <= rss_200 + (64 << 20), (rss_200, rss_2000)
     assert module.cache_stats().evictions > 0 and module.cache.mover.stats["rows_written"] > 0
+
+
+_ON_THE_SECOND_GPU = """
+import torch, tiered_tbe
+from tiered_tbe import CacheConfig, Placement, RowwiseAdagrad, TableSpec, TieredEmbeddingBags
+from cuda.bindings import driver
+
+def first_gpu_has_a_context():
+    driver.cuInit(0)
+    _, device = driver.cuDeviceGet(0)
+    _, _, active = driver.cuDevicePrimaryCtxGetState(device)
+    return bool(active)
+
+torch.cuda.set_device(1)  # as a rank of torchrun does
+torch.zeros(1, device="cuda").add_(1)
+before = first_gpu_has_a_context()
+tables = [TableSpec(5000, 16, name=f"t{i}", placement=Placement.MANAGED_CACHED) for i in range(2)]
+module = TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(lr=0.05), device="cuda:1", bounds_check="off",
+                             cache=CacheConfig(fraction=0.05, policy="lookahead"))
+generator = torch.Generator(device="cuda:1").manual_seed(0)
+for step in range(6):
+    indices = torch.randint(0, 5000, (2 * 256 * 4,), device="cuda:1", generator=generator)
+    offsets = torch.arange(0, indices.numel() + 1, 4, device="cuda:1")
+    module.hint_upcoming([module.rows_for_hint(indices, offsets)[0]])
+    module.prefetch(indices, offsets)
+    module(indices, offsets).backward(torch.ones(256, 32, device="cuda:1"))
+torch.cuda.synchronize()
+assert module.cache.num_locked() == 0 and module.cache_stats().evictions > 0
+print("first GPU context before", before, "after", first_gpu_has_a_context())
+"""
+
+
+def test_a_module_on_the_second_gpu_leaves_the_first_alone():
+    """A process driving GPU 1 only (a torchrun rank): the slot cache's Numba kernels, streams and arrays bind to
+    GPU 1's context and make none on GPU 0 (each rank would take memory on GPU 0 otherwise). Skipped on one GPU."""
+    import subprocess
+    import sys
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    result = subprocess.run([sys.executable, "-c", _ON_THE_SECOND_GPU], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # (Before our module runs, torch itself should have made none; whatever it did, ours adds none.)
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("first GPU context")]
+    assert line.split()[-1] == line.split()[-3], line
