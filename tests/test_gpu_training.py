@@ -209,3 +209,28 @@ def test_a_module_on_the_second_gpu_leaves_the_first_alone():
     # (Before our module runs, torch itself should have made none; whatever it did, ours adds none.)
     [line] = [line for line in result.stdout.splitlines() if line.startswith("first GPU context")]
     assert line.split()[-1] == line.split()[-3], line
+
+
+def test_a_module_on_the_second_gpu_trains_while_the_first_is_current():
+    """A cached module on cuda:1 (lookahead hints, prefetch, forward, backward) called while GPU 0 is current
+    trains bitwise as the same module on cuda:0: every launch goes to the module's GPU (the guard of its
+    entry points; autograd runs the backward on cuda:1's thread). Skipped on one GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    torch.cuda.set_device(0)
+    batches = zipf_batches(6, 2, seed=4)
+    states = []
+    for device in ("cuda:0", "cuda:1"):
+        tables = [TableSpec(ROWS, DIM, name=f"t{i}", placement=Placement.MANAGED_CACHED) for i in range(2)]
+        module = TieredEmbeddingBags(tables, optimizer=RowwiseAdagrad(lr=0.05), device=device, seed=3,
+                                     bounds_check="off", cache=CacheConfig(fraction=0.02, policy="lookahead"))
+        on_device = [tuple(t.to(device) for t in batch) for batch in batches]
+        for i, (indices, offsets, grad) in enumerate(on_device):
+            module.hint_upcoming([module.rows_for_hint(*batch[:2])[0] for batch in on_device[i + 1: i + 3]])
+            module.prefetch(indices, offsets)
+            module(indices, offsets).backward(grad)
+        torch.cuda.synchronize(device)
+        assert torch.cuda.current_device() == 0 and module.cache.num_locked() == 0
+        states.append({k: v.cpu() for k, v in module.state_dict().items()})
+    for key in states[0]:
+        assert torch.equal(states[0][key], states[1][key]), key

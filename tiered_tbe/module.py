@@ -285,6 +285,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         offsets (``offsets[0] > 0``, ``offsets[-1] < N``, decreasing) a lookup's bag can fall outside the batch."""
         return (bag_of_index // max(batch_size, 1)).clamp_(0, len(self.feature_table_map) - 1)
 
+    @streams.on_own_device
     def rows_for_hint(self, indices: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The distinct global rows of a batch not yet validated, for :meth:`hint_upcoming`.
 
@@ -319,6 +320,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
 
         return self._hint_graphs.run("hint rows", (indices, feature_starts), enqueue, self.device)
 
+    @streams.on_own_device
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor, forward_stream: torch.cuda.Stream | None = None,
                  batch_size_per_feature_per_rank: list[list[int]] | None = None, *, defer_unlock: bool = False) -> None:
         """Fill the cache for a batch ahead of its forward (FBGEMM's and TorchRec's signature).
@@ -358,6 +360,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         return VariableBatch(batch_size_per_feature_per_rank,
                              [self.tables[t].embedding_dim for t in self.feature_table_map], self.device)
 
+    @streams.on_own_device
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights=None,
                 batch_size_per_feature_per_rank: list[list[int]] | None = None) -> torch.Tensor:
         layout = self._variable_batch(batch_size_per_feature_per_rank)
