@@ -95,11 +95,19 @@ def to_device(inputs: Inputs, device: torch.device) -> list[torch.Tensor | None]
 
 def copy_to_device(target: torch.Tensor, source: torch.Tensor, values: bytes | None = None) -> None:
     """Copy a small host tensor into ``target`` on the current stream, without a host sync
-    (``values``: the bytes of ``source``, where the caller has them)."""
+    (``values``: the bytes of ``source``, where the caller has them). One that outgrows a slot of the
+    pinned ring (a few hundred bytes: a variable batch's sizes of many features) goes in slot-sized parts."""
     if target.device.type != "cuda":
         target.copy_(source)
         return
-    staging(target.device).copy(target, source, values)
+    ring = staging(target.device)
+    if source.numel() * source.element_size() <= ring.slot_bytes:
+        ring.copy(target, source, values)
+        return
+    flat_source, flat_target = source.contiguous().reshape(-1), target.view(-1)
+    step = ring.slot_bytes // source.element_size()
+    for start in range(0, flat_source.numel(), step):
+        ring.copy(flat_target[start:start + step], flat_source[start:start + step])
 
 
 class PinnedRing:

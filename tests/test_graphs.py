@@ -266,6 +266,22 @@ def test_pinned_ring_copies_every_value_in_order_and_waits_for_nothing():
 
 
 @pytest.mark.gpu
+def test_host_tensors_larger_than_a_ring_slot_reach_the_device_in_parts_without_a_sync():
+    """to_device of host tensors of several slots' bytes (a variable batch's sizes of many features): every
+    value lands, 2-D and of odd sizes, and no copy waits for the device."""
+    generator = torch.Generator().manual_seed(5)
+    sources = [torch.randint(-2**40, 2**40, shape, generator=generator) for shape in [(5, 101), (2, 26), (33,)]]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moved = graphs_module.to_device(sources, torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for target, source in zip(moved, sources):
+        assert target.device.type == "cuda" and torch.equal(target.cpu(), source)
+
+
+@pytest.mark.gpu
 def test_the_cached_current_stream_follows_the_current_stream():
     from tiered_tbe.base import streams
 

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tiered_tbe.base.graphs import to_device
+
 
 def _check_batch_sizes(batch_sizes, num_features: int) -> tuple[tuple[int, ...], ...]:
     if not isinstance(batch_sizes, Sequence) or len(batch_sizes) != num_features:
@@ -80,7 +82,7 @@ class VariableBatch:
         starts = [0]
         for bags in self.bags_per_feature[:-1]:
             starts.append(starts[-1] + bags)
-        small = torch.tensor([self.bags_per_feature, starts], dtype=torch.int64).to(offsets.device, non_blocking=True)
+        small = to_device([torch.tensor([self.bags_per_feature, starts], dtype=torch.int64)], offsets.device)[0]
         places = torch.arange(self.batch_size, dtype=torch.int64, device=offsets.device)
         source = torch.minimum(places[None, :], small[0][:, None]) + small[1][:, None]  # [F, B]
         last = torch.full((1,), self.num_bags, dtype=torch.int64, device=offsets.device)
@@ -112,7 +114,7 @@ class VariableBatch:
             segment_starts.append(segment_starts[-1] + size)
         device = pooled.device
         table = torch.tensor([first_unit, widths, first_rows, segment_starts, sizes], dtype=torch.int64)
-        first_unit_t, widths_t, first_rows_t, starts_t, sizes_t = table.to(device, non_blocking=True)
+        first_unit_t, widths_t, first_rows_t, starts_t, sizes_t = to_device([table], device)[0]
         segment = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes_t, output_size=total)
         within = torch.arange(total, device=device) - starts_t[segment]
         width = widths_t[segment]

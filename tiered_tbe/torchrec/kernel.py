@@ -26,6 +26,7 @@ from torchrec.distributed.types import ShardingType
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tiered_tbe.base.graphs import to_device
 from tiered_tbe.module import TieredEmbeddingBags
 from tiered_tbe.specs import TableSpec
 from tiered_tbe.torchrec.fused_params import module_arguments, placement_of, pooling_of
@@ -256,7 +257,7 @@ def _positions_in_output(vbe_output_offsets: torch.Tensor, batch_sizes: list[lis
     ours_start = [0]
     for size in sizes[:-1]:
         ours_start.append(ours_start[-1] + size)
-    small = torch.tensor([sizes, ours_start], dtype=torch.int64).to(device, non_blocking=True)
+    small = to_device([torch.tensor([sizes, ours_start], dtype=torch.int64)], device)[0]
     destination = torch.repeat_interleave(vbe_output_offsets.reshape(len(sizes), -1)[:, 0].long(), small[0],
                                           output_size=total)
     return destination + torch.arange(total, device=device) - torch.repeat_interleave(small[1], small[0],
