@@ -96,7 +96,7 @@ def to_device(inputs: Inputs, device: torch.device) -> list[torch.Tensor | None]
 def copy_to_device(target: torch.Tensor, source: torch.Tensor, values: bytes | None = None) -> None:
     """Copy a small host tensor into ``target`` on the current stream, without a host sync
     (``values``: the bytes of ``source``, where the caller has them). One that outgrows a slot of the
-    pinned ring (a few hundred bytes: a variable batch's sizes of many features) goes in slot-sized parts."""
+    pinned ring goes in slot-sized parts."""
     if target.device.type != "cuda":
         target.copy_(source)
         return
@@ -123,7 +123,7 @@ class PinnedRing:
     torch ops took ~0.1 ms of host time a step on the H200 machine (``tools/dmp_host_time.py``).
     """
 
-    def __init__(self, slots: int = 64, slot_bytes: int = 256):
+    def __init__(self, slots: int = 64, slot_bytes: int = 16384):  # 1 MiB: a variable batch's sizes fit a slot
         self.slot_bytes = slot_bytes
         self._buffer = torch.empty(slots, slot_bytes, dtype=torch.uint8, pin_memory=True)
         self._host = self._buffer.numpy()  # the same pinned bytes

@@ -17,6 +17,7 @@ import torch
 
 from tiered_tbe.base import compiling
 from tiered_tbe.base.mode import SIMULATION
+from tiered_tbe.base.streams import device_index
 
 # The sources the cache's GPU kernels are compiled from: the kernels, and the policy and descriptor
 # definitions they call or read. Numba's on-disk cache checks a kernel's own file only: an edit of
@@ -137,11 +138,8 @@ class KernelLauncher:
             return FakeCUDAArray(tensor.detach().numpy())
         from numba import cuda
 
-        with cuda.gpus[self._device_index()]:  # (see launch_configured)
+        with cuda.gpus[device_index(self.device)]:  # (see launch_configured)
             return device_array(tensor)
-
-    def _device_index(self) -> int:
-        return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
     def launch(self, kernel, num_items: int, *args) -> None:
         """Launch a 1-D grid-stride kernel over ``num_items`` entries."""
@@ -168,7 +166,7 @@ class KernelLauncher:
         known = len(kernel.overloads)
         # Numba binds streams and arrays to its current context: this device's, also in a process that drives
         # several GPUs or on a thread where another device is current (no context is made on GPU 0 for them).
-        with cuda.gpus[self._device_index()]:
+        with cuda.gpus[device_index(self.device)]:
             args = [device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
             # torch's current stream, so the kernels are ordered with torch's work on it.
             pointer = torch.cuda.current_stream(self.device).cuda_stream

@@ -267,18 +267,22 @@ def test_pinned_ring_copies_every_value_in_order_and_waits_for_nothing():
 
 @pytest.mark.gpu
 def test_host_tensors_larger_than_a_ring_slot_reach_the_device_in_parts_without_a_sync():
-    """to_device of host tensors of several slots' bytes (a variable batch's sizes of many features): every
-    value lands, 2-D and of odd sizes, and no copy waits for the device."""
+    """copy_to_device of host tensors of one slot (a variable batch's sizes of 26 features on 8 ranks) and of
+    several slots' bytes: every value lands, 2-D and of odd sizes, and no copy waits for the device."""
+    slot_bytes = graphs_module.staging(torch.device("cuda")).slot_bytes
     generator = torch.Generator().manual_seed(5)
-    sources = [torch.randint(-2**40, 2**40, shape, generator=generator) for shape in [(5, 101), (2, 26), (33,)]]
+    sources = [torch.randint(-2**40, 2**40, shape, generator=generator)
+               for shape in [(5, 26 * 8), (2, slot_bytes // 8 + 3), (3 * slot_bytes // 8 + 1,), (7,)]]
+    targets = [torch.full(source.shape, -1, dtype=source.dtype, device="cuda") for source in sources]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        moved = graphs_module.to_device(sources, torch.device("cuda"))
+        for target, source in zip(targets, sources):
+            graphs_module.copy_to_device(target, source)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    for target, source in zip(moved, sources):
-        assert target.device.type == "cuda" and torch.equal(target.cpu(), source)
+    for target, source in zip(targets, sources):
+        assert torch.equal(target.cpu(), source)
 
 
 @pytest.mark.gpu
