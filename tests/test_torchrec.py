@@ -14,6 +14,8 @@ import pytest
 pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -106,6 +108,7 @@ _NO_TORCHREC = run_in_background([sys.executable, "-c", (
 TRAIN_FLAGS = ["--tables", "3", "--rows", "50", "--dim", "8", "--batch-size", "8", "--steps", "8", "--backend", "torch"]
 # bench torchrec on 2 ranks, recorded for the weak-scaling summary (tools/torchrec_scaling.py) beside a 1-rank run.
 _SCALING_RECORDS = Path(tempfile.mkdtemp(prefix="tiered-tbe-scaling-")) / "bench_torchrec.jsonl"
+atexit.register(shutil.rmtree, _SCALING_RECORDS.parent, ignore_errors=True)
 BENCH_FLAGS = ["--tables", "2", "--max-rows", "2000", "--steps", "2", "--warmup", "0",
                "--record", str(_SCALING_RECORDS)]
 _BENCH_ON_TWO = run_in_background([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
