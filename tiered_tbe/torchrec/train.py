@@ -72,21 +72,18 @@ class CollectionDLRM(nn.Module):
 
 def join_process_group() -> tuple[bool, torch.device]:
     """Join torchrun's process group (or make one of one process). Returns (whether we made it, device)."""
-    if dist.is_initialized():
-        made = False
-    else:
-        if "RANK" not in os.environ:  # no torchrun: a group of one on a free local port
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    made = not dist.is_initialized()
+    if made and "RANK" not in os.environ:  # no torchrun: a group of one on a free local port
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cpu") if SIMULATION else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if not SIMULATION:
+        torch.cuda.set_device(device)  # before NCCL makes a communicator: each rank on its own GPU, none on GPU 0
+    if made:
         dist.init_process_group("gloo" if SIMULATION else "nccl")
-        made = True
-    if SIMULATION:
-        return made, torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
     return made, device
 
 
