@@ -215,8 +215,11 @@ class StepGraphs:
         self._refused: set[Hashable] = set()  # keys whose capture failed: always eager
         if not SIMULATION and torch.cuda.is_available():
             staging(torch.device("cuda"))  # the pinned slots, allocated here rather than in a step
+        # Counts so far (a benchmark reads them around its timed steps): each capture or eager run in a
+        # steady state is host time a replay would not cost.
         self.captures = 0
         self.replays = 0
+        self.eager = 0
 
     def run(self, key: Hashable, inputs: Inputs, enqueue: Callable[[list], Outputs], device: torch.device,
             advance: Callable[[bytes], bytes] | None = None) -> Outputs:
@@ -224,6 +227,7 @@ class StepGraphs:
         enqueue that advances its step in place): after a replay the next step's values are known to
         be there, and equal ones are not copied again."""
         if not self.enabled or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            self.eager += 1
             return enqueue(to_device(inputs, device))
         key = (key, tuple(_signature(tensor) for tensor in inputs), current_stream_handle(device))
         captured = self._graphs.get(key)
@@ -235,9 +239,11 @@ class StepGraphs:
             self._uses[key] = uses + 1
             while len(self._uses) > 64 * self.capacity:  # forget shapes seen long ago
                 self._uses.popitem(last=False)
+            self.eager += 1
             return enqueue(to_device(inputs, device))
         captured = self._capture(key, inputs, enqueue, device)
         if captured is None:
+            self.eager += 1
             return enqueue(to_device(inputs, device))
         self._graphs[key] = captured
         while len(self._graphs) > self.capacity:

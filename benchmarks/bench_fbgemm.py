@@ -159,6 +159,9 @@ def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags |
     def forward_of(i, indices, offsets, weights):
         return emb(indices, offsets, per_sample_weights=weights)
 
+    # Graph captures, eager runs and the allocators' CUDA calls over the timed steps (0 in a steady state).
+    counters = common.step_counters(emb, emb.cache)
+
     def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
         window = config.lookahead_window
         batches_run = common.cycle(batches, count + window, first)  # the last steps see a whole window too
@@ -166,7 +169,7 @@ def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags |
         if config.pipelined:
             pipeline = PrefetchPipeline(emb, batches_run, depth=2, lookahead=window if window else None,
                                         fit_cache=args.fit_cache)
-            result = time_steps(forward_of, pipeline, grad, warmup, after_warmup=reset, count=count)
+            result = time_steps(forward_of, pipeline, grad, warmup, after_warmup=reset, count=count, counters=counters)
             pipeline.close()
             if pipeline.ahead_control is not None:
                 control = pipeline.ahead_control
@@ -177,8 +180,9 @@ def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags |
         if config.cached:
             before = lookahead_prefetch(emb, batches_run, window) if window \
                 else lambda i, indices, offsets, weights: emb.prefetch(indices, offsets)
-            return time_steps(forward_of, batches_run, grad, warmup, after_warmup=reset, before=before, count=count)
-        return time_steps(forward_of, batches_run, grad, warmup)
+            return time_steps(forward_of, batches_run, grad, warmup, after_warmup=reset, before=before, count=count,
+                              counters=counters)
+        return time_steps(forward_of, batches_run, grad, warmup, counters=counters)
 
     result = dict(timed) if timed is not None else run_steps(count, warmup)
     if config.cached:
@@ -257,6 +261,7 @@ def measure_fbgemm(config: Config, batches, grad, args, emb=None, timed: dict | 
     count = warmup + args.steps
     gathering = getattr(emb, "gather_uvm_cache_stats", False)
     reset = emb.reset_uvm_cache_stats if gathering else None  # its counters of the timed steps
+    counters = common.step_counters()  # the allocators' CUDA calls over the timed steps
 
     def forward_of(i, indices, offsets, weights):
         return emb(indices, offsets, per_sample_weights=weights)
@@ -279,14 +284,16 @@ def measure_fbgemm(config: Config, batches, grad, args, emb=None, timed: dict | 
             return out
 
         def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
-            return time_steps(step, common.cycle(batches, count, first), grad, warmup, after_warmup=reset)
+            return time_steps(step, common.cycle(batches, count, first), grad, warmup, after_warmup=reset,
+                              counters=counters)
     elif config.cached:
         def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
             return time_steps(forward_of, common.cycle(batches, count, first), grad, warmup, after_warmup=reset,
-                              before=lambda i, indices, offsets, weights: emb.prefetch(indices, offsets))
+                              before=lambda i, indices, offsets, weights: emb.prefetch(indices, offsets),
+                              counters=counters)
     else:
         def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
-            return time_steps(forward_of, common.cycle(batches, count, first), grad, warmup)
+            return time_steps(forward_of, common.cycle(batches, count, first), grad, warmup, counters=counters)
     result = dict(timed) if timed is not None else run_steps(count, warmup)
     if config.cached:
         result.update(fbgemm_rows_moved(emb, config, result.get("steps", 0)))

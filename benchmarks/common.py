@@ -161,6 +161,43 @@ def _elapsed_ms(before, after) -> float:
     return before.elapsed_time(after)
 
 
+# What a step may do besides enqueueing its kernels, each a count so far (step_counters): the caching
+# allocators' calls into CUDA (cudaFree, and a retry after a failed allocation, synchronize the device;
+# so do the syncs of every stream that free memory recorded on other streams) and, for a module of
+# ours, the CUDA graphs captured or run eagerly rather than replayed. In a steady state each should be 0.
+ALLOCATOR_COUNTERS = {"device_mallocs": "num_device_alloc", "device_frees": "num_device_free",
+                      "alloc_retries": "num_alloc_retries", "allocator_syncs": "num_sync_all_streams"}
+HOST_ALLOCATOR_COUNTERS = {"host_mallocs": "num_host_alloc", "host_frees": "num_host_free"}
+
+
+def step_counters(*graph_owners) -> Callable[[], dict[str, int]]:
+    """A function that returns the counts so far of what a step may do besides its kernels: the
+    CUDA caching allocator's and pinned-host allocator's calls into CUDA (:data:`ALLOCATOR_COUNTERS`,
+    :data:`HOST_ALLOCATOR_COUNTERS`; on a GPU only) and the captures, replays and eager runs of every
+    :class:`~tiered_tbe.base.graphs.StepGraphs` that an object of ``graph_owners`` holds as an
+    attribute (our module and its slot cache)."""
+    from tiered_tbe.base.graphs import StepGraphs
+
+    graphs = [value for owner in graph_owners if owner is not None
+              for value in vars(owner).values() if isinstance(value, StepGraphs)]
+
+    def counts() -> dict[str, int]:
+        out: dict[str, int] = {}
+        if graphs:
+            out.update(graph_captures=sum(g.captures for g in graphs), graph_replays=sum(g.replays for g in graphs),
+                       graph_eager_runs=sum(g.eager for g in graphs))
+        if not SIMULATION:
+            stats = torch.cuda.memory_stats()
+            out.update({name: int(stats.get(key, 0)) for name, key in ALLOCATOR_COUNTERS.items()})
+            host_stats = getattr(torch.cuda, "host_memory_stats", None)
+            if host_stats is not None:
+                stats = host_stats()
+                out.update({name: int(stats.get(key, 0)) for name, key in HOST_ALLOCATOR_COUNTERS.items()})
+        return out
+
+    return counts
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 

@@ -22,11 +22,11 @@ ROUND_STEPS = 4  # timed steps a side takes in a row when the sides take turns (
 
 
 def time_steps(step, batches, grad, warmup: int, before=None, after_warmup=None,
-               count: int | None = None) -> dict[str, float]:
+               count: int | None = None, counters=None) -> dict[str, float]:
     """Median ms of forward, backward and the whole step over the batches after the first ``warmup``
     (CUDA events on the current stream), the timed steps' count (``steps``) and, with a prefetch,
     its total ms (``prefetch_total``); the arguments are :func:`step_times`'."""
-    times = step_times(step, batches, grad, warmup, before, after_warmup, count)
+    times = step_times(step, batches, grad, warmup, before, after_warmup, count, counters)
     result = medians(times)
     result["steps"] = len(times.get("step", []))
     if "prefetch" in times:
@@ -39,7 +39,7 @@ def medians(times: dict[str, list[float]]) -> dict[str, float]:
 
 
 def step_times(step, batches, grad, warmup: int, before=None, after_warmup=None,
-               count: int | None = None) -> dict[str, list[float]]:
+               count: int | None = None, counters=None) -> dict[str, list[float]]:
     """Ms of each phase (forward, backward, the whole step; ``prefetch`` with one) of each step after
     the first ``warmup`` (CUDA events on the current stream), and the host's ms to enqueue each
     (``host_*``).
@@ -49,15 +49,20 @@ def step_times(step, batches, grad, warmup: int, before=None, after_warmup=None,
     offsets, weights) -> output [B, total dim]``, whose backward takes the first ``B`` rows of
     ``grad``; ``before(i, indices, offsets, weights)`` runs first each step, outside the forward (a
     prefetch), and is timed as ``prefetch``; ``after_warmup()`` runs once, before the first timed
-    step; ``count`` steps at most (default: every batch)."""
+    step; ``count`` steps at most (default: every batch); ``counters() -> {name: count so far}``
+    (:func:`~tiered_tbe.benchmarks.common.step_counters`): each count's growth over the timed steps,
+    per step, as ``{name}_per_step`` (one value)."""
     timer = common.StepTimer()
     host: dict[str, list[float]] = {}
     prefetching = before is not None or not isinstance(batches, list)  # a prefetch, or a pipeline's
     batches = iter(batches)
+    counted_from = None
     for i in itertools.count() if count is None else range(count):
         timed = i >= warmup
         if i == warmup and after_warmup is not None:
             after_warmup()
+        if i == warmup and counters is not None:
+            counted_from = counters()
         if timed:
             timer.start()
         begin = time.perf_counter()
@@ -85,7 +90,11 @@ def step_times(step, batches, grad, warmup: int, before=None, after_warmup=None,
                               ("backward", done - forwarded)):
                 host.setdefault(f"host_{phase}", []).append(ms * 1e3)
         del out
+    counted = counters() if counted_from is not None else {}
     result = timer.phases()
+    steps = len(result.get("step", []))
+    if steps:
+        result.update({f"{name}_per_step": [(value - counted_from[name]) / steps] for name, value in counted.items()})
     # Host ms to enqueue each phase: where it nears the device ms, the phase is launch-bound.
     result.update({phase: times for phase, times in host.items() if prefetching or phase != "host_prefetch"})
     return result

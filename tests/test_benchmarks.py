@@ -403,6 +403,9 @@ def test_bench_fbgemm_mixed_dims_ragged_bags_and_weights(capsys, tmp_path):
     ours = mixed["ours"]
     assert ours["rows_in_per_batch"] > 0 and ours["bytes_in_per_batch"] > 0 and ours["state_bytes_per_row"] == 4
     assert ours["steps"] == 2 and ours["prefetch_total"] > 0
+    # No CUDA graphs in simulation: each timed step's prefetch, forward and backward ran eagerly.
+    assert ours["graph_captures_per_step"] == ours["graph_replays_per_step"] == 0
+    assert ours["graph_eager_runs_per_step"] >= 3
     for name in ("cached-mixed-weighted-pipelined", "cached-odd-dims-ragged-pipelined"):
         assert results[name]["ours"]["step"] > 0, name
         assert 0 <= results[name]["ours"]["ahead_at_end"] <= 2, name  # --fit-cache

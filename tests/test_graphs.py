@@ -97,7 +97,7 @@ def test_step_graphs_run_eagerly_off_the_gpu():
     device_input = torch.ones(3)
     for _ in range(3):
         graphs.run("key", (device_input, None, host), calls.append, torch.device("cpu"))
-    assert len(calls) == 3 and graphs.captures == 0 and graphs.replays == 0
+    assert len(calls) == 3 and graphs.captures == 0 and graphs.replays == 0 and graphs.eager == 3
     assert calls[0][0] is device_input and calls[0][1] is None and calls[0][2] is host
 
 
@@ -207,7 +207,7 @@ def test_shapes_that_never_repeat_run_eagerly():
     _, expected = _train(False, batches, optimizer=SGD(lr=0.1))
     module, got = _train(True, batches, optimizer=SGD(lr=0.1))
     for graphs in (module._forward_graphs, module._backward_graphs):
-        assert graphs.captures == 0 and graphs.replays == 0
+        assert graphs.captures == 0 and graphs.replays == 0 and graphs.eager == 5
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
 
@@ -232,7 +232,7 @@ def test_graphed_steps_never_wait_for_the_device(placement):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for graphs in (module._forward_graphs, module._backward_graphs):
-        assert graphs.captures == 1 and graphs.replays == 3
+        assert graphs.captures == 1 and graphs.replays == 3 and graphs.eager == 1
     if module.cache is not None:  # each batch's unlock ran in its backward's graph
         assert module.cache._release_graphs.replays == 0 and module.cache.num_locked() == 0
 

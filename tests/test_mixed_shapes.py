@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tiered_tbe import CacheConfig, Placement, PrefetchPipeline, RowwiseAdagrad, TableSpec
+from tiered_tbe.benchmarks.common import step_counters
 from tiered_tbe.module import TieredEmbeddingBags
 
 
@@ -140,12 +141,20 @@ def test_ragged_serial_steps_never_wait_for_the_device(policy):
             module.prefetch(indices, offsets)
             module(indices, offsets, per_sample_weights=weights).backward(grad)
 
-    train_serially()  # every shape seen: the forward's tiles tuned (which times kernels), graphs captured
+    train_serially()  # every shape seen: the forward's tiles tuned (which times kernels)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        train_serially()
+        train_serially()  # every padded shape's graphs captured
+        counters = step_counters(module, module.cache)
+        before = counters()
+        train_serially()  # the steady state: replays only, and no allocator call that waits for the device
+        after = counters()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert module.cache.num_locked() == 0 and module.cache_stats().evictions > 0
+    grew = {name: after[name] - before[name] for name in after}
+    assert grew["graph_replays"] > 0, grew
+    for name in ("graph_captures", "graph_eager_runs", "device_frees", "alloc_retries", "allocator_syncs"):
+        assert grew[name] == 0, grew
