@@ -288,18 +288,6 @@ def test_gpu_prefetch_train_pipeline_on_two_gpus():
     ranks.spawn(scenarios.prefetch_pipeline_equals_fbgemm, 2, nccl=True)
 
 
-def test_device_script_is_valid_bash():
-    import pathlib
-    import shutil
-    import subprocess
-
-    if shutil.which("bash") is None:
-        pytest.skip("needs bash")
-    script = pathlib.Path(__file__).parents[1] / "tools" / "gpu_torchrec.sh"
-    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-
-
 def test_fused_params_map_fbgemms_names_and_refuse_what_they_cannot_honour():
     import torch
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
