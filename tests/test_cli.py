@@ -235,6 +235,7 @@ def test_record_appends_one_json_line_per_measurement_only_when_asked(capsys, tm
     assert first["benchmark"] == "hit-rate" and first["device"].startswith("CPU simulator (exact)")
     assert first["command"].startswith("tiered-tbe bench hit-rate --rows 5000 --batch-size 64")
     assert {"python", "torch", "triton", "numba", "numba-cuda"} <= set(first["versions"]) and first["commit"]
+    assert first["host"]["cores"] >= 1  # the machine, as far as Linux tells (records.host)
     assert first["configuration"]["trace"] == "zipf alpha=1.05, 5,000 rows, 20 batches of 64x4"
     assert [(r["configuration"]["policy"], r["configuration"]["cache_size"]) for r in lines[:4]] == [
         ("lru", "2%"), ("belady", "2%"), ("lru", "10%"), ("belady", "10%")]

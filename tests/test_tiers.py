@@ -1,6 +1,8 @@
 """Backing-store allocation in every tier: CPU tensors in simulation, device / pinned / managed on a GPU."""
 
+import ctypes
 import gc
+import pathlib
 import weakref
 
 import pytest
@@ -46,6 +48,53 @@ def test_clear_errors_without_cuda_bindings(monkeypatch):
         tiers._pinned_host_memory(4096)
     with pytest.raises(RuntimeError, match="Placement.MANAGED needs cuda-bindings"):
         tiers._managed_memory(4096, 0)
+
+
+def _smaps_entry(address: int) -> dict[str, str]:
+    """This process's /proc/self/smaps fields of the mapping that starts at ``address``."""
+    fields, inside = {}, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+                if inside:
+                    break
+                inside = int(head.split("-")[0], 16) == address
+            elif inside:
+                name, _, value = line.partition(":")
+                fields[name] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_host_memory_mapped_at_a_huge_page_boundary_and_advised(huge_pages):
+    """The registered host memory kinds map their own memory: 2 MiB aligned and rounded, advised into
+    transparent huge pages or out of them (the kernel's smaps says which), writable, and given back."""
+    nbytes = 3 * tiers.HUGE_PAGE_BYTES + 12345
+    address, length = tiers.map_host_memory(nbytes, huge_pages)
+    try:
+        assert address % tiers.HUGE_PAGE_BYTES == 0 and length == 4 * tiers.HUGE_PAGE_BYTES
+        entry = _smaps_entry(address)
+        assert int(entry["Size"].split()[0]) * 1024 == length  # the trimmed ends are gone
+        if "THPeligible" in entry:
+            assert entry["THPeligible"] == ("1" if huge_pages else "0")
+        ctypes.memset(address, 7, length)
+        assert (ctypes.c_uint8 * 16).from_address(address + length - 16)[:] == [7] * 16
+    finally:
+        tiers.unmap_host_memory(address, length)
+    assert _smaps_entry(address) == {}
+
+
+def test_host_memory_kind_is_checked(monkeypatch):
+    assert tiers.host_memory_kind() == "host_alloc"
+    monkeypatch.setenv("TIERED_TBE_HOST_MEMORY", "registered_huge_pages")
+    assert tiers.host_memory_kind() == "registered_huge_pages"
+    monkeypatch.setenv("TIERED_TBE_HOST_MEMORY", "huge")
+    with pytest.raises(ValueError, match="TIERED_TBE_HOST_MEMORY='huge': choose one of host_alloc, registered"):
+        tiers.host_memory_kind()
+    with pytest.raises(ValueError, match="host memory kind 'huge'"):
+        tiers._pinned_host_memory(4096, "huge")
 
 
 # ---------------------------------------------------------------- GPU (an H200)
@@ -138,3 +187,29 @@ def test_one_launch_moves_only_out_of_managed_memory():
     pinned, pinned_rows = mover_of(Placement.HOST_CACHED)
     assert is_pinned_host_memory(pinned_rows) and not is_pinned_host_memory(managed_rows)
     assert managed.fused_moves and not pinned.fused_moves
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["registered", "registered_huge_pages"])
+def test_gpu_registered_host_memory_is_a_host_tier_read_and_written_in_place(kind, monkeypatch):
+    """HOST memory made the registered ways: pinned host memory to CUDA (so the staged mover and the
+    row movers treat it as HOST), written by the GPU and read back through the host view; freed with
+    its last view."""
+    from cuda.bindings import runtime
+
+    monkeypatch.setenv("TIERED_TBE_HOST_MEMORY", kind)
+    numel = 5 * (1 << 20) + 3
+    buffer = allocate(Placement.HOST, numel, torch.float32, "cuda")
+    tensor = buffer.tensor
+    assert tensor.is_cuda and tensor.numel() == numel and buffer.owner.what.startswith("registered")
+    assert _pointer_type(tensor) == runtime.cudaMemoryType.cudaMemoryTypeHost
+    assert tiers.is_pinned_host_memory(tensor)
+    tensor.copy_(torch.arange(numel, device="cuda", dtype=torch.float32))
+    torch.cuda.synchronize()
+    host = tiers.host_view(tensor)
+    assert host.device.type == "cpu" and torch.equal(host[-5:], torch.arange(numel - 5, numel, dtype=torch.float32))
+    owner = weakref.ref(buffer.owner)
+    buffer.release()
+    del buffer, tensor, host
+    gc.collect()
+    assert owner() is None

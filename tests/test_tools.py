@@ -364,3 +364,27 @@ def test_bench_trace_writes_a_configurations_batches_for_the_simulator(tmp_path,
     assert trace["lookups"] == sum(indices.numel() for indices, _ in batches) and trace["batches"] == 6
     with pytest.raises(SystemExit, match="unknown configuration"):
         bench_trace.main(["no-such-configuration", "2", str(path)])
+
+
+def test_bench_host_memory_times_every_kind_and_row_width(tmp_path, capsys):
+    """One row per kind of memory and row width, with the rate of each way of moving rows, and one
+    record each; the kinds of pinned memory are the tiers' own (one definition)."""
+    bench_host_memory = tool("bench_host_memory")
+    from tiered_tbe.cache import tiers
+
+    assert set(bench_host_memory.KINDS) == {*tiers.HOST_MEMORY_KINDS, "managed"}
+    path = tmp_path / "records.jsonl"
+    assert bench_host_memory.main(["--gb", "0.001", "--rows", "40", "--dims", "3", "16", "--repeats", "1",
+                                   "--record", str(path)]) == 0
+    out = capsys.readouterr().out
+    found = records.read(path)
+    assert len(found) == 2 * len(bench_host_memory.KINDS)
+    assert {(r["configuration"]["memory"], r["configuration"]["row_bytes"]) for r in found} == \
+        {(kind, width) for kind in bench_host_memory.KINDS for width in (12, 64)}
+    for record in found:
+        figures = record["figures"]
+        assert all(figures[f"{way}_gbs"] > 0 and figures[f"{way}_ms"] > 0 for way in bench_host_memory.WAYS)
+        assert record["configuration"]["transparent_huge_pages"]
+    assert "| registered_huge_pages |" in out and "| managed |" in out
+    with pytest.raises(SystemExit):
+        bench_host_memory.main(["--gb", "0.00000001", "--dims", "128"])

@@ -7,7 +7,9 @@ carries when, where and from which code it was measured, and how to measure it a
     {"date": "2026-12-04T10:31:07", "device": "NVIDIA H200", "simulation": false,
      "versions": {"python": "3.12.3", "torch": "2.11.0", "triton": "3.6.0", "numba": "0.61.2",
                   "numba-cuda": "0.20.1", "fbgemm_gpu": "1.6.0"},
-     "commit": "8e0f3d8", "command": "tiered-tbe bench fbgemm --configs criteo-adagrad --record r.jsonl",
+     "commit": "8e0f3d8", "host": {"cpu": "...", "cores": 16, "numa_nodes": 1, "memory_gb": 135.1,
+                                    "transparent_huge_pages": "madvise / madvise", "nvidia_driver": "580.95.05"},
+     "command": "tiered-tbe bench fbgemm --configs criteo-adagrad --record r.jsonl",
      "benchmark": "fbgemm", "configuration": {"name": "criteo-adagrad", ...},
      "figures": {"ours": {"forward_ms": 0.60, ...}, "fbgemm": {...}, "ours_over_fbgemm": {...}}}
 
@@ -90,16 +92,67 @@ def versions() -> dict[str, str]:
     return found
 
 
+def host() -> dict:
+    """The machine a measurement ran on, as far as Linux tells: ``cpu`` (model), ``cores`` (this
+    process may use), ``numa_nodes``, ``memory_gb``, ``transparent_huge_pages`` (the kernel's setting
+    and its defrag setting) and ``nvidia_driver``; each key present only where it could be read. Two
+    machines that ran the same code at different speeds may differ here."""
+    found: dict = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                found["cpu"] = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    found["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    nodes = list(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    if nodes:
+        found["numa_nodes"] = len(nodes)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                found["memory_gb"] = round(int(line.split()[1]) * 1024 / 1e9, 1)
+                break
+    except OSError:
+        pass
+    pages = transparent_huge_pages()
+    if pages is not None:
+        found["transparent_huge_pages"] = pages
+    try:
+        version = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9][0-9.]+)",
+                            Path("/proc/driver/nvidia/version").read_text())
+        if version:
+            found["nvidia_driver"] = version.group(1)
+    except OSError:
+        pass
+    return found
+
+
+def transparent_huge_pages() -> str | None:
+    """The kernel's transparent huge page setting and its defrag setting (``"madvise / madvise"``),
+    or None where they cannot be read."""
+    chosen = []
+    for name in ("enabled", "defrag"):
+        try:
+            text = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text()
+        except OSError:
+            return None
+        chosen.append(text[text.find("[") + 1: text.find("]")] if "[" in text else text.strip())
+    return " / ".join(chosen)
+
+
 # The process whose measurements a record holds: records of one run share it (a benchmark appends each
 # configuration's record as soon as it is measured, at different dates).
 RUN = f"{datetime.datetime.now().isoformat(timespec='seconds')}-{os.getpid()}"
+_HOST = host()  # read once a process
 
 
 def context(device: str | None = None) -> dict:
     """``date``, ``run`` (:data:`RUN`), ``device`` (default :func:`device_name`), ``simulation``,
-    ``versions``, ``commit``: what every record and JSON report carries."""
+    ``versions``, ``commit``, ``host`` (:func:`host`): what every record and JSON report carries."""
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), run=RUN, device=device or device_name(),
-                simulation=SIMULATION, versions=versions(), commit=git_commit())
+                simulation=SIMULATION, versions=versions(), commit=git_commit(), host=_HOST)
 
 
 def measurement(benchmark: str, command: str, configuration: dict, figures: dict, device: str | None = None,
