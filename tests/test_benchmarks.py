@@ -406,6 +406,7 @@ def test_bench_fbgemm_mixed_dims_ragged_bags_and_weights(capsys, tmp_path):
     # No CUDA graphs in simulation: each timed step's prefetch, forward and backward ran eagerly.
     assert ours["graph_captures_per_step"] == ours["graph_replays_per_step"] == 0
     assert ours["graph_eager_runs_per_step"] >= 3
+    assert ours["lookups_per_step"] > 0 and "profiled_lookups_per_step" not in ours  # no --profile
     for name in ("cached-mixed-weighted-pipelined", "cached-odd-dims-ragged-pipelined"):
         assert results[name]["ours"]["step"] > 0, name
         assert 0 <= results[name]["ours"]["ahead_at_end"] <= 2, name  # --fit-cache
@@ -543,6 +544,21 @@ def test_bench_fbgemm_profile_adds_the_host_time_of_each_phase(capsys):
     out = capsys.readouterr().out
     assert "| criteo-sgd | backward: host ms to enqueue |" in out
     assert "| cached-lru-pipelined | prefetch: host ms to enqueue |" in out
+
+
+def test_bench_fbgemm_counts_the_lookups_of_the_timed_and_the_profiled_steps():
+    """The kernel profile runs on the batches after the timed ones: each side says how many lookups a
+    step of each held (batches whose size changes every step differ)."""
+    from tiered_tbe.benchmarks import bench_fbgemm
+    from tiered_tbe.benchmarks.fbgemm_configs import PROFILED_STEPS
+
+    batches = [(torch.zeros(10 * (i + 1)), None, None) for i in range(20)]
+    warmup, count = 3, 7  # timed: batches 3..6 (40, 50, 60, 70 lookups); profiled: the next PROFILED_STEPS
+    found = bench_fbgemm.lookups_of_steps(batches, warmup, count, profiled=True)
+    assert found["lookups_per_step"] == 55
+    profiled = [10 * (i + 1) for i in range(count, count + PROFILED_STEPS)]
+    assert found["profiled_lookups_per_step"] == sum(profiled) / PROFILED_STEPS
+    assert "profiled_lookups_per_step" not in bench_fbgemm.lookups_of_steps(batches, warmup, count, profiled=False)
 
 
 def test_bench_fbgemm_sides_take_turns():
