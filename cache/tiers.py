@@ -326,19 +326,6 @@ def _registered_host_memory(runtime, nbytes: int, huge_pages: bool) -> _CudaMemo
     return _CudaMemory(int(device_pointer), nbytes, free, "registered huge pages" if huge_pages else "registered")
 
 
-def huge_page_bytes_in_use() -> int | None:
-    """Bytes of anonymous memory the kernel backs with transparent huge pages now (``AnonHugePages``
-    of ``/proc/meminfo``, every process's), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def _managed_memory(nbytes: int, device_index: int) -> _CudaMemory:
     runtime = _runtime()
     if runtime is None:

@@ -6,6 +6,7 @@ small numbers, and the check runs before any allocation."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -116,3 +117,14 @@ def test_gpu_memory_is_read_from_the_device():
     module = TieredEmbeddingBags([TableSpec(2_000_000, 128, placement=Placement.HOST_CACHED)],
                                  optimizer=RowwiseAdagrad(), cache=CacheConfig(memory="1TB"), device="cuda")
     assert module.cache.num_slots == 2_000_000
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="needs Linux's /proc/meminfo")
+def test_meminfo_fields_in_bytes():
+    from tiered_tbe.base.host_memory import meminfo_bytes, transparent_huge_pages
+
+    total, available = meminfo_bytes("MemTotal"), meminfo_bytes("MemAvailable")
+    assert total % 1024 == 0 and 0 < available <= total
+    assert meminfo_bytes("Mem") is None and meminfo_bytes("NoSuchField") is None  # whole names only
+    setting = transparent_huge_pages()
+    assert setting is None or " / " in setting

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tiered_tbe.base.codes import Placement
+from tiered_tbe.base.host_memory import meminfo_bytes
 from tiered_tbe.base.mode import SIMULATION
 from tiered_tbe.cache.slot_cache import SlotCache
 from tiered_tbe.specs import CacheConfig, TableSpec
@@ -63,14 +64,8 @@ def plan_cache(tables: list[TableSpec], state_width: list[int], weights_dtype: t
 def host_available_bytes() -> int:
     """Bytes of host memory available to a new allocation without swapping: ``MemAvailable`` of
     /proc/meminfo (Linux), else the free physical pages."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = meminfo_bytes("MemAvailable")
+    return available if available is not None else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def device_free_bytes(device: torch.device) -> int:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from tiered_tbe.base.host_memory import meminfo_bytes, transparent_huge_pages
 from tiered_tbe.base.mode import SIMULATION
 
 # Distributions every record names, and the optional ones named when their module is loaded.
@@ -109,13 +110,9 @@ def host() -> dict:
     nodes = list(Path("/sys/devices/system/node").glob("node[0-9]*"))
     if nodes:
         found["numa_nodes"] = len(nodes)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                found["memory_gb"] = round(int(line.split()[1]) * 1024 / 1e9, 1)
-                break
-    except OSError:
-        pass
+    total = meminfo_bytes("MemTotal")
+    if total is not None:
+        found["memory_gb"] = round(total / 1e9, 1)
     pages = transparent_huge_pages()
     if pages is not None:
         found["transparent_huge_pages"] = pages
@@ -127,19 +124,6 @@ def host() -> dict:
     except OSError:
         pass
     return found
-
-
-def transparent_huge_pages() -> str | None:
-    """The kernel's transparent huge page setting and its defrag setting (``"madvise / madvise"``),
-    or None where they cannot be read."""
-    chosen = []
-    for name in ("enabled", "defrag"):
-        try:
-            text = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text()
-        except OSError:
-            return None
-        chosen.append(text[text.find("[") + 1: text.find("]")] if "[" in text else text.strip())
-    return " / ".join(chosen)
 
 
 # The process whose measurements a record holds: records of one run share it (a benchmark appends each

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from tiered_tbe import records
+from tiered_tbe.base.host_memory import meminfo_bytes, transparent_huge_pages
 from tiered_tbe.base.mode import SIMULATION, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.cache import tiers
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     nbytes = int(gb * 1e9)
     if nbytes < 4 * max(args.dims):
         parser.error(f"--gb {gb:g} holds no row of {max(args.dims)} fp32")
-    pages = records.transparent_huge_pages() or "unknown"
+    pages = transparent_huge_pages() or "unknown"
     lines = [f"{gb:g} GB of each kind, written once by the GPU; {count} random rows a copy (ascending), fp32; "
              f"GB/s of rows moved (a gather + scatter moves twice the rows), median of {args.repeats} (CUDA "
              f"events); transparent huge pages: {pages}.", "",
@@ -108,13 +108,13 @@ def main(argv=None) -> int:
              "| --- | ---: | ---: | " + " | ".join("---:" for _ in WAYS) + " | ---: |"]
     results = []
     for kind in args.kinds:
-        huge_before = tiers.huge_page_bytes_in_use()
+        huge_before = meminfo_bytes("AnonHugePages")
         started = time.perf_counter()
         flat, keep = host_memory(kind, nbytes)
         flat.fill_(0.5)  # every page touched, by the GPU (a module fills its tables on the device too)
         common.synchronize()
         made_s = time.perf_counter() - started
-        huge_after = tiers.huge_page_bytes_in_use()
+        huge_after = meminfo_bytes("AnonHugePages")
         huge_gb = None if huge_before is None or huge_after is None else max(huge_after - huge_before, 0) / 1e9
         for dim in args.dims:
             ms = measure(flat, dim, count, args.repeats, args.seed)
