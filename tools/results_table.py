@@ -48,6 +48,8 @@ ROWS = [
     ("cached-mixed-bag20", "the same, every bag of 20 lookups", ()),
     ("cached-odd-dims-ragged", "8 tables of dims 4-132 (40M rows), B=8192-16384, bags of 1-30 drawn per batch, "
                                "weights, 10% cache, serial", ()),
+    ("cached-odd-dims-ragged-lookahead", "the same (odd dims), ours `lookahead` (told the next 64 batches), "
+                                         "FBGEMM's LRU", ()),
     ("cached-criteo-mixed", "26 Criteo tables of dims 16-128, bags of 0-4 with weights, 5% cache, serial", ()),
     ("cached-managed-lru-pipelined", "Criteo cached, pipelined (depth 2), against FBGEMM's best step",
      ("cached-managed-lru", "cached-managed-lfu")),
