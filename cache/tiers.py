@@ -350,9 +350,27 @@ def _managed_memory(nbytes: int, device_index: int) -> _CudaMemory:
 
 def _advise(runtime, pointer, nbytes: int, advice, host: bool, device_index: int) -> None:
     """cudaMemAdvise with a cudaMemLocation (CUDA 13; ``cudaMemAdvise_v2`` in CUDA 12 bindings)."""
+    advise = getattr(runtime, "cudaMemAdvise_v2", runtime.cudaMemAdvise)
+    _check(runtime, advise(pointer, nbytes, advice, _location(runtime, host, device_index)),
+           f"cudaMemAdvise({advice.name})")
+
+
+def _location(runtime, host: bool, device_index: int):
     location = runtime.cudaMemLocation()
     kinds = runtime.cudaMemLocationType
     location.type = kinds.cudaMemLocationTypeHost if host else kinds.cudaMemLocationTypeDevice
     location.id = 0 if host else device_index
-    advise = getattr(runtime, "cudaMemAdvise_v2", runtime.cudaMemAdvise)
-    _check(runtime, advise(pointer, nbytes, advice, location), f"cudaMemAdvise({advice.name})")
+    return location
+
+
+def prefetch_managed_to_host(pointer: int, nbytes: int) -> None:
+    """Place every page of managed memory at ``pointer`` on the host now, in one call
+    (``cudaMemPrefetchAsync`` to the host, then a device sync), rather than page by page as kernels
+    first touch them. ``tools/bench_host_memory.py`` measures whether the GPU then reads and writes
+    scattered rows of it at another rate."""
+    runtime = _runtime()
+    if runtime is None:
+        raise RuntimeError("prefetching managed memory needs cuda-bindings (pip install 'numba-cuda[cu13]')")
+    prefetch = getattr(runtime, "cudaMemPrefetchAsync_v2", runtime.cudaMemPrefetchAsync)
+    _check(runtime, prefetch(pointer, nbytes, _location(runtime, True, -1), 0, 0), "cudaMemPrefetchAsync(host)")
+    _check(runtime, runtime.cudaDeviceSynchronize(), "cudaDeviceSynchronize")

@@ -213,3 +213,20 @@ def test_gpu_registered_host_memory_is_a_host_tier_read_and_written_in_place(kin
     del buffer, tensor, host
     gc.collect()
     assert owner() is None
+
+
+@pytest.mark.gpu
+def test_gpu_managed_memory_prefetched_to_the_host_stays_readable_in_place():
+    """prefetch_managed_to_host places every page on the host in one call (the driver says the last
+    prefetch went to the CPU); the GPU then writes and reads it in place, the host sees the same."""
+    from cuda.bindings import runtime
+
+    numel = 3 * (1 << 20) + 5
+    buffer = allocate(Placement.MANAGED, numel, torch.float32, "cuda")
+    tensor = buffer.tensor
+    tiers.prefetch_managed_to_host(tensor.data_ptr(), numel * 4)
+    last = _range_attribute(tensor, runtime.cudaMemRangeAttribute.cudaMemRangeAttributeLastPrefetchLocation, 1)
+    assert last == [runtime.cudaCpuDeviceId]
+    tensor.copy_(torch.arange(numel, device="cuda", dtype=torch.float32))
+    torch.cuda.synchronize()
+    assert torch.equal(tiers.host_view(tensor)[-3:], torch.arange(numel - 3, numel, dtype=torch.float32))

@@ -372,7 +372,7 @@ def test_bench_host_memory_times_every_kind_and_row_width(tmp_path, capsys):
     bench_host_memory = tool("bench_host_memory")
     from tiered_tbe.cache import tiers
 
-    assert set(bench_host_memory.KINDS) == {*tiers.HOST_MEMORY_KINDS, "managed"}
+    assert set(bench_host_memory.KINDS) == {*tiers.HOST_MEMORY_KINDS, *bench_host_memory.MANAGED_KINDS}
     path = tmp_path / "records.jsonl"
     assert bench_host_memory.main(["--gb", "0.001", "--rows", "40", "--dims", "3", "16", "--repeats", "1",
                                    "--record", str(path)]) == 0
@@ -385,6 +385,6 @@ def test_bench_host_memory_times_every_kind_and_row_width(tmp_path, capsys):
         figures = record["figures"]
         assert all(figures[f"{way}_gbs"] > 0 and figures[f"{way}_ms"] > 0 for way in bench_host_memory.WAYS)
         assert record["configuration"]["transparent_huge_pages"]
-    assert "| registered_huge_pages |" in out and "| managed |" in out
+    assert "| registered_huge_pages |" in out and "| managed |" in out and "| managed_prefetched |" in out
     with pytest.raises(SystemExit):
         bench_host_memory.main(["--gb", "0.00000001", "--dims", "128"])

@@ -13,7 +13,10 @@ the host's memory the kernel backs with transparent huge pages after the allocat
 - ``host_alloc``: ``cudaHostAlloc`` (``Placement.HOST`` today);
 - ``registered``, ``registered_huge_pages``: memory this process maps, advised into 4 KiB or 2 MiB
   pages, pinned with ``cudaHostRegister`` (``TIERED_TBE_HOST_MEMORY`` selects them for ``HOST``);
-- ``managed``: ``cudaMallocManaged`` advised to stay on the host (``Placement.MANAGED``).
+- ``managed``: ``cudaMallocManaged`` advised to stay on the host (``Placement.MANAGED``), its pages placed
+  as the GPU first writes them (as a module's tables are); ``managed_prefetched``: the same, every page
+  placed on the host first in one ``cudaMemPrefetchAsync``; ``managed_host_written``: written by the host
+  first (the driver then places pages as the CPU faults them).
 
     python tools/bench_host_memory.py                        # 16 GB a kind, 262144 rows
     python tools/bench_host_memory.py --gb 32 --kinds registered_huge_pages managed --record results/measurements.jsonl
@@ -36,7 +39,8 @@ from tiered_tbe.benchmarks import common
 from tiered_tbe.cache import tiers
 
 SCRIPT = "bench_host_memory"
-KINDS = (*tiers.HOST_MEMORY_KINDS, "managed")
+MANAGED_KINDS = ("managed", "managed_prefetched", "managed_host_written")
+KINDS = (*tiers.HOST_MEMORY_KINDS, *MANAGED_KINDS)
 WAYS = ("gather", "scatter", "gather + scatter")
 
 
@@ -45,11 +49,16 @@ def host_memory(kind: str, nbytes: int) -> tuple[torch.Tensor, object]:
     CPU tensor in simulation), and the object that frees the memory when it goes."""
     if SIMULATION:
         return torch.empty(nbytes // 4), None
-    if kind == "managed":
-        memory = tiers._managed_memory(nbytes, torch.cuda.current_device())
-    else:
+    if kind not in MANAGED_KINDS:
         memory = tiers._pinned_host_memory(nbytes, kind)
-    return torch.as_tensor(memory, device="cuda").view(torch.float32), memory
+        return torch.as_tensor(memory, device="cuda").view(torch.float32), memory
+    memory = tiers._managed_memory(nbytes, torch.cuda.current_device())
+    flat = torch.as_tensor(memory, device="cuda").view(torch.float32)
+    if kind == "managed_prefetched":
+        tiers.prefetch_managed_to_host(memory.pointer, nbytes)
+    elif kind == "managed_host_written":
+        tiers.host_view(flat).fill_(0.25)
+    return flat, memory
 
 
 def measure(flat: torch.Tensor, dim: int, count: int, repeats: int, seed: int) -> dict[str, float]:
