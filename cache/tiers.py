@@ -230,18 +230,19 @@ HUGE_PAGE_BYTES = 2 << 20  # an x86-64 transparent huge page
 
 def host_memory_kind() -> str:
     """How ``HOST`` memory is allocated: ``$TIERED_TBE_HOST_MEMORY``, default ``host_alloc``."""
-    kind = os.environ.get("TIERED_TBE_HOST_MEMORY", "host_alloc")
+    return _checked_kind(os.environ.get("TIERED_TBE_HOST_MEMORY", "host_alloc"), "TIERED_TBE_HOST_MEMORY=")
+
+
+def _checked_kind(kind: str, named: str) -> str:
     if kind not in HOST_MEMORY_KINDS:
-        raise ValueError(f"TIERED_TBE_HOST_MEMORY={kind!r}: choose one of {', '.join(HOST_MEMORY_KINDS)}")
+        raise ValueError(f"{named}{kind!r}: choose one of {', '.join(HOST_MEMORY_KINDS)}")
     return kind
 
 
 def _pinned_host_memory(nbytes: int, kind: str | None = None) -> _CudaMemory:
     """``nbytes`` of pinned host memory mapped for the GPU, made the ``kind`` way (default
     :func:`host_memory_kind`)."""
-    kind = kind or host_memory_kind()
-    if kind not in HOST_MEMORY_KINDS:
-        raise ValueError(f"host memory kind {kind!r}: choose one of {', '.join(HOST_MEMORY_KINDS)}")
+    kind = host_memory_kind() if kind is None else _checked_kind(kind, "host memory kind ")
     runtime = _runtime()
     if kind != "host_alloc":
         if runtime is None:
