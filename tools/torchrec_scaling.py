@@ -13,9 +13,10 @@ on N GPUs, and, from a profiled run, NCCL's share of the N-GPU step (the all-to-
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from tiered_tbe import records
 
 # What makes two records the same job at another world size (besides the configuration's name).
 SHAPE = ("tables", "rows", "rows_scale", "dim", "batch_size", "alpha", "cache_load_factor", "vbe")
@@ -24,17 +25,8 @@ SIDES = ("ours", "torchrec")
 
 def read_records(path: Path, commit: str | None = None) -> list[dict]:
     """The `bench torchrec` records of ``path`` (of ``commit`` only, when given)."""
-    records = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if record.get("benchmark") != "torchrec":
-            continue
-        if commit is not None and not str(record.get("commit", "")).startswith(commit):
-            continue
-        records.append(record)
-    return records
+    return [record for record in records.read(path) if record.get("benchmark") == "torchrec"
+            and (commit is None or str(record.get("commit", "")).startswith(commit))]
 
 
 def scaling_rows(records: list[dict]) -> list[dict]:
