@@ -9,6 +9,7 @@ scripts are only checked for shell syntax here.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import re
 import shutil
@@ -300,6 +301,8 @@ def test_results_table_pairs_records_of_one_run_and_shows_committed_code_only(tm
     assert "uncommitted" not in out and "5.000" not in out
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchrec") is None or importlib.util.find_spec("fbgemm_gpu") is None,
+                    reason="needs torchrec and fbgemm-gpu (the torchrec extra; its CPU build will do)")
 def test_dmp_host_time_times_the_parts_of_a_step_on_both_sides(tmp_path, capsys):
     """tools/dmp_host_time.py in simulation (one process over gloo, bench torchrec's tiny size): each
     side's steps are timed, our module's and FBGEMM's methods on the path are counted once a step,
