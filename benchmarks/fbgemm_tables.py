@@ -8,7 +8,7 @@ Every ratio is ours / FBGEMM's figure measured in the same run (below 1: ours is
 from __future__ import annotations
 
 from tiered_tbe import records
-from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks import common, kernel_profile
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS, PROFILED_KERNELS, SWEEP_PREFIXES
 from tiered_tbe.benchmarks.fbgemm_sides import warmup_steps
 
@@ -157,16 +157,22 @@ def profile_table_of(results: list[dict]) -> list[str]:
                 rows.append([row["config"], f"{phase}: host ms to enqueue", common.fmt(theirs.get(f"host_{phase}")),
                              common.fmt(ours[f"host_{phase}"])])
         if ours.get("profile"):
-            totals = [sum(ms for _, ms in side["profile"]) if side.get("profile") else None for side in (theirs, ours)]
-            rows.append([row["config"], "all kernels of a step (the GPU's busy time)", common.fmt(totals[0]),
-                         common.fmt(totals[1])])
+            busy = [kernel_profile.phase_totals(side.get("profile") or []) for side in (theirs, ours)]
+            for phase in [*dict.fromkeys([*busy[0], *busy[1]])]:
+                rows.append([row["config"], f"{phase}: its kernels' device ms (busy time)",
+                             *(common.fmt(phases.get(phase)) for phases in busy)])
+            rows.append([row["config"], "all kernels of a step (the GPU's busy time)",
+                         *(common.fmt(sum(phases.values()) if phases else None) for phases in busy)])
         sides = [(theirs, "FBGEMM", 1), (ours, "ours", 2)]
         sides += [(value, key[5:], 2) for key, value in row.items() if key.startswith(SWEEP_PREFIXES)]
         for side, name, column in sides:
-            for kernel, ms in side.get("profile", [])[:PROFILED_KERNELS]:
-                cells = ["-", "-"]
-                cells[column - 1] = common.fmt(ms)
-                rows.append([row["config"], f"{name} kernel {kernel}", *cells])
+            shown: dict[str, int] = {}
+            for phase, kernel, ms in side.get("profile", []):  # the longest few of each phase
+                shown[phase] = shown.get(phase, 0) + 1
+                if shown[phase] <= PROFILED_KERNELS:
+                    cells = ["-", "-"]
+                    cells[column - 1] = common.fmt(ms)
+                    rows.append([row["config"], f"{name} {phase} kernel {kernel}", *cells])
     if not rows:
         return []
     header = ["configuration", "profile (device ms per step, all streams)", "FBGEMM", "ours"]
@@ -204,9 +210,9 @@ def measurements_of(results: list[dict], args) -> list[tuple[dict, dict]]:
         if _BY_NAME[row["config"]].cached:
             figures["moved"] = {"ours": moved(row["ours"], row["ours"]), "fbgemm": moved(row["fbgemm"], row["ours"])}
         figures.update({key: _figures(value) for key, value in row.items() if key.startswith(SWEEP_PREFIXES)})
-        # --profile: every kernel's device ms a step (longest first), so that two records can be compared kernel
-        # by kernel (the printed table lists the longest few).
-        profiles = {side: [[kernel, round(ms, 4)] for kernel, ms in row[side]["profile"] if ms >= 0.001]
+        # --profile: every kernel's phase and device ms a step (longest first), so that two records can be
+        # compared phase by phase and kernel by kernel (the printed table lists the longest few of each phase).
+        profiles = {side: [[phase, kernel, round(ms, 4)] for phase, kernel, ms in row[side]["profile"] if ms >= 0.001]
                     for side in ("ours", "fbgemm") if row[side].get("profile")}
         if profiles:
             figures["kernel_ms_per_step"] = profiles

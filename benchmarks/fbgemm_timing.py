@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks import common, kernel_profile
 
 ROUND_STEPS = 4  # timed steps a side takes in a row when the sides take turns (time_interleaved)
 
@@ -67,22 +67,26 @@ def step_times(step, batches, grad, warmup: int, before=None, after_warmup=None,
             timer.start()
         begin = time.perf_counter()
         # Inside the step: a PrefetchPipeline prefetches the batches ahead when it hands one over.
-        batch = next(batches, None)
+        # (kernel_profile.phase marks each phase for a kernel profile only; nothing otherwise.)
+        with kernel_profile.phase("prefetch"):
+            batch = next(batches, None)
+            if batch is not None and before is not None:
+                before(i, *batch)
         if batch is None:
             if timed:
                 timer.discard()
             break
         indices, offsets, weights = batch
-        if before is not None:
-            before(i, indices, offsets, weights)
         if timed and prefetching:
             timer.mark("prefetch")
         enqueued = time.perf_counter()
-        out = step(i, indices, offsets, weights)
+        with kernel_profile.phase("forward"):
+            out = step(i, indices, offsets, weights)
         if timed:
             timer.mark("forward")
         forwarded = time.perf_counter()
-        out.backward(grad[: out.shape[0]])
+        with kernel_profile.phase("backward"):
+            out.backward(grad[: out.shape[0]])
         if timed:
             timer.mark("backward")
             done = time.perf_counter()

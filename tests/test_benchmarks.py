@@ -522,12 +522,67 @@ def test_bench_fbgemm_tables_give_ratios_against_the_same_run():
     assert_no_verdicts(text)
 
 
-def test_kernel_profile_names_bytes_and_simulation():
+@pytest.mark.parametrize("name, short", [
+    ("void split_embedding_backward_codegen_sgd_unweighted_kernel_warp_per_row<float, float, 8>(at::Tensor)",
+     "split_embedding_backward_codegen_sgd_unweighted_kernel_warp_per_row"),
+    # FBGEMM's cache kernels live in an anonymous namespace (a profile once summed them all as "void").
+    ("void fbgemm_gpu::(anonymous namespace)::lru_cache_insert_kernel<float, float, float>(at::PackedTensorAccessor64"
+     "<float, 2ul, at::RestrictPtrTraits>, int, at::PackedTensorAccessor32<long, 1ul, at::RestrictPtrTraits>)",
+     "lru_cache_insert_kernel"),
+    ("void (anonymous namespace)::linearize_index_kernel<int, unsigned int>(int const*, long*)",
+     "linearize_index_kernel"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::launch_clamp_scalar("
+     "at::TensorIteratorBase&, c10::Scalar, c10::Scalar, at::native::detail::ClampLimits)::{lambda()#1}::operator()"
+     "() const::{lambda()#7}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul> >(int, float, "
+     "std::array<char*, 2ul>)", "vectorized_elementwise_kernel"),
+    ("void cub::_V_300600_SM_900::detail::radix_sort::DeviceRadixSortOnesweepKernel<cub::_V_300600_SM_900::detail"
+     "::radix_sort::policy_hub<long, cub::NullType, unsigned int>::Policy900, false, long>(int*, long*)",
+     "DeviceRadixSortOnesweepKernel"),
+    ("tiered_tbe::cache::_kernels::move_rows_kernel[abi:v23][abi:cw51cXTLSUwv1sCUt9Uw1VEw0NRRQPKiLTj0gIGIFp_2AA]"
+     "(Array<signed char, 1, C, mutable, aligned>, Array<long long, 1, C, mutable, aligned>)", "move_rows_kernel"),
+    ("Memcpy DtoD (Device -> Device)", "Memcpy DtoD"),
+    ("Memset (Device)", "Memset"),
+    ("_row_update_kernel", "_row_update_kernel"),
+])
+def test_kernel_profile_names_a_kernel_by_its_function(name, short):
     kernel_profile = importlib.import_module("tiered_tbe.benchmarks.kernel_profile")
-    name = "void split_embedding_backward_codegen_sgd_unweighted_kernel_warp_per_row<float, float, 8>(at::Tensor)"
-    short = "split_embedding_backward_codegen_sgd_unweighted_kernel_warp_per_row"
-    assert kernel_profile.short_kernel_name(name, width=100) == short
-    assert kernel_profile.short_kernel_name("_row_update_kernel") == "_row_update_kernel"
+    assert kernel_profile.short_kernel_name(name) == short
+
+
+def test_kernel_profile_counts_each_kernel_in_the_phase_it_ran_in():
+    """The profile's phases on the CPU, CPU ops standing in for kernels: each op is counted in the
+    phase of step_times that ran it (a cumsum in the prefetch, tanh forward, its gradient backward),
+    an op outside every phase as "other", and nothing is marked when no profile runs."""
+    from tiered_tbe.benchmarks import fbgemm_timing, kernel_profile
+
+    weight = torch.randn(4, 8, requires_grad=True)
+    batches = [(torch.randn(16), None, None) for _ in range(3)]
+
+    def step(i, indices, offsets, weights):
+        return torch.tanh(weight * indices[:4, None])
+
+    def run_steps():
+        torch.cumsum(torch.ones(3), 0)  # outside every phase
+        fbgemm_timing.step_times(step, batches, torch.ones(4, 8), warmup=0,
+                                 before=lambda i, indices, offsets, weights: torch.cumsum(indices, 0))
+
+    kernels = {"aten::cumsum", "aten::tanh", "aten::tanh_backward"}
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    profile = kernel_profile.profile_phases(run_steps, 3, activities, lambda event: event.name in kernels)
+    assert {(phase, kernel) for phase, kernel, _ in profile} == {
+        ("other", "cumsum"), ("prefetch", "cumsum"), ("forward", "tanh"), ("backward", "tanh_backward")}
+    assert all(ms > 0 for _, _, ms in profile)
+    assert [ms for _, _, ms in profile] == sorted((ms for _, _, ms in profile), reverse=True)
+    totals = kernel_profile.phase_totals(profile)
+    assert set(totals) == {"other", "prefetch", "forward", "backward"}
+    assert sum(totals.values()) == pytest.approx(sum(ms for _, _, ms in profile))
+    with torch.profiler.profile(activities=activities) as unmarked:  # a timed step: no marks
+        fbgemm_timing.step_times(step, batches, torch.ones(4, 8), warmup=0)
+    assert not [event for event in unmarked.events() if event.name.startswith(kernel_profile.PHASE_MARK)]
+
+
+def test_kernel_profile_bytes_and_simulation():
+    kernel_profile = importlib.import_module("tiered_tbe.benchmarks.kernel_profile")
     assert len(kernel_profile.short_kernel_name("k" * 100, width=20)) == 20
     # 10 lookups of 512-byte rows, a [4, 64] fp32 output; 3 unique rows with 4 bytes of state each.
     assert kernel_profile.step_bytes(10, 3, 4, 64, 512, 4) == {"forward": 10 * 512 + 1024,
