@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 
 from tiered_tbe import records
-from tiered_tbe.benchmarks import bench_torchrec
+from tiered_tbe.benchmarks import bench_torchrec, torchrec_profile
 
 TURNS = 2
 
@@ -125,7 +125,7 @@ def _timed_runs(args: argparse.Namespace, bench: argparse.Namespace, totals: dic
             model, optimizer = bench_torchrec.build_model(bench, side, kernel, kind, device, 1)
             stream = iter(batches * (2 + (args.warmup + TURNS * args.steps) // len(batches)))
             runs[side] = (pipeline_class(model, optimizer, device), stream)
-            bench_torchrec.timed_steps(runs[side][0], stream, args.warmup)
+            torchrec_profile.timed_steps(runs[side][0], stream, args.warmup)
         results[name] = {side: [] for side in runs}
         for turn in range(TURNS):
             for side in (bench_torchrec.SIDES if turn % 2 == 0 else bench_torchrec.SIDES[::-1]):
