@@ -181,6 +181,19 @@ def test_bad_dtypes_and_construction_errors(device):
         TieredEmbeddingBags([TableSpec(4, 2, name="a"), TableSpec(4, 2, name="a")], device=device)
 
 
+def test_stochastic_rounding_the_backend_cannot_do_is_refused_when_the_module_is_made(device):
+    """The plain-torch backend rounds to nearest: asked to round fp16 weights stochastically it is refused
+    at construction (it once raised at the first backward, after a forward had run). fp32 weights round
+    nothing, so there the flag changes nothing and is accepted."""
+    with pytest.raises(ValueError, match="backend='torch' rounds to nearest only: .* stochastic rounding of float16"):
+        TieredEmbeddingBags([TableSpec(4, 2)], weights_dtype=torch.float16, stochastic_rounding=True,
+                            backend="torch", device=device)
+    module = TieredEmbeddingBags([TableSpec(4, 2)], optimizer=SGD(lr=0.1), stochastic_rounding=True, backend="torch",
+                                 device=device)
+    assert not module.stochastic_rounding
+    module(torch.tensor([1, 3], device=device), torch.tensor([0, 2], device=device)).sum().backward()
+
+
 @pytest.mark.parametrize("optimizer", ALL_OPTIMIZERS, ids=lambda o: type(o).__name__)
 def test_state_dict_round_trip(optimizer, device):
     generator = torch.Generator().manual_seed(4)

@@ -26,6 +26,7 @@ class KernelBackend:
     #                            (graphs=, presorted=: used by the triton kernels, ignored by the reference;
     #                            then=: launches enqueued after the update, in its graph where it has one)
     per_sample_weights_grad: Callable  # (grad_output, stores, lookups, slot_of_index, pooling) -> fp32 [N]
+    rounds_stochastically: bool  # whether backward_update can round fp16 / bf16 weights stochastically
 
 
 def _reference_forward(stores, lookups, slot_of_index, pooling, graphs=None):
@@ -48,9 +49,9 @@ def _reference_per_sample_weights_grad(*args) -> torch.Tensor:
 
 BACKENDS = {
     "triton": KernelBackend("triton", forward.pooled_forward, backward.backward_update,
-                            per_sample_weights.per_sample_weights_grad),
+                            per_sample_weights.per_sample_weights_grad, rounds_stochastically=True),
     "torch": KernelBackend("torch", _reference_forward, _reference_backward_update,
-                           _reference_per_sample_weights_grad),
+                           _reference_per_sample_weights_grad, rounds_stochastically=False),
 }
 
 

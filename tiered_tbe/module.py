@@ -151,7 +151,13 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         # Indices and offsets bounds_check="warn" repaired so far, counted on the device (no sync).
         self._bounds_repairs = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.nan_check = nan_check
-        self.stochastic_rounding = stochastic_rounding
+        # Stochastic rounding changes fp16 / bf16 updates only (fp32 ones are exact): asked of the plain-torch
+        # backend, which rounds to nearest, it is refused here rather than at the first backward.
+        self.stochastic_rounding = bool(stochastic_rounding) and weights_dtype != torch.float32
+        if self.stochastic_rounding and not self.backend.rounds_stochastically:
+            raise ValueError(f"backend={backend!r} rounds to nearest only: use backend='triton' for stochastic "
+                             f"rounding of {str(weights_dtype).removeprefix('torch.')} weights, or "
+                             f"stochastic_rounding=False")
         self.seed = seed
         self.optimizer_step = 0
         # CUDA graphs of the forward and the backward, per batch shape (the triton backend only). The
