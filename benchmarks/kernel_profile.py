@@ -91,8 +91,10 @@ def profile_phases(run_steps, steps: int, activities, is_kernel) -> list[tuple[s
     finally:
         _marking_phases = False
     events = profile.events()
+    # The host's marks (the profiler may also list each mark's span on the GPU, under the same name).
     marks = sorted((event.time_range.end, event.time_range.start, event.name.removeprefix(PHASE_MARK))
-                   for event in events if event.name.startswith(PHASE_MARK))
+                   for event in events
+                   if event.name.startswith(PHASE_MARK) and event.device_type == torch.autograd.DeviceType.CPU)
     mark_ends = [end for end, _, _ in marks]
     totals: dict[tuple[str, str], float] = collections.defaultdict(float)
     for event in events:
