@@ -1,10 +1,11 @@
-"""Configurations drawn at random: every placement, policy, mover, optimizer, weights dtype, state layout,
-pooling and pipeline depth, tables shared by several features, tables of one row, odd dims, a row repeated
-hundreds of times in a bag, batch sizes that change every step and, in some draws, a batch with an index out
-of range in the middle of training. Each draw trains the same batches in HBM and as drawn, and the two must
-agree bit for bit: every output, the state_dict every few steps (a flush of every dirty slot) and at the end;
-no slot stays locked. The bad batch must be refused at its forward by both, leaving everything as it was,
-and training goes on with the next batch (a new pipeline after a pipelined one).
+"""Configurations drawn at random: every placement, policy, mover and optimizer (from their
+registries), weights dtype, state layout, pooling and pipeline depth, tables shared by several
+features, tables of one row, odd dims, a row repeated hundreds of times in a bag, batch sizes that
+change every step and, in some draws, a batch with an index out of range in the middle of training.
+Each draw trains the same batches in HBM and as drawn, and the two must agree bit for bit: every
+output, the state_dict every few steps (a flush of every dirty slot) and at the end; no slot stays
+locked. The bad batch must be refused at its forward by both, leaving everything as it was, and
+training goes on with the next batch (a new pipeline after a pipelined one).
 
 A draw is a seed: a failure names it, and ``draw(seed)`` rebuilds it. The plain-torch backend keeps a draw
 to a second or so in simulation; the Triton kernels are drawn too, on fewer seeds.
@@ -18,24 +19,13 @@ import random
 import pytest
 import torch
 
-from tiered_tbe import (
-    LAMB,
-    SGD,
-    Adagrad,
-    Adam,
-    CacheConfig,
-    PartialRowwiseAdam,
-    Placement,
-    PrefetchPipeline,
-    RowwiseAdagrad,
-    TableSpec,
-    TieredEmbeddingBags,
-)
+from tiered_tbe import CacheConfig, Placement, PrefetchPipeline, TableSpec, TieredEmbeddingBags
+from tiered_tbe.cache.mover import MOVERS
+from tiered_tbe.cache.policy import POLICIES
+from tiered_tbe.kernels.optimizers import OPTIMIZERS, optimizer_named
 from tiered_tbe.storage import STATE_LAYOUTS
 
 STEPS = 10
-OPTIMIZERS = [lambda: SGD(lr=0.1), lambda: Adagrad(lr=0.1), lambda: RowwiseAdagrad(lr=0.1),
-              lambda: Adam(lr=0.01), lambda: PartialRowwiseAdam(lr=0.01), lambda: LAMB(lr=0.01)]
 
 
 @dataclasses.dataclass
@@ -44,7 +34,7 @@ class Draw:
     dims: list[int]
     placements: list[Placement]
     feature_table_map: list[int]  # the table of each feature (some tables looked up by several)
-    optimizer: int  # index into OPTIMIZERS
+    optimizer: str  # a name of the registry OPTIMIZERS
     pooling: str
     weights_dtype: torch.dtype
     stochastic_rounding: bool
@@ -68,12 +58,12 @@ def draw(seed: int, backend: str) -> Draw:
     features = list(range(num_tables)) + [rng.randrange(num_tables) for _ in range(rng.randint(0, 2))]
     rng.shuffle(features)
     weights_dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
-    mover = rng.choice(["zero_copy", "staged", None])
+    mover = rng.choice([*sorted(MOVERS), None])  # None: the placement's default
     state_layout = rng.choice([layout for layout in STATE_LAYOUTS if not (mover == "staged" and layout == "device")])
     return Draw(rows, dims, [rng.choice(list(Placement)) for _ in range(num_tables)], features,
-                rng.randrange(len(OPTIMIZERS)), pooling, weights_dtype,
+                rng.choice(sorted(OPTIMIZERS)), pooling, weights_dtype,
                 weights_dtype != torch.float32 and backend == "triton" and rng.random() < 0.5, state_layout,
-                rng.choice(["lru", "lfu", "lookahead"]), rng.choice([1, 2, 4]), rng.choice([1, 4, 8]), mover,
+                rng.choice(sorted(POLICIES)), rng.choice([1, 2, 4]), rng.choice([1, 4, 8]), mover,
                 rng.choice([0, 1, 2, 3]), backend, rng.randrange(STEPS) if rng.random() < 0.5 else None)
 
 
@@ -114,7 +104,7 @@ def module_of(d: Draw, in_hbm: bool, device) -> TieredEmbeddingBags:
     if any(p.is_cached for p in placements):
         cache = CacheConfig(slots=max(d.slots, d.associativity), associativity=d.associativity, policy=d.policy,
                             mover=d.mover)
-    return TieredEmbeddingBags(tables, pooling=d.pooling, optimizer=OPTIMIZERS[d.optimizer](),
+    return TieredEmbeddingBags(tables, pooling=d.pooling, optimizer=optimizer_named(d.optimizer, lr=0.05),
                                weights_dtype=d.weights_dtype, stochastic_rounding=d.stochastic_rounding, cache=cache,
                                device=device, seed=3, backend=d.backend, feature_table_map=d.feature_table_map,
                                state_layout="auto" if in_hbm else d.state_layout)
