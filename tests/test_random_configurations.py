@@ -1,11 +1,11 @@
 """Configurations drawn at random: every placement, policy, mover and optimizer (from their
-registries), weights dtype, state layout, pooling and pipeline depth, tables shared by several
-features, tables of one row, odd dims, a row repeated hundreds of times in a bag, batch sizes that
-change every step and, in some draws, a batch with an index out of range in the middle of training.
-Each draw trains the same batches in HBM and as drawn, and the two must agree bit for bit: every
-output, the state_dict every few steps (a flush of every dirty slot) and at the end; no slot stays
-locked. The bad batch must be refused at its forward by both, leaving everything as it was, and
-training goes on with the next batch (a new pipeline after a pipelined one).
+registries), weights dtype, state layout, pooling, the pipeline's depth, window and fit, tables shared
+by several features, tables of one row, odd dims, a row repeated hundreds of times in a bag, batch
+sizes that change every step and, in some draws, a batch with an index out of range in the middle of
+training. Each draw trains the same batches in HBM and as drawn, and the two must agree bit for bit:
+every output, the state_dict every few steps (a flush of every dirty slot) and at the end; no slot
+stays locked. The bad batch must be refused at its forward by both, leaving everything as it was, and
+training goes on with the next batch (with the same pipeline, or a new one).
 
 A draw is a seed: a failure names it, and ``draw(seed)`` rebuilds it. The plain-torch backend keeps a draw
 to a second or so in simulation; the Triton kernels are drawn too, on fewer seeds.
@@ -44,6 +44,9 @@ class Draw:
     slots: int
     mover: str | None
     depth: int  # 0: serial
+    lookahead: int | None  # the pipeline's window of hinted batches (None: its default)
+    fit_cache: bool  # the pipeline holds fewer batches ahead when they do not fit
+    same_pipeline_after_error: bool  # after the bad batch the loop goes on with its pipeline (else a new one)
     backend: str
     bad_step: int | None  # the step whose batch holds an index out of its table's range
 
@@ -64,7 +67,8 @@ def draw(seed: int, backend: str) -> Draw:
                 rng.choice(sorted(OPTIMIZERS)), pooling, weights_dtype,
                 weights_dtype != torch.float32 and backend == "triton" and rng.random() < 0.5, state_layout,
                 rng.choice(sorted(POLICIES)), rng.choice([1, 2, 4]), rng.choice([1, 4, 8]), mover,
-                rng.choice([0, 1, 2, 3]), backend, rng.randrange(STEPS) if rng.random() < 0.5 else None)
+                rng.choice([0, 1, 2, 3]), rng.choice([None, 0, 1, 5]), rng.random() < 0.3, rng.random() < 0.5, backend,
+                rng.randrange(STEPS) if rng.random() < 0.5 else None)
 
 
 def batches_of(seed: int, d: Draw) -> list[tuple]:
@@ -110,14 +114,17 @@ def module_of(d: Draw, in_hbm: bool, device) -> TieredEmbeddingBags:
                                state_layout="auto" if in_hbm else d.state_layout)
 
 
-def train(module: TieredEmbeddingBags, batches: list[tuple], depth: int, bad_step: int | None):
+def train(module: TieredEmbeddingBags, batches: list[tuple], d: Draw, serial: bool = False):
     """Every step's output (the string "refused" for the bad batch), the state_dict after every 4th step, and
-    at the end."""
+    at the end: serially, or as ``d`` draws it."""
+    depth = 0 if serial else d.depth
+    bad_step = d.bad_step
     outputs, states = [], []
     step = 0
     while step < len(batches):
         rest = batches[step:]
-        source = PrefetchPipeline(module, rest, depth=depth, lookups=lambda b: (b[0], b[1])) if depth else rest
+        source = PrefetchPipeline(module, rest, depth=depth, lookups=lambda b: (b[0], b[1]), lookahead=d.lookahead,
+                                  fit_cache=d.fit_cache) if depth else rest
         try:
             for indices, offsets, weights, grad in source:
                 if step == bad_step:
@@ -128,7 +135,9 @@ def train(module: TieredEmbeddingBags, batches: list[tuple], depth: int, bad_ste
                     assert all(torch.equal(before[k], after[k]) for k in before), "the bad batch changed a table"
                     outputs.append("refused")
                     step += 1
-                    break  # a pipeline that raised is done: the next batches go through a new one
+                    if depth and d.same_pipeline_after_error:
+                        continue  # the pipeline drops the refused batch when the next one is asked for
+                    break  # the next batches go through a new pipeline
                 output = module(indices, offsets, per_sample_weights=weights)
                 outputs.append(output.detach().clone())
                 output.backward(grad)
@@ -145,9 +154,9 @@ def train(module: TieredEmbeddingBags, batches: list[tuple], depth: int, bad_ste
 def check_draw(seed: int, backend: str, device) -> None:
     d = draw(seed, backend)
     batches = [tuple(t if t is None else t.to(device) for t in batch) for batch in batches_of(seed, d)]
-    expected_outputs, expected_states = train(module_of(d, True, device), batches, 0, d.bad_step)
+    expected_outputs, expected_states = train(module_of(d, True, device), batches, d, serial=True)
     module = module_of(d, False, device)
-    outputs, states = train(module, batches, d.depth, d.bad_step)
+    outputs, states = train(module, batches, d)
     for step, (want, got) in enumerate(zip(expected_outputs, outputs)):
         assert type(want) is type(got) and (isinstance(want, str) or torch.equal(want, got)), \
             f"seed {seed}, {d}: output of step {step}"
