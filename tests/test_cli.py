@@ -221,7 +221,9 @@ def test_real_cache_refuses_a_lookahead_window_past_its_hints(capsys):
         capsys.readouterr().err
 
 
-def test_record_appends_one_json_line_per_measurement_only_when_asked(capsys, tmp_path):
+def test_record_appends_one_json_line_per_measurement_only_when_asked(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERED_TBE_MANAGED_FIRST_TOUCH", "host")  # a setting in force: the records say so
+    monkeypatch.setenv("TIERED_TBE_COMMIT", "abc1234")  # not a setting: the commit itself
     results = tmp_path / "measurements.jsonl"
     args = [*TINY, "--cache-sizes", "2%,10%", "--policies", "lru,belady"]
     assert run_cli(capsys, *args)[0] == 0
@@ -236,6 +238,8 @@ def test_record_appends_one_json_line_per_measurement_only_when_asked(capsys, tm
     assert first["command"].startswith("tiered-tbe bench hit-rate --rows 5000 --batch-size 64")
     assert {"python", "torch", "triton", "numba", "numba-cuda"} <= set(first["versions"]) and first["commit"]
     assert first["host"]["cores"] >= 1  # the machine, as far as Linux tells (records.host)
+    assert first["commit"] == "abc1234" and first["settings"]["TIERED_TBE_MANAGED_FIRST_TOUCH"] == "host"
+    assert "TIERED_TBE_COMMIT" not in first["settings"]
     assert first["configuration"]["trace"] == "zipf alpha=1.05, 5,000 rows, 20 batches of 64x4"
     assert [(r["configuration"]["policy"], r["configuration"]["cache_size"]) for r in lines[:4]] == [
         ("lru", "2%"), ("belady", "2%"), ("lru", "10%"), ("belady", "10%")]

@@ -97,6 +97,15 @@ def test_host_memory_kind_is_checked(monkeypatch):
         tiers._pinned_host_memory(4096, "huge")
 
 
+def test_managed_first_touch_is_checked(monkeypatch):
+    assert tiers.managed_first_touch() == "device"
+    monkeypatch.setenv("TIERED_TBE_MANAGED_FIRST_TOUCH", "host")
+    assert tiers.managed_first_touch() == "host"
+    monkeypatch.setenv("TIERED_TBE_MANAGED_FIRST_TOUCH", "cpu")
+    with pytest.raises(ValueError, match="TIERED_TBE_MANAGED_FIRST_TOUCH='cpu': choose one of device, host"):
+        tiers.managed_first_touch()
+
+
 # ---------------------------------------------------------------- GPU (an H200)
 
 def _pointer_type(tensor):
@@ -230,3 +239,16 @@ def test_gpu_managed_memory_prefetched_to_the_host_stays_readable_in_place():
     tensor.copy_(torch.arange(numel, device="cuda", dtype=torch.float32))
     torch.cuda.synchronize()
     assert torch.equal(tiers.host_view(tensor)[-3:], torch.arange(numel - 3, numel, dtype=torch.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_managed_memory_first_touched_by_the_host_is_zero_and_read_in_place(monkeypatch):
+    """TIERED_TBE_MANAGED_FIRST_TOUCH=host: the store comes zeroed by the host; the GPU writes and reads it
+    in place and the host sees the same."""
+    monkeypatch.setenv("TIERED_TBE_MANAGED_FIRST_TOUCH", "host")
+    numel = 3 * (1 << 20) + 5
+    tensor = allocate(Placement.MANAGED, numel, torch.float32, "cuda").tensor
+    assert not tensor.any()
+    tensor[-4:] = 2.5
+    torch.cuda.synchronize()
+    assert torch.equal(tiers.host_view(tensor)[-5:], torch.tensor([0.0, 2.5, 2.5, 2.5, 2.5]))

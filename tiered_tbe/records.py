@@ -132,11 +132,22 @@ RUN = f"{datetime.datetime.now().isoformat(timespec='seconds')}-{os.getpid()}"
 _HOST = host()  # read once a process
 
 
+def settings() -> dict[str, str]:
+    """The project's environment settings in force (``TIERED_TBE_*`` variables, ``TIERED_TBE_COMMIT`` aside):
+    an A/B run of one setting differs only here (``TIERED_TBE_MANAGED_FIRST_TOUCH=host``, ...)."""
+    return {name: value for name, value in sorted(os.environ.items())
+            if name.startswith("TIERED_TBE_") and name != "TIERED_TBE_COMMIT"}
+
+
 def context(device: str | None = None) -> dict:
     """``date``, ``run`` (:data:`RUN`), ``device`` (default :func:`device_name`), ``simulation``,
-    ``versions``, ``commit``, ``host`` (:func:`host`): what every record and JSON report carries."""
-    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), run=RUN, device=device or device_name(),
-                simulation=SIMULATION, versions=versions(), commit=git_commit(), host=_HOST)
+    ``versions``, ``commit``, ``host`` (:func:`host`) and, when any is set, ``settings`` (:func:`settings`):
+    what every record and JSON report carries."""
+    found = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), run=RUN, device=device or device_name(),
+                 simulation=SIMULATION, versions=versions(), commit=git_commit(), host=_HOST)
+    if settings():
+        found["settings"] = settings()
+    return found
 
 
 def measurement(benchmark: str, command: str, configuration: dict, figures: dict, device: str | None = None,
