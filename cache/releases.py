@@ -68,7 +68,7 @@ class SlotReleases:
 
     def mark_dirty(self, slots: CacheBatch | torch.Tensor, launched: bool = False) -> None:
         """Mark slots updated in place (by backward): they are written back before being dropped.
-        ``slots``: a batch (its ``slot_of_index``), or int32/int64 [N] slots, -1 skipped.
+        ``slots``: a batch (the slots of its lookups' rows), or int32/int64 [N] slots, -1 skipped.
         ``launched``: the caller enqueued :meth:`mark_dirty_launches` of them already."""
         launches = None if launched else self.mark_dirty_launches(slots)
         if launches is not None:
@@ -77,7 +77,11 @@ class SlotReleases:
     def mark_dirty_launches(self, slots: CacheBatch | torch.Tensor) -> GraphLaunches | None:
         """The launches of :meth:`mark_dirty` of ``slots``, for a caller's own CUDA graph (as
         :meth:`unlock_launches`); ``None`` when there are none."""
-        slot_of_index = slots.slot_of_index if isinstance(slots, CacheBatch) else self._check_slots(slots)
+        # A batch's slots are its locked ones: each slot of its lookups' rows once, in an array of the prefetch's
+        # padded size (NO_SLOT past them). Its slot_of_index holds the same slots, repeated, in an array of the
+        # batch's own size, which a CUDA graph would be keyed by: a pipeline's backward, which takes these
+        # launches in, ran eagerly every step where the batch size changes every step (H100, 5cdfaa5).
+        slot_of_index = slots.locked_slots if isinstance(slots, CacheBatch) else self._check_slots(slots)
         if not slot_of_index.numel():
             return None
 

@@ -17,6 +17,7 @@ from cache_helpers import (
     rows_tensor,
 )
 
+from tiered_tbe.base.graphs import padded_size
 from tiered_tbe.cache import CachedTable, CacheStats, SlotCache
 from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN
 
@@ -156,6 +157,29 @@ def test_unlock_launches_enqueued_by_the_caller_release_as_unlock_does():
     empty = prefetch(cache, rows_tensor([]))
     assert cache.unlock_launches(empty) is None and cache.mark_dirty_launches(empty) is None
     cache.unlock(empty, launched=True)
+
+
+def test_a_batchs_dirty_marks_take_an_array_of_its_padded_size_and_mark_its_slots():
+    """mark_dirty_launches of a batch (a pipeline's backward takes them into its CUDA graph, keyed by its
+    inputs' shapes) read an array of the prefetch's padded size, so batches whose size changes every step
+    share a few graphs; they mark exactly the slots of the batch's lookups, as marking its slot_of_index
+    does."""
+    rows = [3, 17, 42, 99, 260, 301, 3, 17, 5, 7, 11]  # 11 lookups, repeats: padded to 12
+    marked = []
+    for mark in ("launches", "slot_of_index"):
+        cache = SlotCache(make_tables(), num_slots=8, associativity=2)
+        batch = prefetch(cache, rows_tensor(rows))
+        if mark == "launches":
+            launches = cache.mark_dirty_launches(batch)
+            (slots,) = launches.inputs
+            assert slots.numel() == padded_size(len(rows)) != batch.slot_of_index.numel()
+            launches.enqueue(list(launches.inputs))
+        else:
+            cache.mark_dirty(batch.slot_of_index)
+        marked.append(set(cache.dirty.nonzero().flatten().tolist()))
+        assert marked[-1] == {s for s in batch.slot_of_index.tolist() if s >= 0}
+        cache.unlock(batch)
+    assert marked[0] == marked[1]
 
 
 @pytest.mark.parametrize("second_size", [5, 40], ids=["same_padded_size", "another_size"])

@@ -158,3 +158,25 @@ def test_ragged_serial_steps_never_wait_for_the_device(policy):
     assert grew["graph_replays"] > 0, grew
     for name in ("graph_captures", "graph_eager_runs", "device_frees", "alloc_retries", "allocator_syncs"):
         assert grew[name] == 0, grew
+
+
+@pytest.mark.gpu
+def test_ragged_pipelined_steps_replay_graphs_only():
+    """The pipelined step of `cached-odd-dims-ragged-pipelined` (depth 2): once every batch's shapes have been
+    seen, every prefetch, forward and backward replays a graph. Its backward takes the dirty marks of the
+    batch (its unlock is deferred) into its graph; they once read an array of the batch's own size, so on
+    batches whose size changes every step the backward ran eagerly every step (H100, 5cdfaa5: one eager
+    run a step, the pipelined step slower than the serial one)."""
+    dims = [4, 12, 20, 36, 52, 76, 100, 132]
+    rows = [r // 64 for r in GPU_ROWS[: len(dims)]]
+    module = mixed_module(rows, dims, [Placement.MANAGED_CACHED] * len(dims), "cuda", cache=CacheConfig(fraction=0.1))
+    batches = ragged_batches(rows, dims, steps=12, batch_sizes=[512, 300, 448, 256], max_bag=30, device="cuda")
+    for _ in range(2):  # every shape seen, then every padded shape's graphs captured
+        train(module, batches, depth=2)
+    counters = step_counters(module, module.cache)
+    before = counters()
+    train(module, batches, depth=2)
+    grew = {name: counters()[name] - before[name] for name in before}
+    assert module.cache.num_locked() == 0
+    assert grew["graph_replays"] > 0 and grew["graph_captures"] == 0 and grew["graph_eager_runs"] == 0, grew
+
