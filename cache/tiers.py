@@ -239,29 +239,31 @@ HUGE_PAGE_BYTES = 2 << 20  # an x86-64 transparent huge page
 
 def host_memory_kind() -> str:
     """How ``HOST`` memory is allocated: ``$TIERED_TBE_HOST_MEMORY``, default ``host_alloc``."""
-    return _checked_kind(os.environ.get("TIERED_TBE_HOST_MEMORY", "host_alloc"), "TIERED_TBE_HOST_MEMORY=")
+    return _setting("TIERED_TBE_HOST_MEMORY", HOST_MEMORY_KINDS)
 
 
 def managed_first_touch() -> str:
     """Who first touches the pages of ``MANAGED`` memory: ``$TIERED_TBE_MANAGED_FIRST_TOUCH``, ``device``
     (default: the pages are placed as kernels first reach them, a module's initialization) or ``host``
     (the host zeroes the store as it is made, placing every page)."""
-    touch = os.environ.get("TIERED_TBE_MANAGED_FIRST_TOUCH", "device")
-    if touch not in MANAGED_FIRST_TOUCHES:
-        raise ValueError(f"TIERED_TBE_MANAGED_FIRST_TOUCH={touch!r}: choose one of {', '.join(MANAGED_FIRST_TOUCHES)}")
-    return touch
+    return _setting("TIERED_TBE_MANAGED_FIRST_TOUCH", MANAGED_FIRST_TOUCHES)
 
 
-def _checked_kind(kind: str, named: str) -> str:
-    if kind not in HOST_MEMORY_KINDS:
-        raise ValueError(f"{named}{kind!r}: choose one of {', '.join(HOST_MEMORY_KINDS)}")
-    return kind
+def _setting(variable: str, choices: tuple[str, ...]) -> str:
+    """The environment variable ``variable``, one of ``choices`` (default: the first), checked."""
+    return _checked_choice(os.environ.get(variable, choices[0]), choices, f"{variable}=")
+
+
+def _checked_choice(value: str, choices: tuple[str, ...], named: str) -> str:
+    if value not in choices:
+        raise ValueError(f"{named}{value!r}: choose one of {', '.join(choices)}")
+    return value
 
 
 def _pinned_host_memory(nbytes: int, kind: str | None = None) -> _CudaMemory:
     """``nbytes`` of pinned host memory mapped for the GPU, made the ``kind`` way (default
     :func:`host_memory_kind`)."""
-    kind = host_memory_kind() if kind is None else _checked_kind(kind, "host memory kind ")
+    kind = host_memory_kind() if kind is None else _checked_choice(kind, HOST_MEMORY_KINDS, "host memory kind ")
     runtime = _runtime()
     if kind != "host_alloc":
         if runtime is None:

@@ -145,8 +145,9 @@ def context(device: str | None = None) -> dict:
     what every record and JSON report carries."""
     found = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), run=RUN, device=device or device_name(),
                  simulation=SIMULATION, versions=versions(), commit=git_commit(), host=_HOST)
-    if settings():
-        found["settings"] = settings()
+    in_force = settings()
+    if in_force:
+        found["settings"] = in_force
     return found
 
 
