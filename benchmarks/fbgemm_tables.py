@@ -186,7 +186,9 @@ def _figures(side: dict) -> dict:
     for key, value in side.items():
         if key in ("profile", "host_profile", "bytes"):
             continue
-        timed = key in PHASES or key == "prefetch_total" or key.startswith(("host_", "kernel_"))
+        # host_* and kernel_* are ms, but the step counters (host_mallocs_per_step, ...) are counts.
+        timed = key in PHASES or key == "prefetch_total" or (key.startswith(("host_", "kernel_"))
+                                                            and not key.endswith("_per_step"))
         out[f"{key}_ms" if timed else key] = value
     return out
 

@@ -713,3 +713,12 @@ def test_bench_fbgemm_leaves_out_fbgemms_side_where_it_fails_on_the_device(monke
     assert rows[1]["fbgemm"] == {} and rows[1]["ours"]["step"] > 0
     assert "cached-mixed-weighted-z0.6-pipelined: FBGEMM not run: FBGEMM_GPU 1.6.0's prefetch_pipeline" in \
         capsys.readouterr().out
+
+
+def test_a_records_step_counts_are_not_named_as_milliseconds():
+    """host_forward is ms (host_forward_ms in a record); host_mallocs_per_step is a count and keeps its name."""
+    from tiered_tbe.benchmarks.fbgemm_tables import _figures
+
+    figures = _figures({"forward": 1.0, "host_forward": 0.5, "host_mallocs_per_step": 0.0, "device_frees_per_step": 0.0})
+    assert figures == {"forward_ms": 1.0, "host_forward_ms": 0.5, "host_mallocs_per_step": 0.0,
+                       "device_frees_per_step": 0.0}
