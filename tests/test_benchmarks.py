@@ -719,6 +719,7 @@ def test_a_records_step_counts_are_not_named_as_milliseconds():
     """host_forward is ms (host_forward_ms in a record); host_mallocs_per_step is a count and keeps its name."""
     from tiered_tbe.benchmarks.fbgemm_tables import _figures
 
-    figures = _figures({"forward": 1.0, "host_forward": 0.5, "host_mallocs_per_step": 0.0, "device_frees_per_step": 0.0})
+    figures = _figures({"forward": 1.0, "host_forward": 0.5, "host_mallocs_per_step": 0.0,
+                        "device_frees_per_step": 0.0})
     assert figures == {"forward_ms": 1.0, "host_forward_ms": 0.5, "host_mallocs_per_step": 0.0,
                        "device_frees_per_step": 0.0}
