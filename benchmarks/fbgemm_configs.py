@@ -140,6 +140,7 @@ CONFIGS = [
     Config("cached-lfu-z1.2", CRITEO, placement="host_cached", policy="lfu", alpha=1.2),
     Config("cached-managed-lru", CRITEO, placement="managed_cached"),
     Config("cached-managed-lfu", CRITEO, placement="managed_cached", policy="lfu"),
+    Config("cached-managed-lfu-admit", CRITEO, placement="managed_cached", policy="lfu-admit"),
     Config("cached-managed-lru-z1.2", CRITEO, placement="managed_cached", alpha=1.2),
     Config("cached-managed-lfu-z1.2", CRITEO, placement="managed_cached", policy="lfu", alpha=1.2),
     Config("cached-managed-lru-pipelined", CRITEO, placement="managed_cached", pipelined=True),
@@ -161,6 +162,7 @@ CONFIGS = [
     Config("mixed-weighted", **dict(_MIXED, placement="device")),
     Config("cached-mixed-weighted", **_MIXED),
     Config("cached-mixed-weighted-lfu", **_MIXED, policy="lfu"),
+    Config("cached-mixed-weighted-lfu-admit", **_MIXED, policy="lfu-admit"),
     Config("cached-mixed-weighted-pipelined", **_MIXED, pipelined=True),
     # The same in pinned host memory (FBGEMM's side: host-mapped, uvm_host_mapped), to choose its mover.
     Config("cached-pinned-mixed-weighted", **dict(_MIXED, placement="host_cached")),
@@ -173,6 +175,7 @@ CONFIGS = [
     # docs/hit_rates.md, "Where most rows miss".
     Config("cached-mixed-weighted-z0.6-lfu", **_MIXED, alpha=0.6, policy="lfu"),
     Config("cached-mixed-weighted-z0.6-lookahead", **_MIXED, alpha=0.6, policy="lookahead"),
+    Config("cached-mixed-weighted-z0.6-lfu-admit", **_MIXED, alpha=0.6, policy="lfu-admit"),
     Config("cached-mixed-weighted-z0.6-lookahead-pipelined", **_MIXED, alpha=0.6, policy="lookahead", pipelined=True,
            fbgemm_fails=_Z06_PIPELINE),
     Config("cached-mixed-bag20", **_BAG20),
@@ -181,6 +184,10 @@ CONFIGS = [
     Config("cached-odd-dims-ragged-pipelined", **_ODD, pipelined=True),
     # The simulator on these batches: LFU moves 0.91 of LRU's rows, lookahead (8 batches) 0.86.
     Config("cached-odd-dims-ragged-lfu", **_ODD, policy="lfu"),
+    # Admission by use counts (FBGEMM's side: its LFU, which admits the same way): the simulator on these
+    # batches moves 0.20 of LRU's rows, and reads 9% of the lookups in place (docs/hit_rates.md).
+    Config("cached-odd-dims-ragged-lfu-admit", **_ODD, policy="lfu-admit"),
+    Config("cached-odd-dims-ragged-lfu-admit-pipelined", **_ODD, policy="lfu-admit", pipelined=True),
     Config("cached-odd-dims-ragged-lookahead", **_ODD, policy="lookahead"),
     Config("cached-odd-dims-ragged-lookahead-pipelined", **_ODD, policy="lookahead", pipelined=True),
     Config("cached-criteo-mixed", **_CRITEO_MIXED),

@@ -29,6 +29,9 @@ from tiered_tbe.specs import CacheConfig, Placement, TableSpec
 # What ours_module reads of the command line, at bench fbgemm's defaults (for tools that build our
 # module of a configuration without parsing bench fbgemm's flags).
 DEFAULT_MODULE_ARGS = argparse.Namespace(seed=0, mover=None, state_layout=None)
+# Our policies that FBGEMM's side runs as its LFU (the others as its LRU): lfu-admit admits misses by
+# use counts, as FBGEMM's LFU does.
+FBGEMM_LFU_POLICIES = ("lfu", "lfu-admit")
 
 
 def fbgemm_available() -> str | None:
@@ -111,7 +114,7 @@ def ours_module(config: Config, args, device=None) -> TieredEmbeddingBags:
 
 def fbgemm_module(config: Config, device=None, cache_stats: bool = False):
     """FBGEMM's TBE of a configuration: ``MANAGED_CACHING`` with ``cache_load_factor`` equal to our
-    cache fraction (LRU, or LFU for ``lfu``; a lookahead configuration runs LRU) or ``DEVICE``; a
+    cache fraction (LRU, or LFU for ``lfu`` and ``lfu-admit``; a lookahead configuration runs LRU) or ``DEVICE``; a
     dim per table; ``prefetch_pipeline`` for a pipelined one. ``cache_stats``: gather its cache
     counters (``gather_uvm_cache_stats``: unique rows missed and inserted, for LRU). On a CPU
     ``device`` (a test of the construction) the tables are ``HOST`` and computed on the CPU."""
@@ -148,7 +151,7 @@ def fbgemm_module(config: Config, device=None, cache_stats: bool = False):
         weights_precision=SparseType.FP16 if config.dtype == "fp16" else SparseType.FP32,
         output_dtype=SparseType.FP32, pooling_mode=PoolingMode.SUM, bounds_check_mode=BoundsCheckMode.NONE,
         cache_load_factor=config.cache_fraction,
-        cache_algorithm=CacheAlgorithm.LFU if config.policy == "lfu" else CacheAlgorithm.LRU,
+        cache_algorithm=CacheAlgorithm.LFU if config.policy in FBGEMM_LFU_POLICIES else CacheAlgorithm.LRU,
         prefetch_pipeline=config.pipelined and cached, stochastic_rounding=config.dtype != "fp32",
         gather_uvm_cache_stats=cache_stats and cached, device=device, **extra)
     bound = 1.0 / max(config.tables) ** 0.5
@@ -160,7 +163,7 @@ def fbgemm_rows_moved(emb, config: Config, batches: int) -> dict:
     """FBGEMM's own count of the rows its prefetches copied into its cache since the last
     ``reset_uvm_cache_stats``, over ``batches`` prefetches: ``rows_in_per_batch`` (unique misses
     less those that found no slot), when it gathered them (LRU: its LFU prefetch counts no misses)."""
-    if not getattr(emb, "gather_uvm_cache_stats", False) or config.policy == "lfu" or batches < 1:
+    if not getattr(emb, "gather_uvm_cache_stats", False) or config.policy in FBGEMM_LFU_POLICIES or batches < 1:
         return {}
     counters = emb.get_uvm_cache_stats().tolist()
     unique_misses, conflict_unique_misses = int(counters[3]), int(counters[4])  # fbgemm's UVMCacheStatsIndex

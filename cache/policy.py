@@ -37,7 +37,8 @@ One step (prefetch of one batch)
        ``last_use = step``, ``use_count += 1``, ``locks += 1`` (:func:`touch_on_hit`).
        All hits of a batch are resolved before any victim is chosen, so a row the batch uses
        is never evicted to make room for another row of the same batch.
-    3. Then the misses of each set, in ascending global row order. Each takes the way
+    3. Then the misses of each set, in ascending global row order (``lfu-admit``: see
+       "Admission"). Each takes the way
        :func:`choose_victim` returns, among the ways of its set with ``locks == 0``:
        an empty way if there is one (the lowest such way); otherwise the way with the smallest
        ``victim_key`` (ties broken by the lowest way). A dirty victim is written back to its
@@ -50,10 +51,29 @@ One step (prefetch of one batch)
        ``use_count`` is halved (``>> 1``). Use counts are kept and aged under every policy
        (only LFU ranks by them), so the state evolves the same whatever the policy.
 
+Per-row use counts (``lfu-admit`` only)
+    ``row_uses[row]`` (int16, one per global row of the cached tables, ``R`` in all): the batches
+    that named the row, aged. Each prefetch adds 1 (up to ``ROW_USES_MAX``) to every unique row
+    of the batch, hit or miss, before step 2 (:func:`count_use`); the halving of step 4 halves
+    them too. A slot's ``use_count`` is then its row's count, set on every hit and fill
+    (:func:`take_row_uses`), so ranking the ways of a set needs no look-up per way.
+
+Admission (``lfu-admit`` only)
+    In step 3 a set's misses come in descending ``row_uses`` (after this batch's counts), ties
+    in ascending row order. A miss takes the victim :func:`choose_victim` returns only if that
+    way is empty or its ``use_count`` is below the miss's ``row_uses`` (:func:`admits`). Else the
+    miss gets no slot (``misses_no_slot``): its lookups read and update its backing store, as
+    with every way locked. Once one miss of a set is refused so is every later one of that set
+    (their counts are no larger, their victims' no smaller), so the k-th miss meets the k-th
+    victim whether the misses are taken one after another (the simulator) or all at once (the
+    GPU kernels). FBGEMM's LFU admits by the same comparison (its counts are lookups, never
+    aged, and ties admit); the rule keeps a row used once out of a cache of rows used more,
+    which moves far fewer rows where most misses are rows few batches name.
+
 Victim keys (smaller is evicted first; compared as a pair, then by way)
     ``lru``: ``(last_use, 0)``: the least recently used row.
-    ``lfu``: ``(use_count, last_use)``: the least used row; among equally used rows the least
-    recently used one.
+    ``lfu``, ``lfu-admit``: ``(use_count, last_use)``: the least used row; among equally used rows
+    the least recently used one.
     ``lookahead``: ``(-next_use, last_use)``: rows no batch of the window needs first (their
     ``next_use`` is ``NEXT_USE_UNKNOWN``, the largest value), least recently used first; then
     the row needed latest (Belady's rule over the window), the least recently used on a tie.
@@ -153,6 +173,7 @@ import tiered_tbe.base.mode  # noqa: F401  (sets the simulation mode before numb
 POLICY_LRU = 0
 POLICY_LFU = 1
 POLICY_LOOKAHEAD = 2
+POLICY_LFU_ADMIT = 3
 
 
 @dataclass(frozen=True)
@@ -164,6 +185,7 @@ class CachePolicy:
     code: int
     summary: str  # one line for --help and reports
     reads_window: bool = False  # ranks by next_use, told by the lookahead window (hints)
+    counts_rows: bool = False  # keeps a use count per row (row_uses) and admits misses by it
 
 
 # The registry: every policy of the cache, in the order --help lists them.
@@ -173,11 +195,15 @@ POLICIES: dict[str, CachePolicy] = {p.name: p for p in (
                 "prefetches), the least recent among equals"),
     CachePolicy("lookahead", POLICY_LOOKAHEAD, "rows no batch of the lookahead window needs first (least "
                 "recent first), then the row needed latest; LRU without hints", reads_window=True),
+    CachePolicy("lfu-admit", POLICY_LFU_ADMIT, "LFU that lets a missed row in only if more batches named it "
+                "than the row it would evict (counts per row, halved like LFU's); the others are read in place",
+                counts_rows=True),
 )}
 DEFAULT_POLICY = "lru"
 POLICY_CODES = {name: p.code for name, p in POLICIES.items()}
 
 EMPTY = -1  # tag of a slot holding no row
+ROW_USES_MAX = np.iinfo(np.int16).max  # a row's use count stops here (row_uses is int16)
 NO_SLOT = -1  # slot of a row that is not cached (and will not be for this batch)
 NEXT_USE_UNKNOWN = np.iinfo(np.int64).max  # next_use of a row that no queued batch needs
 
@@ -254,7 +280,7 @@ def victim_key(policy, slot, last_use, use_count, next_use):
     Ties on the pair are broken by the lowest way (in :func:`choose_victim`). Takes the arrays,
     not their values, so each policy reads only the state it ranks by.
     """
-    if policy == POLICY_LFU:
+    if policy == POLICY_LFU or policy == POLICY_LFU_ADMIT:
         return np.int64(use_count[slot]), last_use[slot]
     if policy == POLICY_LOOKAHEAD:
         return -next_use[slot], last_use[slot]
@@ -327,6 +353,31 @@ def touch_on_fill(slot, step, last_use, use_count):
     use_count[slot] = 1
 
 
+def counts_rows(policy):
+    """Whether ``policy`` keeps a use count per row (``row_uses``): ``CachePolicy.counts_rows`` as the
+    kernels and the simulator test it (``tests/test_cache_policy.py`` checks the two agree)."""
+    return policy == POLICY_LFU_ADMIT
+
+
+def count_use(row, row_uses):
+    """A batch names ``row`` (once however many of its lookups do): one more use, up to ``ROW_USES_MAX``."""
+    if row_uses[row] < ROW_USES_MAX:
+        row_uses[row] += 1
+
+
+def take_row_uses(policy, slot, row, row_uses, use_count):
+    """After a hit or fill of ``slot`` by ``row``: a policy that counts rows ranks the slot by its row's count."""
+    if counts_rows(policy):
+        use_count[slot] = row_uses[row]
+
+
+def admits(policy, row, row_uses, slot, tags, use_count):
+    """Whether a miss of ``row`` takes ``slot``, the victim :func:`choose_victim` gave it: always, unless
+    the policy counts rows and the slot holds a row used at least as often (``row_uses`` is read only then:
+    other policies pass a placeholder)."""
+    return not counts_rows(policy) or tags[slot] == EMPTY or row_uses[row] > use_count[slot]
+
+
 # ---------------------------------------------------------------------------------------------
 # Compiled versions. Functions that call other policy functions are re-bound to the callee's
 # version for the same target, so the njit choose_victim calls the njit victim_key, etc.
@@ -353,6 +404,10 @@ comes_before_cpu = _cpu_inlined(comes_before)
 choose_victim_cpu = _cpu(_rebind(choose_victim, victim_order=victim_order_cpu, comes_before=comes_before_cpu))
 touch_on_hit_cpu = _cpu_inlined(touch_on_hit)
 touch_on_fill_cpu = _cpu_inlined(touch_on_fill)
+counts_rows_cpu = _cpu_inlined(counts_rows)
+count_use_cpu = _cpu_inlined(count_use)
+take_row_uses_cpu = _cpu_inlined(_rebind(take_row_uses, counts_rows=counts_rows_cpu))
+admits_cpu = _cpu_inlined(_rebind(admits, counts_rows=counts_rows_cpu))
 
 # --- GPU (numba.cuda.jit(device=True)), for the prefetch kernels
 from numba import cuda  # noqa: E402  (after tiered_tbe.base.mode, which the import above guarantees)
@@ -384,3 +439,7 @@ victim_order_device = _device(_rebind(victim_order, victim_key=victim_key_device
 comes_before_device = _device(comes_before)
 touch_on_hit_device = _device(touch_on_hit)
 touch_on_fill_device = _device(touch_on_fill)
+counts_rows_device = _device(counts_rows)
+count_use_device = _device(count_use)
+take_row_uses_device = _device(_rebind(take_row_uses, counts_rows=counts_rows_device))
+admits_device = _device(_rebind(admits, counts_rows=counts_rows_device))

@@ -42,8 +42,12 @@ from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
     NO_SLOT,
+    admits_device,
     comes_before_device,
+    count_use_device,
+    counts_rows_device,
     find_way_device,
+    take_row_uses_device,
     touch_on_fill_device,
     touch_on_hit_device,
     victim_order_device,
@@ -55,7 +59,8 @@ LANES = 32  # threads a set in the per-way kernels (a warp)
 class SlotMetadata(NamedTuple):
     """The slot cache's state as the kernels take it (``KernelLauncher.array`` views): per slot [S]
     ``tags`` int64, ``last_use`` int64, ``use_count`` int32, ``next_use`` int64, ``locks`` int32,
-    ``dirty`` uint8; per global row [R] ``bypass_count`` uint8; and the scratch ``way_of_rank`` int8 [S]."""
+    ``dirty`` uint8; per global row [R] ``bypass_count`` uint8 and ``row_uses`` int16 (a policy that counts
+    rows; one element otherwise); and the scratch ``way_of_rank`` int8 [S]."""
 
     tags: object
     last_use: object
@@ -64,6 +69,7 @@ class SlotMetadata(NamedTuple):
     locks: object
     dirty: object
     bypass_count: object
+    row_uses: object
     way_of_rank: object
 
 
@@ -77,8 +83,9 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
     ``way_of_rank`` int8 [S]: the tensor behind ``slots.way_of_rank``; ``window_bits`` the lookahead
     window's kernel array when the policy reads it (else None)."""
     n = set_of_position.numel()
-    launcher.launch(find_hits_kernel, n, unique.unique_rows, unique.set_of_unique, associativity, step, slots.tags,
-                    slots.last_use, slots.use_count, slots.locks, unique.slot_of_unique, unique.outcome)
+    launcher.launch(find_hits_kernel, n, unique.unique_rows, unique.set_of_unique, associativity, step, policy,
+                    slots.tags, slots.last_use, slots.use_count, slots.locks, slots.row_uses, unique.slot_of_unique,
+                    unique.outcome)
     set_start, set_number = set_starts_of_batch(launcher, set_of_position, num_sets)
     needs_slot = torch.empty(n, dtype=torch.int32, device=set_of_position.device)
     launcher.launch(slot_needed_kernel, n, unique_of_position, unique.unique_rows, unique.outcome, slots.bypass_count,
@@ -97,8 +104,8 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
     launcher.launch_configured(rank_ways_kernel, *per_way, *sets, policy, slots.tags, slots.last_use,
                                slots.use_count, slots.next_use, slots.locks, slots.way_of_rank)
     launcher.launch(fill_misses_kernel, n, set_start, set_number, set_of_position, unique_of_position, needs_slot,
-                    needs_number, unique.unique_rows, associativity, step, slots.way_of_rank, slots.tags,
-                    slots.last_use, slots.use_count, slots.dirty, slots.locks, slots.bypass_count,
+                    needs_number, unique.unique_rows, associativity, step, policy, slots.way_of_rank, slots.tags,
+                    slots.last_use, slots.use_count, slots.dirty, slots.locks, slots.bypass_count, slots.row_uses,
                     unique.slot_of_unique, unique.outcome, unique.victim_row, unique.victim_was_dirty)
 
 
@@ -108,15 +115,17 @@ def find_hits_kernel(
     set_of_unique,  # int32 [N]: the set of each unique row
     associativity,  # int64: ways per set
     step_of_prefetch,  # int64 [1]: this prefetch's step (a tensor: one CUDA graph serves every step)
+    policy,  # int64: POLICY_* code
     tags,  # int64 [S]: row per slot, EMPTY if none
     last_use,  # int64 [S]
     use_count,  # int32 [S]
     locks,  # int32 [S]
+    row_uses,  # int16 [R] in/out: per global row, its use count (a policy that counts rows; else unread)
     slot_of_unique,  # int32 [N] out (pre-filled with NO_SLOT): the slot of each unique row found cached
     outcome,  # int8 [N] out (pre-filled with OUTCOME_NONE): OUTCOME_HIT where found
 ):
-    """Every hit of the batch, locked before any victim is chosen (the policy's step 2). The rows
-    are distinct, so are their slots."""
+    """Every hit of the batch, locked before any victim is chosen (the policy's step 2), and, for a
+    policy that counts rows, every unique row's use. The rows are distinct, so are their slots."""
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     step = step_of_prefetch[0]
@@ -124,9 +133,12 @@ def find_hits_kernel(
         row = unique_rows[u]
         if row == NOT_CACHED:
             continue  # padding past the unique rows
+        if counts_rows_device(policy):
+            count_use_device(row, row_uses)
         slot = find_way_device(tags, set_of_unique[u] * associativity, associativity, row)
         if slot != NO_SLOT:
             touch_on_hit_device(slot, step, last_use, use_count)
+            take_row_uses_device(policy, slot, row, row_uses, use_count)
             locks[slot] += 1
             slot_of_unique[u] = slot
             outcome[u] = OUTCOME_HIT
@@ -254,6 +266,7 @@ def fill_misses_kernel(
     unique_rows,  # int64 [N]: the unique rows, NOT_CACHED past the last
     associativity,  # int64: ways per set
     step_of_prefetch,  # int64 [1]: this prefetch's step
+    policy,  # int64: POLICY_* code
     way_of_rank,  # int8 [S]: rank_ways_kernel's
     tags,  # int64 [S]
     last_use,  # int64 [S]
@@ -261,13 +274,16 @@ def fill_misses_kernel(
     dirty,  # uint8 [S]
     locks,  # int32 [S]
     bypass_count,  # uint8 [R]: each row given no slot is counted here (see SlotCache)
+    row_uses,  # int16 [R]: per global row, its use count with this batch's (a policy that counts rows)
     slot_of_unique,  # int32 [N] in/out: the hits' slots; the fills' are written here
     outcome,  # int8 [N] in/out: OUTCOME_HIT; OUTCOME_FILLED or OUTCOME_NO_SLOT written for the misses
     victim_row,  # int64 [N] out (pre-filled with EMPTY): the row a fill evicts
     victim_was_dirty,  # uint8 [N] out (pre-filled with 0): 1 when that row must be written back
 ):
-    """The k-th asking miss of a set (ascending rows) takes the way of rank k; one past the
-    set's unlocked ways gets no slot, as does every miss that did not ask."""
+    """The k-th asking miss of a set (ascending rows; a policy that counts rows: most used first) takes
+    the way of rank k, if the policy admits it there; one past the set's unlocked ways gets no slot, as
+    does every miss that did not ask. Admission refuses a suffix of a set's misses (policy.py,
+    "Admission"), so the ways that the admitted ones take are the ranks a one-by-one pass gives them."""
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     step = step_of_prefetch[0]
@@ -279,10 +295,16 @@ def fill_misses_kernel(
         way = -1
         first_slot = set_of_position[p] * associativity
         if needs_slot[p] != 0:
-            _, before, _ = asking_before_set(set_number[p] - 1, set_start, needs_number)
-            rank = needs_number[p] - 1 - before
+            begin, before, _ = asking_before_set(set_number[p] - 1, set_start, needs_number)
+            if counts_rows_device(policy):
+                rank = asking_misses_used_more(p, begin, set_of_position, unique_of_position, unique_rows, needs_slot,
+                                               row_uses)
+            else:
+                rank = needs_number[p] - 1 - before
             if rank < associativity:
                 way = way_of_rank[first_slot + rank]
+                if way >= 0 and not admits_device(policy, row, row_uses, first_slot + way, tags, use_count):
+                    way = -1
         if way < 0:
             outcome[u] = OUTCOME_NO_SLOT
             bypass_count[row] += 1  # unique rows: one writer each
@@ -294,10 +316,29 @@ def fill_misses_kernel(
             victim_was_dirty[u] = dirty[slot]
         tags[slot] = row
         touch_on_fill_device(slot, step, last_use, use_count)
+        take_row_uses_device(policy, slot, row, row_uses, use_count)
         dirty[slot] = 0
         locks[slot] += 1
         slot_of_unique[u] = slot
         outcome[u] = OUTCOME_FILLED
+
+
+@cuda.jit(device=True, inline=True)
+def asking_misses_used_more(p, begin, set_of_position, unique_of_position, unique_rows, needs_slot, row_uses):
+    """The rank of position ``p``'s miss among its set's asking misses (which start at position ``begin``) in
+    the order of a policy that counts rows: more uses first, then the lower row (the lower position: the
+    rows of a set are in ascending order). A set holds few of a batch's rows, so a scan of them is short."""
+    uses = row_uses[unique_rows[unique_of_position[p]]]
+    the_set = set_of_position[p]
+    rank = 0
+    q = begin
+    while q < set_of_position.shape[0] and set_of_position[q] == the_set:
+        if q != p and needs_slot[q] != 0:
+            other = row_uses[unique_rows[unique_of_position[q]]]
+            if other > uses or (other == uses and q < p):
+                rank += 1
+        q += 1
+    return rank
 
 
 @cuda.jit(device=True, inline=True)

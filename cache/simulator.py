@@ -45,11 +45,16 @@ from tiered_tbe.cache.policy import (
     NEXT_USE_UNKNOWN,
     NO_SLOT,
     POLICY_LOOKAHEAD,
+    admits_cpu,
     check_geometry,
     choose_victim_cpu,
+    count_use_cpu,
+    counts_rows_cpu,
     find_way_cpu,
     policy_code,
+    policy_named,
     set_of_row_cpu,
+    take_row_uses_cpu,
     touch_on_fill_cpu,
     touch_on_hit_cpu,
 )
@@ -63,6 +68,8 @@ _COUNTERS = ("lookups", "lookup_hits", "unique_hits", "unique_misses", "misses_n
 # next-use table directly; sparser ids are first renumbered with np.unique.
 _DIRECT_IDS = 1 << 22
 _DIRECT_IDS_PER_LOOKUP = 4
+# A policy that counts rows keeps an int16 per row id: 8 GB at this bound.
+_MAX_COUNTED_ROWS = 1 << 32
 
 
 # Not cache=True: numba's on-disk cache is keyed on this file alone, and would keep running the
@@ -70,7 +77,7 @@ _DIRECT_IDS_PER_LOOKUP = 4
 @numba.njit
 def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associativity, policy,
                  lfu_decay_interval, training, lookahead_window, next_batch_of_lookup, tags, last_use,
-                 use_count, next_use, next_step, locks, dirty, in_flight_slots, in_flight_counts,
+                 use_count, next_use, next_step, locks, dirty, row_uses, in_flight_slots, in_flight_counts,
                  in_flight_bypassed, in_flight_bypassed_counts, counters):
     """Advance the cache state over the first ``num_batches`` batches of ``batch_offsets`` (see
     CacheSimulator.run); the batches after them are only the future that lookahead sees.
@@ -81,8 +88,10 @@ def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associa
     (int64 [depth + 1]): a ring of the slots each batch in flight locked, batch of step ``s`` in
     row ``s % (depth + 1)``; ``in_flight_bypassed`` / ``in_flight_bypassed_counts``, the same ring
     of the rows each batch got no slot for (policy.py, "Rows left in the backing store").
+    ``row_uses`` (int16, past the largest row id; a policy that counts rows only): each row's use count.
     """
     hinted = policy == POLICY_LOOKAHEAD and lookahead_window > 0
+    counting = counts_rows_cpu(policy)
     known_batches = batch_offsets.size - 1
     ring = in_flight_counts.size  # pipeline_depth + 1
     longest = 0
@@ -90,6 +99,7 @@ def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associa
         longest = max(longest, batch_offsets[b + 1] - batch_offsets[b])
     missed = np.empty(longest, dtype=np.int64)  # rows of this batch not found at prefetch
     missed_next = np.empty(longest if hinted else 0, dtype=np.int64)  # their next use (step)
+    missed_uses = np.empty(longest if counting else 0, dtype=np.int64)  # minus their use count (its order)
     # Counted in locals (registers), stored once at the end.
     lookups = lookup_hits = unique_hits = unique_misses = misses_no_slot = evictions = write_backs = 0
 
@@ -114,7 +124,10 @@ def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associa
             lookup_hits += 1
             if last_use[slot] != step:
                 unique_hits += 1
+                if counting:
+                    count_use_cpu(row, row_uses)
                 touch_on_hit_cpu(slot, step, last_use, use_count)
+                take_row_uses_cpu(policy, slot, row, row_uses, use_count)
                 locks[slot] += 1
                 held[num_held] = slot
                 num_held += 1
@@ -130,10 +143,17 @@ def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associa
             missed_next[:num_missed] = missed_next[:num_missed][order]
         else:
             missed[:num_missed].sort()
+        if counting:  # count each missed row's use, then take them most used first (policy.py, "Admission")
+            num_missed = _unique_sorted(missed, num_missed)
+            for k in range(num_missed):
+                count_use_cpu(missed[k], row_uses)
+                missed_uses[k] = -np.int64(row_uses[missed[k]])
+            order = np.argsort(missed_uses[:num_missed], kind="mergesort")  # stable: ascending rows on a tie
+            missed[:num_missed] = missed[:num_missed][order]
         horizon = step + lookahead_window  # the last step whose batch the window shows
         for k in range(num_missed):
             row = missed[k]
-            if k > 0 and row == missed[k - 1]:
+            if not counting and k > 0 and row == missed[k - 1]:
                 continue
             unique_misses += 1
             first_slot = set_of_row_cpu(row, num_sets) * associativity
@@ -144,6 +164,8 @@ def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associa
             if not _bypassed_in_flight(row, step, in_flight_bypassed, in_flight_bypassed_counts):
                 slot = choose_victim_cpu(policy, tags, last_use, use_count, next_use, locks, first_slot,
                                          associativity)
+                if slot != NO_SLOT and not admits_cpu(policy, row, row_uses, slot, tags, use_count):
+                    slot = NO_SLOT
             if slot == NO_SLOT:
                 misses_no_slot += 1
                 bypassed = in_flight_bypassed[step % ring]
@@ -156,6 +178,7 @@ def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associa
                     write_backs += 1
             tags[slot] = row
             touch_on_fill_cpu(slot, step, last_use, use_count)
+            take_row_uses_cpu(policy, slot, row, row_uses, use_count)
             dirty[slot] = 0
             locks[slot] += 1
             held[num_held] = slot
@@ -177,9 +200,23 @@ def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associa
         if step % lfu_decay_interval == 0:
             for slot in range(use_count.size):
                 use_count[slot] >>= 1
+            if counting:
+                for row in range(row_uses.size):
+                    row_uses[row] >>= 1
     for k, value in enumerate((lookups, lookup_hits, unique_hits, unique_misses, misses_no_slot, evictions,
                                write_backs)):
         counters[k] += value
+
+
+@numba.njit
+def _unique_sorted(values, count):
+    """Drop repeats from the sorted ``values[:count]`` in place; returns how many are left."""
+    kept = 0
+    for k in range(count):
+        if k == 0 or values[k] != values[k - 1]:
+            values[kept] = values[k]
+            kept += 1
+    return kept
 
 
 @numba.njit
@@ -296,6 +333,9 @@ class CacheSimulator:
         # The rows each batch in flight got no slot for (read from its backing store), same ring.
         self._in_flight_bypassed = np.zeros((pipeline_depth + 1, 0), dtype=np.int64)
         self._in_flight_bypassed_counts = np.zeros(pipeline_depth + 1, dtype=np.int64)
+        # Per-row use counts (a policy that counts rows), grown to past the largest row id seen.
+        self._counts_rows = policy_named(policy).counts_rows
+        self.row_uses = np.zeros(0, dtype=np.int16)
         self._counters = np.zeros(len(_COUNTERS), dtype=np.int64)
         self.step = 0  # batches simulated so far
 
@@ -323,13 +363,16 @@ class CacheSimulator:
         if num_batches == 0:
             return self
         self._reserve_in_flight(int(np.diff(batch_offsets[: num_batches + 1]).max()))
+        if self._counts_rows:
+            self._reserve_row_uses(rows[: batch_offsets[num_batches]])
         next_batch_of_lookup = np.zeros(0, dtype=np.int32)
         if self.uses_hints:
             next_batch_of_lookup = self._prepare_hints(rows, batch_offsets)
         _run_batches(rows, batch_offsets, num_batches, self.step, self.num_sets, self.associativity,
                      self._policy_code, self.lfu_decay_interval, self.training, self.lookahead_window,
                      next_batch_of_lookup, self.tags, self.last_use, self.use_count, self._next_use,
-                     self._next_step, self.locks, self.dirty, self._in_flight_slots, self._in_flight_counts,
+                     self._next_step, self.locks, self.dirty, self.row_uses, self._in_flight_slots,
+                     self._in_flight_counts,
                      self._in_flight_bypassed, self._in_flight_bypassed_counts, self._counters)
         self.step += num_batches
         return self
@@ -356,6 +399,15 @@ class CacheSimulator:
         rows_copied_in = c["unique_misses"] - c["misses_no_slot"]
         return CacheStats(batches=self.step, unique_rows=unique_rows, bytes_in=rows_copied_in * self.row_bytes,
                           bytes_out=c["write_backs"] * self.row_bytes, **c)
+
+    def _reserve_row_uses(self, rows: np.ndarray) -> None:
+        """Grow :attr:`row_uses` (new rows at 0) to past the largest of ``rows``."""
+        needed = int(rows.max()) + 1 if rows.size else 0
+        if needed > _MAX_COUNTED_ROWS:
+            raise ValueError(f"policy {self.policy!r} keeps a use count per row: row ids up to "
+                             f"{_MAX_COUNTED_ROWS - 1:,}, got {needed - 1:,}")
+        if needed > self.row_uses.size:
+            self.row_uses = np.concatenate([self.row_uses, np.zeros(needed - self.row_uses.size, dtype=np.int16)])
 
     def _reserve_in_flight(self, longest_batch: int) -> None:
         """Room in the in-flight ring for a batch of ``longest_batch`` lookups (its distinct slots)."""

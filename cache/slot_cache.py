@@ -80,6 +80,7 @@ _SLOT_SCRATCH_BYTES = torch.int8.itemsize  # the policy kernels' way_of_rank, pe
 # lookahead cache is told of upcoming batches.
 _ROW_BYTES = torch.uint8.itemsize
 _HINT_ROW_BYTES = torch.int64.itemsize
+_ROW_USES_BYTES = torch.int16.itemsize  # row_uses, for a policy that counts rows
 
 
 class SlotCache(LookaheadHints, SlotReleases):
@@ -89,7 +90,8 @@ class SlotCache(LookaheadHints, SlotReleases):
         tables: the cached tables; their global row ranges must not overlap.
         num_slots: slots in all, a multiple of ``associativity``.
         associativity: ways per set, at most ``MAX_WAYS`` (64).
-        policy: ``"lru"``, ``"lfu"`` or ``"lookahead"`` (see :mod:`tiered_tbe.cache.policy`;
+        policy: a name of :data:`~tiered_tbe.cache.policy.POLICIES` (``"lru"``, ``"lfu"``, ``"lookahead"``,
+            ``"lfu-admit"``; see :mod:`tiered_tbe.cache.policy`;
             lookahead ranks by :attr:`next_use`, which a prefetch decodes from the batches a
             prefetch pipeline records with :meth:`add_upcoming`; before the first hint it
             ranks by ``next_use`` as it is: all unknown, i.e. LRU, unless set by hand).
@@ -123,6 +125,8 @@ class SlotCache(LookaheadHints, SlotReleases):
         prefetch caches the row (policy.py, "Rows left in the backing store"). 1 byte of device
         memory per row; at most 255 batches in flight.
         ``window_bits`` int64 [R], only once a hint was recorded (:mod:`tiered_tbe.cache.hints`).
+        ``row_uses`` int16 [R] (one element under a policy that does not count rows): each row's use
+        count, by which ``lfu-admit`` admits misses (policy.py, "Per-row use counts").
 
     Streams: every method enqueues its work on torch's current stream of ``device`` and returns
     without waiting (except ``num_locked``, ``stats``, ``flush``/``write_back`` with the staged
@@ -206,6 +210,9 @@ class SlotCache(LookaheadHints, SlotReleases):
         self._uniform_row_bytes = row_bytes[0] if len(set(row_bytes)) == 1 else None
         self._all_slots = torch.arange(num_slots, dtype=torch.int64, **on)
         self.bypass_count = torch.zeros(self._rows_end, dtype=torch.uint8, **on)
+        # Per-row use counts, kept only by a policy that counts rows (policy.py, "Per-row use counts").
+        self._counts_rows = policy_named(policy).counts_rows
+        self.row_uses = torch.zeros(self._rows_end if self._counts_rows else 1, dtype=torch.int16, **on)
         # The policy kernels' scratch: per set, the way of each rank in the order of victims (policy_kernels.py).
         self._way_of_rank = torch.zeros(num_slots, dtype=torch.int8, **on)
 
@@ -216,7 +223,7 @@ class SlotCache(LookaheadHints, SlotReleases):
         self._upcoming = UpcomingBatches(self._rows_end, self.device, self._launcher)
         self._k_metadata = policy_kernels.SlotMetadata(*(
             self._launcher.array(t) for t in (self.tags, self.last_use, self.use_count, self.next_use, self.locks,
-                                              self.dirty, self.bypass_count, self._way_of_rank)))
+                                              self.dirty, self.bypass_count, self.row_uses, self._way_of_rank)))
         self.mover = make_mover(mover, self.weights, self.state, self.tables, self.device, self._launcher,
                                 self._rows_end, threads=mover_threads, staging_rows=staging_rows)
         # CUDA graphs of the prefetch (assign and move), per batch shape.
@@ -247,8 +254,11 @@ class SlotCache(LookaheadHints, SlotReleases):
     @staticmethod
     def row_bytes(policy: str) -> int:
         """Device bytes the cache keeps per row of its tables (global rows ``0 .. R-1``), beyond its
-        slots: the bypass counts, and the lookahead window's bits for a policy that reads them."""
-        return _ROW_BYTES + (_HINT_ROW_BYTES if policy_named(policy).reads_window else 0)
+        slots: the bypass counts, the lookahead window's bits for a policy that reads them, and the use
+        counts of a policy that counts rows."""
+        entry = policy_named(policy)
+        return (_ROW_BYTES + (_HINT_ROW_BYTES if entry.reads_window else 0)
+                + (_ROW_USES_BYTES if entry.counts_rows else 0))
 
     # ------------------------------------------------------------------ public API
 
@@ -312,6 +322,8 @@ class SlotCache(LookaheadHints, SlotReleases):
             sorted_rows = torch.empty(0, dtype=batch_kernels.sort_keys_dtype(self._rows_end)[0], device=self.device)
         if self._step % self.lfu_decay_interval == 0:
             self.use_count >>= 1  # LFU aging, after every lfu_decay_interval-th prefetch
+            if self._counts_rows:
+                self.row_uses >>= 1
         batch = CacheBatch(self._step, slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, ticket)
         self._unreleased[batch.step] = batch
         self._metadata_done()
@@ -381,6 +393,7 @@ class SlotCache(LookaheadHints, SlotReleases):
         self.next_use.fill_(NEXT_USE_UNKNOWN)
         self.last_use.zero_()
         self.use_count.zero_()
+        self.row_uses.zero_()
         self.dirty.zero_()
         self._metadata_done()
 

@@ -170,6 +170,12 @@ class TrainingCheck:
 def assert_same_state(cache: SlotCache, simulator: CacheSimulator):
     for name in ("tags", "last_use", "use_count", "dirty"):
         np.testing.assert_array_equal(getattr(cache, name).cpu().numpy(), getattr(simulator, name), err_msg=name)
+    if cache.row_uses.numel() > 1:  # a policy that counts rows: the cache's per-row counts, the simulator's
+        # grown to past the largest row it saw (rows beyond it were never named: 0)
+        counted = np.zeros(cache.row_uses.numel(), dtype=np.int16)
+        counted[: simulator.row_uses.size] = simulator.row_uses
+        np.testing.assert_array_equal(cache.row_uses.cpu().numpy(), counted, err_msg="row_uses")
+        assert counted.any()
 
 
 def slow_write_backs(cache: SlotCache, seconds: float = 0.02) -> None:

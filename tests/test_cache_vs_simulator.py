@@ -155,3 +155,25 @@ def test_gpu_large_trace_matches_simulator_and_never_syncs(mover):
     assert_same_state(cache, simulator)
     cache.flush()
     assert torch.equal(table.weights, reference)
+
+
+@pytest.mark.parametrize("policy, refused", [("lfu-admit", 3), ("lfu", 0)])
+def test_lfu_admit_reads_a_row_in_place_until_it_is_used_more_than_its_victim(policy, refused, mover):
+    """One set of two ways whose rows three batches named: lfu-admit reads a new row in place (slot -1,
+    its update in the backing store) for three batches, and lets it in at the fourth, when it has been
+    named more often than the least used row; LFU takes a slot at once. The simulator agrees."""
+    cache = SlotCache(make_tables(), num_slots=2, associativity=2, policy=policy, mover=mover)
+    simulator = CacheSimulator(2, 2, policy, row_bytes=ROW_BYTES)
+    check = TrainingCheck(cache)
+    trace = [np.array([3, 17, 3])] * 3 + [np.array([42, 42])] * 4
+    slots_of_new_row = []
+    for batch in trace:
+        check.step(batch)
+        simulator.run(batch, np.array([0, batch.size]))
+        assert cache.stats() == simulator.stats
+        assert_same_state(cache, simulator)
+        slots_of_new_row.append(int(cache.lookup(torch.tensor([42], device=DEVICE))[0]))
+    first_slotted = 3 + refused  # batches 3.. name the new row
+    assert slots_of_new_row[:first_slotted] == [-1] * first_slotted and min(slots_of_new_row[first_slotted:]) >= 0
+    assert cache.stats().misses_no_slot == refused and cache.stats().evictions == 1
+    check.check_backing_after_flush()

@@ -20,13 +20,16 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
 
     Each set is a list of ways, each way None or a dict; nothing here is vectorized or compiled.
     Lookahead looks the window up in the batch list itself; a pipeline of depth k releases
-    batch j - k right after batch j's prefetch.
+    batch j - k right after batch j's prefetch. lfu-admit keeps a dict of use counts by row and takes a
+    batch's misses most used first, each refused when its victim's row is used at least as often.
     """
     num_sets = num_slots // associativity
     sets = [[None] * associativity for _ in range(num_sets)]
     stats = CacheStats()
     held_by_batch = []  # (set, way) locked by each batch
     bypassed_by_batch = []  # rows each batch got no slot for (read from the backing store)
+    admitting = policy == "lfu-admit"
+    row_counts = {}  # lfu-admit: batches that named each row, halved with the ways' counts
 
     def next_use(row, batch_index):
         for later in range(batch_index + 1, min(batch_index + lookahead_window, len(batches) - 1) + 1):
@@ -38,7 +41,7 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
         entry = ways[w]
         if policy == "lru":
             return (entry["last_use"], w)
-        if policy == "lfu":
+        if policy in ("lfu", "lfu-admit"):
             return (entry["count"], entry["last_use"], w)
         if policy == "lookahead":
             return (-next_use(entry["row"], batch_index), entry["last_use"], w)
@@ -51,16 +54,22 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
         in_flight = range(max(0, batch_index - pipeline_depth), batch_index)  # not yet finished
         barred = set().union(*(bypassed_by_batch[b] for b in in_flight))
         unique_rows = sorted(set(int(r) for r in batch))
+        if admitting:
+            for row in unique_rows:
+                row_counts[row] = min(row_counts.get(row, 0) + 1, 32767)
         hit_rows = set()
         for row in unique_rows:  # hits first
             the_set = set_of_row_cpu(row, num_sets)
             for way, entry in enumerate(sets[the_set]):
                 if entry is not None and entry["row"] == row:
                     entry["last_use"], entry["count"] = step, entry["count"] + 1
+                    if admitting:
+                        entry["count"] = row_counts[row]
                     entry["locks"] += 1
                     held.append((the_set, way))
                     hit_rows.add(row)
-        for row in unique_rows:  # then misses, ascending
+        misses = sorted(unique_rows, key=lambda r: (-row_counts[r], r)) if admitting else unique_rows
+        for row in misses:  # then misses, ascending (lfu-admit: most used first)
             if row in hit_rows:
                 continue
             the_set = set_of_row_cpu(row, num_sets)
@@ -72,10 +81,15 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
                 bypassed.add(row)
                 continue
             way = empty[0] if empty else min(free, key=lambda w, ways=ways: rank(ways, w, batch_index))
+            if admitting and ways[way] is not None and row_counts[row] <= ways[way]["count"]:
+                stats.misses_no_slot += 1  # not admitted: read in place, like a row of a full set
+                bypassed.add(row)
+                continue
             if ways[way] is not None:
                 stats.evictions += 1
                 stats.write_backs += ways[way]["dirty"]
-            ways[way] = {"row": row, "last_use": step, "count": 1, "dirty": False, "locks": 1}
+            ways[way] = {"row": row, "last_use": step, "count": row_counts[row] if admitting else 1, "dirty": False,
+                         "locks": 1}
             held.append((the_set, way))
         held_by_batch.append(held)
         bypassed_by_batch.append(bypassed)
@@ -88,6 +102,7 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
                 for entry in ways:
                     if entry is not None:
                         entry["count"] //= 2
+            row_counts = {row: count // 2 for row, count in row_counts.items()}
         stats.lookups += len(batch)
         stats.lookup_hits += sum(int(r) in hit_rows for r in batch)
         stats.unique_rows += len(unique_rows)
