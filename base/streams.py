@@ -62,3 +62,20 @@ def record(event: torch.cuda.Event, device: torch.device) -> torch.cuda.Event:
     """Record ``event`` on the current stream of ``device``; returns it."""
     event.record(current_stream(device))
     return event
+
+
+# (device index, role) -> the stream every loop of that role uses on that device.
+_LOOP_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
+
+
+def loop_stream(device: torch.device, role: str, priority: int = 0) -> torch.cuda.Stream:
+    """The one stream of ``role`` (``"prefetch"``, ``"training"``, ...) on ``device`` for the process, made
+    on first use with ``priority``. A CUDA graph is keyed by the stream it was captured on
+    (``base/graphs.py``): a loop made anew each epoch with streams of its own captured every graph again,
+    each epoch (a ragged pipeline's third pass: 16 captures in 12 steps on the H100, e6a65a5). Two loops
+    running at once on one device share the streams, which orders their work; events order it anyway."""
+    key = (device_index(device), role)
+    stream = _LOOP_STREAMS.get(key)
+    if stream is None:
+        stream = _LOOP_STREAMS[key] = torch.cuda.Stream(device=device, priority=priority)
+    return stream

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from tiered_tbe.ahead import AheadControl, StepTimer
+from tiered_tbe.base.streams import loop_stream
 from tiered_tbe.cache.hints import DEFAULT_LOOKAHEAD, MAX_LOOKAHEAD
 from tiered_tbe.module import TieredEmbeddingBags
 
@@ -151,10 +152,12 @@ class PrefetchPipeline:
         self.batches = iter(batches)
         self.device = next(iter(self.modules.values())).device
         self.is_cuda = self.device.type == "cuda"
-        self.side_stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        # The streams of every pipeline on this device (base/streams.loop_stream): a pipeline per epoch
+        # replays the graphs the one before captured.
+        self.side_stream = loop_stream(self.device, "prefetch") if self.is_cuda else None
         # Where the loop's steps run: a stream of the device's highest priority, or the stream
         # current when iteration starts (set then).
-        self.high_priority_stream = (torch.cuda.Stream(device=self.device, priority=-100)  # clamped to the highest
+        self.high_priority_stream = (loop_stream(self.device, "training", priority=-100)  # clamped to the highest
                                      if self.is_cuda and high_priority else None)
         self.training_stream: torch.cuda.Stream | None = None
         # Prefetched, not yet trained: (batch, lookups by module, event after its prefetch).
