@@ -44,6 +44,7 @@ from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
     NO_SLOT,
+    POLICIES,
     POLICY_LOOKAHEAD,
     admits_cpu,
     check_geometry,
@@ -529,7 +530,7 @@ def _benchmark() -> None:
     total, batch = 20_000_000, 65_536
     rows = (rng.zipf(1.05, total) - 1) % 50_000_000
     offsets = np.append(np.arange(0, total, batch), total)
-    for policy in ("lru", "lfu", "lookahead"):
+    for policy in POLICIES:
         simulate(rows[:batch * 2], offsets[:3], 4096, 32, policy)  # compile, outside the timing
         start = time.perf_counter()
         stats = simulate(rows, offsets, 1 << 20, 32, policy, lookahead_window=8)

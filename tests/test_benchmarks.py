@@ -112,7 +112,7 @@ def test_bench_pipeline_prints_its_table(scripts, capsys, tmp_path):
     names = ["all HBM", "managed, no cache"]
     for mover in ("zero_copy",):
         names += [f"host_cached lru, {mover} mover, serial (prefetch in forward)"]
-        names += [f"host_cached {policy}, {mover} mover, pipelined depth 2" for policy in ("lru", "lfu", "lookahead")]
+        names += [f"host_cached {policy}, {mover} mover, pipelined depth 2" for policy in POLICIES]
     for name in names:
         assert f"| {name}" in out, name
     assert "throughput / all-HBM" in out and "zero_copy mover: lookahead rows moved / LRU" in out

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tiered_tbe import SGD, Adam, CacheConfig, Placement, RowwiseAdagrad, TableSpec
-from tiered_tbe.cache.policy import set_of_row_cpu
+from tiered_tbe.cache.policy import POLICIES, set_of_row_cpu
 from tiered_tbe.module import TieredEmbeddingBags
 
 STEPS = 50
@@ -42,7 +42,7 @@ def batches(generator, num_sets):
         yield torch.cat(indices).long(), torch.tensor([0] + lengths).cumsum(0)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
+@pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize(
     "optimizer, weights_dtype",
     [(SGD(lr=0.2), torch.float32), (RowwiseAdagrad(lr=0.1), torch.float32), (Adam(lr=0.02), torch.float32),

@@ -92,6 +92,8 @@ def test_belady_beats_every_policy(trace_name):
         at_size = {m.policy: m.stats for m in results if m.num_slots == slots}
         optimum = at_size.pop("belady")
         for policy, stats in at_size.items():
+            if policy in CACHE_POLICIES and CACHE_POLICIES[policy].counts_rows:
+                continue  # Belady's optimum caches every miss; a policy that refuses some may hit more
             assert optimum.unique_hits >= stats.unique_hits, (policy, slots)
             assert optimum.hit_rate_by_lookup >= stats.hit_rate_by_lookup, (policy, slots)
     # Every policy saw the same trace the same way.

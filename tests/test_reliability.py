@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tiered_tbe import CacheConfig, Placement, PrefetchPipeline, RowwiseAdagrad, TableSpec, default_device
+from tiered_tbe.cache.policy import POLICIES
 from tiered_tbe.module import TieredEmbeddingBags
 
 BATCH_SIZE = 2
@@ -349,7 +350,7 @@ def test_without_nan_check_a_nan_reaches_the_rows_it_touches(one_simulated_threa
     (dict(memory=-1), "memory must be at least one slot's worth"),
     (dict(memory="lots"), "cannot read 'lots' as a size in bytes"),
     (dict(fraction=0), r"fraction must be in \(0, 1\], got 0"),
-    (dict(policy="mru"), "policy must be one of 'lru', 'lfu', 'lookahead', got 'mru'"),
+    (dict(policy="mru"), f"policy must be one of {', '.join(map(repr, POLICIES))}, got 'mru'"),
     (dict(associativity=0), "associativity must be a whole number >= 1, got 0"),
     (dict(associativity=65), "associativity must be at most 64 ways a set, got 65"),
 ])

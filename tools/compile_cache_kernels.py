@@ -3,7 +3,7 @@
 The CUDA simulator runs the cache's kernels as Python: it never types them for the GPU, so a
 kernel can pass every CPU test and still fail to compile on the H200. This script records the
 argument types of every launch a small cache makes in simulation (a child process: prefetches
-of int32 and int64 rows under LRU, LFU and lookahead with hints, both movers, unlock with and
+of int32 and int64 rows under every policy of the registry (lookahead with hints), both movers, unlock with and
 without dirty marks, flush, write-back, lookup), then compiles each kernel for each recorded
 signature with numba-cuda's compiler (NVVM; no driver, nothing launched) and prints its PTX
 size and whether it spills to local memory.
@@ -33,6 +33,7 @@ def record_launches() -> list[dict]:
     import torch
 
     from tiered_tbe.cache import CachedTable, SlotCache, launch
+    from tiered_tbe.cache.policy import POLICIES
 
     seen: dict[tuple, dict] = {}
     launch_configured = launch.KernelLauncher.launch_configured
@@ -57,7 +58,7 @@ def record_launches() -> list[dict]:
 
     launch.KernelLauncher.launch_configured = recording
     try:
-        for policy in ("lru", "lfu", "lookahead"):
+        for policy in POLICIES:
             for mover in ("zero_copy", "staged"):
                 tables = [CachedTable(0, 40, 4, torch.randn(40, 4), torch.randn(40, 2)),
                           CachedTable(50, 30, 6, torch.randn(30, 6), None)]

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from tiered_tbe import records
 from tiered_tbe.cache.hints import DEFAULT_LOOKAHEAD
+from tiered_tbe.cache.policy import POLICIES as CACHE_POLICIES
 from tiered_tbe.hit_rate.capacity import TargetResult, cache_slots, check_cache_size, find_smallest_cache
 from tiered_tbe.hit_rate.plot import plot
 from tiered_tbe.hit_rate.real_cache import (
@@ -42,6 +43,7 @@ from tiered_tbe.hit_rate.runs import (
     POLICIES,
     Measurement,
     SimOptions,
+    base_policy,
     expand_policies,
     is_policy_name,
     no_bar,
@@ -334,12 +336,16 @@ def run(args: argparse.Namespace, out=None) -> int:
     results = sweep(trace, policies, cache_slots(args.cache_sizes, trace.num_rows, options), options,
                     progress=progress)
     print("\n" + format_results(results), file=out)
+    no_slot_results = [m for m in results if m.policy != OPTIMUM and m.stats.misses_no_slot]
     no_slot = [f"{m.policy} @ {m.size_label} {100 * m.stats.misses_no_slot / m.stats.unique_misses:.0f}%"
-               for m in results if m.policy != OPTIMUM and m.stats.misses_no_slot]
+               for m in no_slot_results]
     if no_slot:  # a cache smaller than a batch's rows (or the batches in flight): the rest bypasses it
         lockers = "their own batch" + (f" and the {options.pipeline_depth} before it (the bounds: their own only)"
                                        if options.pipeline_depth else "")
-        print(f"misses that found every way of their set locked by {lockers}, read in place: "
+        refused = " (or, a policy admitting by use counts, whose victim was used at least as often)" if any(
+            base_policy(m.policy) in CACHE_POLICIES and CACHE_POLICIES[base_policy(m.policy)].counts_rows
+            for m in no_slot_results) else ""
+        print(f"misses that found every way of their set locked by {lockers}{refused}, read in place: "
               + ", ".join(no_slot), file=out)
 
     mismatches: list[Measurement] = []
