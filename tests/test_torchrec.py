@@ -305,7 +305,7 @@ def test_fused_params_map_fbgemms_names_and_refuse_what_they_cannot_honour():
                                   "cache_precision": SparseType.FP16}, DataType.FP16, cached=True)
     assert arguments.optimizer == Adam(lr=0.5, betas=(0.9, 0.9), eps=1e-8, weight_decay=0.1)
     assert arguments.weights_dtype == torch.float16 and arguments.stochastic_rounding  # FBGEMM's default
-    assert arguments.cache == CacheConfig(fraction=0.2, policy="lfu") and arguments.bounds_check == "off"
+    assert arguments.cache == CacheConfig(fraction=0.2, policy="lfu-admit") and arguments.bounds_check == "off"
     defaults = module_arguments(None, DataType.FP32, cached=False)  # FBGEMM's: EXACT_SGD at 0.01
     assert defaults.optimizer.name == "sgd" and defaults.optimizer.lr == 0.01 and defaults.cache is None
     assert defaults.bounds_check == "warn" and not defaults.stochastic_rounding  # fp32 rounds nothing

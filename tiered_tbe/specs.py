@@ -66,10 +66,11 @@ class CacheConfig:
     optimizer state, e.g. ``"8GiB"``; at least one slot's worth) or ``fraction`` (of all cached
     rows, in ``(0, 1]``; default 0.05). The size is rounded up to whole sets
     (:func:`tiered_tbe.cache.policy.round_to_sets`). ``policy``: a name of the registry
-    :data:`tiered_tbe.cache.policy.POLICIES` (``"lru"``, ``"lfu"``, ``"lookahead"``);
+    :data:`tiered_tbe.cache.policy.POLICIES` (``"lru"``, ``"lfu"``, ``"lookahead"``, ``"lfu-admit"``);
     ``associativity`` ways per set. A lookahead cache told of upcoming batches (a
     :class:`~tiered_tbe.PrefetchPipeline`) also holds 8 bytes of device memory per row of the
-    cached tables for the hints, beyond ``memory``. ``lfu_decay_interval``: every this many
+    cached tables for the hints, and an ``lfu-admit`` cache 2 bytes per row for its use counts, beyond
+    ``memory``. ``lfu_decay_interval``: every this many
     prefetches, LFU halves every use count, so a once-hot row does not stay forever.
 
     ``mover``: how rows cross the bus (``tiered_tbe.cache.mover``): ``"zero_copy"`` (copy

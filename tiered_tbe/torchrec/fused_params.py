@@ -13,7 +13,8 @@ managed memory behind the slot cache (``MANAGED_CACHED``), sized by the plan's
   (``RowwiseAdagrad(lr=0.01)``), which then carries every hyper-parameter itself;
 - ``stochastic_rounding`` (default True, as FBGEMM; fp16 and bf16 weights only),
   ``weights_precision`` (default: the table's ``data_type``), ``cache_algorithm`` (``LRU``,
-  ``LFU``), ``cache_precision`` (the weights' precision: the cache holds rows as stored),
+  ``LFU``: our ``lfu-admit``, which admits misses by use counts as FBGEMM's LFU does),
+  ``cache_precision`` (the weights' precision: the cache holds rows as stored),
   ``output_dtype`` (fp32), ``bounds_check_mode`` (FBGEMM's default ``WARNING``, and ``IGNORE``:
   a bad batch is repaired on the device, no host sync (``bounds_check="warn"``); ``FATAL`` raises
   on a bad index (one host sync a forward); ``NONE`` turns the checks off);
@@ -50,7 +51,8 @@ PLACEMENT_OF_KERNEL = {
     EmbeddingComputeKernel.FUSED_UVM_CACHING.value: Placement.MANAGED_CACHED,
 }
 DEFAULT_CACHE_LOAD_FACTOR = 0.2  # FBGEMM's
-_POLICY_OF_ALGORITHM = {"LRU": "lru", "LFU": "lfu"}
+# FBGEMM's LFU admits a missed row only when it was used at least as often as its victim: lfu-admit's rule.
+_POLICY_OF_ALGORITHM = {"LRU": "lru", "LFU": "lfu-admit"}
 _POOLING = {PoolingMode.SUM: "sum", PoolingMode.MEAN: "mean", PoolingMode.NONE: "none"}
 _HYPER = tuple(FBGEMM_DEFAULTS)
 _NO_EFFECT = ("cache_reserved_memory", "prefetch_pipeline", "enforce_hbm", "multipass_prefetch_config")
