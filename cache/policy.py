@@ -49,7 +49,7 @@ One step (prefetch of one batch)
        lookups read and update the backing store directly, and the cache state is unchanged.
     4. After every ``lfu_decay_interval``-th step (``step % lfu_decay_interval == 0``) every
        ``use_count`` is halved (``>> 1``). Use counts are kept and aged under every policy
-       (only LFU ranks by them), so the state evolves the same whatever the policy.
+       (only ``lfu`` and ``lfu-admit`` rank by them), so the state evolves the same whatever the policy.
 
 Per-row use counts (``lfu-admit`` only)
     ``row_uses[row]`` (int16, one per global row of the cached tables, ``R`` in all): the batches

@@ -14,7 +14,8 @@ simulator runs one miss at a time. Here it runs in six data-parallel passes, non
     rank_ways_kernel         a thread per way of each such set: the unlocked ways in the order
                              of ``policy.victim_order`` (a way's rank: how many come before it)
     fill_misses_kernel       a thread per asking miss: the k-th takes the way of rank k, or
-                             no slot when its set has fewer unlocked ways
+                             no slot when its set has fewer unlocked ways (or, lfu-admit, when
+                             the way holds a row used at least as often)
 
 The ranks are the simulator's choices: a set's misses take slots in ascending row order, each the
 first unlocked way in the order, and only the fills (each locks its way) change the set meanwhile,
