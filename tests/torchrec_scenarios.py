@@ -16,12 +16,12 @@ def fused_params(optimizer: str = "EXACT_ROWWISE_ADAGRAD", **extra) -> dict:
     return dict(optimizer=EmbOptimType[optimizer], learning_rate=0.1, eps=1e-6) | extra
 
 
-def ours_params(params: dict, backend: str = "torch", small_cache: bool = True) -> dict:
+def ours_params(params: dict, backend: str = "torch", small_cache: bool = True, policy: str = "lru") -> dict:
     from tiered_tbe import CacheConfig
 
     extra = dict(backend=backend)
     if small_cache:  # 4 slots in 2 sets of 2 ways per rank's cached group: heavy eviction
-        extra["cache_config"] = CacheConfig(slots=4, associativity=2)
+        extra["cache_config"] = CacheConfig(slots=4, associativity=2, policy=policy)
     return params | extra
 
 
@@ -54,9 +54,11 @@ def _train_side_by_side(rank, world, layout, params, ours, batch_sizes=None, ste
 
 
 def every_plan_equals_fbgemm(rank, world, backend: str = "torch", steps: int = STEPS):
-    """Every plan of PLANS, then SGD, Adagrad and a weighted collection on the mixed plan: ``steps`` steps
-    of ours (``backend``) equal TorchRec's own kernels (FBGEMM's CPU TBE on the CPU, its CUDA TBE under the
-    same plan on GPUs)."""
+    """Every plan of PLANS, then SGD, Adagrad and a weighted collection on the mixed plan, and FBGEMM's LFU
+    (our lfu-admit) on the cached plan: ``steps`` steps of ours (``backend``) equal TorchRec's own kernels
+    (FBGEMM's CPU TBE on the CPU, its CUDA TBE under the same plan on GPUs)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
+
     for name, layout in PLANS.items():
         _train_side_by_side(rank, world, layout, fused_params(), ours_params(fused_params(), backend), steps=steps,
                             label=name)
@@ -66,6 +68,10 @@ def every_plan_equals_fbgemm(rank, world, backend: str = "torch", steps: int = S
     # A weighted collection: a weight per lookup (per-sample weights) scales its row in the bag.
     _train_side_by_side(rank, world, PLANS["mixed"], fused_params(), ours_params(fused_params(), backend),
                         steps=steps, label="weighted", weighted=True)
+    # lfu-admit, what FBGEMM's LFU maps to: with 4 slots most misses are refused and read in place.
+    lfu = fused_params(cache_algorithm=CacheAlgorithm.LFU)
+    _train_side_by_side(rank, world, PLANS["cached"], lfu, ours_params(lfu, backend, policy="lfu-admit"), steps=steps,
+                        label="lfu-admit")
     # The Triton kernels (the others ran their plain-torch reference, far faster in simulation).
     _train_side_by_side(rank, world, PLANS["mixed"], fused_params(), ours_params(fused_params(), backend="triton"),
                         steps=2, label="triton")
