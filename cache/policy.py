@@ -154,9 +154,10 @@ Extending the policy
       cache and the simulator decode ``next_use`` when the code is ``POLICY_LOOKAHEAD``
       (``SlotCache._prefetch``'s ``read_window_bits`` and the simulator's ``hinted``), so a
       second window policy also extends those two tests;
-    - the slot's size: new per-slot state goes in ``slot_cache._SLOT_METADATA``, which
-      ``SlotCache`` allocates from and ``SlotCache.slot_bytes`` (how ``CacheConfig(memory=...)``
-      becomes slots) counts.
+    - the slot's size: new per-slot state goes in ``slot_layout.SLOT_METADATA``, which
+      ``SlotCache`` allocates from and ``slot_layout.slot_bytes`` (how ``CacheConfig(memory=...)``
+      becomes slots) counts; new per-row state (as ``lfu-admit``'s ``row_uses``) in
+      ``slot_layout.row_bytes``.
 """
 
 from __future__ import annotations

@@ -43,27 +43,14 @@ from tiered_tbe.base.offsets import check_offsets
 from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
-    NO_SLOT,
     POLICIES,
     POLICY_LOOKAHEAD,
-    admits_cpu,
     check_geometry,
-    choose_victim_cpu,
-    count_use_cpu,
-    counts_rows_cpu,
-    find_way_cpu,
     policy_code,
     policy_named,
-    set_of_row_cpu,
-    take_row_uses_cpu,
-    touch_on_fill_cpu,
-    touch_on_hit_cpu,
 )
+from tiered_tbe.cache.simulator_loop import COUNTERS, run_batches
 from tiered_tbe.cache.stats import CacheStats
-
-# Counters of the njit core, in the order it stores them (bytes follow from row_bytes in Python).
-_COUNTERS = ("lookups", "lookup_hits", "unique_hits", "unique_misses", "misses_no_slot", "evictions",
-             "write_backs")
 
 # Row ids up to this many times the number of lookups (and at least up to _DIRECT_IDS) index the
 # next-use table directly; sparser ids are first renumbered with np.unique.
@@ -72,172 +59,6 @@ _DIRECT_IDS_PER_LOOKUP = 4
 # A policy that counts rows keeps an int16 per row id: 8 GB at this bound.
 _MAX_COUNTED_ROWS = 1 << 32
 
-
-# Not cache=True: numba's on-disk cache is keyed on this file alone, and would keep running the
-# policy of an older policy.py after an edit there. Compiling takes about a second per process.
-@numba.njit
-def _run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associativity, policy,
-                 lfu_decay_interval, training, lookahead_window, next_batch_of_lookup, tags, last_use,
-                 use_count, next_use, next_step, locks, dirty, row_uses, in_flight_slots, in_flight_counts,
-                 in_flight_bypassed, in_flight_bypassed_counts, counters):
-    """Advance the cache state over the first ``num_batches`` batches of ``batch_offsets`` (see
-    CacheSimulator.run); the batches after them are only the future that lookahead sees.
-
-    ``next_batch_of_lookup`` (int32 [len(rows)], lookahead with a window only, else empty): the
-    next batch (index into ``batch_offsets``) naming each lookup's row, ``batch_offsets.size - 1``
-    when none does. ``in_flight_slots`` (int32 [depth + 1, capacity]) / ``in_flight_counts``
-    (int64 [depth + 1]): a ring of the slots each batch in flight locked, batch of step ``s`` in
-    row ``s % (depth + 1)``; ``in_flight_bypassed`` / ``in_flight_bypassed_counts``, the same ring
-    of the rows each batch got no slot for (policy.py, "Rows left in the backing store").
-    ``row_uses`` (int16, past the largest row id; a policy that counts rows only): each row's use count.
-    """
-    hinted = policy == POLICY_LOOKAHEAD and lookahead_window > 0
-    counting = counts_rows_cpu(policy)
-    known_batches = batch_offsets.size - 1
-    ring = in_flight_counts.size  # pipeline_depth + 1
-    longest = 0
-    for b in range(num_batches):
-        longest = max(longest, batch_offsets[b + 1] - batch_offsets[b])
-    missed = np.empty(longest, dtype=np.int64)  # rows of this batch not found at prefetch
-    missed_next = np.empty(longest if hinted else 0, dtype=np.int64)  # their next use (step)
-    missed_uses = np.empty(longest if counting else 0, dtype=np.int64)  # minus their use count (its order)
-    # Counted in locals (registers), stored once at the end.
-    lookups = lookup_hits = unique_hits = unique_misses = misses_no_slot = evictions = write_backs = 0
-
-    for b in range(num_batches):
-        step = first_step + b + 1
-        held = in_flight_slots[step % ring]  # the slots this batch locks
-        num_held = 0
-        num_missed = 0
-        # Hits of every set first (policy.py, step 2). A hit or fill sets last_use = step, so a
-        # slot already used at this step was hit earlier in this batch (other batches in flight
-        # may hold locks on it too: locks count batches).
-        for i in range(batch_offsets[b], batch_offsets[b + 1]):
-            row = rows[i]
-            first_slot = set_of_row_cpu(row, num_sets) * associativity
-            slot = find_way_cpu(tags, first_slot, associativity, row)
-            if slot == NO_SLOT:
-                missed[num_missed] = row
-                if hinted:
-                    missed_next[num_missed] = _step_of_batch(next_batch_of_lookup[i], known_batches, first_step)
-                num_missed += 1
-                continue
-            lookup_hits += 1
-            if last_use[slot] != step:
-                unique_hits += 1
-                if counting:
-                    count_use_cpu(row, row_uses)
-                touch_on_hit_cpu(slot, step, last_use, use_count)
-                take_row_uses_cpu(policy, slot, row, row_uses, use_count)
-                locks[slot] += 1
-                held[num_held] = slot
-                num_held += 1
-                if hinted:
-                    next_step[slot] = _step_of_batch(next_batch_of_lookup[i], known_batches, first_step)
-        lookups += batch_offsets[b + 1] - batch_offsets[b]
-
-        # Then misses in ascending row order (policy.py, step 3). Sets are independent, so one
-        # pass in global row order is each set's misses in ascending order.
-        if hinted:  # keep each missed row's next use beside it (repeats of a row share it)
-            order = np.argsort(missed[:num_missed])
-            missed[:num_missed] = missed[:num_missed][order]
-            missed_next[:num_missed] = missed_next[:num_missed][order]
-        else:
-            missed[:num_missed].sort()
-        if counting:  # count each missed row's use, then take them most used first (policy.py, "Admission")
-            num_missed = _unique_sorted(missed, num_missed)
-            for k in range(num_missed):
-                count_use_cpu(missed[k], row_uses)
-                missed_uses[k] = -np.int64(row_uses[missed[k]])
-            order = np.argsort(missed_uses[:num_missed], kind="mergesort")  # stable: ascending rows on a tie
-            missed[:num_missed] = missed[:num_missed][order]
-        horizon = step + lookahead_window  # the last step whose batch the window shows
-        for k in range(num_missed):
-            row = missed[k]
-            if not counting and k > 0 and row == missed[k - 1]:
-                continue
-            unique_misses += 1
-            first_slot = set_of_row_cpu(row, num_sets) * associativity
-            if hinted:  # what the cache decodes from its window bits, for the ways of this set
-                for slot in range(first_slot, first_slot + associativity):
-                    next_use[slot] = next_step[slot] if next_step[slot] <= horizon else NEXT_USE_UNKNOWN
-            slot = NO_SLOT
-            if not _bypassed_in_flight(row, step, in_flight_bypassed, in_flight_bypassed_counts):
-                slot = choose_victim_cpu(policy, tags, last_use, use_count, next_use, locks, first_slot,
-                                         associativity)
-                if slot != NO_SLOT and not admits_cpu(policy, row, row_uses, slot, tags, use_count):
-                    slot = NO_SLOT
-            if slot == NO_SLOT:
-                misses_no_slot += 1
-                bypassed = in_flight_bypassed[step % ring]
-                bypassed[in_flight_bypassed_counts[step % ring]] = row
-                in_flight_bypassed_counts[step % ring] += 1
-                continue
-            if tags[slot] != EMPTY:
-                evictions += 1
-                if dirty[slot]:
-                    write_backs += 1
-            tags[slot] = row
-            touch_on_fill_cpu(slot, step, last_use, use_count)
-            take_row_uses_cpu(policy, slot, row, row_uses, use_count)
-            dirty[slot] = 0
-            locks[slot] += 1
-            held[num_held] = slot
-            num_held += 1
-            if hinted:
-                next_step[slot] = missed_next[k]
-        in_flight_counts[step % ring] = num_held
-
-        # The batch prefetched pipeline_depth steps ago finishes (this one, when serial): its
-        # backward updated every row it used (dirty), then it unlocks them.
-        finished = (step + 1) % ring  # == (step - pipeline_depth) % ring
-        for k in range(in_flight_counts[finished]):
-            slot = in_flight_slots[finished, k]
-            locks[slot] -= 1
-            if training:
-                dirty[slot] = 1
-        in_flight_counts[finished] = 0
-        in_flight_bypassed_counts[finished] = 0
-        if step % lfu_decay_interval == 0:
-            for slot in range(use_count.size):
-                use_count[slot] >>= 1
-            if counting:
-                for row in range(row_uses.size):
-                    row_uses[row] >>= 1
-    for k, value in enumerate((lookups, lookup_hits, unique_hits, unique_misses, misses_no_slot, evictions,
-                               write_backs)):
-        counters[k] += value
-
-
-@numba.njit
-def _unique_sorted(values, count):
-    """Drop repeats from the sorted ``values[:count]`` in place; returns how many are left."""
-    kept = 0
-    for k in range(count):
-        if k == 0 or values[k] != values[k - 1]:
-            values[kept] = values[k]
-            kept += 1
-    return kept
-
-
-@numba.njit
-def _bypassed_in_flight(row, step, in_flight_bypassed, in_flight_bypassed_counts):
-    """Whether a batch in flight other than this step's got no slot for ``row`` (a linear scan:
-    such rows are few, only from sets full of locked rows)."""
-    ring = in_flight_bypassed_counts.size
-    for entry in range(ring):
-        if entry == step % ring:
-            continue
-        for k in range(in_flight_bypassed_counts[entry]):
-            if in_flight_bypassed[entry, k] == row:
-                return True
-    return False
-
-
-@numba.njit(inline="always")
-def _step_of_batch(batch, known_batches, first_step):
-    """The step of batch ``batch`` of this run, ``NEXT_USE_UNKNOWN`` past the known batches."""
-    return first_step + batch + 1 if batch < known_batches else NEXT_USE_UNKNOWN
 
 
 @numba.njit(cache=True, nogil=True)
@@ -337,7 +158,7 @@ class CacheSimulator:
         # Per-row use counts (a policy that counts rows), grown to past the largest row id seen.
         self._counts_rows = policy_named(policy).counts_rows
         self.row_uses = np.zeros(0, dtype=np.int16)
-        self._counters = np.zeros(len(_COUNTERS), dtype=np.int64)
+        self._counters = np.zeros(len(COUNTERS), dtype=np.int64)
         self.step = 0  # batches simulated so far
 
     @property
@@ -369,7 +190,7 @@ class CacheSimulator:
         next_batch_of_lookup = np.zeros(0, dtype=np.int32)
         if self.uses_hints:
             next_batch_of_lookup = self._prepare_hints(rows, batch_offsets)
-        _run_batches(rows, batch_offsets, num_batches, self.step, self.num_sets, self.associativity,
+        run_batches(rows, batch_offsets, num_batches, self.step, self.num_sets, self.associativity,
                      self._policy_code, self.lfu_decay_interval, self.training, self.lookahead_window,
                      next_batch_of_lookup, self.tags, self.last_use, self.use_count, self._next_use,
                      self._next_step, self.locks, self.dirty, self.row_uses, self._in_flight_slots,
@@ -395,7 +216,7 @@ class CacheSimulator:
     @property
     def stats(self) -> CacheStats:
         """Counters over every batch run so far."""
-        c = dict(zip(_COUNTERS, (int(v) for v in self._counters)))
+        c = dict(zip(COUNTERS, (int(v) for v in self._counters)))
         unique_rows = c["unique_hits"] + c["unique_misses"]
         rows_copied_in = c["unique_misses"] - c["misses_no_slot"]
         return CacheStats(batches=self.step, unique_rows=unique_rows, bytes_in=rows_copied_in * self.row_bytes,

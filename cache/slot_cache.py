@@ -42,7 +42,7 @@ from tiered_tbe.base.graphs import PADDED_GRAPHS, GraphLaunches, StepGraphs, nex
 from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.base.streams import current_stream, current_stream_handle
-from tiered_tbe.cache import _kernels, batch_kernels, policy_kernels
+from tiered_tbe.cache import _kernels, batch_kernels, policy_kernels, slot_layout
 from tiered_tbe.cache._kernels import NOT_CACHED
 from tiered_tbe.cache.cache_batch import CacheBatch, check_batch
 from tiered_tbe.cache.hints import MAX_LOOKAHEAD, LookaheadHints, UpcomingBatches
@@ -70,19 +70,6 @@ _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
 assert tuple(_DEVICE_COUNTERS) == batch_kernels.COUNTER_NAMES, "batch_kernels.COUNTER_NAMES must follow CacheStats"
 # Tensors SlotCache._assign returns before its moves (slot_of_index .. order).
 _ASSIGN_OUTPUTS = 5
-# The per-slot metadata and its dtypes (SlotCache allocates them from here, so that the size of a
-# slot, :meth:`SlotCache.slot_bytes`, cannot drift from what it allocates).
-_SLOT_METADATA = {"tags": torch.int64, "last_use": torch.int64, "use_count": torch.int32, "dirty": torch.uint8,
-                  "locks": torch.int32, "next_use": torch.int64}
-_SLOT_METADATA_FILL = {"tags": EMPTY, "next_use": NEXT_USE_UNKNOWN}  # the others start at 0
-_SLOT_SCRATCH_BYTES = torch.int8.itemsize  # the policy kernels' way_of_rank, per slot
-# Device bytes per row of the cached tables: bypass_count (uint8), and window_bits (int64) once a
-# lookahead cache is told of upcoming batches.
-_ROW_BYTES = torch.uint8.itemsize
-_HINT_ROW_BYTES = torch.int64.itemsize
-_ROW_USES_BYTES = torch.int16.itemsize  # row_uses, for a policy that counts rows
-
-
 class SlotCache(LookaheadHints, SlotReleases):
     """A set-associative cache of rows in device memory, shared by one module's cached tables.
 
@@ -192,8 +179,9 @@ class SlotCache(LookaheadHints, SlotReleases):
         weights_dtype = self.tables[0].weights.dtype
 
         on = dict(device=self.device)
-        for name, dtype in _SLOT_METADATA.items():  # tags, last_use, use_count, dirty, locks, next_use
-            setattr(self, name, torch.full((num_slots,), _SLOT_METADATA_FILL.get(name, 0), dtype=dtype, **on))
+        for name, dtype in slot_layout.SLOT_METADATA.items():  # tags, last_use, use_count, dirty, locks, next_use
+            fill = slot_layout.SLOT_METADATA_FILL.get(name, 0)
+            setattr(self, name, torch.full((num_slots,), fill, dtype=dtype, **on))
         self.weights = torch.zeros(num_slots, self.row_width, dtype=weights_dtype, **on)
         self.state = torch.zeros(num_slots, self.state_width, dtype=torch.float32, **on)
         self._step = 0
@@ -212,7 +200,7 @@ class SlotCache(LookaheadHints, SlotReleases):
         self.bypass_count = torch.zeros(self._rows_end, dtype=torch.uint8, **on)
         # Per-row use counts, kept only by a policy that counts rows (policy.py, "Per-row use counts").
         self._counts_rows = policy_named(policy).counts_rows
-        self.row_uses = torch.zeros(self._rows_end if self._counts_rows else 1, dtype=torch.int16, **on)
+        self.row_uses = torch.zeros(self._rows_end if self._counts_rows else 1, dtype=slot_layout.ROW_USES_DTYPE, **on)
         # The policy kernels' scratch: per set, the way of each rank in the order of victims (policy_kernels.py).
         self._way_of_rank = torch.zeros(num_slots, dtype=torch.int8, **on)
 
@@ -243,22 +231,8 @@ class SlotCache(LookaheadHints, SlotReleases):
 
     # ------------------------------------------------------------------ sizes
 
-    @staticmethod
-    def slot_bytes(row_width: int, state_width: int, weights_dtype: torch.dtype) -> int:
-        """Device bytes of one slot: its row (``row_width`` values of ``weights_dtype``), its fp32
-        optimizer state (``state_width`` values) and its metadata (tag, policy state, dirty bit,
-        lock: 33 bytes; a byte of the policy kernels' scratch)."""
-        metadata = sum(dtype.itemsize for dtype in _SLOT_METADATA.values()) + _SLOT_SCRATCH_BYTES
-        return row_width * weights_dtype.itemsize + 4 * state_width + metadata
-
-    @staticmethod
-    def row_bytes(policy: str) -> int:
-        """Device bytes the cache keeps per row of its tables (global rows ``0 .. R-1``), beyond its
-        slots: the bypass counts, the lookahead window's bits for a policy that reads them, and the use
-        counts of a policy that counts rows."""
-        entry = policy_named(policy)
-        return (_ROW_BYTES + (_HINT_ROW_BYTES if entry.reads_window else 0)
-                + (_ROW_USES_BYTES if entry.counts_rows else 0))
+    slot_bytes = staticmethod(slot_layout.slot_bytes)
+    row_bytes = staticmethod(slot_layout.row_bytes)
 
     # ------------------------------------------------------------------ public API
 
