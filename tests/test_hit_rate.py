@@ -406,9 +406,12 @@ def test_real_cache_with_depth_and_warmup_agrees_with_the_simulator(depth):
     trace = zipf_trace(4_000, 1.05, 32, 4, 14, seed=0)
     options = SimOptions(associativity=8, lookahead_window=3, pipeline_depth=depth, warmup_batches=4,
                          future_batches=2)
-    for policy in ("lru", "lookahead(3)"):
+    for name, entry in CACHE_POLICIES.items():  # every policy of the registry, a windowed one told 3 batches
+        policy = f"{name}(3)" if entry.reads_window else name
         expected = measure(trace, policy, 120, options, "3%").stats
         assert run_slot_cache(trace, policy, 120, options) == expected, policy
         assert expected.batches == 8 and expected.evictions > 0
+        if entry.counts_rows:  # refused misses, each barred while its batch is in flight
+            assert expected.misses_no_slot > 0, policy
     with pytest.raises(ValueError, match="MAX_LOOKAHEAD = 64"):  # the cache's hints reach 64 batches
         run_slot_cache(trace, "lookahead(65)", 120, options)
