@@ -372,6 +372,23 @@ def take_row_uses(policy, slot, row, row_uses, use_count):
         use_count[slot] = row_uses[row]
 
 
+def lock_hit(policy, slot, row, step, last_use, use_count, row_uses, locks):
+    """A batch's hit of ``row`` in ``slot`` (policy.py, step 2): its policy state, and one lock."""
+    touch_on_hit(slot, step, last_use, use_count)
+    take_row_uses(policy, slot, row, row_uses, use_count)
+    locks[slot] += 1
+
+
+def fill_slot(policy, slot, row, step, tags, last_use, use_count, row_uses, dirty, locks):
+    """``slot`` takes the missed ``row`` (step 3; its victim is the caller's): the tag, the policy state,
+    clean, one lock."""
+    tags[slot] = row
+    touch_on_fill(slot, step, last_use, use_count)
+    take_row_uses(policy, slot, row, row_uses, use_count)
+    dirty[slot] = 0
+    locks[slot] += 1
+
+
 def admits(policy, row, row_uses, slot, tags, use_count):
     """Whether a miss of ``row`` takes ``slot``, the victim :func:`choose_victim` gave it: always, unless
     the policy counts rows and the slot holds a row used at least as often (``row_uses`` is read only then:
@@ -409,6 +426,8 @@ counts_rows_cpu = _cpu_inlined(counts_rows)
 count_use_cpu = _cpu_inlined(count_use)
 take_row_uses_cpu = _cpu_inlined(_rebind(take_row_uses, counts_rows=counts_rows_cpu))
 admits_cpu = _cpu_inlined(_rebind(admits, counts_rows=counts_rows_cpu))
+lock_hit_cpu = _cpu_inlined(_rebind(lock_hit, touch_on_hit=touch_on_hit_cpu, take_row_uses=take_row_uses_cpu))
+fill_slot_cpu = _cpu_inlined(_rebind(fill_slot, touch_on_fill=touch_on_fill_cpu, take_row_uses=take_row_uses_cpu))
 
 # --- GPU (numba.cuda.jit(device=True)), for the prefetch kernels
 from numba import cuda  # noqa: E402  (after tiered_tbe.base.mode, which the import above guarantees)
@@ -444,3 +463,6 @@ counts_rows_device = _device(counts_rows)
 count_use_device = _device(count_use)
 take_row_uses_device = _device(_rebind(take_row_uses, counts_rows=counts_rows_device))
 admits_device = _device(_rebind(admits, counts_rows=counts_rows_device))
+lock_hit_device = _device(_rebind(lock_hit, touch_on_hit=touch_on_hit_device, take_row_uses=take_row_uses_device))
+fill_slot_device = _device(_rebind(fill_slot, touch_on_fill=touch_on_fill_device,
+                                   take_row_uses=take_row_uses_device))

@@ -47,10 +47,9 @@ from tiered_tbe.cache.policy import (
     comes_before_device,
     count_use_device,
     counts_rows_device,
+    fill_slot_device,
     find_way_device,
-    take_row_uses_device,
-    touch_on_fill_device,
-    touch_on_hit_device,
+    lock_hit_device,
     victim_order_device,
 )
 
@@ -138,9 +137,7 @@ def find_hits_kernel(
             count_use_device(row, row_uses)
         slot = find_way_device(tags, set_of_unique[u] * associativity, associativity, row)
         if slot != NO_SLOT:
-            touch_on_hit_device(slot, step, last_use, use_count)
-            take_row_uses_device(policy, slot, row, row_uses, use_count)
-            locks[slot] += 1
+            lock_hit_device(policy, slot, row, step, last_use, use_count, row_uses, locks)
             slot_of_unique[u] = slot
             outcome[u] = OUTCOME_HIT
 
@@ -315,11 +312,7 @@ def fill_misses_kernel(
         if evicted != EMPTY:
             victim_row[u] = evicted
             victim_was_dirty[u] = dirty[slot]
-        tags[slot] = row
-        touch_on_fill_device(slot, step, last_use, use_count)
-        take_row_uses_device(policy, slot, row, row_uses, use_count)
-        dirty[slot] = 0
-        locks[slot] += 1
+        fill_slot_device(policy, slot, row, step, tags, last_use, use_count, row_uses, dirty, locks)
         slot_of_unique[u] = slot
         outcome[u] = OUTCOME_FILLED
 

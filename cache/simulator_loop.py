@@ -19,11 +19,10 @@ from tiered_tbe.cache.policy import (
     choose_victim_cpu,
     count_use_cpu,
     counts_rows_cpu,
+    fill_slot_cpu,
     find_way_cpu,
+    lock_hit_cpu,
     set_of_row_cpu,
-    take_row_uses_cpu,
-    touch_on_fill_cpu,
-    touch_on_hit_cpu,
 )
 
 # Counters of the njit core, in the order it stores them (bytes follow from row_bytes in Python).
@@ -84,9 +83,7 @@ def run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associat
                 unique_hits += 1
                 if counting:
                     count_use_cpu(row, row_uses)
-                touch_on_hit_cpu(slot, step, last_use, use_count)
-                take_row_uses_cpu(policy, slot, row, row_uses, use_count)
-                locks[slot] += 1
+                lock_hit_cpu(policy, slot, row, step, last_use, use_count, row_uses, locks)
                 held[num_held] = slot
                 num_held += 1
                 if hinted:
@@ -134,11 +131,7 @@ def run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associat
                 evictions += 1
                 if dirty[slot]:
                     write_backs += 1
-            tags[slot] = row
-            touch_on_fill_cpu(slot, step, last_use, use_count)
-            take_row_uses_cpu(policy, slot, row, row_uses, use_count)
-            dirty[slot] = 0
-            locks[slot] += 1
+            fill_slot_cpu(policy, slot, row, step, tags, last_use, use_count, row_uses, dirty, locks)
             held[num_held] = slot
             num_held += 1
             if hinted:
