@@ -18,8 +18,9 @@ pass over the batch is one kernel::
     run_heads_kernel, torch.cumsum, set_starts_kernel
                              the first position of each set the batch touches, in order
     the policy's kernels     hits, victims, fills (``policy_kernels.py``)
-    batch_outcomes_kernel    each lookup's slot, the rows given no slot, the dirty victims'
-                             write-back keys, and each thread's counts
+    torch.cumsum             the rank of each row given no slot among them
+    batch_outcomes_kernel    each lookup's slot, the rows given no slot (and each such lookup's
+                             rank), the dirty victims' write-back keys, and each thread's counts
 
 Everything stays on the device, sized by ``N`` (padding marks what is not a row), so a prefetch
 never waits for the GPU and replays as one CUDA graph. No atomics: every output entry has one
@@ -160,7 +161,10 @@ def batch_outcomes_kernel(
     victim_was_dirty,  # uint8 [N]: 1 when that row must be written back
     table_starts,  # int64 [T]: first global row of each cached table, ascending
     table_row_bytes,  # int64 [T]: bytes of a row of each, weights and optimizer state
+    no_slot_count,  # int32 [N]: inclusive prefix sum over the unique rows of outcome == OUTCOME_NO_SLOT
     slot_of_index,  # int32 [N] out: the slot of every lookup's row, NO_SLOT when none
+    in_place_rank,  # int32 [N] out: for a lookup whose row got no slot, that row's rank among the batch's
+    #                 rows given none (0-based, ascending rows); NO_SLOT for every other lookup
     bypassed_rows,  # int64 [N] out: the unique rows given no slot, NOT_CACHED elsewhere
     write_back_keys,  # dtype of sorted_keys [N] out: the dirty victims' rows, none_key elsewhere
     partial_counters,  # int64 [gridDim.x * blockDim.x, NUM_COUNTERS] out: each thread's sums of COUNTER_NAMES
@@ -176,13 +180,17 @@ def batch_outcomes_kernel(
     stride = cuda.gridsize(1)
     for i in range(start, sorted_keys.shape[0], stride):
         slot = NO_SLOT
+        rank = NO_SLOT
         if sorted_keys[i] != none_key:
             u = unique_number[i] - 1
             slot = slot_of_unique[u]
             counts[_LOOKUPS] += 1
             if outcome[u] == OUTCOME_HIT:
                 counts[_LOOKUP_HITS] += 1
+            elif outcome[u] == OUTCOME_NO_SLOT:
+                rank = no_slot_count[u] - 1
         slot_of_index[order[i]] = slot
+        in_place_rank[order[i]] = rank
 
         row = unique_rows[i]
         bypassed = NOT_CACHED
@@ -275,19 +283,22 @@ def set_starts_of_batch(launcher, set_of_position: torch.Tensor, num_sets: int) 
 
 
 def outcomes_of_batch(launcher, unique: UniqueRows, table_starts: torch.Tensor, table_row_bytes: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """After the policy kernel filled ``unique``'s outputs: ``(slot_of_index int32 [N],
-    bypassed_rows int64 [N], write_back_keys [N] (sorted_keys' dtype), counters int64
-    [NUM_COUNTERS])`` (see batch_outcomes_kernel); ``table_row_bytes`` int64 [T]."""
+    in_place_rank int32 [N], bypassed_rows int64 [N], write_back_keys [N] (sorted_keys' dtype), counters
+    int64 [NUM_COUNTERS])`` (see batch_outcomes_kernel); ``table_row_bytes`` int64 [T]."""
     n = unique.sorted_keys.numel()
     on = dict(device=unique.sorted_keys.device)
+    # The padding's outcome is OUTCOME_NONE: only the unique rows given no slot are counted.
+    no_slot_count = torch.cumsum(unique.outcome == OUTCOME_NO_SLOT, 0, dtype=torch.int32)
     slot_of_index = torch.empty(n, dtype=torch.int32, **on)
+    in_place_rank = torch.empty(n, dtype=torch.int32, **on)
     bypassed_rows = torch.empty(n, dtype=torch.int64, **on)
     write_back_keys = torch.empty(n, dtype=unique.sorted_keys.dtype, **on)
     blocks, threads = launcher.shape_of(n, REDUCE_BLOCKS)
     partial_counters = torch.empty(blocks * threads, NUM_COUNTERS, dtype=torch.int64, **on)
     launcher.launch_configured(batch_outcomes_kernel, blocks, threads, *unique[:4], unique.unique_rows,
                                unique.slot_of_unique, unique.outcome, unique.victim_row, unique.victim_was_dirty,
-                               table_starts, table_row_bytes, slot_of_index, bypassed_rows, write_back_keys,
-                               partial_counters)
-    return slot_of_index, bypassed_rows, write_back_keys, partial_counters.sum(0)
+                               table_starts, table_row_bytes, no_slot_count, slot_of_index, in_place_rank,
+                               bypassed_rows, write_back_keys, partial_counters)
+    return slot_of_index, in_place_rank, bypassed_rows, write_back_keys, partial_counters.sum(0)

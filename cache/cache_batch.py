@@ -17,13 +17,18 @@ class CacheBatch:
     lookups by row, rows outside every cached table last (as the largest value of the dtype);
     when every table is cached it is the backward's grouping sort too. ``step``: the prefetch's cache step,
     which names the batch: :meth:`SlotCache.unlock` finds it by its step, so a copy of the
-    handle (or of its tensors) releases exactly what the prefetch took, once.
+    handle (or of its tensors) releases exactly what the prefetch took, once. ``in_place_rank``
+    int32 [N]: for each lookup whose row got no slot, the rank of that row among the batch's rows
+    given none (0-based, ascending rows), else -1: where the module keeps a copy of the row that the
+    forward read for the backward (``tiered_tbe/in_place_copies.py``).
     """
 
-    __slots__ = ("step", "slot_of_index", "locked_slots", "bypassed_rows", "sorted_rows", "order", "ticket")
+    __slots__ = ("step", "slot_of_index", "locked_slots", "bypassed_rows", "sorted_rows", "order", "ticket",
+                 "in_place_rank")
 
     def __init__(self, step: int, slot_of_index: torch.Tensor, locked_slots: torch.Tensor,
-                 bypassed_rows: torch.Tensor, sorted_rows: torch.Tensor, order: torch.Tensor, ticket=None):
+                 bypassed_rows: torch.Tensor, sorted_rows: torch.Tensor, order: torch.Tensor, ticket=None,
+                 in_place_rank: torch.Tensor | None = None):
         self.step = step
         self.slot_of_index = slot_of_index
         self.locked_slots = locked_slots
@@ -31,6 +36,7 @@ class CacheBatch:
         self.sorted_rows = sorted_rows
         self.order = order
         self.ticket = ticket  # the row mover's, for wait_filled
+        self.in_place_rank = in_place_rank
 
     def __repr__(self) -> str:
         return f"CacheBatch(step={self.step}, {self.slot_of_index.numel()} lookups)"

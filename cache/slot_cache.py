@@ -69,7 +69,7 @@ __all__ = ["MAX_LOOKAHEAD", "CacheBatch", "CachedTable", "SlotCache"]
 _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
 assert tuple(_DEVICE_COUNTERS) == batch_kernels.COUNTER_NAMES, "batch_kernels.COUNTER_NAMES must follow CacheStats"
 # Tensors SlotCache._assign returns before its moves (slot_of_index .. order).
-_ASSIGN_OUTPUTS = 5
+_ASSIGN_OUTPUTS = 6
 class SlotCache(LookaheadHints, SlotReleases):
     """A set-associative cache of rows in device memory, shared by one module's cached tables.
 
@@ -284,13 +284,13 @@ class SlotCache(LookaheadHints, SlotReleases):
         ticket = None
         if rows.numel() > 0:
             try:
-                slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, ticket = self._assign_and_move(
-                    rows, [launches for _, launches in fused if launches is not None])
+                slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order, ticket = \
+                    self._assign_and_move(rows, [launches for _, launches in fused if launches is not None])
             finally:  # their launches come first in the prefetch's (graph or eager launches)
                 for earlier, _ in fused:
                     self.unlock(earlier, launched=True)
         else:
-            slot_of_index = locked_slots = torch.empty(0, dtype=torch.int32, device=self.device)
+            slot_of_index = in_place_rank = locked_slots = torch.empty(0, dtype=torch.int32, device=self.device)
             bypassed_rows = torch.empty(0, dtype=torch.int64, device=self.device)
             order = torch.empty(0, dtype=torch.int32, device=self.device)
             sorted_rows = torch.empty(0, dtype=batch_kernels.sort_keys_dtype(self._rows_end)[0], device=self.device)
@@ -298,7 +298,8 @@ class SlotCache(LookaheadHints, SlotReleases):
             self.use_count >>= 1  # LFU aging, after every lfu_decay_interval-th prefetch
             if self._counts_rows:
                 self.row_uses >>= 1
-        batch = CacheBatch(self._step, slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, ticket)
+        batch = CacheBatch(self._step, slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, ticket,
+                           in_place_rank)
         self._unreleased[batch.step] = batch
         self._metadata_done()
         return batch
@@ -406,7 +407,7 @@ class SlotCache(LookaheadHints, SlotReleases):
     # ------------------------------------------------------------------ prefetch
 
     def _assign_and_move(self, rows: torch.Tensor, unlocks: Sequence[GraphLaunches] = ()):
-        """(slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, the mover's ticket) of a
+        """(slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order, the mover's ticket) of a
         batch: ``unlocks`` (earlier batches' :meth:`unlock_launches`), :meth:`_assign` and the mover's
         device work (:meth:`RowMover.enqueue`) replay as one CUDA graph per batch shape
         (``base/graphs.py``; the step reaches the kernels in a tensor), then the mover's host part
@@ -437,17 +438,17 @@ class SlotCache(LookaheadHints, SlotReleases):
                None if window_bits is None else window_bits.data_ptr(), tuple(launches.key for launches in unlocks))
         inputs = (rows, step, *(tensor for tensors in unlock_inputs for tensor in tensors))
         results = self._prefetch_graphs.run(key, inputs, enqueue, self.device, advance=next_int64)
-        (slot_of_index, locked_slots, bypassed_rows, sorted_rows, order), enqueued = \
+        (slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order), enqueued = \
             results[:_ASSIGN_OUTPUTS], results[_ASSIGN_OUTPUTS:]
         # The padding sorts after every lookup (stable: after the lookups outside the cached tables too),
         # so the first num_lookups sorted positions are the batch's. The padding locks no slot and
         # leaves no row in its store: locked_slots and bypassed_rows stay padded.
-        return (slot_of_index[:num_lookups], locked_slots, bypassed_rows, sorted_rows[:num_lookups],
-                order[:num_lookups], self.mover.hand_off(enqueued))
+        return (slot_of_index[:num_lookups], in_place_rank[:num_lookups], locked_slots, bypassed_rows,
+                sorted_rows[:num_lookups], order[:num_lookups], self.mover.hand_off(enqueued))
 
     def _assign(self, rows: torch.Tensor, step: torch.Tensor) -> tuple:
-        """(slot_of_index int32 [N], locked_slots int32 [N], bypassed_rows int64 [N], sorted_rows [N],
-        order int32 [N], the moves) of the batch ``rows`` (int64 [N]) at ``step`` (int64 [1], on the
+        """(slot_of_index int32 [N], in_place_rank int32 [N], locked_slots int32 [N], bypassed_rows int64 [N],
+        sorted_rows [N], order int32 [N], the moves) of the batch ``rows`` (int64 [N]) at ``step`` (int64 [1], on the
         device): the kernels and sorts of :mod:`tiered_tbe.cache.batch_kernels`, in its order."""
         # 1. Deduplicate by sorting: the unique rows ascending, padded to N with NOT_CACHED, and their sets.
         u = batch_kernels.unique_rows_of_batch(self._launcher, rows, self._table_starts, self._table_ends,
@@ -461,12 +462,12 @@ class SlotCache(LookaheadHints, SlotReleases):
                                     self.associativity, step, self._policy_code, self._k_metadata,
                                     self._way_of_rank, window_bits)
         # 4. The remap, the rows left in the backing store, the write-back list, the counters (no sync).
-        slot_of_index, bypassed_rows, write_back_keys, counters = batch_kernels.outcomes_of_batch(
+        slot_of_index, in_place_rank, bypassed_rows, write_back_keys, counters = batch_kernels.outcomes_of_batch(
             self._launcher, u, self._table_starts, self._table_row_bytes)
         self._counters += counters
         moves = Moves(u.unique_rows, u.slot_of_unique, u.outcome, u.victim_row, u.victim_was_dirty, write_back_keys,
                       u.unique_number[-1:])
-        return slot_of_index, u.slot_of_unique, bypassed_rows, u.sorted_keys, u.order, moves
+        return slot_of_index, in_place_rank, u.slot_of_unique, bypassed_rows, u.sorted_keys, u.order, moves
 
     def _write_rows_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy slot ``slots[i]`` to the backing row ``rows[i]`` (int64 [M]; EMPTY skips; a row named

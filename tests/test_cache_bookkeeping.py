@@ -64,8 +64,11 @@ def reference_bookkeeping(rows, starts, ends, row_bytes, slot_of_unique, outcome
                 "evictions": int(evicted.sum()), "write_backs": int(dirty_victim.sum()),
                 "bytes_in": bytes_of(unique_rows.clamp(max=int(ends[-1])), filled),
                 "bytes_out": bytes_of(victim_row.clamp(min=0), dirty_victim)}
+    # The rank of each row given no slot among them (ascending rows), for each of its lookups.
+    no_slot_rank = torch.cumsum(no_slot.long(), 0) - 1
     return {"unique_rows": unique_rows,
             "slot_of_index": torch.where(inside, slot_of_unique.long()[position], -1),
+            "in_place_rank": torch.where(inside & no_slot[position], no_slot_rank[position], -1),
             "bypassed_rows": torch.where(no_slot, unique_rows, NOT_CACHED),
             "write_back_keys": torch.where(dirty_victim, victim_row, none_key),
             "counters": [counters[name] for name in batch_kernels.COUNTER_NAMES]}
@@ -111,9 +114,10 @@ def test_prefetch_bookkeeping_kernels_match_plain_torch(base, shape):
         target[:k] = values.to(**on)
     want = reference_bookkeeping(rows, starts, ends, row_bytes, unique.slot_of_unique.cpu(), unique.outcome.cpu(),
                                  unique.victim_row.cpu(), unique.victim_was_dirty.cpu(), unique.none_key)
-    slot_of_index, bypassed_rows, write_back_keys, counters = batch_kernels.outcomes_of_batch(
+    slot_of_index, in_place_rank, bypassed_rows, write_back_keys, counters = batch_kernels.outcomes_of_batch(
         launcher, unique, starts.to(**on), row_bytes.to(**on))
     assert slot_of_index.dtype == torch.int32 and torch.equal(slot_of_index.long().cpu(), want["slot_of_index"])
+    assert in_place_rank.dtype == torch.int32 and torch.equal(in_place_rank.long().cpu(), want["in_place_rank"])
     assert torch.equal(bypassed_rows.cpu(), want["bypassed_rows"])
     assert write_back_keys.dtype == (torch.int32 if base == 0 else torch.int64)
     assert torch.equal(write_back_keys.long().cpu(), want["write_back_keys"])
