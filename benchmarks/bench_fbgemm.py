@@ -89,6 +89,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "holds); a cached configuration gets a new batch every step")
     parser.add_argument("--ours-only", action="store_true", help="time our side only (no FBGEMM)")
     parser.add_argument("--mover", default=None, help="our cache's row mover (CacheConfig.mover), when it has one")
+    parser.add_argument("--in-place-copies", type=int, default=None, metavar="ROWS",
+                        help="our cache's CacheConfig.in_place_copies (default: its default; 0: none)")
     parser.add_argument("--state-layout", default=None, choices=STATE_LAYOUTS,
                         help="where our backing stores keep each row's optimizer state (TieredEmbeddingBags "
                              "state_layout), for every configuration (default: each configuration's, auto "

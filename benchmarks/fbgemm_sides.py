@@ -28,7 +28,7 @@ from tiered_tbe.specs import CacheConfig, Placement, TableSpec
 
 # What ours_module reads of the command line, at bench fbgemm's defaults (for tools that build our
 # module of a configuration without parsing bench fbgemm's flags).
-DEFAULT_MODULE_ARGS = argparse.Namespace(seed=0, mover=None, state_layout=None)
+DEFAULT_MODULE_ARGS = argparse.Namespace(seed=0, mover=None, state_layout=None, in_place_copies=None)
 # Our policies that FBGEMM's side runs as its LFU (the others as its LRU): lfu-admit admits misses by
 # use counts, as FBGEMM's LFU does.
 FBGEMM_LFU_POLICIES = ("lfu", "lfu-admit")
@@ -96,7 +96,8 @@ def batches_needed(config: Config, args) -> int:
 
 def ours_module(config: Config, args, device=None) -> TieredEmbeddingBags:
     """Our module of a configuration: a table of its dim each, its placement, optimizer and cache;
-    no bounds checks; ``args``: ``seed``, ``mover`` (the cache's, when it has one), ``state_layout``."""
+    no bounds checks; ``args``: ``seed``, ``mover`` (the cache's, when it has one), ``state_layout``,
+    ``in_place_copies`` (CacheConfig's, when given)."""
     placement = {"device": Placement.DEVICE, "host_cached": Placement.HOST_CACHED,
                  "managed_cached": Placement.MANAGED_CACHED}[config.placement]
     tables = [TableSpec(n, dim, name=f"t{t}", placement=placement)
@@ -105,6 +106,8 @@ def ours_module(config: Config, args, device=None) -> TieredEmbeddingBags:
     if config.cached:
         extra = {"mover": args.mover} if args.mover and "mover" in {f.name for f in dataclasses.fields(CacheConfig)} \
             else {}
+        if getattr(args, "in_place_copies", None) is not None:
+            extra["in_place_copies"] = args.in_place_copies
         cache = CacheConfig(fraction=config.cache_fraction, policy=config.policy, **extra)
     return TieredEmbeddingBags(tables, optimizer=optimizer_named(config.optimizer, **HYPER[config.optimizer]),
                                weights_dtype=common.DTYPES[config.dtype], device=device or default_device(),

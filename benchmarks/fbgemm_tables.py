@@ -206,6 +206,8 @@ def measurements_of(results: list[dict], args) -> list[tuple[dict, dict]]:
             configuration["fbgemm_placement"] = "managed_caching_host_mapped"  # fbgemm_sides.fbgemm_module
         if args.state_layout:
             configuration["state_layout"] = args.state_layout
+        if getattr(args, "in_place_copies", None) is not None:
+            configuration["in_place_copies"] = args.in_place_copies
         figures = {"ours": _figures(row["ours"]), "fbgemm": _figures(row["fbgemm"]),
                    "ours_over_fbgemm": {phase: ratio(row["ours"].get(phase), row["fbgemm"].get(phase))
                                         for phase in PHASES if row["ours"].get(phase) and row["fbgemm"].get(phase)}}

@@ -59,6 +59,7 @@ from tiered_tbe.base.graphs import GraphLaunches, padded_size, to_device
 from .addressing import INTERPRETING, POOLING_NONE, pooling_code, row_slice_alignment_bytes
 from .grouping import SortedLookups, pad_bags, pad_batch, padded_batch_size, pads_batches, sort_lookups
 from .hot_rows import hot_group_sums_kernel, hot_row_update_kernel, hot_window_sums_kernel
+from .in_place_copies import InPlaceCopies
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
 from .run_groups import grouped_runs, plan_run_groups
@@ -143,6 +144,10 @@ def _row_update_kernel(
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
     cache_state_stride,  # elements between consecutive slots of cache_state
     hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters
+    sorted_ranks_ptr,  # int32 [N]: copy row of the row at each sorted position, or -1 (read only if READS_COPIES)
+    copies_ptr,  # [num_copies, row_width]: the rows read in place as the forward read them (kernels/in_place_copies.py)
+    copies_stride,  # elements between consecutive copy rows
+    num_copies,  # copy rows
     rows_end,  # one past the last global row: a padded batch's padding row (never updated)
     runs_end_ptr,  # int32 [T]: grouped runs up to each entry of TableGroups.tables (if GROUPED: kernels/run_groups.py)
     run_shift_ptr,  # int32 [T]: run number minus grouped run of each entry's runs (if GROUPED)
@@ -157,6 +162,7 @@ def _row_update_kernel(
     SHARED_TABLES: tl.constexpr,  # some table is looked up by several features (a run's lookups may differ in theirs)
     CHUNK: tl.constexpr,  # sorted positions per window: runs holding a whole one are hot
     USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
+    READS_COPIES: tl.constexpr,  # read each row that has a copy row from it (the forward's copy)
     OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
     OPTIMIZER_UPDATE: tl.constexpr,
     OPTIMIZER_STORE_STATE: tl.constexpr,
@@ -219,9 +225,13 @@ def _row_update_kernel(
             slots = tl.zeros_like(features)
             if USE_CACHE:
                 slots = tl.load(sorted_slots_ptr + starts, mask=row_mask, other=-1)
+            ranks = slots
+            if READS_COPIES:
+                ranks = tl.load(sorted_ranks_ptr + starts, mask=row_mask, other=-1)
             update_rows(global_rows, features, slots, grad, row_mask, dims, columns, mask, descriptor_ptr,
-                        cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride, step_args_ptr,
-                        hyper_ptr, NUM_HYPER, OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE,
+                        cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride, ranks,
+                        copies_ptr, copies_stride, num_copies, step_args_ptr, hyper_ptr, NUM_HYPER,
+                        OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, READS_COPIES,
                         STOCHASTIC_ROUNDING, ALIGN_BYTES, STATE_ALIGN_BYTES)
 
 
@@ -308,6 +318,7 @@ class _UpdatePlan(NamedTuple):
     stochastic_rounding: bool
     reads_step: bool  # the kernels read the step (stochastic rounding, an optimizer's USES_STEP)
     padded: bool  # the batch went through grouping.pad_batch (its padding, if any, ends it)
+    reads_copies: bool  # rows read in place are read from the forward's copies (kernels/in_place_copies.py)
 
 
 def backward_update(
@@ -326,6 +337,7 @@ def backward_update(
     presorted: tuple[torch.Tensor, torch.Tensor] | None = None,
     then: GraphLaunches | None = None,
     pad: bool | None = None,
+    copies: InPlaceCopies | None = None,
 ) -> None:
     """Sum the gradient of each unique row of the batch and apply the optimizer to it, in place.
 
@@ -355,6 +367,9 @@ def backward_update(
             (``grouping.pad_batch``, ``grouping.pad_bags``: the same update), so that batches whose lookup
             count or batch size changes every step replay a few graphs rather than run eagerly (~1-6 ms of
             host time). Default: ``grouping.pads_batches`` (graphs on a GPU, pooling not none).
+        copies: the copies the batch's forward made of the rows it read in place (``pooled_forward(...,
+            copies=)``), read instead of the backing stores: valid only if nothing changed those rows since
+            that forward (the caller's to know; ``kernels/in_place_copies.py``). The same update.
     """
     if not isinstance(optimizer, FusedOptimizer):
         raise TypeError(f"optimizer must be a FusedOptimizer (tiered_tbe.optimizers), got {type(optimizer).__name__}")
@@ -372,11 +387,15 @@ def backward_update(
     pad = bool(pad) and sorted_lookups is None
     if pad and mode == POOLING_NONE:
         raise ValueError("pooling none's gradient rows are its lookups': its batch cannot be padded")
+    reads_copies = slot_of_index is not None and stores.uses_cache and copies is not None and copies.rows.shape[0] > 0
+    ranks = copies.rank if reads_copies else None
     if pad:  # grad_output keeps its B rows: the padding's bags are empty, so no kernel reads a row past B.
         # A batch of a padded size already takes the same launches (and graph) as the ones padded to it.
         lookups = pad_bags(lookups, stores.num_features, padded_batch_size(lookups.batch_size))
-        lookups, slot_of_index, presorted = pad_batch(stores, lookups, slot_of_index, presorted,
-                                                      padded_size(lookups.num_lookups))
+        size = padded_size(lookups.num_lookups)
+        if ranks is not None and size > ranks.numel():
+            ranks = torch.cat([ranks, ranks.new_full((size - ranks.numel(),), -1)])
+        lookups, slot_of_index, presorted = pad_batch(stores, lookups, slot_of_index, presorted, size)
     block_d = stores.block_d
     config = config or default_config(block_d)
     if not 2 <= config.chunk <= 1024 or config.chunk & (config.chunk - 1):
@@ -391,7 +410,8 @@ def backward_update(
         use_cache=slot_of_index is not None and stores.uses_cache, optimizer_triton=optimizer.TRITON,
         num_hyper=len(hyper),
         stochastic_rounding=rounds_stochastically,
-        reads_step=rounds_stochastically or optimizer.USES_STEP, padded=pad)
+        reads_step=rounds_stochastically or optimizer.USES_STEP, padded=pad, reads_copies=reads_copies)
+    copy_rows = copies.rows if reads_copies else stores.cache_weights  # the kernels' argument, read if reads_copies
     # The step is read by stochastic rounding and by the optimizers whose update reads it (Adam's
     # bias corrections), and passed only then: otherwise a replay's arguments stay the same from
     # step to step. When passed, the graph advances it on the device after the step's kernels
@@ -400,21 +420,23 @@ def backward_update(
               lookups.bag_of_index, slot_of_index if plan.use_cache else None,
               step_arguments(grad_output, hyper, seed if plan.stochastic_rounding else 0,
                              step if plan.reads_step else 0),
-              *(presorted or (None, None)))
+              ranks, *(presorted or (None, None)))
 
     update_inputs = len(inputs)
     if then is not None:
         inputs = (*inputs, *then.inputs)
 
     def enqueue(tensors):
-        _enqueue_update(plan, stores, *tensors[:update_inputs], sorted_lookups=sorted_lookups)
+        _enqueue_update(plan, stores, *tensors[:update_inputs], copy_rows=copy_rows, sorted_lookups=sorted_lookups)
         if then is not None:
             then.enqueue(tensors[update_inputs:])
 
     if graphs is None or sorted_lookups is not None:
         enqueue(to_device(inputs, grad_output.device))
     else:
-        graphs.run((plan, id(stores), None if then is None else then.key), inputs, enqueue, grad_output.device,
+        # The copy rows are the module's, one buffer for every batch: their address is part of the graph's key.
+        graphs.run((plan, id(stores), copy_rows.data_ptr(), None if then is None else then.key), inputs, enqueue,
+                   grad_output.device,
                    advance=advance_step_arguments if plan.reads_step else None)
 
 
@@ -454,8 +476,8 @@ def _row_update_launches(stores: RowStores, s: SortedLookups, config: BackwardCo
 
 
 def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_sample_weights, global_rows,
-                    bag_of_index, slot_of_index, step_args, sorted_rows=None, order=None,
-                    sorted_lookups: SortedLookups | None = None) -> None:
+                    bag_of_index, slot_of_index, step_args, in_place_rank=None, sorted_rows=None, order=None,
+                    copy_rows=None, sorted_lookups: SortedLookups | None = None) -> None:
     """Enqueue the backward's launches. Reads the batch only through its arguments (``step_args``:
     grad_output's address, the step, the hyper-parameters), so a CUDA graph of it serves every
     batch of its shape."""
@@ -481,6 +503,10 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     # Per-sample weights and slots by sorted position, gathered once (no dependent load in the kernels).
     sorted_weights = per_sample_weights[order] if has_per_sample_weights else hyper
     sorted_slots = slot_of_index[order] if plan.use_cache else s.run_end
+    sorted_ranks = in_place_rank[order] if plan.reads_copies else sorted_slots
+    if copy_rows is None:
+        copy_rows = stores.cache_weights
+    copy_args = (sorted_ranks, copy_rows, copy_rows.stride(0), copy_rows.shape[0])
     gradient_args = (order, s.sorted_bags, sorted_weights, offsets, step_args, plan.grad_output_stride,
                      stores.descriptor)
     update_args = (s.sorted_rows, sorted_slots, stores.cache_weights, stores.cache_weights.stride(0),
@@ -498,14 +524,16 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     hot_group_sums_kernel[(num_groups,)](group_sums, window_sums, s.run_count, num_lookups, CHUNK=chunk, GROUP=group,
                                           BLOCK_D=block_d, num_warps=4)
     hot_row_update_kernel[(triton.cdiv(num_windows, config.hot_windows),)](
-        window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, stores.num_rows, num_lookups,
-        plan.batch_size, **common, **updating, GROUP=group, WINDOWS=config.hot_windows,
+        window_sums, group_sums, s.run_count, s.run_end, *gradient_args, *update_args, *copy_args, stores.num_rows,
+        num_lookups, plan.batch_size, **common, **updating, READS_COPIES=plan.reads_copies, GROUP=group,
+        WINDOWS=config.hot_windows,
         BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES, num_warps=4)
     for launch in _row_update_launches(stores, s, config):
         _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, launch.rows), config.tiles),)](
-            s.num_runs, s.run_end, *gradient_args, *update_args, stores.num_rows, *launch.groups, num_lookups,
-            plan.batch_size,
-            **dict(common, BLOCK_D=launch.block_d), **updating, ROWS=launch.rows, BLOCK_L=config.lanes,
+            s.num_runs, s.run_end, *gradient_args, *update_args, *copy_args, stores.num_rows, *launch.groups,
+            num_lookups, plan.batch_size,
+            **dict(common, BLOCK_D=launch.block_d), **updating, READS_COPIES=plan.reads_copies, ROWS=launch.rows,
+            BLOCK_L=config.lanes,
             num_warps=config.num_warps, GROUPED=launch.grouped, TABLE_STEPS=launch.table_steps)
     if plan.reads_step and step_args.is_cuda and torch.cuda.is_current_stream_capturing():
         # The step's arguments one step on, in place, after every kernel that reads them: a graph's next

@@ -55,6 +55,7 @@ from .addressing import (
     table_row_zero,
 )
 from .grouping import pad_bags, pads_batches
+from .in_place_copies import InPlaceCopies, keep_copies
 from .rows import ColumnGroup, Lookups, RowStores, check_lookups
 
 # Tiles of more than this many elements spill registers: the autotuner never tries them.
@@ -157,7 +158,8 @@ def _prune_configs(configs, named_args, **kwargs):
 
 @triton.autotune(
     configs=_forward_configs(),
-    key=["bag_length_class", "BLOCK_D", "POOLING", "HAS_PER_SAMPLE_WEIGHTS", "USE_CACHE", "ALIGN_BYTES"],
+    key=["bag_length_class", "BLOCK_D", "POOLING", "HAS_PER_SAMPLE_WEIGHTS", "USE_CACHE", "KEEPS_COPIES",
+         "ALIGN_BYTES"],
     prune_configs_by={"early_config_prune": _prune_configs},
     # The winner is kept in Triton's cache folder: a later process of the same model shape loads the
     # winning tile only, instead of compiling and timing every candidate (seconds at start-up).
@@ -165,8 +167,8 @@ def _prune_configs(configs, named_args, **kwargs):
 )
 @triton.jit(do_not_specialize=["batch_size"])
 def _pooled_forward_kernel(
-    addresses_ptr,  # int64 [5], read only if ADDRESSES: the addresses of this call's output, indices,
-    #                 offsets, slot_of_index and per_sample_weights (batch_addresses)
+    addresses_ptr,  # int64 [6], read only if ADDRESSES: the addresses of this call's output, indices,
+    #                 offsets, slot_of_index, per_sample_weights and in_place_rank (batch_addresses)
     output_ptr,  # fp32 [B, total_dim] (sum, mean) or [N, output_width] (none): out
     output_stride,  # elements between consecutive output rows
     output_width,  # pooling none: columns of an output row (zeros past the table's dim)
@@ -178,11 +180,16 @@ def _pooled_forward_kernel(
     offsets_ptr,  # int32/int64 [F*B+1]: bag f*B+b is lookups offsets[f*B+b] : offsets[f*B+b+1]
     slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1 (read only if USE_CACHE)
     per_sample_weights_ptr,  # fp32 [N]: multiplies each row (read only if HAS_PER_SAMPLE_WEIGHTS)
+    in_place_rank_ptr,  # int32 [N]: copy row of each lookup read in place, or -1 (read only if KEEPS_COPIES)
+    copies_ptr,  # [num_copies, row_width] the rows read in place, kept for the backward (written if KEEPS_COPIES)
+    copies_stride,  # elements between consecutive copy rows
+    num_copies,  # copy rows: a lookup whose rank is past them keeps no copy
     batch_size,  # B: bags per table (not specialized: a last, smaller batch compiles nothing new)
     bag_length_class,  # log2 of the mean bag length, 0..7: the autotuner's key, unused in the body
     POOLING: tl.constexpr,  # POOLING_SUM, POOLING_MEAN or POOLING_NONE; constexpr so the branches fold
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether rows are scaled by per-sample weights
     USE_CACHE: tl.constexpr,  # whether any slot exists (else every row comes from a backing store)
+    KEEPS_COPIES: tl.constexpr,  # write each row read in place to its copy row (kernels/in_place_copies.py)
     ALIGN: tl.constexpr,  # every row start, row stride and dim is a multiple of this many elements
     ALIGN_BYTES: tl.constexpr,  # ALIGN in bytes
     BLOCK_B: tl.constexpr,  # bags per program
@@ -206,6 +213,7 @@ def _pooled_forward_kernel(
         slot_of_index_ptr = tl.multiple_of(tl.load(addresses_ptr + 3).to(slot_of_index_ptr.dtype), INPUT_ALIGN_BYTES)
         per_sample_weights_ptr = tl.multiple_of(tl.load(addresses_ptr + 4).to(per_sample_weights_ptr.dtype),
                                                 INPUT_ALIGN_BYTES)
+        in_place_rank_ptr = tl.multiple_of(tl.load(addresses_ptr + 5).to(in_place_rank_ptr.dtype), INPUT_ALIGN_BYTES)
     element = cache_weights_ptr.dtype.element_ty
     table_rows = table_row_zero(descriptor_ptr, row, None, WEIGHTS_ADDRESS, element)
     row_stride = descriptor_field(descriptor_ptr, row, None, WEIGHTS_STRIDE)
@@ -227,6 +235,9 @@ def _pooled_forward_kernel(
                 in_bag = positions < ends[:, None]
                 tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
                                    row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
+                if KEEPS_COPIES:
+                    keep_copies(tile, positions, in_bag, in_row, columns, in_place_rank_ptr, copies_ptr,
+                                copies_stride, num_copies, ALIGN_BYTES)
                 if HAS_PER_SAMPLE_WEIGHTS:
                     tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, :, None]
                 accumulator += tl.sum(tile, axis=1)
@@ -239,6 +250,9 @@ def _pooled_forward_kernel(
                 in_bag = positions < ends
                 tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
                                    row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
+                if KEEPS_COPIES:
+                    keep_copies(tile, positions, in_bag, in_row, columns, in_place_rank_ptr, copies_ptr,
+                                copies_stride, num_copies, ALIGN_BYTES)
                 if HAS_PER_SAMPLE_WEIGHTS:
                     tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, None]
                 # Columns past the table's dim are written as zeros, so no output element is left unset.
@@ -276,11 +290,12 @@ class _ForwardPlan(NamedTuple):
     use_cache: bool
     has_per_sample_weights: bool
     tile: ForwardTile | None
+    keeps_copies: bool  # writes the rows read in place to copies (kernels/in_place_copies.py)
 
 
 def pooled_forward(
     stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None, pooling: str,
-    tile: ForwardTile | None = None, graphs=None, pad: bool | None = None,
+    tile: ForwardTile | None = None, graphs=None, pad: bool | None = None, copies: InPlaceCopies | None = None,
 ) -> torch.Tensor:
     """Pool the rows of every bag of every table: one launch per column group of the stores
     (``RowStores.column_groups``; one for pooling none, and see :func:`launches_per_group`).
@@ -301,6 +316,9 @@ def pooled_forward(
             padding's bags are empty and their output rows dropped; the output is bit for bit the
             unpadded one), so that batches whose batch size changes every step share a few graphs.
             Default: ``grouping.pads_batches`` (graphs on a GPU).
+        copies: where to copy the rows read in place for the backward (``kernels/in_place_copies.py``):
+            ``copies.rank`` int32 [N] (the prefetch's ``in_place_rank``), ``copies.rows`` [C, row_width]
+            of the weights' dtype. The output is the same with or without.
 
     Returns:
         fp32 ``[B, stores.total_dim]`` for sum and mean: feature ``f``'s bag ``b`` in the dim of its
@@ -335,22 +353,38 @@ def pooled_forward(
     if tile is None and override:
         tile = ForwardTile(*(int(value) for value in override.split(",")))
     use_cache = slot_of_index is not None and stores.uses_cache
+    keeps_copies = use_cache and copies is not None and copies.rows.shape[0] > 0
+    if keeps_copies:
+        _check_copies(stores, copies, lookups.num_lookups)
     tensors = (output, lookups.indices, lookups.offsets, slot_of_index if use_cache else None,
-               lookups.per_sample_weights)
+               lookups.per_sample_weights, copies.rank if keeps_copies else None)
     plan = _ForwardPlan(mode, batch_size, tuple(padded.shape), launches_per_group(stores, mode),
                         row_slice_alignment_bytes(output, stores),
                         min(_alignment_bytes(tensor) for tensor in tensors[1:] if tensor is not None),
                         bag_class,
-                        (lookups.indices.dtype, lookups.offsets.dtype), use_cache, tensors[4] is not None, tile)
+                        (lookups.indices.dtype, lookups.offsets.dtype), use_cache, tensors[4] is not None, tile,
+                        keeps_copies)
+    copy_rows = copies.rows if keeps_copies else stores.cache_weights  # the kernel's argument, written if kept
     # Launched directly where no graph will be replayed (graphs off) or inside a caller's capture (a
     # capture bakes the addresses in; the address block's pinned copy would be replayed stale).
     if graphs is None or (device.type == "cuda" and (not graphs.enabled or torch.cuda.is_current_stream_capturing())):
-        _enqueue_forward(plan, stores, None, *tensors)
+        _enqueue_forward(plan, stores, None, *tensors, copy_rows)
     else:
-        # The tensors go to the launch for their types only: the kernel reads them at the addresses.
-        graphs.run((plan, id(stores)), (batch_addresses(tensors),),
-                   lambda addresses: _enqueue_forward(plan, stores, addresses[0], *tensors), device)
+        # The tensors go to the launch for their types only: the kernel reads them at the addresses. The
+        # copy rows are the module's, one buffer for every batch: their address is part of the graph's key.
+        graphs.run((plan, id(stores), copy_rows.data_ptr()), (batch_addresses(tensors),),
+                   lambda addresses: _enqueue_forward(plan, stores, addresses[0], *tensors, copy_rows), device)
     return output
+
+
+def _check_copies(stores: RowStores, copies: InPlaceCopies, num_lookups: int) -> None:
+    rows, rank = copies.rows, copies.rank
+    if rows.dim() != 2 or rows.dtype != stores.weights_dtype or rows.shape[1] != stores.cache_weights.shape[1] \
+            or not rows.is_contiguous() or rows.device != stores.cache_weights.device:
+        raise ValueError(f"copies.rows must be a contiguous [C, {stores.cache_weights.shape[1]}] "
+                         f"{stores.weights_dtype} tensor beside the cache, got {tuple(rows.shape)} {rows.dtype}")
+    if rank.dtype != torch.int32 or rank.shape != (num_lookups,):
+        raise ValueError(f"copies.rank must be int32 [{num_lookups}], got {rank.dtype} {tuple(rank.shape)}")
 
 
 def leading_rows(padded: torch.Tensor, rows: int) -> torch.Tensor:
@@ -362,9 +396,9 @@ def leading_rows(padded: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def batch_addresses(tensors) -> torch.Tensor:
-    """int64 [5] on the host: the address of each of ``(output, indices, offsets, slot_of_index,
-    per_sample_weights)`` (0 for a missing one), which a graphed forward reads its batch at."""
-    return torch.frombuffer(bytearray(struct.pack("<5q", *(0 if t is None else t.data_ptr() for t in tensors))),
+    """int64 [6] on the host: the address of each of ``(output, indices, offsets, slot_of_index,
+    per_sample_weights, in_place_rank)`` (0 for a missing one), which a graphed forward reads its batch at."""
+    return torch.frombuffer(bytearray(struct.pack("<6q", *(0 if t is None else t.data_ptr() for t in tensors))),
                             dtype=torch.int64)
 
 
@@ -396,9 +430,9 @@ def _grid(batch_size: int, num_features: int):
 
 
 def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, addresses, output, indices, offsets, slot_of_index,
-                     per_sample_weights) -> None:
+                     per_sample_weights, in_place_rank, copy_rows) -> None:
     """Launch the forward kernel (once per column group) on the tensors, or (``addresses``: an int64
-    [5] device tensor of :func:`batch_addresses`) on the ones at those addresses, typed as these."""
+    [6] device tensor of :func:`batch_addresses`) on the ones at those addresses, typed as these."""
     tile = plan.tile
     kernel, shape = _pooled_forward_kernel, {}
     if tile is not None:
@@ -412,10 +446,12 @@ def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, addresses, output, i
             group.descriptor, stores.cache_weights, stores.cache_weights.stride(0),
             indices, offsets, slot_of_index if plan.use_cache else indices,
             per_sample_weights if plan.has_per_sample_weights else output,
+            in_place_rank if plan.keeps_copies else indices, copy_rows, copy_rows.stride(0), copy_rows.shape[0],
             plan.batch_size, plan.bag_length_class,
             POOLING=plan.mode,
             HAS_PER_SAMPLE_WEIGHTS=plan.has_per_sample_weights,
             USE_CACHE=plan.use_cache,
+            KEEPS_COPIES=plan.keeps_copies,
             ALIGN=stores.alignment,
             ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
             BLOCK_D=group.block_d,

@@ -126,6 +126,10 @@ def hot_row_update_kernel(
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
     cache_state_stride,  # elements between consecutive slots of cache_state
     hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters
+    sorted_ranks_ptr,  # int32 [N]: copy row of the row at each sorted position, or -1 (read only if READS_COPIES)
+    copies_ptr,  # [num_copies, row_width]: the rows read in place as the forward read them (kernels/in_place_copies.py)
+    copies_stride,  # elements between consecutive copy rows
+    num_copies,  # copy rows
     rows_end,  # one past the last global row: a padded batch's padding row (never updated)
     num_lookups,  # N
     batch_size,  # B
@@ -136,6 +140,7 @@ def hot_row_update_kernel(
     SHARED_TABLES: tl.constexpr,  # some table is looked up by several features (a run's lookups may differ in theirs)
     CHUNK: tl.constexpr,  # sorted positions per window: runs holding a whole one are hot
     USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
+    READS_COPIES: tl.constexpr,  # read each row that has a copy row from it (the forward's copy)
     OPTIMIZER_LOAD_STATE: tl.constexpr,  # the optimizer's Triton functions (kernels/optimizers/base.py)
     OPTIMIZER_UPDATE: tl.constexpr,
     OPTIMIZER_STORE_STATE: tl.constexpr,
@@ -171,9 +176,9 @@ def hot_row_update_kernel(
                 start, end, first_window, window_sums_ptr, group_sums_ptr, order_ptr, sorted_bags_ptr,
                 sorted_weights_ptr, offsets_ptr, step_args_ptr, grad_output_stride, descriptor_ptr, sorted_rows_ptr,
                 sorted_slots_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride,
-                hyper_ptr, batch_size,
+                hyper_ptr, sorted_ranks_ptr, copies_ptr, copies_stride, num_copies, batch_size,
                 POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES, SHARED_TABLES, CHUNK, USE_CACHE,
-                OPTIMIZER_LOAD_STATE,
+                READS_COPIES, OPTIMIZER_LOAD_STATE,
                 OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, STOCHASTIC_ROUNDING, NUM_HYPER, ALIGN_BYTES,
                 STATE_ALIGN_BYTES, GROUP, BLOCK_P, BLOCK_L, BLOCK_D)
 
@@ -185,10 +190,11 @@ def _update_hot_run(
     first_window,  # int64: its first pure window
     window_sums_ptr, group_sums_ptr, order_ptr, sorted_bags_ptr, sorted_weights_ptr, offsets_ptr, step_args_ptr,
     grad_output_stride, descriptor_ptr, sorted_rows_ptr, sorted_slots_ptr, cache_weights_ptr, cache_weights_stride,
-    cache_state_ptr, cache_state_stride, hyper_ptr,
+    cache_state_ptr, cache_state_stride, hyper_ptr, sorted_ranks_ptr, copies_ptr, copies_stride, num_copies,
     batch_size,  # the rest: as hot_row_update_kernel's
     POOLING: tl.constexpr, HAS_PER_SAMPLE_WEIGHTS: tl.constexpr, ALIGN: tl.constexpr, GRAD_ALIGN_BYTES: tl.constexpr,
-    SHARED_TABLES: tl.constexpr, CHUNK: tl.constexpr, USE_CACHE: tl.constexpr, OPTIMIZER_LOAD_STATE: tl.constexpr,
+    SHARED_TABLES: tl.constexpr, CHUNK: tl.constexpr, USE_CACHE: tl.constexpr, READS_COPIES: tl.constexpr,
+    OPTIMIZER_LOAD_STATE: tl.constexpr,
     OPTIMIZER_UPDATE: tl.constexpr, OPTIMIZER_STORE_STATE: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr,
     NUM_HYPER: tl.constexpr, ALIGN_BYTES: tl.constexpr, STATE_ALIGN_BYTES: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -229,7 +235,11 @@ def _update_hot_run(
     if USE_CACHE:
         slots = one + tl.load(sorted_slots_ptr + start)
     global_rows = one.to(tl.int64) + tl.load(sorted_rows_ptr + start).to(tl.int64)
+    ranks = slots
+    if READS_COPIES:
+        ranks = one + tl.load(sorted_ranks_ptr + start)
     update_rows(global_rows, one + feature, slots, grad[None, :], one == 0, dims, columns, in_row,
                 descriptor_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride,
-                step_args_ptr, hyper_ptr, NUM_HYPER, OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE,
-                USE_CACHE, STOCHASTIC_ROUNDING, ALIGN_BYTES, STATE_ALIGN_BYTES)
+                ranks, copies_ptr, copies_stride, num_copies, step_args_ptr, hyper_ptr, NUM_HYPER,
+                OPTIMIZER_LOAD_STATE, OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, USE_CACHE, READS_COPIES,
+                STOCHASTIC_ROUNDING, ALIGN_BYTES, STATE_ALIGN_BYTES)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .in_place_copies import InPlaceCopies
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores
 
@@ -55,14 +56,32 @@ def reference_rows(
     return rows
 
 
+def _copy_ranks(copies: InPlaceCopies | None, slots: torch.Tensor) -> torch.Tensor:
+    """int64 [N]: the copy row of each lookup (``kernels/in_place_copies.py``), -1 for none."""
+    if copies is None:
+        return torch.full_like(slots, -1)
+    ranks = copies.rank.long()
+    return torch.where((slots < 0) & (ranks >= 0) & (ranks < copies.rows.shape[0]), ranks, -1)
+
+
 def reference_forward(
     stores: RowStores,
     lookups: Lookups,
     slot_of_index: torch.Tensor | None,
     pooling: str,
     dtype: torch.dtype = torch.float64,
+    copies: InPlaceCopies | None = None,
 ) -> torch.Tensor:
-    """What ``pooled_forward`` computes, in ``dtype``: ``[B, total_dim]`` (sum, mean) or ``[N, max_dim]``."""
+    """What ``pooled_forward`` computes, in ``dtype``: ``[B, total_dim]`` (sum, mean) or ``[N, max_dim]``;
+    and, with ``copies``, the copy row of each lookup read in place (its row, as stored)."""
+    if copies is not None and lookups.num_lookups:
+        ranks = _copy_ranks(copies, _slots(slot_of_index, lookups))
+        tables = _tables_of_lookups(stores, lookups)
+        for table, weights in enumerate(stores.table_weights):
+            ids = torch.nonzero((tables == table) & (ranks >= 0)).flatten()
+            if ids.numel():  # (only a cached table's rows have ranks: no wider than a copy row)
+                copies.rows[ranks[ids], :weights.shape[1]] = weights[
+                    lookups.indices[ids].long().to(weights.device)].to(copies.rows.device)
     rows = reference_rows(stores, lookups, slot_of_index, dtype)
     if lookups.per_sample_weights is not None:
         rows = rows * lookups.per_sample_weights.to(dtype)[:, None]
@@ -132,8 +151,10 @@ def reference_backward_update(
     pooling: str,
     optimizer: FusedOptimizer,
     step: int = 1,
+    copies: InPlaceCopies | None = None,
 ) -> None:
-    """What ``backward_update`` does, in float64, rounding the new rows to the stores' dtype (nearest).
+    """What ``backward_update`` does, in float64, rounding the new rows to the stores' dtype (nearest);
+    a row with a copy row (``copies``) is read from it.
 
     Sums the gradient of every lookup of a row (``reference_lookup_gradients``), then applies the
     optimizer's ``reference_update`` once per row, in its slot or its backing store, and in the
@@ -145,6 +166,7 @@ def reference_backward_update(
     gradients = reference_lookup_gradients(grad_output, stores, lookups, pooling)
     tables = _tables_of_lookups(stores, lookups)  # the lookups of every feature of a table update it together
     slots = _slots(slot_of_index, lookups)
+    ranks = _copy_ranks(copies, slots)
     for table, weights_store in enumerate(stores.table_weights):
         ids = torch.nonzero(tables == table).flatten()
         if ids.numel() == 0:
@@ -162,6 +184,10 @@ def reference_backward_update(
         weights = weights_store[store_rows].to(device=device, dtype=torch.float64)
         if bool(cached.any()):
             weights[cached] = stores.cache_weights[row_slots[cached], :dim].to(torch.float64)
+        row_ranks = ranks[ids][first]
+        copied = row_ranks >= 0
+        if bool(copied.any()):
+            weights[copied] = copies.rows[row_ranks[copied], :dim].to(device=device, dtype=torch.float64)
         state_store = stores.table_state[table]
         state = None
         if state_store is not None:

@@ -31,6 +31,7 @@ from .addressing import (
     row_pointers,
     table_row_zero,
 )
+from .in_place_copies import read_pointers
 
 STEP_INTS = 3
 MAX_HYPER = 8
@@ -297,6 +298,10 @@ def update_rows(
     cache_weights_stride,  # elements between consecutive slots of cache_weights
     cache_state_ptr,  # fp32 [num_slots, state_width]: optimizer state of cached rows
     cache_state_stride,  # elements between consecutive slots of cache_state
+    copy_ranks,  # int32 [R]: the copy row holding each row as the forward read it, or -1 (if READS_COPIES)
+    copies_ptr,  # [num_copies, row_width]: the copy rows (kernels/in_place_copies.py; read if READS_COPIES)
+    copies_stride,  # elements between consecutive copy rows
+    num_copies,  # copy rows
     step_args_ptr,  # int64 [STEP_ARGS]: this step's arguments (step_arguments: the optimizer step, the philox key)
     hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters (FusedOptimizer.kernel_hyper)
     NUM_HYPER: tl.constexpr,  # how many
@@ -304,11 +309,13 @@ def update_rows(
     OPTIMIZER_UPDATE: tl.constexpr,
     OPTIMIZER_STORE_STATE: tl.constexpr,
     USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
+    READS_COPIES: tl.constexpr,  # read a row that has a copy row from it (then write it to its store as ever)
     STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically (else to nearest)
     ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
     STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
 ):
-    """Apply the optimizer to ``R`` rows in their slot or backing store, and store them."""
+    """Apply the optimizer to ``R`` rows in their slot or backing store, and store them (reading a
+    row read in place from its copy, with ``READS_COPIES``: one crossing of the bus less)."""
     element = cache_weights_ptr.dtype.element_ty
     features = recomputed_features(features)  # not the address of the rows read before the gradient loop
     table_rows = global_rows - descriptor_field(descriptor_ptr, features, row_mask, ROW_OFFSET)
@@ -323,7 +330,10 @@ def update_rows(
     # Threads of a program may hold copies of the same values (a row-wise accumulator in every
     # thread of its row): a thread that stored before another one loaded would make that one
     # apply the update twice.
-    weights = tl.load(weight_rows[:, None] + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+    read_rows = weight_rows
+    if READS_COPIES:
+        read_rows = read_pointers(weight_rows, copy_ranks, copies_ptr, copies_stride, num_copies, ALIGN_BYTES)
+    weights = tl.load(read_rows[:, None] + columns[None, :], mask=mask, other=0.0).to(tl.float32)
     state = OPTIMIZER_LOAD_STATE(state_rows, columns, row_mask, mask, dims)
     weights, state = OPTIMIZER_UPDATE(weights, grad, state, mask, dims, load_hyper(hyper_ptr, NUM_HYPER),
                                       optimizer_step_of(step_args_ptr))

@@ -89,9 +89,10 @@ def test_on_a_gpu_the_cache_is_checked_against_the_device(monkeypatch):
     state_width = [RowwiseAdagrad().state_width(128)]
     plan = memory_check.plan_cache(tables, state_width, torch.float32, CacheConfig(memory="1TB"))
     assert plan.num_slots == 200_000_000  # capped at the rows
-    with pytest.raises(ValueError, match=r"the module needs 102.6 GiB \(the slot cache \(200,000,000 slots of 550 B"
-                                         r".*18.2 GiB free on cuda:0: CacheConfig\(memory='1TB'\) does not fit. "
-                                         r"Use at most memory='14\d\d\dMiB'"):
+    # 550 B a slot and a 512-byte copy row per 16 slots (CacheConfig.in_place_copies).
+    with pytest.raises(ValueError, match=r"the module needs 108.6 GiB \(the slot cache \(200,000,000 slots of 550 B"
+                                         r".*12,500,000 copy rows of 512 B.*18.2 GiB free on cuda:0: "
+                                         r"CacheConfig\(memory='1TB'\) does not fit. Use at most memory='13\d\d\dMiB'"):
         memory_check.check_memory(tables, state_width, torch.float32, "separate", torch.device("cuda:0"), plan)
     # The host holds the table (96 GiB) beside nothing else of the module's.
     fake_memory(monkeypatch, host=90 * 2**30, device=80 * 2**30)

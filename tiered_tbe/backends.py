@@ -21,24 +21,26 @@ from tiered_tbe.kernels import backward, forward, per_sample_weights, reference
 @dataclass(frozen=True)
 class KernelBackend:
     name: str
-    forward: Callable  # (stores, lookups, slot_of_index, pooling, graphs=None) -> fp32 output
+    forward: Callable  # (stores, lookups, slot_of_index, pooling, graphs=None, copies=None) -> fp32 output
     backward_update: Callable  # (grad_output, stores, lookups, slot_of_index, pooling, optimizer, step, ...) -> None
     #                            (graphs=, presorted=: used by the triton kernels, ignored by the reference;
-    #                            then=: launches enqueued after the update, in its graph where it has one)
+    #                            then=: launches enqueued after the update, in its graph where it has one;
+    #                            copies=: the rows the forward read in place, kernels/in_place_copies.py)
     per_sample_weights_grad: Callable  # (grad_output, stores, lookups, slot_of_index, pooling) -> fp32 [N]
     rounds_stochastically: bool  # whether backward_update can round fp16 / bf16 weights stochastically
 
 
-def _reference_forward(stores, lookups, slot_of_index, pooling, graphs=None):
-    return reference.reference_forward(stores, lookups, slot_of_index, pooling).float()
+def _reference_forward(stores, lookups, slot_of_index, pooling, graphs=None, copies=None):
+    return reference.reference_forward(stores, lookups, slot_of_index, pooling, copies=copies).float()
 
 
 def _reference_backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, step=1,
                                stochastic_rounding: bool = False, seed: int = 0, graphs=None, presorted=None,
-                               then=None):
+                               then=None, copies=None):
     if stochastic_rounding:
         raise ValueError("backend='torch' rounds to nearest only: use backend='triton' for stochastic rounding")
-    reference.reference_backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, step)
+    reference.reference_backward_update(grad_output, stores, lookups, slot_of_index, pooling, optimizer, step,
+                                        copies=copies)
     if then is not None:
         then.enqueue(to_device(then.inputs, grad_output.device))
 

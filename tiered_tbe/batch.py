@@ -8,6 +8,7 @@ prefetch stream.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from tiered_tbe import validation
 from tiered_tbe.base import streams
 from tiered_tbe.base.graphs import GraphLaunches
 from tiered_tbe.cache.slot_cache import CacheBatch, SlotCache
+from tiered_tbe.kernels.in_place_copies import InPlaceCopies
 from tiered_tbe.kernels.rows import Lookups
 
 
@@ -71,11 +73,17 @@ class PreparedBatch:
             self._rows_arrived = True
         return self.remap
 
+    @property
+    def in_place_rank(self) -> torch.Tensor | None:
+        """int32 [N]: the rank of each lookup's row among the batch's rows read in place, -1 for a
+        lookup with a slot (``CacheBatch.in_place_rank``); None without a cache."""
+        return None if self.cache_batch is None else self.cache_batch.in_place_rank
+
     def tensors(self) -> list[torch.Tensor]:
         held = [self.remap]
         if self.cache_batch is not None:
             held += [self.cache_batch.locked_slots, self.cache_batch.bypassed_rows, self.cache_batch.sorted_rows,
-                     self.cache_batch.order]
+                     self.cache_batch.order, self.cache_batch.in_place_rank]
         return [t for t in (*self.lookups, *held) if isinstance(t, torch.Tensor)]
 
     def release(self, updated: bool = False, launched: bool = False) -> None:
@@ -126,3 +134,36 @@ def same_batch(queued_indices, queued_offsets, indices, offsets) -> bool:
     return (queued_offsets.numel() == offsets.numel() and queued_indices.numel() == indices.numel()
             and queued_indices.dtype == indices.dtype and queued_indices.device == indices.device
             and queued_indices.data_ptr() == indices.data_ptr())
+
+
+class CopyRows:
+    """A module's copies of the rows a training forward reads in place, which its backward reads
+    instead of the backing stores (``kernels/in_place_copies.py``), and the batch they hold.
+
+    The copies are the rows as that forward read them: right for its backward only while no other
+    update reached the stores. So they belong to the last training forward until any backward or
+    another training forward runs (a loop of forward, backward, forward, ... keeps them every step;
+    two forwards before their backwards, or a backward whose forward was not the last, read the
+    stores instead, which is always right). Forwards without a backward (evaluation) neither write
+    nor revoke them.
+    """
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows  # [C, row_width] of the weights' dtype, beside the cache
+        self._holder: weakref.ref | None = None
+
+    def for_forward(self, batch: PreparedBatch) -> InPlaceCopies | None:
+        """The copies a training forward of ``batch`` writes (None: it writes none)."""
+        rank = batch.in_place_rank
+        self._holder = weakref.ref(batch) if rank is not None and rank.numel() else None
+        return InPlaceCopies(rank, self.rows) if self._holder is not None else None
+
+    def for_backward(self, batch: PreparedBatch) -> InPlaceCopies | None:
+        """The copies ``batch``'s backward may read (None: read the stores); they are spent either way."""
+        holds = self._holder is not None and self._holder() is batch
+        self._holder = None
+        return InPlaceCopies(batch.in_place_rank, self.rows) if holds else None
+
+    def forget(self) -> None:
+        """The stores changed by other means (a loaded state): no backward reads the copies."""
+        self._holder = None

@@ -28,8 +28,9 @@ class TieredEmbeddingBagsFunction(torch.autograd.Function):
         # The batch's cache locks must not outlive the graph: if autograd drops it without
         # running backward, ctx is collected and the locks go with it.
         weakref.finalize(ctx, batch.release)
+        copies = module._copy_rows.for_forward(batch) if module._copy_rows is not None else None
         return module.backend.forward(module.row_stores, batch.lookups, batch.slot_of_index, module.pooling,
-                                      graphs=module._forward_graphs)
+                                      graphs=module._forward_graphs, copies=copies)
 
     @staticmethod
     def backward(ctx, grad_output):

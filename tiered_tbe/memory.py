@@ -41,10 +41,13 @@ class CachePlan:
     cached_rows: int  # rows of the cached tables
     rows_end: int  # one past the last global row of the cached tables (per-row cache state)
     slot_bytes: int
+    copy_rows: int  # rows of the module's copies of rows read in place (CacheConfig.in_place_copies)
+    copy_row_bytes: int  # bytes of one: row_width values of the weights' dtype
 
     @property
     def device_bytes(self) -> int:
-        return self.num_slots * self.slot_bytes + self.rows_end * SlotCache.row_bytes(self.config.policy)
+        return (self.num_slots * self.slot_bytes + self.rows_end * SlotCache.row_bytes(self.config.policy)
+                + self.copy_rows * self.copy_row_bytes)
 
 
 def plan_cache(tables: list[TableSpec], state_width: list[int], weights_dtype: torch.dtype,
@@ -57,8 +60,9 @@ def plan_cache(tables: list[TableSpec], state_width: list[int], weights_dtype: t
     slot_bytes = SlotCache.slot_bytes(row_width, slot_state_width, weights_dtype)
     cached_rows = sum(tables[t].num_embeddings for t in cached)
     rows_end = sum(s.num_embeddings for s in tables[: cached[-1] + 1])
-    return CachePlan(config, config.num_slots(cached_rows, slot_bytes), row_width, slot_state_width, cached_rows,
-                     rows_end, slot_bytes)
+    num_slots = config.num_slots(cached_rows, slot_bytes)
+    return CachePlan(config, num_slots, row_width, slot_state_width, cached_rows, rows_end, slot_bytes,
+                     config.copy_rows(num_slots), row_width * weights_dtype.itemsize)
 
 
 def host_available_bytes() -> int:
@@ -99,8 +103,9 @@ def check_memory(tables: list[TableSpec], state_width: list[int], weights_dtype:
              for placement, (what, nbytes) in tier_bytes(tables, state_width, weights_dtype, state_layout).items()]
     if cache is not None:
         cache_where = "device" if on_device else "host"
-        needs.append((cache_where, f"the slot cache ({cache.num_slots:,} slots of {cache.slot_bytes} B, and "
-                                   f"{SlotCache.row_bytes(cache.config.policy)} B per row of its tables)",
+        needs.append((cache_where, f"the slot cache ({cache.num_slots:,} slots of {cache.slot_bytes} B, "
+                                   f"{SlotCache.row_bytes(cache.config.policy)} B per row of its tables and "
+                                   f"{cache.copy_rows:,} copy rows of {cache.copy_row_bytes} B)",
                       cache.device_bytes))
     available = {"host": host_available_bytes()}
     if on_device:
@@ -131,8 +136,13 @@ def _cache_asked(cache: CachePlan) -> str:
 
 
 def _what_fits(cache: CachePlan, room: int) -> str:
-    """A cache size that fits ``room`` bytes of slots, in the CacheConfig's words."""
-    slots = int(room * _SUGGESTED_SHARE) // cache.slot_bytes // cache.config.associativity * cache.config.associativity
+    """A cache size that fits ``room`` bytes of slots and copy rows, in the CacheConfig's words."""
+    per_slot = cache.slot_bytes
+    if cache.config.in_place_copies is None:  # a copy row per 16 slots
+        per_slot += cache.copy_row_bytes / 16
+    else:
+        room -= cache.copy_rows * cache.copy_row_bytes
+    slots = int(room * _SUGGESTED_SHARE / per_slot) // cache.config.associativity * cache.config.associativity
     if slots < cache.config.associativity:
         return ("No cache fits beside the tables: use fewer or smaller tables, or place them where there is "
                 "room (HOST_CACHED keeps their rows in host memory)")

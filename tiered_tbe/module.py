@@ -14,7 +14,7 @@ from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
 from tiered_tbe.base.graphs import PADDED_GRAPHS, StepGraphs, pad_to_padded_size
 from tiered_tbe.base.mode import default_device
 from tiered_tbe.base.sorting import sort_ids
-from tiered_tbe.batch import DeferredUnlocks, PreparedBatch
+from tiered_tbe.batch import CopyRows, DeferredUnlocks, PreparedBatch
 from tiered_tbe.cache.mover import default_mover
 from tiered_tbe.cache.slot_cache import SlotCache
 from tiered_tbe.fbgemm_access import FbgemmAccess
@@ -192,6 +192,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         # The prefetch then sorts every lookup by its row, as the backward would (_apply_update).
         self._every_table_cached = len(cached) == len(tables)
         self.cache: SlotCache | None = None
+        self._copy_rows: CopyRows | None = None
         if plan is not None:
             config = plan.config
             self.cache = SlotCache(
@@ -210,6 +211,9 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
                 cuda_graphs=cuda_graphs,
             )
             cache_weights, cache_state = self.cache.weights, self.cache.state
+            # Where a training forward copies the rows it reads in place, for its backward.
+            self._copy_rows = CopyRows(torch.empty(plan.copy_rows, cache_weights.shape[1], dtype=weights_dtype,
+                                                   device=self.device)) if plan.copy_rows else None
         else:
             cache_weights, cache_state = no_cache(weights_dtype, self.device)
         self.row_stores = self.storage.row_stores(cache_weights, cache_state, features)
@@ -417,6 +421,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
     def _apply_update(self, grad_output: torch.Tensor, batch: PreparedBatch) -> None:
         optimizer = self.optimizer
         slot_of_index = batch.slot_of_index
+        copies = self._copy_rows.for_backward(batch) if self._copy_rows is not None else None
         if optimizer is not None:
             self.optimizer_step += 1
             # With every table cached the prefetch's stable sort of the lookups has the backward's
@@ -429,7 +434,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
             self.backend.backward_update(grad_output, self.row_stores, batch.lookups, slot_of_index, self.pooling,
                                          optimizer, self.optimizer_step, stochastic_rounding=self.stochastic_rounding,
                                          seed=self.seed, graphs=self._backward_graphs, presorted=presorted,
-                                         then=release)
+                                         then=release, copies=copies)
             batch.release(updated=True, launched=release is not None)
         else:
             batch.release()

@@ -79,6 +79,12 @@ class CacheConfig:
     tables' placement. ``mover_threads``: threads (torch's and numba's) of each of the staged mover's
     host threads (None: all cores); ``staging_rows``: rows per staging buffer (None: the
     mover's default).
+
+    ``in_place_copies``: rows of device memory (of the largest cached dim, beyond ``memory``) where a
+    training forward copies the rows it reads in place (those given no slot: refused by
+    ``lfu-admit``, or their set all locked), so that its backward reads them there instead of across
+    the bus again (``kernels/in_place_copies.py``); a batch with more such rows reads the others from
+    their stores. None: a sixteenth of the slots; 0: none.
     """
 
     slots: int | None = None
@@ -90,6 +96,7 @@ class CacheConfig:
     mover: str | None = None
     mover_threads: int | None = None
     staging_rows: int | None = None
+    in_place_copies: int | None = None
 
     def __post_init__(self):
         given = [k for k in ("slots", "memory", "fraction") if getattr(self, k) is not None]
@@ -120,6 +127,14 @@ class CacheConfig:
             value = getattr(self, name)
             if value is not None and (not _is_whole_number(value) or value < 1):
                 raise ValueError(f"CacheConfig: {name} must be a whole number >= 1 or None, got {value!r}")
+        if self.in_place_copies is not None and (not _is_whole_number(self.in_place_copies)
+                                                 or self.in_place_copies < 0):
+            raise ValueError(f"CacheConfig: in_place_copies must be a whole number >= 0 or None, "
+                             f"got {self.in_place_copies!r}")
+
+    def copy_rows(self, num_slots: int) -> int:
+        """Rows of ``in_place_copies`` for a cache of ``num_slots`` slots."""
+        return max(1, num_slots // 16) if self.in_place_copies is None else self.in_place_copies
 
     def num_slots(self, cached_rows: int, bytes_per_slot: int) -> int:
         """Slots to allocate for ``cached_rows`` rows, a slot taking ``bytes_per_slot`` bytes

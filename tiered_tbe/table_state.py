@@ -91,3 +91,5 @@ class TableState:
                     view.copy_(state_dict[key])
         if prefix + "optimizer_step" in state_dict:
             self.optimizer_step = int(state_dict[prefix + "optimizer_step"])
+        if self._copy_rows is not None:
+            self._copy_rows.forget()  # a forward's copies of rows read in place are stale now

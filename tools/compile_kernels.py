@@ -143,11 +143,14 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
         # Launched directly (the tensors pointer arguments) and as a CUDA graph runs it (their addresses
         # loaded from a tensor, the alignment hints all Triton knows of them): the same 16-byte accesses.
         # Grouped: one launch of a column group (a model of mixed dims), its feature read from its descriptor row.
-        for graphed, grouped, label in ((False, False, ""), (True, False, ", addresses"),
-                                        (True, True, ", addresses, grouped")):
+        # Copies: a training forward of a cache that keeps the rows it reads in place (16-byte stores too).
+        for graphed, grouped, copies, label in ((False, False, False, ""), (True, False, False, ", addresses"),
+                                                (True, True, False, ", addresses, grouped"),
+                                                (True, True, True, ", addresses, grouped, copies")):
             kernel = forward._pooled_forward_kernel.fn.warmup(
-                addresses, f32, 3328, dim, descriptor, weights, dim, i64, i64, i32, f32, 65536, 0,
-                POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, ALIGN=16 // weights.element_size(),
+                addresses, f32, 3328, dim, descriptor, weights, dim, i64, i64, i32, f32, i32, weights, dim, 64, 65536,
+                0, POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, KEEPS_COPIES=copies,
+                ALIGN=16 // weights.element_size(),
                 ALIGN_BYTES=16, BLOCK_D=block_d, GROUPED=grouped, ADDRESSES=graphed, OUTPUT_ALIGN_BYTES=16,
                 INPUT_ALIGN_BYTES=16, BLOCK_B=tile.bags, BLOCK_L=tile.lanes, GROUPS=tile.groups, STAGES=tile.stages,
                 grid=grid, num_warps=tile.warps)
@@ -178,24 +181,28 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
                         ALIGN_BYTES=16,
                         STATE_ALIGN_BYTES=4 if optimizer.state_width(dim) % 4 else 16)
         update_args = (i32, i32, weights, dim, state, 2 * dim, f32)
+        copy_args = (i32, weights, dim, 64)  # ranks by sorted position, the copy rows, their stride and count
         label = f"row update ({name}) R{config.rows} L{config.lanes} w{config.num_warps}"
         # rows_end, then the column groups' plan (runs_end, run_shift, the group's first and end entries)
         one_launch = (1 << 20, i32, i32, 0, 1)
         results.append(_report(label, backward._row_update_kernel.warmup(
-            i32, i32, *gradient_args, *update_args, *one_launch, n, 65536, **common, **updating, ROWS=config.rows,
+            i32, i32, *gradient_args, *update_args, *copy_args, *one_launch, n, 65536, **common, **updating,
+            READS_COPIES=True, ROWS=config.rows,
             BLOCK_L=config.lanes, GROUPED=False, TABLE_STEPS=1, grid=grid, num_warps=config.num_warps), arch))
         if name == (optimizers or list(OPTIMIZERS))[0]:  # features sharing a table: a column read per lookup
             results.append(_report(f"{label}, shared tables", backward._row_update_kernel.warmup(
-                i32, i32, *gradient_args, *update_args, *one_launch, n, 65536, **dict(common, SHARED_TABLES=True),
-                **updating, ROWS=config.rows, BLOCK_L=config.lanes, GROUPED=False, TABLE_STEPS=1, grid=grid,
+                i32, i32, *gradient_args, *update_args, *copy_args, *one_launch, n, 65536,
+                **dict(common, SHARED_TABLES=True), **updating, READS_COPIES=False, ROWS=config.rows,
+                BLOCK_L=config.lanes, GROUPED=False, TABLE_STEPS=1, grid=grid,
                 num_warps=config.num_warps), arch))
             # A column group of a model of mixed dims: its runs through the plan, a tile of its own width.
             results.append(_report(f"{label}, grouped", backward._row_update_kernel.warmup(
-                i32, i32, *gradient_args, *update_args, 1 << 20, i32, i32, 2, 6, n, 65536, **common, **updating,
-                ROWS=config.rows, BLOCK_L=config.lanes, GROUPED=True, TABLE_STEPS=4, grid=grid,
-                num_warps=config.num_warps), arch))
+                i32, i32, *gradient_args, *update_args, *copy_args, 1 << 20, i32, i32, 2, 6, n, 65536, **common,
+                **updating, READS_COPIES=True, ROWS=config.rows, BLOCK_L=config.lanes, GROUPED=True, TABLE_STEPS=4,
+                grid=grid, num_warps=config.num_warps), arch))
         results.append(_report(f"hot row update ({name})", backward.hot_row_update_kernel.warmup(
-            f32, f32, i32, i32, *gradient_args, *update_args, 1 << 20, n, 65536, **common, **updating, GROUP=32,
+            f32, f32, i32, i32, *gradient_args, *update_args, *copy_args, 1 << 20, n, 65536, **common, **updating,
+            READS_COPIES=True, GROUP=32,
             WINDOWS=config.hot_windows, BLOCK_P=32, BLOCK_L=backward.HOT_LANES, grid=grid, num_warps=4), arch))
     import tiered_tbe.kernels.per_sample_weights as per_sample_weights
 
