@@ -117,7 +117,8 @@ def ours_module(config: Config, args, device=None) -> TieredEmbeddingBags:
 
 def fbgemm_module(config: Config, device=None, cache_stats: bool = False):
     """FBGEMM's TBE of a configuration: ``MANAGED_CACHING`` with ``cache_load_factor`` equal to our
-    cache fraction (LRU, or LFU for ``lfu`` and ``lfu-admit``; a lookahead configuration runs LRU) or ``DEVICE``; a
+    cache fraction (LRU, or LFU for ``lfu`` and ``lfu-admit`` but pipelined; a lookahead configuration runs LRU) or
+    ``DEVICE``; a
     dim per table; ``prefetch_pipeline`` for a pipelined one. ``cache_stats``: gather its cache
     counters (``gather_uvm_cache_stats``: unique rows missed and inserted, for LRU). On a CPU
     ``device`` (a test of the construction) the tables are ``HOST`` and computed on the CPU."""
@@ -154,7 +155,9 @@ def fbgemm_module(config: Config, device=None, cache_stats: bool = False):
         weights_precision=SparseType.FP16 if config.dtype == "fp16" else SparseType.FP32,
         output_dtype=SparseType.FP32, pooling_mode=PoolingMode.SUM, bounds_check_mode=BoundsCheckMode.NONE,
         cache_load_factor=config.cache_fraction,
-        cache_algorithm=CacheAlgorithm.LFU if config.policy in FBGEMM_LFU_POLICIES else CacheAlgorithm.LRU,
+        # FBGEMM's prefetch_pipeline takes LRU only (it asserts so): a pipelined LFU configuration runs its LRU.
+        cache_algorithm=CacheAlgorithm.LFU if config.policy in FBGEMM_LFU_POLICIES and not config.pipelined
+        else CacheAlgorithm.LRU,
         prefetch_pipeline=config.pipelined and cached, stochastic_rounding=config.dtype != "fp32",
         gather_uvm_cache_stats=cache_stats and cached, device=device, **extra)
     bound = 1.0 / max(config.tables) ** 0.5
