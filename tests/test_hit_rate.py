@@ -211,6 +211,30 @@ def test_lookahead_policy_takes_its_window_from_the_flag():
     assert any(line.startswith("lookahead ") for line in text.splitlines())
 
 
+def test_rows_read_in_place_are_reported_a_batch_beside_the_default_copy_rows(tmp_path):
+    """lfu-admit refuses most misses of a small cache: the report says how many rows a batch reads in
+    place (what CacheConfig.in_place_copies should hold) and how many copy rows a module keeps by default."""
+    import io
+    import json
+    import re
+
+    from tiered_tbe.hit_rate.command import build_parser, run
+    from tiered_tbe.specs import CacheConfig
+
+    out = io.StringIO()
+    args = build_parser().parse_args(["--rows", "5000", "--batch-size", "64", "--bag-size", "4", "--batches", "20",
+                                      "--warmup", "4", "--cache-sizes", "2%", "--policies", "lfu-admit",
+                                      "--no-progress", "--json", str(tmp_path / "run.json")])
+    assert run(args, out) == 0
+    found = re.search(r"lfu-admit @ 2% \d+% \(([\d,]+) rows a batch; copy rows by default: ([\d,]+)\)",
+                      out.getvalue())
+    assert found, out.getvalue()
+    row = json.loads((tmp_path / "run.json").read_text())["results"][0]
+    assert row["stats_batches"] == 16 and row["stats_misses_no_slot"] > 16 * 8  # more than the copy rows
+    assert int(found.group(1).replace(",", "")) == round(row["stats_misses_no_slot"] / row["stats_batches"])
+    assert int(found.group(2).replace(",", "")) == CacheConfig().copy_rows(row["cache_rows"]) == row["cache_rows"] // 16
+
+
 # --------------------------------------------------------------------------------------------
 # Pipeline depth, warm-up, several lookahead windows.
 # --------------------------------------------------------------------------------------------

@@ -84,7 +84,8 @@ class CacheConfig:
     training forward copies the rows it reads in place (those given no slot: refused by
     ``lfu-admit``, or their set all locked), so that its backward reads them there instead of across
     the bus again (``kernels/in_place_copies.py``); a batch with more such rows reads the others from
-    their stores. None: a sixteenth of the slots; 0: none.
+    their stores. None: a sixteenth of the slots; 0: none. ``tiered-tbe bench hit-rate`` reports the rows
+    a batch of a workload reads in place, beside that default.
     """
 
     slots: int | None = None

@@ -51,6 +51,7 @@ from tiered_tbe.hit_rate.runs import (
     resolve_policy,
     sweep,
 )
+from tiered_tbe.specs import CacheConfig
 from tiered_tbe.traces import (
     CRITEO_KAGGLE_TABLE_ROWS,
     FILE_FORMATS,
@@ -337,7 +338,11 @@ def run(args: argparse.Namespace, out=None) -> int:
                     progress=progress)
     print("\n" + format_results(results), file=out)
     no_slot_results = [m for m in results if m.policy != OPTIMUM and m.stats.misses_no_slot]
-    no_slot = [f"{m.policy} @ {m.size_label} {100 * m.stats.misses_no_slot / m.stats.unique_misses:.0f}%"
+    # Rows a batch reads in place, beside the copy rows a module keeps of them by default (the forward
+    # copies them for the backward; CacheConfig.in_place_copies sizes the copies).
+    no_slot = [f"{m.policy} @ {m.size_label} {100 * m.stats.misses_no_slot / m.stats.unique_misses:.0f}% "
+               f"({m.stats.misses_no_slot / max(m.stats.batches, 1):,.0f} rows a batch; copy rows by default: "
+               f"{CacheConfig().copy_rows(m.num_slots):,})"
                for m in no_slot_results]
     if no_slot:  # a cache smaller than a batch's rows (or the batches in flight): the rest bypasses it
         lockers = "their own batch" + (f" and the {options.pipeline_depth} before it (the bounds: their own only)"
