@@ -70,6 +70,8 @@ _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
 assert tuple(_DEVICE_COUNTERS) == batch_kernels.COUNTER_NAMES, "batch_kernels.COUNTER_NAMES must follow CacheStats"
 # Tensors SlotCache._assign returns before its moves (slot_of_index .. order).
 _ASSIGN_OUTPUTS = 6
+
+
 class SlotCache(LookaheadHints, SlotReleases):
     """A set-associative cache of rows in device memory, shared by one module's cached tables.
 

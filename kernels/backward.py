@@ -223,10 +223,8 @@ def backward_update(
     if pad:  # grad_output keeps its B rows: the padding's bags are empty, so no kernel reads a row past B.
         # A batch of a padded size already takes the same launches (and graph) as the ones padded to it.
         lookups = pad_bags(lookups, stores.num_features, padded_batch_size(lookups.batch_size))
-        size = padded_size(lookups.num_lookups)
-        if ranks is not None and size > ranks.numel():
-            ranks = torch.cat([ranks, ranks.new_full((size - ranks.numel(),), -1)])
-        lookups, slot_of_index, presorted = pad_batch(stores, lookups, slot_of_index, presorted, size)
+        lookups, slot_of_index, presorted, ranks = pad_batch(stores, lookups, slot_of_index, presorted,
+                                                             padded_size(lookups.num_lookups), ranks)
     block_d = stores.block_d
     config = config or default_config(block_d)
     if not 2 <= config.chunk <= 1024 or config.chunk & (config.chunk - 1):

@@ -83,18 +83,20 @@ def _run_ends_kernel(
 
 
 def pad_batch(stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None,
-              presorted: tuple[torch.Tensor, torch.Tensor] | None, size: int):
-    """``(lookups, slot_of_index, presorted)`` padded to ``size`` lookups, so that batches whose lookup
-    count changes every step share a few CUDA graphs of the backward (``base/graphs.padded_size``).
+              presorted: tuple[torch.Tensor, torch.Tensor] | None, size: int,
+              in_place_rank: torch.Tensor | None = None):
+    """``(lookups, slot_of_index, presorted, in_place_rank)`` padded to ``size`` lookups, so that batches
+    whose lookup count changes every step share a few CUDA graphs of the backward (``base/graphs.padded_size``).
 
     A padding lookup's global row is ``stores.num_rows`` (past every table: it sorts after every
     lookup, and the update kernels skip its run), its index and bag 0 (a gradient row that exists), its
-    per-sample weight 0 and its slot -1; in ``presorted`` the padding's rows follow the batch's and its
-    positions are its own. ``offsets`` stay the batch's: its last entry, the real count, ends its last bag.
+    per-sample weight 0, its slot -1 and its rank -1 (no copy); in ``presorted`` the padding's rows follow
+    the batch's and its positions are its own. ``offsets`` stay the batch's: its last entry, the real count,
+    ends its last bag.
     """
     extra = size - lookups.num_lookups
     if extra <= 0:
-        return lookups, slot_of_index, presorted
+        return lookups, slot_of_index, presorted, in_place_rank
 
     def pad(tensor, value):
         return None if tensor is None else torch.cat([tensor, tensor.new_full((extra,), value)])
@@ -106,7 +108,7 @@ def pad_batch(stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor |
         sorted_rows, order = presorted
         positions = torch.arange(order.numel(), size, dtype=order.dtype, device=order.device)
         presorted = (pad(sorted_rows, stores.num_rows), torch.cat([order, positions]))
-    return lookups, pad(slot_of_index, -1), presorted
+    return lookups, pad(slot_of_index, -1), presorted, pad(in_place_rank, -1)
 
 
 def pads_batches(graphs, device: torch.device, mode: int) -> bool:

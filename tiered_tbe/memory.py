@@ -22,7 +22,7 @@ from tiered_tbe.base.codes import Placement
 from tiered_tbe.base.host_memory import meminfo_bytes
 from tiered_tbe.base.mode import SIMULATION
 from tiered_tbe.cache.slot_cache import SlotCache
-from tiered_tbe.specs import CacheConfig, TableSpec
+from tiered_tbe.specs import SLOTS_PER_COPY_ROW, CacheConfig, TableSpec
 from tiered_tbe.storage import tier_bytes
 
 # Of the room left for a cache, the share a suggested size takes (the rest: the training's own
@@ -138,8 +138,8 @@ def _cache_asked(cache: CachePlan) -> str:
 def _what_fits(cache: CachePlan, room: int) -> str:
     """A cache size that fits ``room`` bytes of slots and copy rows, in the CacheConfig's words."""
     per_slot = cache.slot_bytes
-    if cache.config.in_place_copies is None:  # a copy row per 16 slots
-        per_slot += cache.copy_row_bytes / 16
+    if cache.config.in_place_copies is None:  # the default: a copy row per SLOTS_PER_COPY_ROW slots
+        per_slot += cache.copy_row_bytes / SLOTS_PER_COPY_ROW
     else:
         room -= cache.copy_rows * cache.copy_row_bytes
     slots = int(room * _SUGGESTED_SHARE / per_slot) // cache.config.associativity * cache.config.associativity

@@ -42,6 +42,8 @@ class TableSpec:
             object.__setattr__(self, "placement", Placement(self.placement))
 
 
+# The default in_place_copies: a copy row per this many slots (CacheConfig.copy_rows).
+SLOTS_PER_COPY_ROW = 16
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 _UNITS = {None: 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -135,7 +137,7 @@ class CacheConfig:
 
     def copy_rows(self, num_slots: int) -> int:
         """Rows of ``in_place_copies`` for a cache of ``num_slots`` slots."""
-        return max(1, num_slots // 16) if self.in_place_copies is None else self.in_place_copies
+        return max(1, num_slots // SLOTS_PER_COPY_ROW) if self.in_place_copies is None else self.in_place_copies
 
     def num_slots(self, cached_rows: int, bytes_per_slot: int) -> int:
         """Slots to allocate for ``cached_rows`` rows, a slot taking ``bytes_per_slot`` bytes
