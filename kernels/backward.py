@@ -57,7 +57,15 @@ from tiered_tbe.base.graphs import GraphLaunches, padded_size, to_device
 
 from .addressing import INTERPRETING, POOLING_NONE, pooling_code, row_slice_alignment_bytes
 from .cold_rows import _row_update_kernel
-from .grouping import SortedLookups, pad_bags, pad_batch, padded_batch_size, pads_batches, sort_lookups
+from .grouping import (
+    SortedLookups,
+    pad_bags,
+    pad_batch,
+    padded_batch_size,
+    pads_batches,
+    size_changed,
+    sort_lookups,
+)
 from .hot_rows import hot_group_sums_kernel, hot_row_update_kernel, hot_window_sums_kernel
 from .in_place_copies import InPlaceCopies
 from .optimizers import FusedOptimizer
@@ -197,7 +205,8 @@ def backward_update(
         pad: pad the batch to ``padded_size(N)`` lookups and ``padded_batch_size(B)`` bags a feature
             (``grouping.pad_batch``, ``grouping.pad_bags``: the same update), so that batches whose lookup
             count or batch size changes every step replay a few graphs rather than run eagerly (~1-6 ms of
-            host time). Default: ``grouping.pads_batches`` (graphs on a GPU, pooling not none).
+            host time). Default: ``grouping.pads_batches`` (graphs on a GPU, pooling not none), for a batch
+            whose size differs from the one before it (``grouping.size_changed``).
         copies: the copies the batch's forward made of the rows it read in place (``pooled_forward(...,
             copies=)``), read instead of the backing stores: valid only if nothing changed those rows since
             that forward (the caller's to know; ``kernels/in_place_copies.py``). The same update.
@@ -213,8 +222,9 @@ def backward_update(
         if then is not None:
             then.enqueue(to_device(then.inputs, grad_output.device))
         return
-    if pad is None:
-        pad = pads_batches(graphs, grad_output.device, mode)
+    if pad is None:  # and only where the batch's size changed: one of the size before it needs no padding
+        pad = pads_batches(graphs, grad_output.device, mode) and size_changed(graphs, (lookups.num_lookups,
+                                                                                       lookups.batch_size))
     pad = bool(pad) and sorted_lookups is None
     if pad and mode == POOLING_NONE:
         raise ValueError("pooling none's gradient rows are its lookups': its batch cannot be padded")
@@ -332,10 +342,11 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     # Per-sample weights and slots by sorted position, gathered once (no dependent load in the kernels).
     sorted_weights = per_sample_weights[order] if has_per_sample_weights else hyper
     sorted_slots = slot_of_index[order] if plan.use_cache else s.run_end
-    sorted_ranks = in_place_rank[order] if plan.reads_copies else sorted_slots
     if copy_rows is None:
         copy_rows = stores.cache_weights
-    copy_args = (sorted_ranks, copy_rows, copy_rows.stride(0), copy_rows.shape[0])
+    # The ranks by lookup: the kernels read a run's at its first lookup, and only for a row with no slot.
+    copy_args = (in_place_rank if plan.reads_copies else sorted_slots, copy_rows, copy_rows.stride(0),
+                 copy_rows.shape[0])
     gradient_args = (order, s.sorted_bags, sorted_weights, offsets, step_args, plan.grad_output_stride,
                      stores.descriptor)
     update_args = (s.sorted_rows, sorted_slots, stores.cache_weights, stores.cache_weights.stride(0),

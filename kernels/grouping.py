@@ -121,6 +121,14 @@ def pads_batches(graphs, device: torch.device, mode: int) -> bool:
             and mode != POOLING_NONE and os.environ.get("TIERED_TBE_PAD_BATCHES", "1") != "0")
 
 
+def size_changed(graphs, size) -> bool:
+    """Whether a batch of ``size`` differs in size from the one ``graphs`` (a ``StepGraphs``) saw before it
+    (``StepGraphs.size_changed``): only such a batch needs padding to replay a graph. A stand-in without the
+    method counts every size as new."""
+    changed = getattr(graphs, "size_changed", None)
+    return True if changed is None else changed(size)
+
+
 def padded_batch_size(batch_size: int) -> int:
     """The batch size a padded backward lays its bags out at (``pad_bags``): the next power of two. Its
     launches are sized by lookups, never by bags, so empty bags cost only their offsets, and one size an

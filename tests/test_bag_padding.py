@@ -175,3 +175,37 @@ def test_batches_are_padded_where_graphs_run_on_a_gpu_for_pooled_outputs(monkeyp
     assert not pads_batches(off, cuda, POOLING_SUM)
     monkeypatch.setenv("TIERED_TBE_PAD_BATCHES", "0")
     assert not pads_batches(on, cuda, POOLING_SUM)
+
+
+def test_a_batch_the_size_of_the_one_before_it_is_not_padded(monkeypatch, device):
+    """Where batches are padded (graphs on a GPU; forced here), the backward pads a batch only when its lookup
+    count or batch size differs from the batch before it: batches that keep one size replay their own size's
+    graph without copying their arrays. The updates are the same either way (bit for bit, against a module
+    of stores never padded)."""
+    from tiered_tbe.base.graphs import StepGraphs
+    from tiered_tbe.kernels import backward as backward_module
+    from tiered_tbe.kernels import grouping
+
+    padded_sizes = []
+
+    def recording_pad_batch(stores, lookups, *args):
+        padded_sizes.append(lookups.num_lookups)
+        return grouping.pad_batch(stores, lookups, *args)
+
+    monkeypatch.setattr(backward_module, "pads_batches", lambda graphs, device, mode: True)
+    monkeypatch.setattr(backward_module, "pad_batch", recording_pad_batch)
+    optimizer = ALL_OPTIMIZERS["rowwise_adagrad"]
+    stores, _, _ = make_batch(optimizer=optimizer, device=device)
+    padded, plain = stores.clone(), stores.clone()
+    graphs = StepGraphs(enabled=False)
+    generator = torch.Generator().manual_seed(11)
+    sizes = [(6, 61), (6, 61), (6, 61), (7, 61), (7, 58), (7, 58), (6, 61)]
+    for batch_size, num_lookups in sizes:
+        lookups = _batch_of(stores, batch_size, num_lookups, generator, device)
+        grad_output = torch.randn(batch_size, stores.total_dim, device=device)
+        backward_update(grad_output, padded, lookups, None, "sum", optimizer, STEP, graphs=graphs)
+        backward_update(grad_output, plain, lookups, None, "sum", optimizer, STEP, pad=False)
+    # Padded: the first batch, and each whose size changed (batch size 6 -> 7, lookups 61 -> 58, 7 -> 6).
+    assert padded_sizes == [61, 61, 58, 61]
+    assert_stores_equal(padded, plain)
+    assert graphs.size_changed((61, 6)) is False and graphs.size_changed((62, 6)) is True  # (lookups, batch size)
