@@ -342,11 +342,10 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
     # Per-sample weights and slots by sorted position, gathered once (no dependent load in the kernels).
     sorted_weights = per_sample_weights[order] if has_per_sample_weights else hyper
     sorted_slots = slot_of_index[order] if plan.use_cache else s.run_end
+    sorted_ranks = in_place_rank[order] if plan.reads_copies else sorted_slots
     if copy_rows is None:
         copy_rows = stores.cache_weights
-    # The ranks by lookup: the kernels read a run's at its first lookup, and only for a row with no slot.
-    copy_args = (in_place_rank if plan.reads_copies else sorted_slots, copy_rows, copy_rows.stride(0),
-                 copy_rows.shape[0])
+    copy_args = (sorted_ranks, copy_rows, copy_rows.stride(0), copy_rows.shape[0])
     gradient_args = (order, s.sorted_bags, sorted_weights, offsets, step_args, plan.grad_output_stride,
                      stores.descriptor)
     update_args = (s.sorted_rows, sorted_slots, stores.cache_weights, stores.cache_weights.stride(0),

@@ -40,7 +40,7 @@ def _row_update_kernel(
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
     cache_state_stride,  # elements between consecutive slots of cache_state
     hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters
-    in_place_rank_ptr,  # int32 [N]: copy row of each lookup's row read in place, or -1 (read only if READS_COPIES)
+    sorted_ranks_ptr,  # int32 [N]: copy row of the row at each sorted position, or -1 (read only if READS_COPIES)
     copies_ptr,  # [num_copies, row_width]: the rows read in place as the forward read them (kernels/in_place_copies.py)
     copies_stride,  # elements between consecutive copy rows
     num_copies,  # copy rows
@@ -123,12 +123,7 @@ def _row_update_kernel(
                 slots = tl.load(sorted_slots_ptr + starts, mask=row_mask, other=-1)
             ranks = slots
             if READS_COPIES:
-                # Only a row with no slot has a copy: its rank, read at its run's first lookup, is the one load
-                # of a run that has a slot skipped (a gather of every lookup's rank cost ~0.04 ms a backward of
-                # 1.7M lookups where all rows had slots: H200, docs/performance.md).
-                no_slot = row_mask & (slots < 0)
-                ranks = tl.load(in_place_rank_ptr + tl.load(order_ptr + starts, mask=no_slot, other=0), mask=no_slot,
-                                other=-1)
+                ranks = tl.load(sorted_ranks_ptr + starts, mask=row_mask, other=-1)
             update_rows(global_rows, features, slots, grad, row_mask, dims, columns, mask, descriptor_ptr,
                         cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride, ranks,
                         copies_ptr, copies_stride, num_copies, step_args_ptr, hyper_ptr, NUM_HYPER,

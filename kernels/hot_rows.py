@@ -126,7 +126,7 @@ def hot_row_update_kernel(
     cache_state_ptr,  # fp32 [num_slots, state_width] slot state
     cache_state_stride,  # elements between consecutive slots of cache_state
     hyper_ptr,  # fp32 [NUM_HYPER]: the optimizer's hyper-parameters
-    in_place_rank_ptr,  # int32 [N]: copy row of each lookup's row read in place, or -1 (read only if READS_COPIES)
+    sorted_ranks_ptr,  # int32 [N]: copy row of the row at each sorted position, or -1 (read only if READS_COPIES)
     copies_ptr,  # [num_copies, row_width]: the rows read in place as the forward read them (kernels/in_place_copies.py)
     copies_stride,  # elements between consecutive copy rows
     num_copies,  # copy rows
@@ -176,7 +176,7 @@ def hot_row_update_kernel(
                 start, end, first_window, window_sums_ptr, group_sums_ptr, order_ptr, sorted_bags_ptr,
                 sorted_weights_ptr, offsets_ptr, step_args_ptr, grad_output_stride, descriptor_ptr, sorted_rows_ptr,
                 sorted_slots_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride,
-                hyper_ptr, in_place_rank_ptr, copies_ptr, copies_stride, num_copies, batch_size,
+                hyper_ptr, sorted_ranks_ptr, copies_ptr, copies_stride, num_copies, batch_size,
                 POOLING, HAS_PER_SAMPLE_WEIGHTS, ALIGN, GRAD_ALIGN_BYTES, SHARED_TABLES, CHUNK, USE_CACHE,
                 READS_COPIES, OPTIMIZER_LOAD_STATE,
                 OPTIMIZER_UPDATE, OPTIMIZER_STORE_STATE, STOCHASTIC_ROUNDING, NUM_HYPER, ALIGN_BYTES,
@@ -190,7 +190,7 @@ def _update_hot_run(
     first_window,  # int64: its first pure window
     window_sums_ptr, group_sums_ptr, order_ptr, sorted_bags_ptr, sorted_weights_ptr, offsets_ptr, step_args_ptr,
     grad_output_stride, descriptor_ptr, sorted_rows_ptr, sorted_slots_ptr, cache_weights_ptr, cache_weights_stride,
-    cache_state_ptr, cache_state_stride, hyper_ptr, in_place_rank_ptr, copies_ptr, copies_stride, num_copies,
+    cache_state_ptr, cache_state_stride, hyper_ptr, sorted_ranks_ptr, copies_ptr, copies_stride, num_copies,
     batch_size,  # the rest: as hot_row_update_kernel's
     POOLING: tl.constexpr, HAS_PER_SAMPLE_WEIGHTS: tl.constexpr, ALIGN: tl.constexpr, GRAD_ALIGN_BYTES: tl.constexpr,
     SHARED_TABLES: tl.constexpr, CHUNK: tl.constexpr, USE_CACHE: tl.constexpr, READS_COPIES: tl.constexpr,
@@ -236,9 +236,8 @@ def _update_hot_run(
         slots = one + tl.load(sorted_slots_ptr + start)
     global_rows = one.to(tl.int64) + tl.load(sorted_rows_ptr + start).to(tl.int64)
     ranks = slots
-    if READS_COPIES:  # only a row with no slot has a copy (as in _row_update_kernel)
-        no_slot = slots < 0
-        ranks = tl.load(in_place_rank_ptr + one * tl.load(order_ptr + start), mask=no_slot, other=-1)
+    if READS_COPIES:
+        ranks = one + tl.load(sorted_ranks_ptr + start)
     update_rows(global_rows, one + feature, slots, grad[None, :], one == 0, dims, columns, in_row,
                 descriptor_ptr, cache_weights_ptr, cache_weights_stride, cache_state_ptr, cache_state_stride,
                 ranks, copies_ptr, copies_stride, num_copies, step_args_ptr, hyper_ptr, NUM_HYPER,
