@@ -40,6 +40,7 @@ ROWS = [
     ("mixed-weighted", "12 tables of dims 8-256 (64M rows), B=16384, bags of 0-40 with weights, HBM", ()),
     ("cached-managed-lru", "26 Criteo tables (17 GB), `MANAGED_CACHED` / `MANAGED_CACHING`, 5% cache, LRU, serial", ()),
     ("cached-managed-lru-z1.2", "the same at Zipf 1.2", ()),
+    ("cached-managed-lfu-admit", "26 Criteo tables (17 GB), 5% cache, ours `lfu-admit`, FBGEMM's LFU, serial", ()),
     ("cached-mixed-weighted", "12 tables of dims 8-256 (64M rows), B=16384, bags of 0-40 with weights, 10% cache, "
                               "serial", ()),
     ("cached-mixed-weighted-z0.6", "the same at Zipf 0.6 (most rows miss: ~2.7M rows, ~1 GB each way a batch)", ()),
@@ -50,15 +51,19 @@ ROWS = [
                                "weights, 10% cache, serial", ()),
     ("cached-odd-dims-ragged-lookahead", "the same (odd dims), ours `lookahead` (told the next 64 batches), "
                                          "FBGEMM's LRU", ()),
+    ("cached-odd-dims-ragged-lfu-admit", "the same (odd dims), ours `lfu-admit`, FBGEMM's LFU", ()),
     ("cached-criteo-mixed", "26 Criteo tables of dims 16-128, bags of 0-4 with weights, 5% cache, serial", ()),
     ("cached-managed-lru-pipelined", "Criteo cached, pipelined (depth 2), against FBGEMM's best step",
-     ("cached-managed-lru", "cached-managed-lfu")),
+     ("cached-managed-lru", "cached-managed-lfu", "cached-managed-lfu-admit")),
     ("cached-mixed-weighted-pipelined", "mixed dims, pipelined (depth 2), against FBGEMM's best step",
      ("cached-mixed-weighted", "cached-mixed-weighted-lfu")),
     ("cached-mixed-bag20-pipelined", "mixed dims, bags of 20, pipelined (depth 2), against FBGEMM's best step",
      ("cached-mixed-bag20",)),
     ("cached-odd-dims-ragged-pipelined", "odd dims, pipelined (depth 2), against FBGEMM's best step",
-     ("cached-odd-dims-ragged",)),
+     ("cached-odd-dims-ragged", "cached-odd-dims-ragged-lfu")),
+    ("cached-odd-dims-ragged-lfu-admit-pipelined", "odd dims, ours `lfu-admit`, pipelined (depth 2), against "
+                                                   "FBGEMM's best step",
+     ("cached-odd-dims-ragged", "cached-odd-dims-ragged-lfu", "cached-odd-dims-ragged-lfu-admit")),
     ("cached-criteo-mixed-pipelined", "Criteo mixed dims, pipelined (depth 2), against FBGEMM's best step",
      ("cached-criteo-mixed",)),
 ]
