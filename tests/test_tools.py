@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -265,10 +266,35 @@ def test_plot_of_several_hit_rate_reports(capsys, tmp_path):
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 @pytest.mark.parametrize("script", ["gpu_suite.sh", "gpu_fbgemm.sh", "gpu_torchrec.sh", "pack_gpu_site.sh",
-                                    "compile_like_device.sh"])
+                                    "compile_like_device.sh", "bench_commits.sh"])
 def test_gpu_scripts_are_valid_bash(script):
     result = subprocess.run(["bash", "-n", str(TOOLS / script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("git") is None or not (REPO / ".git").exists(),
+                    reason="needs bash and a git checkout")
+def test_bench_commits_benchmarks_each_tree_with_its_own_code(tmp_path):
+    """bench_commits.sh unpacks a commit's tree, then benchmarks the working tree and the unpacked one, each in a
+    process that imports only its own code (the script refuses a tree importing the working tree's), with the
+    settings of a variant; one record each, named by its label."""
+    trees, out = tmp_path / "trees", tmp_path / "out"
+    env = {**os.environ, "TREES": str(trees), "OUT": str(out), "CONFIGS": "criteo-sgd",
+           "TIERED_TBE_COMMIT": "worktree", "VARIANTS": "nopad:TIERED_TBE_PAD_BATCHES=0"}
+    script = str(TOOLS / "bench_commits.sh")
+    subprocess.run(["bash", script, "unpack", "HEAD"], env=env, check=True, capture_output=True, cwd=REPO)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                          cwd=REPO).stdout.strip()
+    assert (trees / head / "kernels" / "forward.py").is_file() and not (trees / head / "results").exists()
+    result = subprocess.run(["bash", script, "run", "--ours-only", "--steps", "1", "--warmup", "1"], env=env,
+                            capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "imports" not in result.stdout, result.stdout
+    lines = [json.loads(line) for line in (out / "measurements.jsonl").read_text().splitlines()]
+    assert [(r["commit"], r.get("settings")) for r in lines] == [
+        ("worktree", None), ("worktree-nopad", {"TIERED_TBE_PAD_BATCHES": "0"}), (head, None)]
+    assert all(r["figures"]["ours"]["step_ms"] > 0 for r in lines)
+    assert (trees / head / "tiered_tbe" / "kernels").resolve() == (trees / head / "kernels").resolve()
 
 
 def test_tools_are_not_installed():
