@@ -224,10 +224,12 @@ class StepGraphs:
 
     def size_changed(self, size: Hashable) -> bool:
         """Whether ``size`` (a batch's lookup count and batch size) differs from the size asked about last,
-        which it then replaces. A batch padded to a few sizes (``padded_size``) replays their graphs whatever
-        its size, but the padding copies each of its arrays first (~0.07 ms of a 0.6 ms backward of 1.7M lookups
-        on the H200, docs/performance.md): a batch the size of the one before it replays its own size's graph."""
-        changed, self._last_size = size != self._last_size, size
+        which it then replaces; the first size asked about counts as unchanged. A batch padded to a few sizes
+        (``padded_size``) replays their graphs whatever its size, but the padding copies each of its arrays
+        first (~0.07 ms of a 0.6 ms backward of 1.7M lookups on the H200, docs/performance.md): a batch the
+        size of the one before it replays its own size's graph, and a model of one batch shape pads none."""
+        changed = self._last_size is not None and size != self._last_size
+        self._last_size = size
         return changed
 
     def run(self, key: Hashable, inputs: Inputs, enqueue: Callable[[list], Outputs], device: torch.device,

@@ -179,9 +179,9 @@ def test_batches_are_padded_where_graphs_run_on_a_gpu_for_pooled_outputs(monkeyp
 
 def test_a_batch_the_size_of_the_one_before_it_is_not_padded(monkeypatch, device):
     """Where batches are padded (graphs on a GPU; forced here), the backward pads a batch only when its lookup
-    count or batch size differs from the batch before it: batches that keep one size replay their own size's
-    graph without copying their arrays. The updates are the same either way (bit for bit, against a module
-    of stores never padded)."""
+    count or batch size differs from the batch before it (the first batch is not padded): batches that keep
+    one size replay their own size's graph without copying their arrays. The updates are the same either way
+    (bit for bit, against stores never padded)."""
     from tiered_tbe.base.graphs import StepGraphs
     from tiered_tbe.kernels import backward as backward_module
     from tiered_tbe.kernels import grouping
@@ -205,7 +205,7 @@ def test_a_batch_the_size_of_the_one_before_it_is_not_padded(monkeypatch, device
         grad_output = torch.randn(batch_size, stores.total_dim, device=device)
         backward_update(grad_output, padded, lookups, None, "sum", optimizer, STEP, graphs=graphs)
         backward_update(grad_output, plain, lookups, None, "sum", optimizer, STEP, pad=False)
-    # Padded: the first batch, and each whose size changed (batch size 6 -> 7, lookups 61 -> 58, 7 -> 6).
-    assert padded_sizes == [61, 61, 58, 61]
+    # Padded: each batch whose size changed (batch size 6 -> 7, lookups 61 -> 58, 7 -> 6); the first is not.
+    assert padded_sizes == [61, 58, 61]
     assert_stores_equal(padded, plain)
     assert graphs.size_changed((61, 6)) is False and graphs.size_changed((62, 6)) is True  # (lookups, batch size)
