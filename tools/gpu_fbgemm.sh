@@ -20,7 +20,7 @@
 #   PROFILE=1      also profile each configuration (bench fbgemm --profile: kernels, copy-bandwidth fractions)
 #   TRACE_CONFIGS  configurations also traced phase by phase, ours beside FBGEMM (tools/trace_step.py; default: none)
 #   BENCH_ARGS     more bench fbgemm flags (e.g. --backward-one-launch)
-#   SKIP_INSTALL=1 the project and wheels are installed already
+#   SKIP_INSTALL=1 the project and wheels are installed already; auto: install unless a call on this machine did
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1

@@ -22,7 +22,8 @@
 #   STEPS, WARMUP  timed and warm-up steps per side (default 120, 20)
 #   NPROC          GPUs (ranks) (default: every GPU of the machine)
 #   PROFILE=0      skip bench_torchrec --profile (on by default)
-#   SKIP_INSTALL=1 the project and wheels are installed already (a later call on the same machine)
+#   SKIP_INSTALL=1 the project and wheels are installed already (a later call on the same machine); auto:
+#                  install unless a call on this machine did (tools/gpu_install.sh)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
