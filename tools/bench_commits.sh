@@ -5,6 +5,7 @@
 #
 #   bash tools/bench_commits.sh unpack 2028912 8a9f4b1 HEAD     # here: each commit's tree under .trees/<sha>
 #   # then on the GPU machine, .trees carried with the tree (it is ignored by git):
+#   SKIP_INSTALL=auto source tools/gpu_install.sh    # with OUT set; the install every tree's run uses
 #   CONFIGS="cached-managed-lru" OUT=$OUT bash tools/bench_commits.sh run [--steps 30 ...]
 #
 # `run` benchmarks the working tree first (label: its commit, TIERED_TBE_COMMIT or "worktree"), then every tree
