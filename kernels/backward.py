@@ -67,7 +67,7 @@ from .grouping import (
     sort_lookups,
 )
 from .hot_rows import hot_group_sums_kernel, hot_row_update_kernel, hot_window_sums_kernel
-from .in_place_copies import InPlaceCopies
+from .in_place_copies import InPlaceCopies, uses_copies
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
 from .run_groups import plan_run_groups
@@ -228,7 +228,7 @@ def backward_update(
     pad = bool(pad) and sorted_lookups is None
     if pad and mode == POOLING_NONE:
         raise ValueError("pooling none's gradient rows are its lookups': its batch cannot be padded")
-    reads_copies = slot_of_index is not None and stores.uses_cache and copies is not None and copies.rows.shape[0] > 0
+    reads_copies = uses_copies(copies, slot_of_index is not None and stores.uses_cache)
     ranks = copies.rank if reads_copies else None
     if pad:  # grad_output keeps its B rows: the padding's bags are empty, so no kernel reads a row past B.
         # A batch of a padded size already takes the same launches (and graph) as the ones padded to it.

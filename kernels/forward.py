@@ -55,7 +55,7 @@ from .addressing import (
     table_row_zero,
 )
 from .grouping import pad_bags, pads_batches
-from .in_place_copies import InPlaceCopies, keep_copies
+from .in_place_copies import InPlaceCopies, keep_copies, uses_copies
 from .rows import ColumnGroup, Lookups, RowStores, check_lookups
 
 # Tiles of more than this many elements spill registers: the autotuner never tries them.
@@ -353,7 +353,7 @@ def pooled_forward(
     if tile is None and override:
         tile = ForwardTile(*(int(value) for value in override.split(",")))
     use_cache = slot_of_index is not None and stores.uses_cache
-    keeps_copies = use_cache and copies is not None and copies.rows.shape[0] > 0
+    keeps_copies = uses_copies(copies, use_cache)
     if keeps_copies:
         _check_copies(stores, copies, lookups.num_lookups)
     tensors = (output, lookups.indices, lookups.offsets, slot_of_index if use_cache else None,

@@ -36,6 +36,12 @@ class InPlaceCopies(NamedTuple):
     rows: torch.Tensor  # [num_copies, row_width] of the weights' dtype: the copy rows
 
 
+def uses_copies(copies: InPlaceCopies | None, use_cache: bool) -> bool:
+    """Whether a forward keeps (or its backward reads) ``copies``: a batch that may read rows in place
+    (``use_cache``: some lookup may lack a slot) and at least one copy row."""
+    return use_cache and copies is not None and copies.rows.shape[0] > 0
+
+
 @triton.jit
 def keep_copies(
     tile,  # fp32 [*positions.shape, BLOCK_D]: the rows of the lookups (lookup_rows' result)
