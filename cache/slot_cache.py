@@ -38,7 +38,7 @@ from dataclasses import fields
 
 import torch
 
-from tiered_tbe.base.graphs import PADDED_GRAPHS, GraphLaunches, StepGraphs, next_int64, pad_to_padded_size, padded_size
+from tiered_tbe.base.graphs import PADDED_GRAPHS, GraphLaunches, StepGraphs, next_int64, padded_size
 from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.base.streams import current_stream, current_stream_handle
@@ -272,11 +272,15 @@ class SlotCache(LookaheadHints, SlotReleases):
         if len({batch.step for batch in unlock_first}) < len(unlock_first):
             raise RuntimeError("unlock_first names a batch twice: it holds its locks once")
         self._order_metadata()
-        # Added to this prefetch's graph when they have its (padded) size, the steady state of a pipeline of
-        # batches of one shape: pairs of sizes would multiply the graphs of batches whose size changes.
+        # Padded to a size bucket (base/graphs.py) only when its size differs from the batch before it: batches
+        # whose size changes every step replay a few graphs, and a model of one batch shape sorts and ranks no
+        # padding (7.7% more lookups at B=65536 x 26) and copies no array.
+        size = padded_size(rows.numel()) if self._prefetch_graphs.size_changed(rows.numel()) else rows.numel()
+        # Added to this prefetch's graph when they have its size, the steady state of a pipeline of batches of
+        # one shape: pairs of sizes would multiply the graphs of batches whose size changes.
         fused = []
         for earlier, launches in zip(unlock_first, unlocks):
-            if rows.numel() and (launches is None or launches.inputs[0].numel() == padded_size(rows.numel())):
+            if rows.numel() and (launches is None or launches.inputs[0].numel() == size):
                 fused.append((earlier, launches))
             else:
                 self.unlock(earlier)
@@ -287,7 +291,7 @@ class SlotCache(LookaheadHints, SlotReleases):
         if rows.numel() > 0:
             try:
                 slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order, ticket = \
-                    self._assign_and_move(rows, [launches for _, launches in fused if launches is not None])
+                    self._assign_and_move(rows, size, [launches for _, launches in fused if launches is not None])
             finally:  # their launches come first in the prefetch's (graph or eager launches)
                 for earlier, _ in fused:
                     self.unlock(earlier, launched=True)
@@ -408,17 +412,18 @@ class SlotCache(LookaheadHints, SlotReleases):
 
     # ------------------------------------------------------------------ prefetch
 
-    def _assign_and_move(self, rows: torch.Tensor, unlocks: Sequence[GraphLaunches] = ()):
+    def _assign_and_move(self, rows: torch.Tensor, size: int, unlocks: Sequence[GraphLaunches] = ()):
         """(slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order, the mover's ticket) of a
         batch: ``unlocks`` (earlier batches' :meth:`unlock_launches`), :meth:`_assign` and the mover's
         device work (:meth:`RowMover.enqueue`) replay as one CUDA graph per batch shape
         (``base/graphs.py``; the step reaches the kernels in a tensor), then the mover's host part
-        (:meth:`RowMover.hand_off`: the staged mover hands the lists to its threads) runs on the host."""
+        (:meth:`RowMover.hand_off`: the staged mover hands the lists to its threads) runs on the host.
+        ``size``: the lookups the batch is laid out at (``rows.numel()``, or its ``padded_size``)."""
         step = torch.tensor([self._step], dtype=torch.int64)
-        # Padded to a size bucket with a row outside every cached table (sorted last as no row,
-        # counted nowhere), so that batches whose size changes every step replay a few graphs.
+        # Padded with a row outside every cached table (sorted last as no row, counted nowhere).
         num_lookups = rows.numel()
-        rows = pad_to_padded_size(rows, self._rows_end)
+        if size > num_lookups:
+            rows = torch.cat([rows, rows.new_full((size - num_lookups,), self._rows_end)])
 
         unlock_inputs = [launches.inputs for launches in unlocks]
 

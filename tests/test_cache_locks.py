@@ -161,13 +161,14 @@ def test_unlock_launches_enqueued_by_the_caller_release_as_unlock_does():
 
 def test_a_batchs_dirty_marks_take_an_array_of_its_padded_size_and_mark_its_slots():
     """mark_dirty_launches of a batch (a pipeline's backward takes them into its CUDA graph, keyed by its
-    inputs' shapes) read an array of the prefetch's padded size, so batches whose size changes every step
-    share a few graphs; they mark exactly the slots of the batch's lookups, as marking its slot_of_index
-    does."""
+    inputs' shapes) read an array of the prefetch's padded size (a batch whose size differs from the one
+    before it), so batches whose size changes every step share a few graphs; they mark exactly the slots
+    of the batch's lookups, as marking its slot_of_index does."""
     rows = [3, 17, 42, 99, 260, 301, 3, 17, 5, 7, 11]  # 11 lookups, repeats: padded to 12
     marked = []
     for mark in ("launches", "slot_of_index"):
         cache = SlotCache(make_tables(), num_slots=8, associativity=2)
+        cache.unlock(prefetch(cache, rows_tensor([1, 2])))  # a batch of another size first
         batch = prefetch(cache, rows_tensor(rows))
         if mark == "launches":
             launches = cache.mark_dirty_launches(batch)

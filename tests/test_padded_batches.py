@@ -25,8 +25,11 @@ def test_prefetch_of_unpadded_size_returns_the_batch_only(num_lookups):
     tables = [CachedTable(0, 40, 4, torch.randn(40, 4)), CachedTable(40, 30, 4, torch.randn(30, 4))]
     cache = SlotCache(tables, num_slots=16, associativity=4)
     assert padded_size(num_lookups) != num_lookups
+    cache.unlock(cache.prefetch(torch.arange(3)))  # a batch of another size first: this one is padded
+    before = cache.stats()
     rows = torch.randint(0, 75, (num_lookups,))  # 70..74: outside every table
     batch = cache.prefetch(rows)
+    assert batch.locked_slots.numel() == padded_size(num_lookups)
     cache.wait_filled(batch)
     assert batch.slot_of_index.shape == (num_lookups,)
     expected_keys = torch.where(rows < 70, rows, torch.iinfo(batch.sorted_rows.dtype).max).to(batch.sorted_rows.dtype)
@@ -37,6 +40,29 @@ def test_prefetch_of_unpadded_size_returns_the_batch_only(num_lookups):
     assert torch.equal(cache.tags[batch.slot_of_index[held].long()], rows[held])
     assert (batch.slot_of_index[rows >= 70] == -1).all()
     stats = cache.stats()
-    assert stats.lookups == int((rows < 70).sum()) and stats.unique_rows == len(set(rows[rows < 70].tolist()))
+    assert stats.lookups - before.lookups == int((rows < 70).sum())
+    assert stats.unique_rows - before.unique_rows == len(set(rows[rows < 70].tolist()))
     cache.unlock(batch)
+    assert cache.num_locked() == 0
+
+
+def test_a_prefetch_pads_only_a_batch_whose_size_differs_from_the_one_before_it():
+    """The prefetch lays a batch out at its padded size (a few graph shapes for batches whose size changes
+    every step) only when its size differs from the batch before it; the first batch and a batch the size of
+    the one before it keep their own size (no padding to sort, rank and copy). The results are the same."""
+    torch.manual_seed(5)
+    tables = [CachedTable(0, 40, 4, torch.randn(40, 4)), CachedTable(40, 30, 4, torch.randn(30, 4))]
+    sizes = [33, 33, 101, 101, 101, 33]
+    batches = [torch.randint(0, 75, (n,)) for n in sizes]
+    cache = SlotCache(tables, num_slots=16, associativity=4)
+    laid_out = []
+    for rows in batches:
+        batch = cache.prefetch(rows)
+        cache.wait_filled(batch)
+        laid_out.append(batch.locked_slots.numel())
+        assert batch.slot_of_index.shape == rows.shape
+        held = batch.slot_of_index >= 0
+        assert torch.equal(cache.tags[batch.slot_of_index[held].long()], rows[held])
+        cache.unlock(batch)
+    assert laid_out == [33, 33, padded_size(101), 101, 101, padded_size(33)]
     assert cache.num_locked() == 0
