@@ -164,9 +164,10 @@ def test_graphed_training_equals_eager_bitwise(case):
         # The unlock (with mark_dirty) runs in the backward's graph, not in one of its own.
         assert module.cache._release_graphs.captures == module.cache._release_graphs.replays == 0
     for graphs in every_graphs:
-        # The backward pads a batch only where its size changed (StepGraphs.size_changed): the first batch runs
-        # unpadded, eagerly, and its unpadded shape never comes back (the shapes alternate).
-        first_unpadded = int(graphs is module._backward_graphs)
+        # The backward and the prefetch pad a batch only where its size changed (StepGraphs.size_changed): the
+        # first batch runs unpadded, eagerly, and its unpadded shape never comes back (the shapes alternate).
+        first_unpadded = int(graphs is module._backward_graphs
+                             or (module.cache is not None and graphs is module.cache._prefetch_graphs))
         assert graphs.captures == len(shapes), "each repeating shape is captured once"
         assert graphs.replays == len(batches) - len(shapes) - first_unpadded, \
             "every later batch of a shape replays its graph"
