@@ -241,7 +241,9 @@ def test_compile_cache_kernels_records_a_launch_of_every_cache_kernel():
     every = {name for module in (_kernels, batch_kernels, policy_kernels) for name, value in vars(module).items()
              if isinstance(value, FakeCUDAKernel) and not getattr(value, "_device", False)}
     launches = compile_cache_kernels.record_launches()
-    assert {entry["kernel"] for entry in launches} == every
+    twins = {twin for entry in launches for twin in compile_cache_kernels.GPU_ONLY_TWINS.get(entry["kernel"], ())}
+    assert twins == {"rank_ways_staged_kernel"}  # a GPU-only kernel is compiled with its twin's signatures
+    assert {entry["kernel"] for entry in launches} | twins == every
     prefetch_keys = {tuple(entry["args"][4]) for entry in launches if entry["kernel"] == "sort_keys_kernel"}
     assert prefetch_keys == {("array", "int32", 1, "C")}  # int32 keys: the rows fit
     assert {tuple(entry["args"][0]) for entry in launches if entry["kernel"] == "sort_keys_kernel"} == {
