@@ -118,6 +118,9 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
     # the rank kernel 0.61 -> 0.79 ms a step on the H200 (mixed dims, bags of 20; results/measurements.jsonl).
     way_of_rank.fill_(-1)
     rank_kernel = rank_ways_kernel if SIMULATION or RANK_WAYS == "loads" else rank_ways_staged_kernel
+    if rank_kernel is rank_ways_staged_kernel and (per_way[1] % LANES or per_way[1] > LANES * STAGED_SETS):
+        raise RuntimeError(f"rank_ways_staged_kernel takes blocks of whole warps, at most {STAGED_SETS}, "
+                           f"got {per_way[1]} threads")  # its shared memory holds STAGED_SETS sets
     launcher.launch_configured(rank_kernel, *per_way, *sets, policy, slots.tags, slots.last_use,
                                slots.use_count, slots.next_use, slots.locks, slots.way_of_rank)
     launcher.launch(fill_misses_kernel, n, set_start, set_number, set_of_position, unique_of_position, needs_slot,
