@@ -13,7 +13,7 @@ simulator runs one miss at a time. Here it runs in six data-parallel passes, non
     way_of_rank.fill_(-1)    no rank yet anywhere
     rank_ways_kernel         a thread per way of each such set: the unlocked ways in the order
                              of ``policy.victim_order`` (a way's rank: how many come before it);
-                             or (TIERED_TBE_RANK_WAYS=staged, on a GPU) rank_ways_staged_kernel, the
+                             or (TIERED_TBE_RANK_WAYS=staged) rank_ways_staged_kernel, the
                              same ranks from keys staged in shared memory
     fill_misses_kernel       a thread per asking miss: the k-th takes the way of rank k, or
                              no slot when its set has fewer unlocked ways (or, lfu-admit, when
@@ -62,14 +62,12 @@ from tiered_tbe.cache.policy import (
 LANES = 32  # threads a set in the per-way kernels (a warp)
 # Sets a block of rank_ways_staged_kernel ranks at once (a warp each): its launch is per_way's, 256 threads.
 STAGED_SETS = 8
-# Which rank kernel a GPU runs (env TIERED_TBE_RANK_WAYS): "loads" (rank_ways_kernel: each lane loads every other
-# way's key) or "staged" (rank_ways_staged_kernel: each way's key loaded once, into shared memory). "loads" stays
-# the default until "staged" has run the GPU's cache tests and been measured against it (docs/performance.md,
-# plan). The CUDA simulator runs "loads": its barriers cost ~20 ms each with 32 threads (tests/test_rank_ways.py
-# runs "staged" there on a few sets).
+# Which rank kernel runs (env TIERED_TBE_RANK_WAYS at import; this name is read at every prefetch): "loads"
+# (rank_ways_kernel: each lane loads every other way's key) or "staged" (rank_ways_staged_kernel: each way's key
+# loaded once, into shared memory). "loads" stays the default until "staged" has run the GPU's cache tests and been
+# measured against it (docs/performance.md, plan). In the CUDA simulator "staged" runs a warp a block, and each
+# barrier costs ~20 ms with 32 threads: tests only (tests/test_rank_ways.py).
 RANK_WAYS = os.environ.get("TIERED_TBE_RANK_WAYS", "loads")
-if RANK_WAYS not in ("staged", "loads"):
-    raise ValueError(f"TIERED_TBE_RANK_WAYS must be 'staged' or 'loads', got {RANK_WAYS!r}")
 
 
 class SlotMetadata(NamedTuple):
@@ -117,16 +115,27 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
     # memset of S bytes in the graph; counting each set's unlocked ways in every thread of its warp instead cost
     # the rank kernel 0.61 -> 0.79 ms a step on the H200 (mixed dims, bags of 20; results/measurements.jsonl).
     way_of_rank.fill_(-1)
-    rank_kernel = rank_ways_kernel if SIMULATION or RANK_WAYS == "loads" else rank_ways_staged_kernel
-    if rank_kernel is rank_ways_staged_kernel and (per_way[1] % LANES or per_way[1] > LANES * STAGED_SETS):
-        raise RuntimeError(f"rank_ways_staged_kernel takes blocks of whole warps, at most {STAGED_SETS}, "
-                           f"got {per_way[1]} threads")  # its shared memory holds STAGED_SETS sets
-    launcher.launch_configured(rank_kernel, *per_way, *sets, policy, slots.tags, slots.last_use,
+    rank_kernel, rank_shape = _rank_launch(per_way, min(n, num_sets))
+    launcher.launch_configured(rank_kernel, *rank_shape, *sets, policy, slots.tags, slots.last_use,
                                slots.use_count, slots.next_use, slots.locks, slots.way_of_rank)
     launcher.launch(fill_misses_kernel, n, set_start, set_number, set_of_position, unique_of_position, needs_slot,
                     needs_number, unique.unique_rows, associativity, step, policy, slots.way_of_rank, slots.tags,
                     slots.last_use, slots.use_count, slots.dirty, slots.locks, slots.bypass_count, slots.row_uses,
                     unique.slot_of_unique, unique.outcome, unique.victim_row, unique.victim_was_dirty)
+
+
+def _rank_launch(per_way: tuple[int, int], most_sets: int):
+    """The rank kernel of ``RANK_WAYS`` and its launch shape: the per-way kernels' (``per_way``), or for the staged
+    kernel in the simulator a warp a block, a block for each of the ``most_sets`` sets a batch may touch."""
+    if RANK_WAYS not in ("staged", "loads"):
+        raise ValueError(f"TIERED_TBE_RANK_WAYS must be 'staged' or 'loads', got {RANK_WAYS!r}")
+    if RANK_WAYS == "loads":
+        return rank_ways_kernel, per_way
+    shape = (max(1, most_sets), LANES) if SIMULATION else per_way
+    if shape[1] % LANES or shape[1] > LANES * STAGED_SETS:  # its shared memory holds STAGED_SETS sets
+        raise RuntimeError(f"rank_ways_staged_kernel takes blocks of whole warps, at most {STAGED_SETS}, "
+                           f"got {shape[1]} threads")
+    return rank_ways_staged_kernel, shape
 
 
 @cached_kernel

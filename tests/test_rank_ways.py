@@ -1,17 +1,20 @@
-"""The two kernels that rank a set's unlocked ways for its asking misses (cache/policy_kernels.py) against a
-plain-Python reference of the order of victims (``policy.victim_order``, then the way): ``rank_ways_kernel``
-(what the simulator runs) and ``rank_ways_staged_kernel`` (what a GPU runs: the ways' keys staged in shared
-memory, a warp a set, barriers between rounds). The staged one runs here on blocks of whole warps, as on a
-GPU: several warps a block, several blocks, more touched sets than a round covers, and the sets past them."""
+"""The two kernels that rank a set's unlocked ways for its asking misses (cache/policy_kernels.py):
+``rank_ways_kernel`` (the default) and ``rank_ways_staged_kernel`` (``TIERED_TBE_RANK_WAYS=staged``: the ways'
+keys staged in shared memory, a warp a set, barriers between rounds), against a plain-Python reference of the
+order of victims (``policy.victim_order``, then the way) on blocks of whole warps as on a GPU (several warps a
+block, several blocks, more touched sets than a round covers, and the sets past them), and the staged one
+inside a whole cache against the CPU simulator."""
 
 import sys
 
 import numpy as np
 import pytest
 import torch
+from cache_helpers import ROW_BYTES, TrainingCheck, assert_same_state, is_cached_row, make_tables, make_trace
 
+from tiered_tbe.cache import CacheSimulator, SlotCache, policy_kernels
 from tiered_tbe.cache.launch import KernelLauncher
-from tiered_tbe.cache.policy import EMPTY, MAX_WAYS, POLICY_CODES, victim_order_cpu
+from tiered_tbe.cache.policy import EMPTY, MAX_WAYS, POLICIES, POLICY_CODES, victim_order_cpu
 from tiered_tbe.cache.policy_kernels import LANES, rank_ways_kernel, rank_ways_staged_kernel
 
 
@@ -80,3 +83,33 @@ def test_both_rank_kernels_give_the_reference_ranks(policy, associativity):
         assert (expected >= 0).any() and (expected < 0).any()  # some ranks given, some left past the unlocked ways
     finally:
         sys.setswitchinterval(switch)
+
+
+@pytest.mark.parametrize("policy", [name for name, policy in POLICIES.items() if not policy.reads_window])
+def test_a_cache_ranking_with_the_staged_kernel_agrees_with_the_simulator(policy, monkeypatch):
+    """The whole prefetch with rank_ways_staged_kernel (a warp a block in the simulator): equal counters and
+    slots to the CPU simulator after every batch, rows exact, as tests/test_cache_vs_simulator.py asks of
+    the default kernel."""
+    monkeypatch.setattr(policy_kernels, "RANK_WAYS", "staged")
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy=policy, lfu_decay_interval=4)
+        simulator = CacheSimulator(16, 4, policy, lfu_decay_interval=4, row_bytes=ROW_BYTES)
+        check = TrainingCheck(cache)
+        for batch in make_trace(num_batches=12):
+            check.step(batch)
+            cached = batch[is_cached_row(batch)]
+            simulator.run(cached, np.array([0, cached.size]))
+            assert cache.stats() == simulator.stats
+            assert_same_state(cache, simulator)
+        assert cache.stats().evictions > 5 and cache.stats().misses_no_slot > 0
+        check.check_backing_after_flush()
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def test_an_unknown_rank_kernel_is_refused(monkeypatch):
+    monkeypatch.setattr(policy_kernels, "RANK_WAYS", "fastest")
+    with pytest.raises(ValueError, match="TIERED_TBE_RANK_WAYS must be 'staged' or 'loads', got 'fastest'"):
+        policy_kernels._rank_launch((1, 2), 4)
