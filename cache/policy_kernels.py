@@ -67,7 +67,15 @@ STAGED_SETS = 8
 # loaded once, into shared memory). "loads" stays the default until "staged" has run the GPU's cache tests and been
 # measured against it (docs/performance.md, plan). In the CUDA simulator "staged" runs a warp a block, and each
 # barrier costs ~20 ms with 32 threads: tests only (tests/test_rank_ways.py).
-RANK_WAYS = os.environ.get("TIERED_TBE_RANK_WAYS", "loads")
+def rank_ways_setting(value: str) -> str:
+    """``value`` if it names a rank kernel ("loads" or "staged"); ValueError otherwise (at import, before any
+    prefetch has locked a row)."""
+    if value not in ("staged", "loads"):
+        raise ValueError(f"TIERED_TBE_RANK_WAYS must be 'staged' or 'loads', got {value!r}")
+    return value
+
+
+RANK_WAYS = rank_ways_setting(os.environ.get("TIERED_TBE_RANK_WAYS", "loads"))
 
 
 class SlotMetadata(NamedTuple):
@@ -127,8 +135,6 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
 def _rank_launch(per_way: tuple[int, int], most_sets: int):
     """The rank kernel of ``RANK_WAYS`` and its launch shape: the per-way kernels' (``per_way``), or for the staged
     kernel in the simulator a warp a block, a block for each of the ``most_sets`` sets a batch may touch."""
-    if RANK_WAYS not in ("staged", "loads"):
-        raise ValueError(f"TIERED_TBE_RANK_WAYS must be 'staged' or 'loads', got {RANK_WAYS!r}")
     if RANK_WAYS == "loads":
         return rank_ways_kernel, per_way
     shape = (max(1, most_sets), LANES) if SIMULATION else per_way

@@ -109,7 +109,7 @@ def test_a_cache_ranking_with_the_staged_kernel_agrees_with_the_simulator(policy
         sys.setswitchinterval(switch)
 
 
-def test_an_unknown_rank_kernel_is_refused(monkeypatch):
-    monkeypatch.setattr(policy_kernels, "RANK_WAYS", "fastest")
+def test_an_unknown_rank_kernel_is_refused_at_import():
+    assert policy_kernels.rank_ways_setting("staged") == "staged"
     with pytest.raises(ValueError, match="TIERED_TBE_RANK_WAYS must be 'staged' or 'loads', got 'fastest'"):
-        policy_kernels._rank_launch((1, 2), 4)
+        policy_kernels.rank_ways_setting("fastest")
