@@ -93,7 +93,8 @@ def branches(device: torch.device, count: int):
         yield lambda i: contextlib.nullcontext()
         return
     main = current_stream(device)
-    side = [loop_stream(device, f"branch {i}") for i in range(count)]
+    priority = main.priority  # a pipeline's training stream runs first (tiered_tbe/pipeline.py): so do its branches
+    side = [loop_stream(device, f"branch {i}, priority {priority}", priority) for i in range(count)]
     for stream in side:
         stream.wait_stream(main)
     try:
