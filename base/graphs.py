@@ -69,10 +69,15 @@ def padded_size(n: int) -> int:
     return -(-n // granule) * granule
 
 
+def pad_to_size(tensor: torch.Tensor, size: int, value: int) -> torch.Tensor:
+    """1-D ``tensor`` [N] with ``value`` appended up to ``size`` entries (itself when ``size <= N``)."""
+    extra = size - tensor.numel()
+    return tensor if extra <= 0 else torch.cat([tensor, tensor.new_full((extra,), value)])
+
+
 def pad_to_padded_size(tensor: torch.Tensor, value: int) -> torch.Tensor:
     """1-D ``tensor`` [N] with ``value`` appended up to ``padded_size(N)`` entries (itself when N is one)."""
-    extra = padded_size(tensor.numel()) - tensor.numel()
-    return tensor if extra == 0 else torch.cat([tensor, tensor.new_full((extra,), value)])
+    return pad_to_size(tensor, padded_size(tensor.numel()), value)
 
 
 def graphs_enabled() -> bool:

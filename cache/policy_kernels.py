@@ -60,7 +60,7 @@ from tiered_tbe.cache.policy import (
 )
 
 LANES = 32  # threads a set in the per-way kernels (a warp)
-# Sets a block of rank_ways_staged_kernel ranks at once (a warp each): its launch is per_way's, 256 threads.
+# Sets a block of rank_ways_staged_kernel ranks at once (a warp each): the per-way kernels' blocks.
 STAGED_SETS = 8
 # Which rank kernel runs (env TIERED_TBE_RANK_WAYS at import; this name is read at every prefetch): "loads"
 # (rank_ways_kernel: each lane loads every other way's key) or "staged" (rank_ways_staged_kernel: each way's key
@@ -114,7 +114,9 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
                     needs_slot)
     needs_number = torch.cumsum(needs_slot, 0, dtype=torch.int32)
     # A warp per touched set; few threads in the simulator (launch.DEVICE_CALL_THREADS).
-    per_way = launcher.shape_of(min(n, num_sets) * LANES, simulated_threads=DEVICE_CALL_THREADS)
+    # Blocks of STAGED_SETS warps: the sets rank_ways_staged_kernel's shared memory holds.
+    per_way = launcher.shape_of(min(n, num_sets) * LANES, max_threads=LANES * STAGED_SETS,
+                                simulated_threads=DEVICE_CALL_THREADS)
     sets = (set_start, set_of_position, needs_number, associativity)
     if window_bits is not None:
         launcher.launch_configured(decode_next_use_kernel, *per_way, *sets, step, slots.tags, window_bits,
@@ -137,11 +139,7 @@ def _rank_launch(per_way: tuple[int, int], most_sets: int):
     kernel in the simulator a warp a block, a block for each of the ``most_sets`` sets a batch may touch."""
     if RANK_WAYS == "loads":
         return rank_ways_kernel, per_way
-    shape = (max(1, most_sets), LANES) if SIMULATION else per_way
-    if shape[1] % LANES or shape[1] > LANES * STAGED_SETS:  # its shared memory holds STAGED_SETS sets
-        raise RuntimeError(f"rank_ways_staged_kernel takes blocks of whole warps, at most {STAGED_SETS}, "
-                           f"got {shape[1]} threads")
-    return rank_ways_staged_kernel, shape
+    return rank_ways_staged_kernel, (max(1, most_sets), LANES) if SIMULATION else per_way
 
 
 @cached_kernel

@@ -38,7 +38,7 @@ from dataclasses import fields
 
 import torch
 
-from tiered_tbe.base.graphs import PADDED_GRAPHS, GraphLaunches, StepGraphs, next_int64, padded_size
+from tiered_tbe.base.graphs import PADDED_GRAPHS, GraphLaunches, StepGraphs, next_int64, pad_to_size, padded_size
 from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.base.streams import current_stream, current_stream_handle
@@ -422,8 +422,7 @@ class SlotCache(LookaheadHints, SlotReleases):
         step = torch.tensor([self._step], dtype=torch.int64)
         # Padded with a row outside every cached table (sorted last as no row, counted nowhere).
         num_lookups = rows.numel()
-        if size > num_lookups:
-            rows = torch.cat([rows, rows.new_full((size - num_lookups,), self._rows_end)])
+        rows = pad_to_size(rows, size, self._rows_end)
 
         unlock_inputs = [launches.inputs for launches in unlocks]
 

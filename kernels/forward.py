@@ -360,12 +360,13 @@ def pooled_forward(
         _check_copies(stores, copies, lookups.num_lookups)
     tensors = (output, lookups.indices, lookups.offsets, slot_of_index if use_cache else None,
                lookups.per_sample_weights, copies.rank if keeps_copies else None)
-    plan = _ForwardPlan(mode, batch_size, tuple(padded.shape), launches_per_group(stores, mode),
+    grouped = launches_per_group(stores, mode)
+    plan = _ForwardPlan(mode, batch_size, tuple(padded.shape), grouped,
                         row_slice_alignment_bytes(output, stores),
                         min(_alignment_bytes(tensor) for tensor in tensors[1:] if tensor is not None),
                         bag_class,
                         (lookups.indices.dtype, lookups.offsets.dtype), use_cache, tensors[4] is not None, tile,
-                        keeps_copies, forward_branches(stores, mode))
+                        keeps_copies, forward_branches(len(launch_groups(stores, grouped))))
     copy_rows = copies.rows if keeps_copies else stores.cache_weights  # the kernel's argument, written if kept
     # Launched directly where no graph will be replayed (graphs off) or inside a caller's capture (a
     # capture bakes the addresses in; the address block's pinned copy would be replayed stale).
@@ -418,13 +419,12 @@ def launches_per_group(stores: RowStores, mode: int) -> bool:
             and os.environ.get("TIERED_TBE_FORWARD_ONE_LAUNCH", "0") != "1")
 
 
-def forward_branches(stores: RowStores, mode: int) -> int:
-    """Streams the column groups' launches spread over: ``TIERED_TBE_FORWARD_BRANCHES`` (at most one a group;
-    default 1: one launch after another on the current stream). On streams of their own a small group's
-    launch need not wait for the one before it to drain its last wave; a graph replays them as branches.
-    Not measured yet on a GPU (docs/performance.md, plan), so off by default."""
-    groups = len(launch_groups(stores, launches_per_group(stores, mode)))
-    return max(1, min(groups, int(os.environ.get("TIERED_TBE_FORWARD_BRANCHES", "1"))))
+def forward_branches(num_groups: int) -> int:
+    """Streams a forward's ``num_groups`` column-group launches spread over: ``TIERED_TBE_FORWARD_BRANCHES`` (at
+    most one a group; default 1: one launch after another on the current stream). On streams of their own a
+    small group's launch need not wait for the one before it to drain its last wave; a graph replays them as
+    branches. Not measured yet on a GPU (docs/performance.md, plan), so off by default."""
+    return max(1, min(num_groups, int(os.environ.get("TIERED_TBE_FORWARD_BRANCHES", "1"))))
 
 
 def launch_groups(stores: RowStores, grouped: bool) -> tuple[ColumnGroup, ...]:

@@ -61,52 +61,52 @@ def _reference(inputs, state, associativity, policy):
     return torch.from_numpy(way_of_rank)
 
 
+@pytest.fixture
+def quick_handoffs():
+    """The simulator's threads hand its device-call lock over at every device-function call: let them switch
+    quickly while a block of 32 of them runs."""
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(switch)
+
+
 @pytest.mark.parametrize("policy", list(POLICY_CODES))
 @pytest.mark.parametrize("associativity", [4, MAX_WAYS])
-def test_both_rank_kernels_give_the_reference_ranks(policy, associativity):
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # the simulator's threads hand off at every device-function call
-    try:
-        generator = torch.Generator().manual_seed(associativity + POLICY_CODES[policy])
-        num_sets = 9
-        touched = [0, 2, 3, 5, 6, 8]  # 6 sets: two rounds of 2 blocks of 2 warps, and sets past them
-        inputs, state = _batch(generator, num_sets, associativity, touched, most_asking=associativity // 2 + 3)
-        code = POLICY_CODES[policy]
-        expected = _reference(inputs, state, associativity, code)
-        launcher = KernelLauncher(torch.device("cpu"))
-        for kernel, grid, block in ((rank_ways_kernel, 1, 2), (rank_ways_staged_kernel, 2, 2 * LANES)):
-            way_of_rank = torch.full((num_sets * associativity,), -1, dtype=torch.int8)  # as assign_slots leaves it
-            launcher.launch_configured(kernel, grid, block, *inputs, associativity, code, state["tags"],
-                                       state["last_use"], state["use_count"], state["next_use"], state["locks"],
-                                       way_of_rank)
-            assert torch.equal(way_of_rank, expected), kernel.py_func.__name__
-        assert (expected >= 0).any() and (expected < 0).any()  # some ranks given, some left past the unlocked ways
-    finally:
-        sys.setswitchinterval(switch)
+def test_both_rank_kernels_give_the_reference_ranks(policy, associativity, quick_handoffs):
+    generator = torch.Generator().manual_seed(associativity + POLICY_CODES[policy])
+    num_sets = 9
+    touched = [0, 2, 3, 5, 6, 8]  # 6 sets: two rounds of 2 blocks of 2 warps, and sets past them
+    inputs, state = _batch(generator, num_sets, associativity, touched, most_asking=associativity // 2 + 3)
+    code = POLICY_CODES[policy]
+    expected = _reference(inputs, state, associativity, code)
+    launcher = KernelLauncher(torch.device("cpu"))
+    for kernel, grid, block in ((rank_ways_kernel, 1, 2), (rank_ways_staged_kernel, 2, 2 * LANES)):
+        way_of_rank = torch.full((num_sets * associativity,), -1, dtype=torch.int8)  # as assign_slots leaves it
+        launcher.launch_configured(kernel, grid, block, *inputs, associativity, code, state["tags"],
+                                   state["last_use"], state["use_count"], state["next_use"], state["locks"],
+                                   way_of_rank)
+        assert torch.equal(way_of_rank, expected), kernel.py_func.__name__
+    assert (expected >= 0).any() and (expected < 0).any()  # some ranks given, some left past the unlocked ways
 
 
 @pytest.mark.parametrize("policy", [name for name, policy in POLICIES.items() if not policy.reads_window])
-def test_a_cache_ranking_with_the_staged_kernel_agrees_with_the_simulator(policy, monkeypatch):
+def test_a_cache_ranking_with_the_staged_kernel_agrees_with_the_simulator(policy, monkeypatch, quick_handoffs):
     """The whole prefetch with rank_ways_staged_kernel (a warp a block in the simulator): equal counters and
     slots to the CPU simulator after every batch, rows exact, as tests/test_cache_vs_simulator.py asks of
     the default kernel."""
     monkeypatch.setattr(policy_kernels, "RANK_WAYS", "staged")
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
-        cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy=policy, lfu_decay_interval=4)
-        simulator = CacheSimulator(16, 4, policy, lfu_decay_interval=4, row_bytes=ROW_BYTES)
-        check = TrainingCheck(cache)
-        for batch in make_trace(num_batches=12):
-            check.step(batch)
-            cached = batch[is_cached_row(batch)]
-            simulator.run(cached, np.array([0, cached.size]))
-            assert cache.stats() == simulator.stats
-            assert_same_state(cache, simulator)
-        assert cache.stats().evictions > 5 and cache.stats().misses_no_slot > 0
-        check.check_backing_after_flush()
-    finally:
-        sys.setswitchinterval(switch)
+    cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy=policy, lfu_decay_interval=4)
+    simulator = CacheSimulator(16, 4, policy, lfu_decay_interval=4, row_bytes=ROW_BYTES)
+    check = TrainingCheck(cache)
+    for batch in make_trace(num_batches=12):
+        check.step(batch)
+        cached = batch[is_cached_row(batch)]
+        simulator.run(cached, np.array([0, cached.size]))
+        assert cache.stats() == simulator.stats
+        assert_same_state(cache, simulator)
+    assert cache.stats().evictions > 5 and cache.stats().misses_no_slot > 0
+    check.check_backing_after_flush()
 
 
 def test_an_unknown_rank_kernel_is_refused_at_import():
