@@ -219,10 +219,14 @@ def host_batches(args, count: int, rank: int, device: torch.device) -> list:
 
 # ------------------------------------------------------------------ run
 def run(args: argparse.Namespace) -> dict:
+    from tiered_tbe.torchrec import require_torchrec
+
+    require_torchrec()
     from torchrec.distributed.train_pipeline import PrefetchTrainPipelineSparseDist, TrainPipelineSparseDist
 
-    check_args(args)
     from tiered_tbe.torchrec.train import join_process_group
+
+    check_args(args)
 
     made, device = join_process_group()
     try:

@@ -96,3 +96,34 @@ def test_errors_name_unnamed_tables_by_index(device):
         with pytest.raises(ValueError, match=message) as error:
             module(torch.tensor(indices, device=device), offsets)
         assert "None" not in str(error.value)
+
+
+class _FbgemmBuiltForAnotherTorch:
+    """An import hook: ``import fbgemm_gpu`` fails as an FBGEMM release built for another torch does."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "fbgemm_gpu":
+            raise OSError("fbgemm_gpu_tbe_index_select.so: undefined symbol: _ZN5torch8autograd13_wrap_outputs")
+        return None
+
+
+@pytest.mark.parametrize("failure", ["missing", "built for another torch"])
+def test_torchrec_names_without_a_loadable_fbgemm_say_what_to_install(failure, monkeypatch):
+    """TorchRec's entry points raise ImportError naming the installed torch and where the release pairs are,
+    whether FBGEMM_GPU is absent or installed for another torch (an OSError from its libraries)."""
+    import tiered_tbe.torchrec as tiered_torchrec
+
+    if failure == "missing":
+        monkeypatch.setitem(sys.modules, "fbgemm_gpu", None)  # what an absent package imports as
+    else:
+        monkeypatch.delitem(sys.modules, "fbgemm_gpu", raising=False)
+        monkeypatch.setattr(sys, "meta_path", [_FbgemmBuiltForAnotherTorch(), *sys.meta_path])
+    # A name an earlier test loaded is cached in the package: drop it so the lookup runs again.
+    if "TieredEmbeddingBagCollectionSharder" in vars(tiered_torchrec):
+        monkeypatch.delattr(tiered_torchrec, "TieredEmbeddingBagCollectionSharder")
+    with pytest.raises(ImportError) as error:
+        tiered_torchrec.TieredEmbeddingBagCollectionSharder  # noqa: B018 - the lookup is the test
+    message = str(error.value)
+    assert f"built for torch {torch.__version__}" in message and "docs/TORCHREC.md" in message
+    expected = "undefined symbol" if failure != "missing" else "fbgemm_gpu"
+    assert expected in message

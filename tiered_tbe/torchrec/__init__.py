@@ -27,8 +27,27 @@ _PUBLIC = {
 __all__ = list(_PUBLIC)
 
 
+def require_torchrec() -> None:
+    """Import TorchRec and FBGEMM_GPU, or raise ``ImportError`` saying what to install.
+
+    An FBGEMM_GPU release built for another torch is installed but fails to load (``OSError``, an
+    undefined symbol of torch's); both cases name the torch to pair with.
+    """
+    try:
+        import fbgemm_gpu  # noqa: F401
+        import torchrec  # noqa: F401
+    except (ImportError, OSError) as error:
+        import torch
+
+        raise ImportError(
+            f"tiered_tbe.torchrec needs TorchRec and an FBGEMM_GPU release built for torch {torch.__version__} "
+            "(pip install 'tiered-tbe[torchrec]'; which releases pair with which torch: docs/TORCHREC.md, "
+            f"Install): {type(error).__name__}: {error}") from error
+
+
 def __getattr__(name: str):
     if name in _PUBLIC:
+        require_torchrec()
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
         globals()[name] = value
         return value

@@ -150,6 +150,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run_torchrec(args: argparse.Namespace) -> dict:
     """Train through DistributedModelParallel; return the losses and throughput (every rank's mean)."""
+    from tiered_tbe.torchrec import require_torchrec
+
+    require_torchrec()
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.distributed import DistributedModelParallel
     from torchrec.modules.embedding_configs import DataType
