@@ -12,6 +12,23 @@ from tiered_tbe.base.mode import SIMULATION
 from tiered_tbe.cache.mover import MOVERS
 
 
+def pytest_configure(config):
+    """Stop at once, saying what to install, when FBGEMM_GPU is installed but cannot load (a release built for
+    another torch): the TorchRec and FBGEMM comparison tests would each fail on an undefined symbol. Absent,
+    those tests skip. Checked once, in the process that starts the workers."""
+    import importlib.util
+
+    if hasattr(config, "workerinput") or importlib.util.find_spec("fbgemm_gpu") is None:
+        return
+    from tiered_tbe.torchrec import require_torchrec
+
+    try:
+        require_torchrec()
+    except ImportError as error:
+        if isinstance(error.__cause__, OSError):
+            raise pytest.UsageError(str(error)) from error
+
+
 def pytest_sessionfinish(session, exitstatus):
     import background
 

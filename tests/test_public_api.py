@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from broken_fbgemm import MESSAGE, BrokenFbgemmFinder
 
 import tiered_tbe
 from tiered_tbe import TableSpec
@@ -98,15 +99,6 @@ def test_errors_name_unnamed_tables_by_index(device):
         assert "None" not in str(error.value)
 
 
-class _FbgemmBuiltForAnotherTorch:
-    """An import hook: ``import fbgemm_gpu`` fails as an FBGEMM release built for another torch does."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "fbgemm_gpu":
-            raise OSError("fbgemm_gpu_tbe_index_select.so: undefined symbol: _ZN5torch8autograd13_wrap_outputs")
-        return None
-
-
 @pytest.mark.parametrize("failure", ["missing", "built for another torch"])
 def test_torchrec_names_without_a_loadable_fbgemm_say_what_to_install(failure, monkeypatch):
     """TorchRec's entry points raise ImportError naming the installed torch and where the release pairs are,
@@ -117,7 +109,7 @@ def test_torchrec_names_without_a_loadable_fbgemm_say_what_to_install(failure, m
         monkeypatch.setitem(sys.modules, "fbgemm_gpu", None)  # what an absent package imports as
     else:
         monkeypatch.delitem(sys.modules, "fbgemm_gpu", raising=False)
-        monkeypatch.setattr(sys, "meta_path", [_FbgemmBuiltForAnotherTorch(), *sys.meta_path])
+        monkeypatch.setattr(sys, "meta_path", [BrokenFbgemmFinder(), *sys.meta_path])
     # A name an earlier test loaded is cached in the package: drop it so the lookup runs again.
     if "TieredEmbeddingBagCollectionSharder" in vars(tiered_torchrec):
         monkeypatch.delattr(tiered_torchrec, "TieredEmbeddingBagCollectionSharder")
@@ -125,5 +117,28 @@ def test_torchrec_names_without_a_loadable_fbgemm_say_what_to_install(failure, m
         tiered_torchrec.TieredEmbeddingBagCollectionSharder  # noqa: B018 - the lookup is the test
     message = str(error.value)
     assert f"built for torch {torch.__version__}" in message and "docs/TORCHREC.md" in message
-    expected = "undefined symbol" if failure != "missing" else "fbgemm_gpu"
+    expected = MESSAGE if failure != "missing" else "fbgemm_gpu"
     assert expected in message
+
+
+_RUN_PYTEST_BESIDE_A_BROKEN_FBGEMM = """
+import sys
+import pytest
+sys.path.insert(0, "tests")
+from broken_fbgemm import BrokenFbgemmFinder
+sys.meta_path.insert(0, BrokenFbgemmFinder())
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider",
+                      "tests/test_public_api.py::test_errors_name_unnamed_tables_by_index"]))
+"""
+
+
+def test_the_suite_stops_at_once_beside_an_fbgemm_built_for_another_torch():
+    """tests/conftest.py: an installed FBGEMM_GPU whose libraries fail to load stops the run before any test,
+    with the message of require_torchrec, instead of failing each FBGEMM and TorchRec test on a symbol."""
+    from pathlib import Path
+
+    result = subprocess.run([sys.executable, "-c", _RUN_PYTEST_BESIDE_A_BROKEN_FBGEMM], capture_output=True,
+                            text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    assert f"built for torch {torch.__version__}" in result.stderr and MESSAGE in result.stderr
+    assert "passed" not in result.stdout
