@@ -15,6 +15,8 @@ names load torchrec on first use, so ``tiered-tbe train`` reads its ``--torchrec
 
 import importlib
 
+import torch
+
 _PUBLIC = {
     "TieredEmbeddingBagCollectionSharder": "tiered_tbe.torchrec.sharder",
     "TieredShardedEmbeddingBagCollection": "tiered_tbe.torchrec.sharder",
@@ -37,8 +39,6 @@ def require_torchrec() -> None:
         import fbgemm_gpu  # noqa: F401
         import torchrec  # noqa: F401
     except (ImportError, OSError) as error:
-        import torch
-
         raise ImportError(
             f"tiered_tbe.torchrec needs TorchRec and an FBGEMM_GPU release built for torch {torch.__version__} "
             "(pip install 'tiered-tbe[torchrec]'; which releases pair with which torch: docs/TORCHREC.md, "
