@@ -241,9 +241,7 @@ def test_compile_cache_kernels_records_a_launch_of_every_cache_kernel():
     every = {name for module in (_kernels, batch_kernels, policy_kernels) for name, value in vars(module).items()
              if isinstance(value, FakeCUDAKernel) and not getattr(value, "_device", False)}
     launches = compile_cache_kernels.record_launches()
-    twins = {twin for entry in launches for twin in compile_cache_kernels.GPU_ONLY_TWINS.get(entry["kernel"], ())}
-    assert twins == {"rank_ways_staged_kernel"}  # a GPU-only kernel is compiled with its twin's signatures
-    assert {entry["kernel"] for entry in launches} | twins == every
+    assert {entry["kernel"] for entry in launches} == every
     prefetch_keys = {tuple(entry["args"][4]) for entry in launches if entry["kernel"] == "sort_keys_kernel"}
     assert prefetch_keys == {("array", "int32", 1, "C")}  # int32 keys: the rows fit
     assert {tuple(entry["args"][0]) for entry in launches if entry["kernel"] == "sort_keys_kernel"} == {
@@ -419,3 +417,15 @@ def test_bench_host_memory_times_every_kind_and_row_width(tmp_path, capsys):
     assert "| registered_huge_pages |" in out and "| managed |" in out and "| managed_prefetched |" in out
     with pytest.raises(SystemExit):
         bench_host_memory.main(["--gb", "0.00000001", "--dims", "128"])
+
+
+def test_find_allocations_names_the_project_frames_of_a_segment():
+    """tools/find_allocations.py groups each cudaMalloc by the project's innermost frames of its stack
+    (torch's own frames left out), as many as asked; a stack without one says so."""
+    find = tool("find_allocations")
+    frames = [{"filename": "/usr/lib/python3/site-packages/torch/cuda/graphs.py", "line": 9, "name": "replay"},
+              {"filename": "/repo/kernels/linearize.py", "line": 76, "name": "linearize"},
+              {"filename": "/repo/tiered_tbe/module.py", "line": 251, "name": "_prepare"},
+              {"filename": "/repo/tiered_tbe/module.py", "line": 355, "name": "prefetch"}]
+    assert find.project_frames(frames, 2) == "linearize.py:76 linearize <- module.py:251 _prepare"
+    assert find.project_frames(frames[:1], 2) == "(no project frame)"
