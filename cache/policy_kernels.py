@@ -12,9 +12,7 @@ simulator runs one miss at a time. Here it runs in six data-parallel passes, non
                              victim: the way's next use, from the window bits
     way_of_rank.fill_(-1)    no rank yet anywhere
     rank_ways_kernel         a thread per way of each such set: the unlocked ways in the order
-                             of ``policy.victim_order`` (a way's rank: how many come before it);
-                             or (TIERED_TBE_RANK_WAYS=staged) rank_ways_staged_kernel, the
-                             same ranks from keys staged in shared memory
+                             of ``policy.victim_order`` (a way's rank: how many come before it)
     fill_misses_kernel       a thread per asking miss: the k-th takes the way of rank k, or
                              no slot when its set has fewer unlocked ways (or, lfu-admit, when
                              the way holds a row used at least as often)
@@ -33,20 +31,16 @@ slot has one writer.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from numba import cuda
 
-from tiered_tbe.base.mode import SIMULATION
 from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT, WINDOW_BITS
 from tiered_tbe.cache.batch_kernels import set_starts_of_batch
 from tiered_tbe.cache.launch import DEVICE_CALL_THREADS, cached_kernel
 from tiered_tbe.cache.policy import (
     EMPTY,
-    MAX_WAYS,
     NEXT_USE_UNKNOWN,
     NO_SLOT,
     admits_device,
@@ -60,22 +54,6 @@ from tiered_tbe.cache.policy import (
 )
 
 LANES = 32  # threads a set in the per-way kernels (a warp)
-# Sets a block of rank_ways_staged_kernel ranks at once (a warp each): the per-way kernels' blocks.
-STAGED_SETS = 8
-# Which rank kernel runs (env TIERED_TBE_RANK_WAYS at import; this name is read at every prefetch): "loads"
-# (rank_ways_kernel: each lane loads every other way's key) or "staged" (rank_ways_staged_kernel: each way's key
-# loaded once, into shared memory). "loads" stays the default until "staged" has run the GPU's cache tests and been
-# measured against it (docs/performance.md, plan). In the CUDA simulator "staged" runs a warp a block, and each
-# barrier costs ~20 ms with 32 threads: tests only (tests/test_rank_ways.py).
-def rank_ways_setting(value: str) -> str:
-    """``value`` if it names a rank kernel ("loads" or "staged"); ValueError otherwise (at import, before any
-    prefetch has locked a row)."""
-    if value not in ("staged", "loads"):
-        raise ValueError(f"TIERED_TBE_RANK_WAYS must be 'staged' or 'loads', got {value!r}")
-    return value
-
-
-RANK_WAYS = rank_ways_setting(os.environ.get("TIERED_TBE_RANK_WAYS", "loads"))
 
 
 class SlotMetadata(NamedTuple):
@@ -114,9 +92,7 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
                     needs_slot)
     needs_number = torch.cumsum(needs_slot, 0, dtype=torch.int32)
     # A warp per touched set; few threads in the simulator (launch.DEVICE_CALL_THREADS).
-    # Blocks of STAGED_SETS warps: the sets rank_ways_staged_kernel's shared memory holds.
-    per_way = launcher.shape_of(min(n, num_sets) * LANES, max_threads=LANES * STAGED_SETS,
-                                simulated_threads=DEVICE_CALL_THREADS)
+    per_way = launcher.shape_of(min(n, num_sets) * LANES, simulated_threads=DEVICE_CALL_THREADS)
     sets = (set_start, set_of_position, needs_number, associativity)
     if window_bits is not None:
         launcher.launch_configured(decode_next_use_kernel, *per_way, *sets, step, slots.tags, window_bits,
@@ -125,21 +101,12 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
     # memset of S bytes in the graph; counting each set's unlocked ways in every thread of its warp instead cost
     # the rank kernel 0.61 -> 0.79 ms a step on the H200 (mixed dims, bags of 20; results/measurements.jsonl).
     way_of_rank.fill_(-1)
-    rank_kernel, rank_shape = _rank_launch(per_way, min(n, num_sets))
-    launcher.launch_configured(rank_kernel, *rank_shape, *sets, policy, slots.tags, slots.last_use,
+    launcher.launch_configured(rank_ways_kernel, *per_way, *sets, policy, slots.tags, slots.last_use,
                                slots.use_count, slots.next_use, slots.locks, slots.way_of_rank)
     launcher.launch(fill_misses_kernel, n, set_start, set_number, set_of_position, unique_of_position, needs_slot,
                     needs_number, unique.unique_rows, associativity, step, policy, slots.way_of_rank, slots.tags,
                     slots.last_use, slots.use_count, slots.dirty, slots.locks, slots.bypass_count, slots.row_uses,
                     unique.slot_of_unique, unique.outcome, unique.victim_row, unique.victim_was_dirty)
-
-
-def _rank_launch(per_way: tuple[int, int], most_sets: int):
-    """The rank kernel of ``RANK_WAYS`` and its launch shape: the per-way kernels' (``per_way``), or for the staged
-    kernel in the simulator a warp a block, a block for each of the ``most_sets`` sets a batch may touch."""
-    if RANK_WAYS == "loads":
-        return rank_ways_kernel, per_way
-    return rank_ways_staged_kernel, (max(1, most_sets), LANES) if SIMULATION else per_way
 
 
 @cached_kernel
@@ -284,77 +251,6 @@ def rank_ways_kernel(
                         break  # no miss of this batch takes this way: its rank is not needed
             if rank < asking:
                 way_of_rank[first_slot + rank] = way
-
-
-@cached_kernel
-def rank_ways_staged_kernel(
-    set_start,  # int32 [N]: first position of each set the batch touches, in order, then N
-    set_of_position,  # int32 [N]: the set of each position (ascending)
-    needs_number,  # int32 [N]: inclusive prefix sum of slot_needed_kernel's needs_slot
-    associativity,  # int64: ways per set (at most MAX_WAYS)
-    policy,  # int64: POLICY_* code
-    tags,  # int64 [S]
-    last_use,  # int64 [S]
-    use_count,  # int32 [S]
-    next_use,  # int64 [S]
-    locks,  # int32 [S]: the hits of this batch are locked already
-    way_of_rank,  # int8 [S] in/out: as rank_ways_kernel's
-):
-    """rank_ways_kernel's ranks, way for way, with each way's state loaded once. There each lane loads every
-    other way's tag, lock and policy state to compare (~5 loads a way it passes, a set's 32 lanes up to 32 ways
-    each); here the warp of a set first stages its ways' places in the order (``victim_order``) in shared
-    memory, one way a lane, then each lane ranks its way against them there. Launched as blocks of
-    ``LANES * STAGED_SETS`` threads (a warp a set; ``blockDim.x`` must be a multiple of ``LANES``, at most
-    that); the rounds over the touched sets are the same for every thread of a block, so each reaches every
-    barrier."""
-    group = cuda.shared.array((STAGED_SETS, MAX_WAYS), np.int64)
-    primary = cuda.shared.array((STAGED_SETS, MAX_WAYS), np.int64)
-    secondary = cuda.shared.array((STAGED_SETS, MAX_WAYS), np.int64)
-    unlocked = cuda.shared.array((STAGED_SETS, MAX_WAYS), np.uint8)
-    warp = cuda.threadIdx.x // LANES
-    lane = cuda.threadIdx.x % LANES
-    warps = cuda.blockDim.x // LANES
-    n = set_start.shape[0]
-    sets_a_round = cuda.gridDim.x * warps
-    for first_touched in range(cuda.blockIdx.x * warps, n, sets_a_round):  # the block's sets of this round
-        if set_start[first_touched] >= n:
-            break  # past the touched sets (they come first): for every thread of the block alike
-        asking = 0
-        first_slot = 0
-        if first_touched + warp < n:
-            begin, _, asking = asking_before_set(first_touched + warp, set_start, needs_number)
-            if begin < n:
-                first_slot = set_of_position[begin] * associativity
-            else:
-                asking = 0
-        if asking > 0:
-            for way in range(lane, associativity, LANES):
-                slot = first_slot + way
-                free = locks[slot] == 0
-                unlocked[warp, way] = 1 if free else 0
-                if free:
-                    way_group, way_primary, way_secondary = victim_order_device(policy, slot, tags, last_use,
-                                                                                use_count, next_use)
-                    group[warp, way] = way_group
-                    primary[warp, way] = way_primary
-                    secondary[warp, way] = way_secondary
-        cuda.syncthreads()
-        if asking > 0:
-            for way in range(lane, associativity, LANES):
-                if unlocked[warp, way] == 0:
-                    continue
-                rank = 0
-                for other in range(associativity):
-                    if other == way or unlocked[warp, other] == 0:
-                        continue
-                    if comes_before_device(group[warp, other], primary[warp, other], secondary[warp, other], other,
-                                           group[warp, way], primary[warp, way], secondary[warp, way], way):
-                        rank += 1
-                        if rank >= asking:
-                            break  # no miss of this batch takes this way: its rank is not needed
-                if rank < asking:
-                    way_of_rank[first_slot + rank] = way
-        cuda.syncthreads()  # the staged ways are read before the next round writes over them
 
 
 @cached_kernel

@@ -1,21 +1,14 @@
-"""The two kernels that rank a set's unlocked ways for its asking misses (cache/policy_kernels.py):
-``rank_ways_kernel`` (the default) and ``rank_ways_staged_kernel`` (``TIERED_TBE_RANK_WAYS=staged``: the ways'
-keys staged in shared memory, a warp a set, barriers between rounds), against a plain-Python reference of the
-order of victims (``policy.victim_order``, then the way) on blocks of whole warps as on a GPU (several warps a
-block, several blocks, more touched sets than a round covers, and the sets past them), and the staged one
-inside a whole cache against the CPU simulator."""
-
-import sys
+"""The kernel that ranks a set's unlocked ways for its asking misses (``rank_ways_kernel``,
+cache/policy_kernels.py) against a plain-Python reference of the order of victims (``policy.victim_order``, then
+the way): touched sets with and without asking misses, locked ways, ties, and the positions past the sets."""
 
 import numpy as np
 import pytest
 import torch
-from cache_helpers import ROW_BYTES, TrainingCheck, assert_same_state, is_cached_row, make_tables, make_trace
 
-from tiered_tbe.cache import CacheSimulator, SlotCache, policy_kernels
 from tiered_tbe.cache.launch import KernelLauncher
-from tiered_tbe.cache.policy import EMPTY, MAX_WAYS, POLICIES, POLICY_CODES, victim_order_cpu
-from tiered_tbe.cache.policy_kernels import LANES, rank_ways_kernel, rank_ways_staged_kernel
+from tiered_tbe.cache.policy import EMPTY, MAX_WAYS, POLICY_CODES, victim_order_cpu
+from tiered_tbe.cache.policy_kernels import rank_ways_kernel
 
 
 def _batch(generator, num_sets, associativity, touched_sets, most_asking):
@@ -61,55 +54,18 @@ def _reference(inputs, state, associativity, policy):
     return torch.from_numpy(way_of_rank)
 
 
-@pytest.fixture
-def quick_handoffs():
-    """The simulator's threads hand its device-call lock over at every device-function call: let them switch
-    quickly while a block of 32 of them runs."""
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    yield
-    sys.setswitchinterval(switch)
-
-
 @pytest.mark.parametrize("policy", list(POLICY_CODES))
 @pytest.mark.parametrize("associativity", [4, MAX_WAYS])
-def test_both_rank_kernels_give_the_reference_ranks(policy, associativity, quick_handoffs):
+def test_rank_ways_kernel_gives_the_reference_ranks(policy, associativity):
     generator = torch.Generator().manual_seed(associativity + POLICY_CODES[policy])
     num_sets = 9
-    touched = [0, 2, 3, 5, 6, 8]  # 6 sets: two rounds of 2 blocks of 2 warps, and sets past them
+    touched = [0, 2, 3, 5, 6, 8]  # 6 of the 9 sets, then the positions past them
     inputs, state = _batch(generator, num_sets, associativity, touched, most_asking=associativity // 2 + 3)
     code = POLICY_CODES[policy]
     expected = _reference(inputs, state, associativity, code)
-    launcher = KernelLauncher(torch.device("cpu"))
-    for kernel, grid, block in ((rank_ways_kernel, 1, 2), (rank_ways_staged_kernel, 2, 2 * LANES)):
-        way_of_rank = torch.full((num_sets * associativity,), -1, dtype=torch.int8)  # as assign_slots leaves it
-        launcher.launch_configured(kernel, grid, block, *inputs, associativity, code, state["tags"],
-                                   state["last_use"], state["use_count"], state["next_use"], state["locks"],
-                                   way_of_rank)
-        assert torch.equal(way_of_rank, expected), kernel.py_func.__name__
+    way_of_rank = torch.full((num_sets * associativity,), -1, dtype=torch.int8)  # as assign_slots leaves it
+    KernelLauncher(torch.device("cpu")).launch_configured(
+        rank_ways_kernel, 1, 2, *inputs, associativity, code, state["tags"], state["last_use"], state["use_count"],
+        state["next_use"], state["locks"], way_of_rank)
+    assert torch.equal(way_of_rank, expected)
     assert (expected >= 0).any() and (expected < 0).any()  # some ranks given, some left past the unlocked ways
-
-
-@pytest.mark.parametrize("policy", [name for name, policy in POLICIES.items() if not policy.reads_window])
-def test_a_cache_ranking_with_the_staged_kernel_agrees_with_the_simulator(policy, monkeypatch, quick_handoffs):
-    """The whole prefetch with rank_ways_staged_kernel (a warp a block in the simulator): equal counters and
-    slots to the CPU simulator after every batch, rows exact, as tests/test_cache_vs_simulator.py asks of
-    the default kernel."""
-    monkeypatch.setattr(policy_kernels, "RANK_WAYS", "staged")
-    cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy=policy, lfu_decay_interval=4)
-    simulator = CacheSimulator(16, 4, policy, lfu_decay_interval=4, row_bytes=ROW_BYTES)
-    check = TrainingCheck(cache)
-    for batch in make_trace(num_batches=12):
-        check.step(batch)
-        cached = batch[is_cached_row(batch)]
-        simulator.run(cached, np.array([0, cached.size]))
-        assert cache.stats() == simulator.stats
-        assert_same_state(cache, simulator)
-    assert cache.stats().evictions > 5 and cache.stats().misses_no_slot > 0
-    check.check_backing_after_flush()
-
-
-def test_an_unknown_rank_kernel_is_refused_at_import():
-    assert policy_kernels.rank_ways_setting("staged") == "staged"
-    with pytest.raises(ValueError, match="TIERED_TBE_RANK_WAYS must be 'staged' or 'loads', got 'fastest'"):
-        policy_kernels.rank_ways_setting("fastest")

@@ -95,14 +95,8 @@ def numba_type(description):
     return getattr(types, description[0])
 
 
-# Kernels a GPU runs in place of one the simulator runs, with its arguments (cache/policy_kernels.py: the rank
-# kernel whose barriers the simulator would take ~20 ms each).
-GPU_ONLY_TWINS = {"rank_ways_kernel": ("rank_ways_staged_kernel",)}
-
-
 def compile_recorded(launches: list[dict], arch: int) -> list[dict]:
-    """Compile each recorded signature for ``sm_<arch>`` (and the kernels of ``GPU_ONLY_TWINS`` with their
-    twin's); one report per signature."""
+    """Compile each recorded signature for ``sm_<arch>``; one report per signature."""
     from numba import cuda
     from numba.cuda import dispatcher
 
@@ -112,12 +106,11 @@ def compile_recorded(launches: list[dict], arch: int) -> list[dict]:
     dispatcher.get_current_device = Target
     reports = []
     for entry in launches:
+        kernel = getattr(importlib.import_module(entry["module"]), entry["kernel"])
         signature = tuple(numba_type(d) for d in entry["args"])
-        for name in (entry["kernel"], *GPU_ONLY_TWINS.get(entry["kernel"], ())):
-            kernel = getattr(importlib.import_module(entry["module"]), name)
-            ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(arch // 10, arch % 10))
-            reports.append({"kernel": name, "signature": ", ".join(str(t) for t in signature),
-                            "ptx_bytes": len(ptx), "local_memory": ".local" in ptx})
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(arch // 10, arch % 10))
+        reports.append({"kernel": entry["kernel"], "signature": ", ".join(str(t) for t in signature),
+                        "ptx_bytes": len(ptx), "local_memory": ".local" in ptx})
     return reports
 
 
