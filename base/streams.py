@@ -10,7 +10,6 @@ keys a cache of its ``Stream`` object (0.6 us a lookup).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -80,25 +79,3 @@ def loop_stream(device: torch.device, role: str, priority: int = 0) -> torch.cud
     if stream is None:
         stream = _LOOP_STREAMS[key] = torch.cuda.Stream(device=device, priority=priority)
     return stream
-
-
-@contextlib.contextmanager
-def branches(device: torch.device, count: int):
-    """Spread up to ``count`` independent launches over streams of their own. Yields ``branch``: ``with
-    branch(i):`` makes launch ``i``'s stream current. Each stream first waits for the work queued on the
-    current stream, and the current stream waits for them all at the end, so the work before and after is
-    ordered as if the launches ran on it (tensors made before stay alive past them); a CUDA graph being
-    captured takes them as parallel branches. On the CPU or with ``count <= 1``: the current stream."""
-    if device.type != "cuda" or count <= 1:
-        yield lambda i: contextlib.nullcontext()
-        return
-    main = current_stream(device)
-    priority = main.priority  # a pipeline's training stream runs first (tiered_tbe/pipeline.py): so do its branches
-    side = [loop_stream(device, f"branch {i}, priority {priority}", priority) for i in range(count)]
-    for stream in side:
-        stream.wait_stream(main)
-    try:
-        yield lambda i: torch.cuda.stream(side[i % count])
-    finally:
-        for stream in side:
-            main.wait_stream(stream)

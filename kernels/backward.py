@@ -53,7 +53,6 @@ from typing import NamedTuple
 import torch
 import triton
 
-from tiered_tbe.base import streams
 from tiered_tbe.base.graphs import GraphLaunches, padded_size, to_device
 
 from .addressing import INTERPRETING, POOLING_NONE, pooling_code, row_slice_alignment_bytes
@@ -159,7 +158,6 @@ class _UpdatePlan(NamedTuple):
     reads_step: bool  # the kernels read the step (stochastic rounding, an optimizer's USES_STEP)
     padded: bool  # the batch went through grouping.pad_batch (its padding, if any, ends it)
     reads_copies: bool  # rows read in place are read from the forward's copies (kernels/in_place_copies.py)
-    branches: int  # streams the column groups' row-update launches spread over (backward_branches)
 
 
 def backward_update(
@@ -251,8 +249,7 @@ def backward_update(
         use_cache=slot_of_index is not None and stores.uses_cache, optimizer_triton=optimizer.TRITON,
         num_hyper=len(hyper),
         stochastic_rounding=rounds_stochastically,
-        reads_step=rounds_stochastically or optimizer.USES_STEP, padded=pad, reads_copies=reads_copies,
-        branches=backward_branches())
+        reads_step=rounds_stochastically or optimizer.USES_STEP, padded=pad, reads_copies=reads_copies)
     copy_rows = copies.rows if reads_copies else stores.cache_weights  # the kernels' argument, read if reads_copies
     # The step is read by stochastic rounding and by the optimizers whose update reads it (Adam's
     # bias corrections), and passed only then: otherwise a replay's arguments stay the same from
@@ -297,15 +294,6 @@ def updates_per_group(stores: RowStores) -> bool:
     have several, unless ``TIERED_TBE_BACKWARD_ONE_LAUNCH=1`` (one launch over every run at the widest
     dim's column tile, as before the groups: measurements side by side)."""
     return stores.table_groups is not None and os.environ.get("TIERED_TBE_BACKWARD_ONE_LAUNCH", "0") != "1"
-
-
-def backward_branches() -> int:
-    """Streams the column groups' row-update launches spread over (at most one a group):
-    ``TIERED_TBE_BACKWARD_BRANCHES`` (default 1: one after another on the current stream). Each group's tables
-    are its own rows, so its launch depends on no other's; on streams of their own (graph branches when
-    captured) a group's launch, whose grid spans every lookup and mostly exits early, need not wait for the
-    one before it. Not measured yet on a GPU (docs/performance.md, plan), so off by default."""
-    return max(1, int(os.environ.get("TIERED_TBE_BACKWARD_BRANCHES", "1")))
 
 
 def _row_update_launches(stores: RowStores, s: SortedLookups, config: BackwardConfig) -> list[_RowUpdateLaunch]:
@@ -379,16 +367,13 @@ def _enqueue_update(plan: _UpdatePlan, stores: RowStores, indices, offsets, per_
         num_lookups, plan.batch_size, **common, **updating, READS_COPIES=plan.reads_copies, GROUP=group,
         WINDOWS=config.hot_windows,
         BLOCK_P=8 if INTERPRETING else 32, BLOCK_L=HOT_LANES, num_warps=4)
-    launches = _row_update_launches(stores, s, config)
-    with streams.branches(device, min(plan.branches, len(launches))) as branch:
-        for number, launch in enumerate(launches):
-            with branch(number):
-                _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, launch.rows), config.tiles),)](
-                    s.num_runs, s.run_end, *gradient_args, *update_args, *copy_args, stores.num_rows,
-                    *launch.groups, num_lookups, plan.batch_size,
-                    **dict(common, BLOCK_D=launch.block_d), **updating, READS_COPIES=plan.reads_copies,
-                    ROWS=launch.rows, BLOCK_L=config.lanes,
-                    num_warps=config.num_warps, GROUPED=launch.grouped, TABLE_STEPS=launch.table_steps)
+    for launch in _row_update_launches(stores, s, config):
+        _row_update_kernel[(triton.cdiv(triton.cdiv(num_lookups, launch.rows), config.tiles),)](
+            s.num_runs, s.run_end, *gradient_args, *update_args, *copy_args, stores.num_rows, *launch.groups,
+            num_lookups, plan.batch_size,
+            **dict(common, BLOCK_D=launch.block_d), **updating, READS_COPIES=plan.reads_copies, ROWS=launch.rows,
+            BLOCK_L=config.lanes,
+            num_warps=config.num_warps, GROUPED=launch.grouped, TABLE_STEPS=launch.table_steps)
     if plan.reads_step and step_args.is_cuda and torch.cuda.is_current_stream_capturing():
         # The step's arguments one step on, in place, after every kernel that reads them: a graph's next
         # replay finds the next step's there, and its host-to-device copy is skipped (StepGraphs' advance).

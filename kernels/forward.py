@@ -33,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tiered_tbe.base import streams
 from tiered_tbe.base.graphs import padded_size
 
 from .addressing import (
@@ -292,7 +291,6 @@ class _ForwardPlan(NamedTuple):
     has_per_sample_weights: bool
     tile: ForwardTile | None
     keeps_copies: bool  # writes the rows read in place to copies (kernels/in_place_copies.py)
-    branches: int  # streams the column groups' launches spread over (forward_branches), 1: the current one
 
 
 def pooled_forward(
@@ -360,13 +358,12 @@ def pooled_forward(
         _check_copies(stores, copies, lookups.num_lookups)
     tensors = (output, lookups.indices, lookups.offsets, slot_of_index if use_cache else None,
                lookups.per_sample_weights, copies.rank if keeps_copies else None)
-    grouped = launches_per_group(stores, mode)
-    plan = _ForwardPlan(mode, batch_size, tuple(padded.shape), grouped,
+    plan = _ForwardPlan(mode, batch_size, tuple(padded.shape), launches_per_group(stores, mode),
                         row_slice_alignment_bytes(output, stores),
                         min(_alignment_bytes(tensor) for tensor in tensors[1:] if tensor is not None),
                         bag_class,
                         (lookups.indices.dtype, lookups.offsets.dtype), use_cache, tensors[4] is not None, tile,
-                        keeps_copies, forward_branches(len(launch_groups(stores, grouped))))
+                        keeps_copies)
     copy_rows = copies.rows if keeps_copies else stores.cache_weights  # the kernel's argument, written if kept
     # Launched directly where no graph will be replayed (graphs off) or inside a caller's capture (a
     # capture bakes the addresses in; the address block's pinned copy would be replayed stale).
@@ -419,14 +416,6 @@ def launches_per_group(stores: RowStores, mode: int) -> bool:
             and os.environ.get("TIERED_TBE_FORWARD_ONE_LAUNCH", "0") != "1")
 
 
-def forward_branches(num_groups: int) -> int:
-    """Streams a forward's ``num_groups`` column-group launches spread over: ``TIERED_TBE_FORWARD_BRANCHES`` (at
-    most one a group; default 1: one launch after another on the current stream). On streams of their own a
-    small group's launch need not wait for the one before it to drain its last wave; a graph replays them as
-    branches. Not measured yet on a GPU (docs/performance.md, plan), so off by default."""
-    return max(1, min(num_groups, int(os.environ.get("TIERED_TBE_FORWARD_BRANCHES", "1"))))
-
-
 def launch_groups(stores: RowStores, grouped: bool) -> tuple[ColumnGroup, ...]:
     """The column groups a forward-type kernel launches over: the stores' (``grouped``), or one of
     every feature with the widest dim's column tile and the whole descriptor."""
@@ -451,26 +440,24 @@ def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, addresses, output, i
         shape = dict(BLOCK_B=tile.bags, BLOCK_L=tile.lanes, GROUPS=tile.groups, STAGES=tile.stages,
                      num_warps=tile.warps)
     output_stride, output_width = plan.output_shape[1], plan.output_shape[1]  # a contiguous output
-    with streams.branches(output.device, plan.branches) as branch:
-        for number, group in enumerate(launch_groups(stores, plan.grouped)):
-            with branch(number):
-                kernel[_grid(plan.batch_size, len(group.features))](
-                    addresses if addresses is not None else offsets, output, output_stride, output_width,
-                    group.descriptor, stores.cache_weights, stores.cache_weights.stride(0),
-                    indices, offsets, slot_of_index if plan.use_cache else indices,
-                    per_sample_weights if plan.has_per_sample_weights else output,
-                    in_place_rank if plan.keeps_copies else indices, copy_rows, copy_rows.stride(0), copy_rows.shape[0],
-                    plan.batch_size, plan.bag_length_class,
-                    POOLING=plan.mode,
-                    HAS_PER_SAMPLE_WEIGHTS=plan.has_per_sample_weights,
-                    USE_CACHE=plan.use_cache,
-                    KEEPS_COPIES=plan.keeps_copies,
-                    ALIGN=stores.alignment,
-                    ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
-                    BLOCK_D=group.block_d,
-                    GROUPED=plan.grouped,
-                    ADDRESSES=addresses is not None,
-                    OUTPUT_ALIGN_BYTES=plan.output_align_bytes,
-                    INPUT_ALIGN_BYTES=plan.input_align_bytes,
-                    **shape,
-                )
+    for group in launch_groups(stores, plan.grouped):
+        kernel[_grid(plan.batch_size, len(group.features))](
+            addresses if addresses is not None else offsets, output, output_stride, output_width,
+            group.descriptor, stores.cache_weights, stores.cache_weights.stride(0),
+            indices, offsets, slot_of_index if plan.use_cache else indices,
+            per_sample_weights if plan.has_per_sample_weights else output,
+            in_place_rank if plan.keeps_copies else indices, copy_rows, copy_rows.stride(0), copy_rows.shape[0],
+            plan.batch_size, plan.bag_length_class,
+            POOLING=plan.mode,
+            HAS_PER_SAMPLE_WEIGHTS=plan.has_per_sample_weights,
+            USE_CACHE=plan.use_cache,
+            KEEPS_COPIES=plan.keeps_copies,
+            ALIGN=stores.alignment,
+            ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
+            BLOCK_D=group.block_d,
+            GROUPED=plan.grouped,
+            ADDRESSES=addresses is not None,
+            OUTPUT_ALIGN_BYTES=plan.output_align_bytes,
+            INPUT_ALIGN_BYTES=plan.input_align_bytes,
+            **shape,
+        )

@@ -173,27 +173,3 @@ def test_a_launch_per_group(dims, expected, monkeypatch, device):
     monkeypatch.setenv("TIERED_TBE_BACKWARD_ONE_LAUNCH", "1")
     backward_update(grad_output, stores, lookups, slot_of_index, "sum", optimizer, STEP, config=config)
     assert recorder.launches == [(stores.block_d, config.rows, False)]
-
-
-@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
-def test_row_updates_on_branches_equal_one_stream_bitwise(graphed, monkeypatch, device):
-    """TIERED_TBE_BACKWARD_BRANCHES=3: the groups' row-update launches on 3 streams (a GPU; on the CPU one),
-    eager or in a CUDA graph, update the stores bit for bit as one stream does, over several steps."""
-    from tiered_tbe.base.graphs import StepGraphs
-
-    optimizer = ALL_OPTIMIZERS["rowwise_adagrad"]
-    stores, lookups, slot_of_index = make_batch(dims=MIXED_DIMS, num_rows=MIXED_ROWS, batch_size=3, max_bag=4,
-                                                optimizer=optimizer, weighted=True,
-                                                feature_table_map=MIXED_FEATURES, device=device)
-    grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
-    results = []
-    for branches in ("1", "3"):
-        monkeypatch.setenv("TIERED_TBE_BACKWARD_BRANCHES", branches)
-        updated = stores.clone()
-        graphs = StepGraphs(capture_after=1) if graphed else None
-        for step in range(3):  # graphed: eager, capture, replay
-            backward_update(grad_output, updated, lookups, slot_of_index, "sum", optimizer, STEP + step,
-                            graphs=graphs)
-        results.append(updated)
-    assert backward_module.backward_branches() == 3
-    assert_stores_equal(results[0], results[1])

@@ -45,9 +45,8 @@ class LaunchRecorder:
             features = (grid({"BLOCK_B": 1, "GROUPS": 1}) if callable(grid) else grid)[1]
             descriptor = next(a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2
                               and a.dtype == torch.int64)
-            stream = torch.cuda.current_stream().cuda_stream if descriptor.is_cuda else None
             self.launches.append(dict(features=features, descriptor=descriptor, BLOCK_D=kwargs["BLOCK_D"],
-                                      GROUPED=kwargs["GROUPED"], stream=stream))
+                                      GROUPED=kwargs["GROUPED"]))
             return self.kernel[grid](*args, **kwargs)
         return launch
 
@@ -114,32 +113,6 @@ def test_mixed_dims_launch_per_group_and_equal_one_launch_bitwise(pooling, weigh
     one_launch = pooled_forward(stores, lookups, slots, pooling)
     assert recorder.launches[-1]["BLOCK_D"] == 512 and recorder.launches[-1]["GROUPED"] is False
     assert torch.equal(grouped, one_launch)
-
-
-@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
-def test_column_groups_on_branches_equal_one_stream_bitwise(graphed, monkeypatch, device):
-    """TIERED_TBE_FORWARD_BRANCHES=3: the groups' launches spread over 3 streams (a GPU; on the CPU one), eager
-    or in a CUDA graph (its branches), and the output is the one stream's, bit for bit, and ready on the
-    current stream when the call returns."""
-    from tiered_tbe.base.graphs import StepGraphs
-
-    stores, lookups, slots = mixed_batch(device, batch_size=5)
-    expected = pooled_forward(stores, lookups, slots, "sum")
-    monkeypatch.setenv("TIERED_TBE_FORWARD_BRANCHES", "3")
-    assert forward_module.forward_branches(len(stores.column_groups)) == 3
-    recorder = record_forward_launches(monkeypatch)
-    graphs = StepGraphs(capture_after=1) if graphed else None
-    for _ in range(3 if graphed else 1):  # graphed: eager, capture, replay
-        output = pooled_forward(stores, lookups, slots, "sum", graphs=graphs)
-        assert torch.equal(output, expected)
-    if device.type == "cuda":
-        streams_used = {launch["stream"] for launch in recorder.launches[:len(stores.column_groups)]}
-        assert len(streams_used) == 3 and torch.cuda.current_stream().cuda_stream not in streams_used
-        if graphed:
-            assert graphs.replays >= 1
-    monkeypatch.setenv("TIERED_TBE_FORWARD_BRANCHES", "99")
-    groups = len(stores.column_groups)
-    assert forward_module.forward_branches(groups) == groups  # one a group at most
 
 
 def test_pooling_none_on_mixed_dims_is_one_launch_with_zeros_past_each_dim(monkeypatch, device):
