@@ -34,8 +34,9 @@ def project_frames(frames: list[dict], depth: int) -> str:
     return " <- ".join(ours[:depth]) or "(no project frame)"
 
 
-def steps_of(emb, config, batches, grad, count: int):
-    """Yield after each of ``count`` training steps of ``emb`` (serial prefetch, or a depth-2 pipeline)."""
+def steps_of(emb, config, batches, grad, count: int, sync: bool = False):
+    """Yield after each of ``count`` training steps of ``emb`` (serial prefetch, or a depth-2 pipeline);
+    ``sync``: the host waits for each step's GPU work (a loop that reads its loss every step)."""
     stream = common.cycle(batches, count)
     if config.pipelined:
         stream = PrefetchPipeline(emb, stream, depth=2)
@@ -45,6 +46,8 @@ def steps_of(emb, config, batches, grad, count: int):
         out = emb(indices, offsets, per_sample_weights=weights)
         out.backward(grad[: out.shape[0]])
         del out
+        if sync:
+            torch.cuda.synchronize()
         yield i
 
 
@@ -54,6 +57,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=20, help="steps before the recording")
     parser.add_argument("--steps", type=int, default=40, help="steps recorded")
     parser.add_argument("--depth", type=int, default=4, help="project frames printed per allocation")
+    parser.add_argument("--sync", action="store_true",
+                        help="synchronize after each step: without it the host may run steps ahead of the GPU, and "
+                             "each step ahead holds its batch's memory a while longer")
     args = parser.parse_args(argv)
     if SIMULATION:
         print("find_allocations: a GPU only (the CPU has no caching allocator to watch)")
@@ -65,7 +71,7 @@ def main(argv=None) -> int:
         emb = ours_module(config, bench_args)
         step_of_segment: list[int] = []
         recording = False
-        for i in steps_of(emb, config, batches, grad, args.warmup + args.steps):
+        for i in steps_of(emb, config, batches, grad, args.warmup + args.steps, args.sync):
             if i + 1 == args.warmup:
                 torch.cuda.synchronize()
                 torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
@@ -77,7 +83,8 @@ def main(argv=None) -> int:
         torch.cuda.memory._record_memory_history(enabled=None)
         segments = [event for trace in snapshot["device_traces"] for event in trace
                     if event["action"] == "segment_alloc"]
-        print(f"== {config.name}: {len(segments)} cudaMalloc over {args.steps} steps after {args.warmup}")
+        print(f"== {config.name}: {len(segments)} cudaMalloc over {args.steps} steps after {args.warmup}"
+              + (", a synchronize after each step" if args.sync else ""))
         by_call = Counter(project_frames(event.get("frames", []), args.depth) for event in segments)
         sizes: dict[str, list[int]] = {}
         for event in segments:
