@@ -8,7 +8,7 @@ import torch
 
 from tiered_tbe.cache.launch import KernelLauncher
 from tiered_tbe.cache.policy import EMPTY, MAX_WAYS, POLICY_CODES, victim_order_cpu
-from tiered_tbe.cache.policy_kernels import rank_ways_kernel
+from tiered_tbe.cache.policy_kernels import LANES, rank_ways_kernel
 
 
 def _batch(generator, num_sets, associativity, touched_sets, most_asking):
@@ -56,16 +56,19 @@ def _reference(inputs, state, associativity, policy):
 
 @pytest.mark.parametrize("policy", list(POLICY_CODES))
 @pytest.mark.parametrize("associativity", [4, MAX_WAYS])
-def test_rank_ways_kernel_gives_the_reference_ranks(policy, associativity):
+def test_rank_ways_kernel_gives_the_reference_ranks(policy, associativity, device):
+    """On the device of the run (the CUDA simulator here, the GPU there): one block of two warps, so a
+    warp ranks more than one set (the grid-stride loop)."""
     generator = torch.Generator().manual_seed(associativity + POLICY_CODES[policy])
     num_sets = 9
     touched = [0, 2, 3, 5, 6, 8]  # 6 of the 9 sets, then the positions past them
     inputs, state = _batch(generator, num_sets, associativity, touched, most_asking=associativity // 2 + 3)
     code = POLICY_CODES[policy]
     expected = _reference(inputs, state, associativity, code)
-    way_of_rank = torch.full((num_sets * associativity,), -1, dtype=torch.int8)  # as assign_slots leaves it
-    KernelLauncher(torch.device("cpu")).launch_configured(
-        rank_ways_kernel, 1, 2, *inputs, associativity, code, state["tags"], state["last_use"], state["use_count"],
-        state["next_use"], state["locks"], way_of_rank)
-    assert torch.equal(way_of_rank, expected)
+    on_device = {name: value.to(device) for name, value in state.items()}
+    way_of_rank = torch.full((num_sets * associativity,), -1, dtype=torch.int8, device=device)  # as assign_slots
+    KernelLauncher(device).launch_configured(
+        rank_ways_kernel, 1, 2 * LANES, *(t.to(device) for t in inputs), associativity, code, on_device["tags"],
+        on_device["last_use"], on_device["use_count"], on_device["next_use"], on_device["locks"], way_of_rank)
+    assert torch.equal(way_of_rank.cpu(), expected)
     assert (expected >= 0).any() and (expected < 0).any()  # some ranks given, some left past the unlocked ways
