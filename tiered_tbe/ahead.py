@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tiered_tbe.cache.batch_kernels import COUNTER_NAMES
+from tiered_tbe.cache.counter_readings import MISSES_NO_SLOT, UNIQUE_ROWS, CounterReadings
 from tiered_tbe.cache.slot_cache import SlotCache
 
 # A prefetch that leaves more than this share of its unique rows without a slot found the cache full. A
@@ -58,7 +58,6 @@ MARGIN = 0.02
 # queue lets it: the lookahead pipeline at Zipf 0.6 enqueued ~10 ms of host work a 41.7 ms step, and with
 # 16 slots it lowered once, then probably saw no prefetch again (docs/performance.md).
 _SLOTS = 256
-_UNIQUE_ROWS, _MISSES_NO_SLOT = COUNTER_NAMES.index("unique_rows"), COUNTER_NAMES.index("misses_no_slot")
 
 
 class StepTimer:
@@ -109,13 +108,7 @@ class AheadControl:
         self.ahead = depth
         self.caches = list(caches)
         self.timer = timer
-        pinned = bool(self.caches) and self.caches[0].device.type == "cuda"
-        self._copies = torch.zeros(_SLOTS, len(self.caches), len(COUNTER_NAMES), dtype=torch.int64,
-                                   pin_memory=pinned)
-        self._events: list[torch.cuda.Event | None] = [None] * _SLOTS
-        self._next = 0
-        self._pending: deque[tuple[int, int]] = deque()  # (ahead at the prefetch, its copy's slot)
-        self._previous: torch.Tensor | None = None  # the counters of the last copy read, [caches, counters]
+        self._readings = CounterReadings(self.caches, _SLOTS)  # tagged with the depth of their prefetch
         self._steps_since_probe = 0  # steps since the depth last went up, or a prefetch found no room
         # Timing: a serial of the depth's changes and the steps since the last (they tag each step), the
         # step times at this depth, the depth being tried from and its median, and steps before a try down.
@@ -130,21 +123,9 @@ class AheadControl:
         self.steps_at: dict[int, int] = {}  # steps run at each depth (read by benchmarks)
 
     def record(self) -> None:
-        """After a prefetch, on its stream: the caches' counters, copied without waiting."""
-        if not self.caches:
-            return
-        slot = self._next
-        event = self._events[slot]
-        if event is not None and not event.query():
-            return  # the copy of _SLOTS prefetches ago has not landed: this prefetch goes unseen
-        for index, cache in enumerate(self.caches):
-            cache.copy_counters(self._copies[slot, index])
-        if self._copies.is_pinned():
-            event = torch.cuda.Event()
-            event.record()
-            self._events[slot] = event
-        self._pending.append((self.ahead, slot))
-        self._next = (slot + 1) % _SLOTS
+        """After a prefetch, on its stream: the caches' counters, copied without waiting (a prefetch whose
+        reading finds every slot in flight goes unseen)."""
+        self._readings.record(self.ahead)
 
     def update(self) -> int:
         """Before a step's prefetches: the batches to hold ahead, from the prefetches whose counters and the
@@ -167,21 +148,10 @@ class AheadControl:
     def _no_room(self) -> bool:
         """Whether a prefetch made at the current depth, whose counters have landed, found no room."""
         no_room = False
-        while self._pending:
-            ahead, slot = self._pending[0]
-            event = self._events[slot]
-            if event is not None and not event.query():
-                break
-            self._pending.popleft()
-            counters = self._copies[slot].clone()
-            previous, self._previous = self._previous, counters
-            if previous is None:
-                continue
-            unique = counters[:, _UNIQUE_ROWS] - previous[:, _UNIQUE_ROWS]
-            no_slot = counters[:, _MISSES_NO_SLOT] - previous[:, _MISSES_NO_SLOT]
-            if bool((unique < 0).any() | (no_slot < 0).any()):
-                continue  # stats were reset between the two copies
-            if bool((no_slot > NO_ROOM * unique).any()):
+        for ahead, change in self._readings.landed():
+            if change is None:
+                continue  # the first reading, or stats reset between the two
+            if bool((change[:, MISSES_NO_SLOT] > NO_ROOM * change[:, UNIQUE_ROWS]).any()):
                 self._steps_since_probe = 0
                 # Made at this depth (a deeper one's is stale); one fewer per update.
                 no_room |= ahead == self.ahead

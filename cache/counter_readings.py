@@ -1,0 +1,73 @@
+"""The slot caches' counters read on the host without waiting for the GPU.
+
+A decision on the training path that depends on what recent prefetches did (how many rows they left in the
+backing stores) must not synchronize with the device. :class:`CounterReadings` copies the counters of one or
+more :class:`~tiered_tbe.cache.slot_cache.SlotCache` into pinned host memory on the current stream, records an
+event after the copy, and hands each reading over once its event has completed (polled, never waited for), as
+the change of every counter since the reading before it. Users: ``PrefetchPipeline(fit_cache=True)``
+(``tiered_tbe/ahead.py``) and the copies of rows read in place (``tiered_tbe/batch.py``, ``CopyRows``).
+On the CPU a copy lands at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Iterator, Sequence
+
+import torch
+
+from tiered_tbe.cache.batch_kernels import COUNTER_NAMES
+from tiered_tbe.cache.slot_cache import SlotCache
+
+UNIQUE_ROWS = COUNTER_NAMES.index("unique_rows")
+MISSES_NO_SLOT = COUNTER_NAMES.index("misses_no_slot")
+
+
+class CounterReadings:
+    """Readings of ``caches``' counters in flight at most ``slots`` at a time.
+
+    :meth:`record` takes a reading (with a ``tag`` of the caller's); :meth:`landed` yields, in order, each
+    ``(tag, change)`` whose copy has landed: ``change`` int64 [caches, counters] (``COUNTER_NAMES`` order) since
+    the reading before it, or None for the first reading and after the counters were reset between the two."""
+
+    def __init__(self, caches: Sequence[SlotCache], slots: int):
+        self.caches = list(caches)
+        self._pinned = bool(self.caches) and self.caches[0].device.type == "cuda"
+        self._copies = torch.zeros(slots, len(self.caches), len(COUNTER_NAMES), dtype=torch.int64,
+                                   pin_memory=self._pinned)
+        self._events: list[torch.cuda.Event | None] = [None] * slots
+        self._next = 0
+        self._pending: deque[tuple[Hashable, int]] = deque()  # (tag, its copy's slot), oldest first
+        self._previous: torch.Tensor | None = None  # the counters of the last reading handed over
+
+    def record(self, tag: Hashable = None) -> bool:
+        """Copy the counters now, on the current stream, without waiting; False (nothing taken) while the copy
+        of ``slots`` readings ago has not landed, or while the stream is being captured into a CUDA graph."""
+        if not self.caches or (self._pinned and torch.cuda.is_current_stream_capturing()):
+            return False
+        slot = self._next
+        event = self._events[slot]
+        if event is not None and not event.query():
+            return False
+        for index, cache in enumerate(self.caches):
+            cache.copy_counters(self._copies[slot, index])
+        if self._pinned:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[slot] = event
+        self._pending.append((tag, slot))
+        self._next = (slot + 1) % len(self._events)
+        return True
+
+    def landed(self) -> Iterator[tuple[Hashable, torch.Tensor | None]]:
+        """``(tag, change)`` of each reading whose copy has landed since the last call, oldest first."""
+        while self._pending:
+            tag, slot = self._pending[0]
+            event = self._events[slot]
+            if event is not None and not event.query():
+                return
+            self._pending.popleft()
+            counters = self._copies[slot].clone()
+            previous, self._previous = self._previous, counters
+            change = None if previous is None else counters - previous
+            yield tag, None if change is None or bool((change < 0).any()) else change
