@@ -10,11 +10,14 @@ kernels (the interpreter, a few steps) and their plain-torch reference (which mo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tiered_tbe import SGD, CacheConfig, Placement, RowwiseAdagrad, TableSpec
 from tiered_tbe.batch import CopyRows
+from tiered_tbe.kernels.in_place_copies import InPlaceCopies
 from tiered_tbe.module import TieredEmbeddingBags
 
 SPECS = [(60, 6, Placement.HOST_CACHED), (20, 3, Placement.MANAGED_CACHED), (9, 4, Placement.DEVICE)]
@@ -136,7 +139,8 @@ def test_two_forwards_before_their_backwards_read_the_stores(device, one_simulat
     without = train_in_pairs(0)
     for want, got in zip(without, train_in_pairs(64)):
         assert torch.equal(want, got)
-    monkeypatch.setattr(CopyRows, "for_backward", lambda self, batch: self.for_forward(batch))  # no guard
+    # No guard: every backward reads the copies, whichever forward wrote them last.
+    monkeypatch.setattr(CopyRows, "for_backward", lambda self, batch: InPlaceCopies(batch.in_place_rank, self.rows))
     assert any(not torch.equal(want, got) for want, got in zip(without, train_in_pairs(64))), \
         "the batches share no row read in place: the test shows nothing"
 
@@ -157,3 +161,67 @@ def test_in_place_copies_is_a_whole_number_and_counted_in_the_cache_memory(devic
     assert CacheConfig(in_place_copies=0).copy_rows(64) == 0
     assert make("torch", 0, device)._copy_rows is None
     assert make("torch", 5, device)._copy_rows.rows.shape == (5, 6)  # rows of the widest cached dim
+
+
+def forwards_keeping_copies(module, batches):
+    """Train ``batches`` serially; per batch, whether its forward kept copies and whether its prefetch left
+    rows of the cached tables in place."""
+    kept = []
+    plain_forward = module.backend.forward
+
+    def spy(*args, copies=None, **kwargs):
+        kept.append(copies is not None)
+        return plain_forward(*args, copies=copies, **kwargs)
+
+    module.backend = dataclasses.replace(module.backend, forward=spy)
+    read = []
+    for indices, offsets in batches:
+        read.append(bool(rows_read_in_place(module, indices, offsets)))
+        (module(indices, offsets) * 0.5).sum().backward()
+    return kept, read
+
+
+def test_a_forward_keeps_copies_only_while_prefetches_leave_rows_in_place(device, one_simulated_thread):
+    """Copies cost a forward registers even where every row has a slot, so a forward keeps them only
+    while the cache's counters, read without a sync, say recent prefetches left rows in place. On the
+    CPU a reading lands at once, so each forward follows its own prefetch: with room for every row, only
+    the first forward (nothing to compare yet) keeps copies; behind an lfu-admit cache of 8 slots,
+    exactly the batches that read rows in place. The training is the same either way (the tests above)."""
+    roomy = TieredEmbeddingBags([TableSpec(n, d, name=f"t{i}", placement=p) for i, (n, d, p) in enumerate(SPECS)],
+                                optimizer=SGD(lr=0.5), device=device, backend="torch", seed=3,
+                                cache=CacheConfig(slots=128, associativity=4, policy="lru", in_place_copies=16))
+    kept, read = forwards_keeping_copies(roomy, make_batches(5, device))
+    assert read == [False] * 5 and kept == [True] + [False] * 4
+    batches = make_batches(8, device)
+    for step in (2, 3, 6):  # batches of the uncached table alone: nothing read in place
+        indices, offsets = batches[step]
+        cached = int(offsets[2 * BATCH_SIZE])  # the first two tables' lookups
+        batches[step] = (indices[cached:], torch.cat([torch.zeros(2 * BATCH_SIZE, dtype=offsets.dtype,
+                                                                  device=device), offsets[2 * BATCH_SIZE:] - cached]))
+    kept, read = forwards_keeping_copies(make("torch", 64, device), batches)
+    assert read == [True, True, False, False, True, True, False, True] and kept == read, (kept, read)
+
+
+def test_counter_readings_hand_over_each_change_once_and_none_after_a_reset():
+    """cache/counter_readings.py on the CPU, where a copy lands at once: the first reading and one after
+    the counters fell (a reset) give no change; the others their counters' growth, in order, once."""
+    from tiered_tbe.cache.batch_kernels import COUNTER_NAMES
+    from tiered_tbe.cache.counter_readings import MISSES_NO_SLOT, CounterReadings
+
+    class FakeCache:
+        device = torch.device("cpu")
+        value = 0
+
+        def copy_counters(self, target):
+            target.fill_(self.value)
+
+    cache = FakeCache()
+    readings = CounterReadings([cache], slots=2)
+    changes = []
+    for tag, value in enumerate([5, 7, 7, 3, 4]):
+        cache.value = value
+        assert readings.record(tag)
+        changes += [(t, None if c is None else int(c[0, MISSES_NO_SLOT])) for t, c in readings.landed()]
+    assert changes == [(0, None), (1, 2), (2, 0), (3, None), (4, 1)]
+    assert list(readings.landed()) == []
+    assert readings._copies.shape == (2, 1, len(COUNTER_NAMES))

@@ -17,9 +17,14 @@ import torch
 from tiered_tbe import validation
 from tiered_tbe.base import streams
 from tiered_tbe.base.graphs import GraphLaunches
+from tiered_tbe.cache.counter_readings import MISSES_NO_SLOT, CounterReadings
 from tiered_tbe.cache.slot_cache import CacheBatch, SlotCache
 from tiered_tbe.kernels.in_place_copies import InPlaceCopies
 from tiered_tbe.kernels.rows import Lookups
+
+# Readings of the cache's counters in flight at most for CopyRows (the host may run tens of steps ahead of the
+# GPU; a forward that finds them all in flight takes none and decides from the last landed).
+_COPY_READINGS = 64
 
 
 class DeferredUnlocks:
@@ -146,17 +151,30 @@ class CopyRows:
     two forwards before their backwards, or a backward whose forward was not the last, read the
     stores instead, which is always right). Forwards without a backward (evaluation) neither write
     nor revoke them.
+
+    Keeping copies costs a forward registers and time even where every row has a slot (the H100 bisect
+    of docs/performance.md: 0.027 ms of a 0.41 ms Criteo forward, ~0.04 of its backward; 168 -> 224
+    registers a thread in a Criteo tile). So a forward keeps them only while the cache's recent
+    prefetches left rows in their backing stores, as read from its counters without a host sync
+    (``cache/counter_readings.py``): the readings lag the GPU, and a batch that reads rows in place
+    while they say none had its backward read the stores, the same training.
     """
 
-    def __init__(self, rows: torch.Tensor):
+    def __init__(self, rows: torch.Tensor, cache: SlotCache):
         self.rows = rows  # [C, row_width] of the weights' dtype, beside the cache
         self._holder: weakref.ref | None = None
+        self._readings = CounterReadings([cache], _COPY_READINGS)
+        self._reads_in_place = True  # until two readings compare: unknown, so keep copies
 
     def for_forward(self, batch: PreparedBatch) -> InPlaceCopies | None:
         """The copies a training forward of ``batch`` writes (None: it writes none)."""
+        self._readings.record()
+        for _, change in self._readings.landed():
+            self._reads_in_place = change is None or bool(change[0, MISSES_NO_SLOT] > 0)
         rank = batch.in_place_rank
-        self._holder = weakref.ref(batch) if rank is not None and rank.numel() else None
-        return InPlaceCopies(rank, self.rows) if self._holder is not None else None
+        keeps = rank is not None and rank.numel() > 0 and self._reads_in_place
+        self._holder = weakref.ref(batch) if keeps else None
+        return InPlaceCopies(rank, self.rows) if keeps else None
 
     def for_backward(self, batch: PreparedBatch) -> InPlaceCopies | None:
         """The copies ``batch``'s backward may read (None: read the stores); they are spent either way."""

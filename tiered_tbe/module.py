@@ -213,7 +213,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
             cache_weights, cache_state = self.cache.weights, self.cache.state
             # Where a training forward copies the rows it reads in place, for its backward.
             self._copy_rows = CopyRows(torch.empty(plan.copy_rows, cache_weights.shape[1], dtype=weights_dtype,
-                                                   device=self.device)) if plan.copy_rows else None
+                                                   device=self.device), self.cache) if plan.copy_rows else None
         else:
             cache_weights, cache_state = no_cache(weights_dtype, self.device)
         self.row_stores = self.storage.row_stores(cache_weights, cache_state, features)
