@@ -60,7 +60,10 @@ class CounterReadings:
         return True
 
     def landed(self) -> Iterator[tuple[Hashable, torch.Tensor | None]]:
-        """``(tag, change)`` of each reading whose copy has landed since the last call, oldest first."""
+        """``(tag, change)`` of each reading whose copy has landed since the last call, oldest first (none while
+        the current stream is being captured: an event query there could break the capture)."""
+        if self._pinned and torch.cuda.is_current_stream_capturing():
+            return
         while self._pending:
             tag, slot = self._pending[0]
             event = self._events[slot]
