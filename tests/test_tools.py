@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -295,6 +296,11 @@ def test_bench_commits_benchmarks_each_tree_with_its_own_code(tmp_path):
         ("worktree", None), ("worktree-nopad", {"TIERED_TBE_PAD_BATCHES": "0"}), (head, None)]
     assert all(r["figures"]["ours"]["step_ms"] > 0 for r in lines)
     assert (trees / head / "tiered_tbe" / "kernels").resolve() == (trees / head / "kernels").resolve()
+    # Two files come back whatever the trees (a device call returns 8): the records and the logs packed.
+    assert sorted(path.name for path in out.iterdir()) == ["bench_commits_logs.tgz", "measurements.jsonl"]
+    with tarfile.open(out / "bench_commits_logs.tgz") as logs:
+        assert sorted(logs.getnames()) == sorted(["bench_commits", *(f"bench_commits/{label}.log" for label in
+                                                                      (head, "worktree", "worktree-nopad"))])
 
 
 def test_tools_are_not_installed():

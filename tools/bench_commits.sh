@@ -10,7 +10,9 @@
 #
 # `run` benchmarks the working tree first (label: its commit, TIERED_TBE_COMMIT or "worktree"), then every tree
 # under .trees in the order unpacked, with the same flags (default: --ours-only --warmup 6 --steps 30); one log
-# each under $OUT, its records appended to $OUT/measurements.jsonl, and a line of each one's phases printed.
+# each, packed at the end into $OUT/bench_commits_logs.tgz (a device call returns 8 files at most: a log a tree
+# left the records behind once), its records appended to $OUT/measurements.jsonl, and a line of each one's
+# phases printed.
 # VARIANTS="label:ENV=value[,ENV=value]..." also runs the working tree under those settings (e.g.
 # "nopad:TIERED_TBE_PAD_BATCHES=0"). Each tree imports only itself: the project's editable install maps
 # tiered_tbe.{base,cache,kernels} to the working tree's folders whatever the PYTHONPATH (docs/PITFALLS.md),
@@ -51,16 +53,17 @@ one() {  # label dir [ENV=value ...] -- bench flags...
         [[ $imported == "$PWD/"* ]] || { echo "$dir imports $imported, not its own tree"; exit 1; }
         # shellcheck disable=SC2086
         timeout "${RUN_TIMEOUT:-150}" python3 benchmarks/bench_fbgemm.py --configs $CONFIGS "$@" \
-            --record "$OUT/measurements.jsonl" >"$OUT/$label.log" 2>&1
+            --record "$OUT/measurements.jsonl" >"$LOGS/$label.log" 2>&1
     )
     echo "== $label ${settings[*]}"
-    grep -E ": ours prefetch|: ours forward" "$OUT/$label.log" | sed -E 's/, graph_captures.*//' \
-        || tail -n 3 "$OUT/$label.log"
+    grep -E ": ours prefetch|: ours forward" "$LOGS/$label.log" | sed -E 's/, graph_captures.*//' \
+        || tail -n 3 "$LOGS/$label.log"
 }
 
 run() {
     : "${CONFIGS:?CONFIGS: the bench fbgemm configurations}" "${OUT:?OUT: where the logs go}"
-    mkdir -p "$OUT"
+    LOGS=$OUT/bench_commits
+    mkdir -p "$LOGS"
     local flags=("$@")
     [[ ${#flags[@]} -eq 0 ]] && flags=(--ours-only --warmup 6 --steps 30)
     local head=${TIERED_TBE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo worktree)}
@@ -72,6 +75,7 @@ run() {
     if [[ -f $TREES/order ]]; then
         while read -r sha; do one "$sha" "$TREES/$sha" -- "${flags[@]}"; done <"$TREES/order"
     fi
+    tar -czf "$OUT/bench_commits_logs.tgz" -C "$OUT" bench_commits && rm -rf "$LOGS"
 }
 
 case ${1:-} in
