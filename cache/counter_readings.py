@@ -35,28 +35,25 @@ class CounterReadings:
         self._pinned = bool(self.caches) and self.caches[0].device.type == "cuda"
         self._copies = torch.zeros(slots, len(self.caches), len(COUNTER_NAMES), dtype=torch.int64,
                                    pin_memory=self._pinned)
-        self._events: list[torch.cuda.Event | None] = [None] * slots
+        # One event a slot, recorded again at each reading taken into it (none on the CPU: a copy lands at once).
+        self._events = [torch.cuda.Event() for _ in range(slots)] if self._pinned else None
         self._next = 0
         self._pending: deque[tuple[Hashable, int]] = deque()  # (tag, its copy's slot), oldest first
         self._previous: torch.Tensor | None = None  # the counters of the last reading handed over
 
     def record(self, tag: Hashable = None) -> bool:
-        """Copy the counters now, on the current stream, without waiting; False (nothing taken) while the copy
-        of ``slots`` readings ago has not landed, or while the stream is being captured into a CUDA graph."""
-        if not self.caches or (self._pinned and torch.cuda.is_current_stream_capturing()):
+        """Copy the counters now, on the current stream, without waiting; False (nothing taken) while ``slots``
+        readings are not handed over yet, or while the stream is being captured into a CUDA graph."""
+        if (not self.caches or len(self._pending) == len(self._copies)
+                or (self._pinned and torch.cuda.is_current_stream_capturing())):
             return False
         slot = self._next
-        event = self._events[slot]
-        if event is not None and not event.query():
-            return False
         for index, cache in enumerate(self.caches):
             cache.copy_counters(self._copies[slot, index])
         if self._pinned:
-            event = torch.cuda.Event()
-            event.record()
-            self._events[slot] = event
+            self._events[slot].record()
         self._pending.append((tag, slot))
-        self._next = (slot + 1) % len(self._events)
+        self._next = (slot + 1) % len(self._copies)
         return True
 
     def landed(self) -> Iterator[tuple[Hashable, torch.Tensor | None]]:
@@ -66,8 +63,7 @@ class CounterReadings:
             return
         while self._pending:
             tag, slot = self._pending[0]
-            event = self._events[slot]
-            if event is not None and not event.query():
+            if self._pinned and not self._events[slot].query():
                 return
             self._pending.popleft()
             counters = self._copies[slot].clone()

@@ -53,7 +53,7 @@ SAMPLES = 6
 SETTLE = 2
 # A depth tried is kept when its median step is faster than the one it was tried from by this share.
 MARGIN = 0.02
-# Pinned counter copies in flight at most (a prefetch whose slot's copy has not landed records nothing).
+# Pinned counter copies in flight at most (a prefetch that finds them all in flight records nothing).
 # Nothing on the training path waits for the GPU, so the host runs as many steps ahead as the launch
 # queue lets it: the lookahead pipeline at Zipf 0.6 enqueued ~10 ms of host work a 41.7 ms step, and with
 # 16 slots it lowered once, then probably saw no prefetch again (docs/performance.md).
