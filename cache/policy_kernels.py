@@ -1,7 +1,7 @@
 """The policy's Numba CUDA kernels: what each unique row of a prefetch gets (a hit, a filled slot and
 its victim, or no slot). Host code: ``SlotCache._assign`` (:mod:`tiered_tbe.cache.slot_cache`); the
 policy itself (the order of victims, the touches) is :mod:`tiered_tbe.cache.policy`, which the CPU
-simulator runs one miss at a time. Here it runs in six data-parallel passes, none serial per set
+simulator runs one miss at a time. Here it runs in seven data-parallel passes, none serial per set
 (host function: :func:`assign_slots`)::
 
     find_hits_kernel         a thread per unique row: the hits, locked and touched
@@ -11,8 +11,11 @@ simulator runs one miss at a time. Here it runs in six data-parallel passes, non
     decode_next_use_kernel   lookahead only: a thread per way of each set that will choose a
                              victim: the way's next use, from the window bits
     way_of_rank.fill_(-1)    no rank yet anywhere
-    rank_ways_kernel         a thread per way of each such set: the unlocked ways in the order
-                             of ``policy.victim_order`` (a way's rank: how many come before it)
+    rank_few_ways_kernel     a thread per set asking for at most ``few_asks`` ways: picks them
+                             one after another, each the first untaken unlocked way in the
+                             order of ``policy.victim_order``
+    rank_ways_kernel         a thread per way of each set asking for more: the unlocked ways in
+                             that order (a way's rank: how many come before it)
     fill_misses_kernel       a thread per asking miss: the k-th takes the way of rank k, or
                              no slot when its set has fewer unlocked ways (or, lfu-admit, when
                              the way holds a row used at least as often)
@@ -21,7 +24,10 @@ The ranks are the simulator's choices: a set's misses take slots in ascending ro
 first unlocked way in the order, and only the fills (each locks its way) change the set meanwhile,
 so the k-th miss takes the k-th way. A thread per set making those choices one after another
 took 4.7 ms of a 39 ms step at Zipf 0.6 (H200; 2.6 with the hits a thread per row and bit masks
-of the free ways): its loads 32 sets apart across a warp, and as many scans as misses.
+of the free ways): its loads 32 sets apart across a warp, and as many scans as misses. So a set
+asking for many ways is ranked by a warp; one asking for few (``FEW_ASKS``, most sets where most
+rows hit) still by a thread, whose few scans cost less than a warp's 32 lanes each counting the
+ways before its own.
 
 Thread ``t`` of the per-way kernels takes way ``t % 32`` (and ``t % 32 + 32`` up to
 ``MAX_WAYS``) of the ``t // 32``-th set the batch touches: a warp is one set, its loads of one
@@ -31,8 +37,10 @@ slot has one writer.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from numba import cuda
 
@@ -54,6 +62,11 @@ from tiered_tbe.cache.policy import (
 )
 
 LANES = 32  # threads a set in the per-way kernels (a warp)
+# Sets asking for at most this many ways are ranked a thread a set (rank_few_ways_kernel), the rest a warp a set
+# (rank_ways_kernel). A warp ranking one set issues as many instructions as a thread per set ranking 32: where
+# most sets ask for one or two ways (high hit rates) the warp a set cost the prefetch its time
+# (TIERED_TBE_FEW_ASKS sets it, to measure; 0: every set a warp).
+FEW_ASKS = int(os.environ.get("TIERED_TBE_FEW_ASKS", "4"))
 
 
 class SlotMetadata(NamedTuple):
@@ -101,8 +114,10 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
     # memset of S bytes in the graph; counting each set's unlocked ways in every thread of its warp instead cost
     # the rank kernel 0.61 -> 0.79 ms a step on the H200 (mixed dims, bags of 20; results/measurements.jsonl).
     way_of_rank.fill_(-1)
-    launcher.launch_configured(rank_ways_kernel, *per_way, *sets, policy, slots.tags, slots.last_use,
-                               slots.use_count, slots.next_use, slots.locks, slots.way_of_rank)
+    ranked_state = (policy, slots.tags, slots.last_use, slots.use_count, slots.next_use, slots.locks, slots.way_of_rank)
+    if FEW_ASKS > 0:
+        launcher.launch(rank_few_ways_kernel, min(n, num_sets), *sets, FEW_ASKS, *ranked_state)
+    launcher.launch_configured(rank_ways_kernel, *per_way, *sets, FEW_ASKS, *ranked_state)
     launcher.launch(fill_misses_kernel, n, set_start, set_number, set_of_position, unique_of_position, needs_slot,
                     needs_number, unique.unique_rows, associativity, step, policy, slots.way_of_rank, slots.tags,
                     slots.last_use, slots.use_count, slots.dirty, slots.locks, slots.bypass_count, slots.row_uses,
@@ -205,11 +220,60 @@ def decode_next_use_kernel(
 
 
 @cached_kernel
+def rank_few_ways_kernel(
+    set_start,  # int32 [N]: first position of each set the batch touches, in order, then N
+    set_of_position,  # int32 [N]: the set of each position (ascending)
+    needs_number,  # int32 [N]: inclusive prefix sum of slot_needed_kernel's needs_slot
+    associativity,  # int64: ways per set (at most MAX_WAYS: the taken ways are the bits of an int64)
+    few_asks,  # int64: this kernel ranks the sets asking for 1 to few_asks ways; rank_ways_kernel the others
+    policy,  # int64: POLICY_* code
+    tags,  # int64 [S]
+    last_use,  # int64 [S]
+    use_count,  # int32 [S]
+    next_use,  # int64 [S]
+    locks,  # int32 [S]: the hits of this batch are locked already
+    way_of_rank,  # int8 [S] in/out: -1 on entry; as in rank_ways_kernel, for the sets this kernel ranks
+):
+    """rank_ways_kernel's ranks for the sets asking for few ways, a thread a set: rank k is the first
+    unlocked way in the order of victims among those not given ranks 0..k-1 (one pass over the ways a
+    rank). The sets of a warp are 32 touched sets, as in the policy kernel before the ranks."""
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    n = set_start.shape[0]
+    for t in range(start, n, stride):
+        begin, _, asking = asking_before_set(t, set_start, needs_number)
+        if begin >= n:
+            break
+        if asking == 0 or asking > few_asks:
+            continue
+        first_slot = set_of_position[begin] * associativity
+        taken = np.int64(0)  # bit w: way w has a rank
+        for rank in range(asking):
+            best = -1
+            best_group = np.int64(0)
+            best_primary = np.int64(0)
+            best_secondary = np.int64(0)
+            for way in range(associativity):
+                slot = first_slot + way
+                if (taken >> way) & 1 != 0 or locks[slot] != 0:
+                    continue
+                group, primary, secondary = victim_order_device(policy, slot, tags, last_use, use_count, next_use)
+                if best < 0 or comes_before_device(group, primary, secondary, slot, best_group, best_primary,
+                                                   best_secondary, first_slot + best):
+                    best, best_group, best_primary, best_secondary = way, group, primary, secondary
+            if best < 0:
+                break  # fewer unlocked ways than asking misses: the later ranks stay -1
+            way_of_rank[first_slot + rank] = best
+            taken |= np.int64(1) << best
+
+
+@cached_kernel
 def rank_ways_kernel(
     set_start,  # int32 [N]: first position of each set the batch touches, in order, then N
     set_of_position,  # int32 [N]: the set of each position (ascending)
     needs_number,  # int32 [N]: inclusive prefix sum of slot_needed_kernel's needs_slot
     associativity,  # int64: ways per set (at most MAX_WAYS)
+    few_asks,  # int64: sets asking for at most this many ways are rank_few_ways_kernel's, skipped here
     policy,  # int64: POLICY_* code
     tags,  # int64 [S]
     last_use,  # int64 [S]
@@ -220,7 +284,8 @@ def rank_ways_kernel(
     #               index k below its asking misses: the way of rank k among the unlocked ways
     #               (policy.victim_order); left -1 at ranks past the last unlocked way
 ):
-    """The order in which a set's asking misses take its unlocked ways. Each thread ranks its way by
+    """The order in which a set's asking misses take its unlocked ways, in the sets asking for more than
+    ``few_asks``. Each thread ranks its way by
     counting the unlocked ways that come before it, up to the set's count of asking misses (only ranks
     below it are read), and writes its way at its rank (ranks are distinct: one writer each)."""
     start = cuda.grid(1)
@@ -230,8 +295,8 @@ def rank_ways_kernel(
         begin, _, asking = asking_before_set(t // LANES, set_start, needs_number)
         if begin >= n:
             break
-        if asking == 0:
-            continue
+        if asking <= few_asks:
+            continue  # none asked, or rank_few_ways_kernel's
         first_slot = set_of_position[begin] * associativity
         for way in range(t % LANES, associativity, LANES):
             slot = first_slot + way

@@ -1,6 +1,7 @@
-"""The kernel that ranks a set's unlocked ways for its asking misses (``rank_ways_kernel``,
-cache/policy_kernels.py) against a plain-Python reference of the order of victims (``policy.victim_order``, then
-the way): touched sets with and without asking misses, locked ways, ties, and the positions past the sets."""
+"""The kernels that rank a set's unlocked ways for its asking misses (``rank_few_ways_kernel``, a thread a set
+asking for few, and ``rank_ways_kernel``, a warp a set asking for more; cache/policy_kernels.py) against a
+plain-Python reference of the order of victims (``policy.victim_order``, then the way): touched sets with and
+without asking misses, locked ways, ties, and the positions past the sets."""
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from tiered_tbe.cache.launch import KernelLauncher
 from tiered_tbe.cache.policy import EMPTY, MAX_WAYS, POLICY_CODES, victim_order_cpu
-from tiered_tbe.cache.policy_kernels import LANES, rank_ways_kernel
+from tiered_tbe.cache.policy_kernels import LANES, rank_few_ways_kernel, rank_ways_kernel
 
 
 def _batch(generator, num_sets, associativity, touched_sets, most_asking):
@@ -56,19 +57,37 @@ def _reference(inputs, state, associativity, policy):
 
 @pytest.mark.parametrize("policy", list(POLICY_CODES))
 @pytest.mark.parametrize("associativity", [4, MAX_WAYS])
-def test_rank_ways_kernel_gives_the_reference_ranks(policy, associativity, device):
-    """On the device of the run (the CUDA simulator here, the GPU there): one block of two warps, so a
-    warp ranks more than one set (the grid-stride loop)."""
+@pytest.mark.parametrize("split", ["warps", "both", "threads"])
+def test_rank_kernels_give_the_reference_ranks(policy, associativity, split, device):
+    """On the device of the run (the CUDA simulator here, the GPU there): the warps' kernel one block of two
+    warps and the threads' one block of 4 threads, so each warp or thread ranks more than one set (the
+    grid-stride loops). ``few_asks`` splits the sets between the kernels: 0, the warps rank every set;
+    MAX_WAYS, the threads; the median set's asking misses, each ranks some."""
     generator = torch.Generator().manual_seed(associativity + POLICY_CODES[policy])
     num_sets = 9
     touched = [0, 2, 3, 5, 6, 8]  # 6 of the 9 sets, then the positions past them
     inputs, state = _batch(generator, num_sets, associativity, touched, most_asking=associativity // 2 + 3)
     code = POLICY_CODES[policy]
     expected = _reference(inputs, state, associativity, code)
+    asking = sorted(_asking_of_touched_sets(inputs))
+    few_asks = {"warps": 0, "both": asking[len(asking) // 2], "threads": MAX_WAYS}[split]
     on_device = {name: value.to(device) for name, value in state.items()}
     way_of_rank = torch.full((num_sets * associativity,), -1, dtype=torch.int8, device=device)  # as assign_slots
-    KernelLauncher(device).launch_configured(
-        rank_ways_kernel, 1, 2 * LANES, *(t.to(device) for t in inputs), associativity, code, on_device["tags"],
-        on_device["last_use"], on_device["use_count"], on_device["next_use"], on_device["locks"], way_of_rank)
+    arguments = (*(t.to(device) for t in inputs), associativity, few_asks, code, on_device["tags"],
+                 on_device["last_use"], on_device["use_count"], on_device["next_use"], on_device["locks"], way_of_rank)
+    launcher = KernelLauncher(device)
+    launcher.launch_configured(rank_few_ways_kernel, 1, 4, *arguments)  # 4 threads: one ranks more than one set
+    launcher.launch_configured(rank_ways_kernel, 1, 2 * LANES, *arguments)
     assert torch.equal(way_of_rank.cpu(), expected)
     assert (expected >= 0).any() and (expected < 0).any()  # some ranks given, some left past the unlocked ways
+    if split == "both":  # each kernel had sets to rank
+        assert any(0 < a <= few_asks for a in asking) and any(a > few_asks for a in asking)
+
+
+def _asking_of_touched_sets(inputs):
+    """The asking misses of each touched set (as the kernels count them)."""
+    set_start, _, needs_number = (t.tolist() for t in inputs)
+    n = len(needs_number)
+    begins = [b for b in set_start if b < n] + [n]
+    return [needs_number[end - 1] - (needs_number[begin - 1] if begin > 0 else 0)
+            for begin, end in zip(begins, begins[1:])]
