@@ -19,7 +19,7 @@ from cache_helpers import (
     prefetch,
 )
 
-from tiered_tbe.cache import CachedTable, CacheSimulator, SlotCache
+from tiered_tbe.cache import CachedTable, CacheSimulator, SlotCache, policy_kernels
 from tiered_tbe.cache.policy import POLICIES
 
 # The policies that rank without the lookahead window (the window's policies agree with the simulator
@@ -27,9 +27,12 @@ from tiered_tbe.cache.policy import POLICIES
 UNHINTED = [name for name, policy in POLICIES.items() if not policy.reads_window]
 
 
+@pytest.mark.parametrize("few_asks", [0, 1, policy_kernels.FEW_ASKS])
 @pytest.mark.parametrize("policy", UNHINTED)
-def test_agrees_with_simulator_hit_for_hit(policy, mover):
-    """Same trace, same policy: equal counters after every batch, equal slots, exact rows."""
+def test_agrees_with_simulator_hit_for_hit(policy, few_asks, mover, monkeypatch):
+    """Same trace, same policy: equal counters after every batch, equal slots, exact rows; whichever rank
+    kernel ranks the sets (``few_asks``: 0, a warp every set; else a thread each set asking for at most that)."""
+    monkeypatch.setattr(policy_kernels, "FEW_ASKS", few_asks)
     cache = SlotCache(make_tables(), num_slots=16, associativity=4, policy=policy, lfu_decay_interval=4, mover=mover,
                       staging_rows=3)
     simulator = CacheSimulator(16, 4, policy, lfu_decay_interval=4, row_bytes=ROW_BYTES)
@@ -117,10 +120,12 @@ def test_gpu_agrees_with_simulator_on_every_tier(placement, policy, mover):
 
 
 @pytest.mark.gpu
-def test_gpu_large_trace_matches_simulator_and_never_syncs(mover):
+@pytest.mark.parametrize("few_asks", [0, policy_kernels.FEW_ASKS])
+def test_gpu_large_trace_matches_simulator_and_never_syncs(few_asks, mover, monkeypatch):
     """A Zipf trace over a 1M-row table in pinned host memory, a 4096-slot cache: counters and
     slots equal the simulator's, and prefetch / mark_dirty / unlock / lookup never wait for the
-    device (the staged mover's threads do, off this thread)."""
+    device (the staged mover's threads do, off this thread); with either split of the rank kernels."""
+    monkeypatch.setattr(policy_kernels, "FEW_ASKS", few_asks)
     from tiered_tbe.cache.tiers import allocate
     from tiered_tbe.specs import Placement
 
