@@ -115,8 +115,9 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
     # the rank kernel 0.61 -> 0.79 ms a step on the H200 (mixed dims, bags of 20; results/measurements.jsonl).
     way_of_rank.fill_(-1)
     ranked_state = (policy, slots.tags, slots.last_use, slots.use_count, slots.next_use, slots.locks, slots.way_of_rank)
-    if FEW_ASKS > 0:
-        launcher.launch(rank_few_ways_kernel, min(n, num_sets), *sets, FEW_ASKS, *ranked_state)
+    if FEW_ASKS > 0:  # a thread per touched set; few in the simulator, as per_way
+        per_set = launcher.shape_of(min(n, num_sets), simulated_threads=DEVICE_CALL_THREADS)
+        launcher.launch_configured(rank_few_ways_kernel, *per_set, *sets, FEW_ASKS, *ranked_state)
     launcher.launch_configured(rank_ways_kernel, *per_way, *sets, FEW_ASKS, *ranked_state)
     launcher.launch(fill_misses_kernel, n, set_start, set_number, set_of_position, unique_of_position, needs_slot,
                     needs_number, unique.unique_rows, associativity, step, policy, slots.way_of_rank, slots.tags,

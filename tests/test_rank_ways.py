@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiered_tbe.cache.launch import KernelLauncher
+from tiered_tbe.cache.launch import DEVICE_CALL_THREADS, KernelLauncher
 from tiered_tbe.cache.policy import EMPTY, MAX_WAYS, POLICY_CODES, victim_order_cpu
 from tiered_tbe.cache.policy_kernels import LANES, rank_few_ways_kernel, rank_ways_kernel
 
@@ -60,7 +60,7 @@ def _reference(inputs, state, associativity, policy):
 @pytest.mark.parametrize("split", ["warps", "both", "threads"])
 def test_rank_kernels_give_the_reference_ranks(policy, associativity, split, device):
     """On the device of the run (the CUDA simulator here, the GPU there): the warps' kernel one block of two
-    warps and the threads' one block of 4 threads, so each warp or thread ranks more than one set (the
+    warps and the threads' one block of DEVICE_CALL_THREADS, so each warp or thread ranks more than one set (the
     grid-stride loops). ``few_asks`` splits the sets between the kernels: 0, the warps rank every set;
     MAX_WAYS, the threads; the median set's asking misses, each ranks some."""
     generator = torch.Generator().manual_seed(associativity + POLICY_CODES[policy])
@@ -76,7 +76,7 @@ def test_rank_kernels_give_the_reference_ranks(policy, associativity, split, dev
     arguments = (*(t.to(device) for t in inputs), associativity, few_asks, code, on_device["tags"],
                  on_device["last_use"], on_device["use_count"], on_device["next_use"], on_device["locks"], way_of_rank)
     launcher = KernelLauncher(device)
-    launcher.launch_configured(rank_few_ways_kernel, 1, 4, *arguments)  # 4 threads: one ranks more than one set
+    launcher.launch_configured(rank_few_ways_kernel, 1, DEVICE_CALL_THREADS, *arguments)  # one ranks several sets
     launcher.launch_configured(rank_ways_kernel, 1, 2 * LANES, *arguments)
     assert torch.equal(way_of_rank.cpu(), expected)
     assert (expected >= 0).any() and (expected < 0).any()  # some ranks given, some left past the unlocked ways
