@@ -286,9 +286,9 @@ def rank_ways_kernel(
     #               (policy.victim_order); left -1 at ranks past the last unlocked way
 ):
     """The order in which a set's asking misses take its unlocked ways, in the sets asking for more than
-    ``few_asks``. Each thread ranks its way by
-    counting the unlocked ways that come before it, up to the set's count of asking misses (only ranks
-    below it are read), and writes its way at its rank (ranks are distinct: one writer each)."""
+    ``few_asks``. Each thread ranks its way by counting the unlocked ways that come before it, up to the
+    set's count of asking misses (only ranks below it are read), and writes its way at its rank (ranks
+    are distinct: one writer each)."""
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     n = set_start.shape[0]
