@@ -178,6 +178,7 @@ def batch_outcomes_kernel(
         counts[c] = 0
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
+    num_unique = unique_number[sorted_keys.shape[0] - 1]
     for i in range(start, sorted_keys.shape[0], stride):
         slot = NO_SLOT
         rank = NO_SLOT
@@ -192,10 +193,10 @@ def batch_outcomes_kernel(
         slot_of_index[order[i]] = slot
         in_place_rank[order[i]] = rank
 
-        row = unique_rows[i]
         bypassed = NOT_CACHED
         write_back_key = none_key
-        if row != NOT_CACHED:
+        if i < num_unique:  # past it, padding: nothing to read
+            row = unique_rows[i]
             result = outcome[i]
             counts[_UNIQUE_ROWS] += 1
             if result == OUTCOME_HIT:
