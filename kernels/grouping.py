@@ -175,7 +175,7 @@ def sort_lookups(stores: RowStores, lookups: Lookups, presorted: tuple[torch.Ten
     num_lookups = lookups.num_lookups
     if num_lookups >= INT32_MAX:
         raise ValueError(f"a batch holds at most 2^31 - 1 lookups, got {num_lookups}")
-    device = lookups.indices.device
+    device = lookups.offsets.device
     small = stores.num_rows <= INT32_MAX
     if presorted is not None:
         sorted_rows, order = presorted

@@ -307,7 +307,9 @@ class Lookups(NamedTuple):
     cache's prefetch needs them); else the backward computes them (``kernels/linearize.py``).
     """
 
-    indices: torch.Tensor  # int32 / int64 [N]: row within its feature's table
+    # int32 / int64 [N]: row within its feature's table; None only for a batch that comes with its global_rows and
+    # bag_of_index (inside the backward, which then never reads them: backward.without_unread_inputs)
+    indices: torch.Tensor | None
     offsets: torch.Tensor  # int32 / int64 [F*B+1]: non-decreasing, offsets[0] == 0, offsets[-1] == N
     batch_size: int  # B
     per_sample_weights: torch.Tensor | None = None  # fp32 [N] or None
@@ -316,7 +318,7 @@ class Lookups(NamedTuple):
 
     @property
     def num_lookups(self) -> int:
-        return self.indices.numel()
+        return (self.indices if self.indices is not None else self.bag_of_index).numel()
 
 
 def check_lookups(stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor | None) -> None:

@@ -104,3 +104,37 @@ def test_pooling_none_is_not_padded(device):
     with pytest.raises(ValueError, match="pooling none"):
         backward_update(grad_output, stores, lookups, None, "none", optimizer, STEP, pad=True)
     backward_update(grad_output, stores, lookups, None, "none", optimizer, STEP)  # default: not padded
+
+
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("given", ["indices", "global rows", "presorted"])
+def test_the_backward_hands_its_graph_only_what_it_reads(given, pad, device):
+    """The graph's inputs are copied in every step (and padded, for a padded batch): the indices go in only for a
+    batch that comes without its global rows, the global rows only where no prefetch's sort stands for them. What
+    stays out is never read: the update with it poisoned equals the update with it right, bit for bit."""
+    optimizer = ALL_OPTIMIZERS["rowwise_adagrad"]
+    stores, lookups, slot_of_index = _batch((3, 17, 33, 1), 67, optimizer, True, device)
+    linearized = linearize(stores, lookups)
+    presorted = stable_sort(linearized.global_rows.int(), stores.num_rows) if given == "presorted" else None
+    if given != "indices":
+        lookups = linearized
+    grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
+    handed = []
+
+    class RunningGraphs:  # runs the launches as a replay would, from the inputs it was handed
+        def run(self, key, inputs, enqueue, device, advance=None):
+            handed.append(inputs)
+            return enqueue(list(inputs))
+
+    expected, actual = stores.clone(), stores.clone()
+    backward_update(grad_output, expected, lookups, slot_of_index, "sum", optimizer, STEP, presorted=presorted,
+                    pad=pad)
+    poisoned = lookups._replace(indices=torch.full_like(lookups.indices, 10**6))  # no table has such a row
+    if given == "presorted":
+        poisoned = poisoned._replace(global_rows=torch.full_like(lookups.global_rows, 10**6))
+    backward_update(grad_output, actual, poisoned if given != "indices" else lookups, slot_of_index, "sum",
+                    optimizer, STEP, presorted=presorted, pad=pad, graphs=RunningGraphs())
+    assert_stores_equal(actual, expected)
+    indices, _, _, global_rows = handed[0][:4]
+    assert (indices is None) == (given != "indices")
+    assert (global_rows is None) == (given != "global rows")
