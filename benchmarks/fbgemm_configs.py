@@ -146,6 +146,14 @@ CONFIGS = [
     Config("cached-managed-lru-z1.2", CRITEO, placement="managed_cached", alpha=1.2),
     Config("cached-managed-lfu-z1.2", CRITEO, placement="managed_cached", policy="lfu", alpha=1.2),
     Config("cached-managed-lru-pipelined", CRITEO, placement="managed_cached", pipelined=True),
+    # Admission by use counts moved 47K rows in and 2K out a batch here against LRU's 74K and 29K, and its
+    # prefetch took 1.13 ms against 1.48 (H200, 0a567b6): pipelined, the prefetch stream is the longer one.
+    # FBGEMM's side runs its LFU serially and pipelines its LRU (prefetch_pipeline takes LRU only).
+    Config("cached-managed-lfu-admit-pipelined", CRITEO, placement="managed_cached", policy="lfu-admit",
+           pipelined=True),
+    Config("cached-managed-lfu-admit-z1.2", CRITEO, placement="managed_cached", policy="lfu-admit", alpha=1.2),
+    Config("cached-managed-lfu-admit-pipelined-z1.2", CRITEO, placement="managed_cached", policy="lfu-admit",
+           pipelined=True, alpha=1.2),
     # A lookahead cache is told the rows of the batches ahead (by the pipeline, or serially by
     # hint_upcoming before each prefetch): it moves fewer rows than LRU (docs/hit_rates.md), and
     # the cached prefetch is bound by the bytes it moves. FBGEMM has no lookahead: its side runs LRU.
