@@ -261,7 +261,7 @@ def release_kernel(
     mark_dirty,  # bool: also mark the locked slots dirty (the batch's backward updated them)
     locks,  # int32 [S]
     dirty,  # uint8 [S]
-    bypass_count,  # uint8 [R]: per global row (see policy_kernels.slot_needed_kernel)
+    bypass_count,  # uint8 [R]: per global row (see policy_kernels.find_hits_kernel)
 ):
     """The batch is done with its rows: one lock less per slot it locked (dirty first, when its
     backward updated them), and later prefetches may cache the rows it read in place. One

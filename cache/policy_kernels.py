@@ -1,12 +1,12 @@
 """The policy's Numba CUDA kernels: what each unique row of a prefetch gets (a hit, a filled slot and
 its victim, or no slot). Host code: ``SlotCache._assign`` (:mod:`tiered_tbe.cache.slot_cache`); the
 policy itself (the order of victims, the touches) is :mod:`tiered_tbe.cache.policy`, which the CPU
-simulator runs one miss at a time. Here it runs in seven data-parallel passes, none serial per set
+simulator runs one miss at a time. Here it runs in six data-parallel passes, none serial per set
 (host function: :func:`assign_slots`)::
 
-    find_hits_kernel         a thread per unique row: the hits, locked and touched
-    slot_needed_kernel       a thread per unique row, grouped by set: 1 for a miss that will
-                             ask its set for a slot (not a row a batch in flight reads in place)
+    find_hits_kernel         a thread per unique row, grouped by set: the hits, locked and
+                             touched, and 1 for a miss that will ask its set for a slot (not a
+                             row a batch in flight reads in place)
     torch.cumsum             numbers those misses: the k-th of its set asks k-1 before it
     decode_next_use_kernel   lookahead only: a thread per way of each set that will choose a
                              victim: the way's next use, from the window bits
@@ -99,13 +99,11 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
     # The batch's count of unique rows, on the device: the per-row kernels stop there instead of walking the
     # padding (~94% of the N positions on the Criteo tables at Zipf 1.2, docs/performance.md).
     num_unique = unique.unique_number[n - 1:]
-    launcher.launch(find_hits_kernel, n, unique.unique_rows, unique.set_of_unique, num_unique, associativity, step,
-                    policy, slots.tags, slots.last_use, slots.use_count, slots.locks, slots.row_uses,
-                    unique.slot_of_unique, unique.outcome)
-    set_start, set_number = set_starts_of_batch(launcher, set_of_position, num_sets)
     needs_slot = torch.empty(n, dtype=torch.int32, device=set_of_position.device)
-    launcher.launch(slot_needed_kernel, n, unique_of_position, num_unique, unique.unique_rows, unique.outcome,
-                    slots.bypass_count, needs_slot)
+    launcher.launch(find_hits_kernel, n, unique_of_position, set_of_position, num_unique, unique.unique_rows,
+                    associativity, step, policy, slots.tags, slots.last_use, slots.use_count, slots.locks,
+                    slots.row_uses, slots.bypass_count, unique.slot_of_unique, unique.outcome, needs_slot)
+    set_start, set_number = set_starts_of_batch(launcher, set_of_position, num_sets)
     needs_number = torch.cumsum(needs_slot, 0, dtype=torch.int32)
     # A warp per touched set; few threads in the simulator (launch.DEVICE_CALL_THREADS).
     per_way = launcher.shape_of(min(n, num_sets) * LANES, simulated_threads=DEVICE_CALL_THREADS)
@@ -130,9 +128,10 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
 
 @cached_kernel
 def find_hits_kernel(
+    unique_of_position,  # int32 [N]: the unique row at each position, grouped by set (set_of_position's order)
+    set_of_position,  # int32 [N]: the set of each position (ascending; the padding's sorts last)
+    num_unique,  # int32 [1]: the batch's count of unique rows: positions from it on are padding
     unique_rows,  # int64 [N]: the batch's unique rows, ascending; NOT_CACHED past the last
-    set_of_unique,  # int32 [N]: the set of each unique row
-    num_unique,  # int32 [1]: the batch's count of unique rows (the padding past it is not read)
     associativity,  # int64: ways per set
     step_of_prefetch,  # int64 [1]: this prefetch's step (a tensor: one CUDA graph serves every step)
     policy,  # int64: POLICY_* code
@@ -141,39 +140,21 @@ def find_hits_kernel(
     use_count,  # int32 [S]
     locks,  # int32 [S]
     row_uses,  # int16 [R] in/out: per global row, its use count (a policy that counts rows; else unread)
+    bypass_count,  # uint8 [R]: per global row, the batches in flight that got no slot for it
     slot_of_unique,  # int32 [N] out (pre-filled with NO_SLOT): the slot of each unique row found cached
     outcome,  # int8 [N] out (pre-filled with OUTCOME_NONE): OUTCOME_HIT where found
+    needs_slot,  # int32 [N] out: 1 where the position's row is a miss that asks its set for a slot; 0 elsewhere
 ):
     """Every hit of the batch, locked before any victim is chosen (the policy's step 2), and, for a
-    policy that counts rows, every unique row's use. The rows are distinct, so are their slots."""
+    policy that counts rows, every unique row's use. The rows are distinct, so are their slots.
+
+    A miss asks for a slot unless a batch in flight reads its row in place (a fill would hide that
+    batch's update): then it gets none, whatever its set holds. The padding's 0s are written unread (their
+    prefix sum is read at the last touched set's end, N). A thread per position, in set order: the
+    touched sets' ways are read in ascending addresses."""
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     step = step_of_prefetch[0]
-    for u in range(start, num_unique[0], stride):
-        row = unique_rows[u]
-        if counts_rows_device(policy):
-            count_use_device(row, row_uses)
-        slot = find_way_device(tags, set_of_unique[u] * associativity, associativity, row)
-        if slot != NO_SLOT:
-            lock_hit_device(policy, slot, row, step, last_use, use_count, row_uses, locks)
-            slot_of_unique[u] = slot
-            outcome[u] = OUTCOME_HIT
-
-
-@cached_kernel
-def slot_needed_kernel(
-    unique_of_position,  # int32 [N]: the unique row at each position, grouped by set (set_of_position's order)
-    num_unique,  # int32 [1]: the batch's count of unique rows: positions from it on are padding (sorted last)
-    unique_rows,  # int64 [N]: the unique rows, NOT_CACHED past the last
-    outcome,  # int8 [N]: OUTCOME_HIT for the hits (find_hits_kernel), else OUTCOME_NONE
-    bypass_count,  # uint8 [R]: per global row, the batches in flight that got no slot for it
-    needs_slot,  # int32 [N] out: 1 where the position's row is a miss that asks its set for a slot; 0 in padding
-):
-    """A miss asks for a slot unless a batch in flight reads its row in place (a fill would hide
-    that batch's update): then it gets none, whatever its set holds. The padding gets 0 unread (its
-    prefix sum is read at the last touched set's end, N)."""
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
     count = num_unique[0]
     for p in range(start, unique_of_position.shape[0], stride):
         if p >= count:
@@ -181,7 +162,16 @@ def slot_needed_kernel(
             continue
         u = unique_of_position[p]
         row = unique_rows[u]
-        needs_slot[p] = 1 if outcome[u] != OUTCOME_HIT and bypass_count[row] == 0 else 0
+        if counts_rows_device(policy):
+            count_use_device(row, row_uses)
+        slot = find_way_device(tags, set_of_position[p] * associativity, associativity, row)
+        if slot != NO_SLOT:
+            lock_hit_device(policy, slot, row, step, last_use, use_count, row_uses, locks)
+            slot_of_unique[u] = slot
+            outcome[u] = OUTCOME_HIT
+            needs_slot[p] = 0
+        else:
+            needs_slot[p] = 1 if bypass_count[row] == 0 else 0
 
 
 @cuda.jit(device=True, inline=True)
@@ -334,7 +324,7 @@ def fill_misses_kernel(
     set_of_position,  # int32 [N]: the set of each position (ascending)
     unique_of_position,  # int32 [N]: the unique row at each position
     num_unique,  # int32 [1]: the batch's count of unique rows: positions from it on are padding (not read)
-    needs_slot,  # int32 [N]: slot_needed_kernel's
+    needs_slot,  # int32 [N]: find_hits_kernel's
     needs_number,  # int32 [N]: its inclusive prefix sum
     unique_rows,  # int64 [N]: the unique rows, NOT_CACHED past the last
     associativity,  # int64: ways per set
