@@ -17,7 +17,7 @@ _FORCED = os.environ.get("TIERED_TBE_SIMULATE", "") not in ("", "0")
 SIMULATION: bool = _FORCED or not torch.cuda.is_available()
 """True when kernels run in CPU simulation (Triton interpreter + Numba CUDA simulator)."""
 
-# benchmarks/compile_kernels.py compiles the Triton kernels for a GPU on a machine without one:
+# tools/compile_kernels.py compiles the Triton kernels for a GPU on a machine without one:
 # they are compiled, never run, so the interpreter is deliberately off.
 COMPILE_ONLY: bool = os.environ.get("TIERED_TBE_COMPILE_ONLY", "") not in ("", "0")
 

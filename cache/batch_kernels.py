@@ -27,7 +27,7 @@ never waits for the GPU and replays as one CUDA graph. No atomics: every output 
 writer, and each thread writes its counts to its own row of ``partial_counters``, summed by
 torch afterwards. Host functions: :func:`unique_rows_of_batch` (before the policy
 kernel) and :func:`outcomes_of_batch` (after it); their plain-torch reference is
-``reference_bookkeeping`` in ``tests/test_cache.py``.
+``reference_bookkeeping`` in ``tests/test_cache_bookkeeping.py``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ class CacheBatch:
     handle (or of its tensors) releases exactly what the prefetch took, once. ``in_place_rank``
     int32 [N]: for each lookup whose row got no slot, the rank of that row among the batch's rows
     given none (0-based, ascending rows), else -1: where the module keeps a copy of the row that the
-    forward read for the backward (``tiered_tbe/in_place_copies.py``).
+    forward read for the backward (``kernels/in_place_copies.py``).
     """
 
     __slots__ = ("step", "slot_of_index", "locked_slots", "bypassed_rows", "sorted_rows", "order", "ticket",

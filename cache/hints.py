@@ -26,7 +26,7 @@ MAX_LOOKAHEAD = WINDOW_BITS
 # Batches after the one being prefetched that a lookahead cache learns from, by default (a
 # PrefetchPipeline's, and the hit-rate tool's). On the Criteo-sized benchmark (Zipf 1.05, 5% cache,
 # depth 2) the CPU simulator gives rows moved / LRU of 0.89 at 8, 0.81 at 16, 0.72 at 32, 0.64 at 64
-# (benchmarks/HIT_RATES.md); the H200 measured 0.72 at 32 and 0.64 at 64. 64 is the most the
+# (docs/hit_rates.md); the H200 measured 0.72 at 32 and 0.64 at 64. 64 is the most the
 # window's bits hold (MAX_LOOKAHEAD). The window's batches wait on the device: 64 of the benchmark's
 # (B = 65536 x 26 lookups) take ~1.7 GB.
 DEFAULT_LOOKAHEAD = MAX_LOOKAHEAD

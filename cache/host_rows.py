@@ -24,7 +24,7 @@ Two implementations of the copies (``copy=``, :data:`HOST_COPIES`):
     One Numba ``prange`` loop (``nogil``) that copies each row's weights and state together,
     as machine words: every thread takes whole rows, weights and state alike.
 
-:data:`DEFAULT_HOST_COPY` is the one measured faster (``benchmarks/bench_host_rows.py``).
+:data:`DEFAULT_HOST_COPY` is the one measured faster (``tools/bench_host_rows.py``).
 """
 
 from __future__ import annotations

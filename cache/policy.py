@@ -436,7 +436,7 @@ _device = cuda.jit(device=True)
 if numba.config.ENABLE_CUDASIM:
     # The CUDA simulator runs kernels as Python, where numpy uint64 scalars warn on the
     # wrap-around the hash relies on: kernels call the compiled CPU hash instead (same code).
-    # (Not SIMULATION: benchmarks/compile_cache_kernels.py compiles for the GPU without one.)
+    # (Not SIMULATION: tools/compile_cache_kernels.py compiles for the GPU without one.)
     set_of_row_device = set_of_row_cpu
 else:
     set_of_row_device = _device(_rebind(set_of_row, mix64=_device(mix64)))

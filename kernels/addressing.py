@@ -30,7 +30,7 @@ compiling.watch_triton_compiles()  # count compiles, and say so when the kernels
 
 # Triton runs its interpreter in CPU simulation mode (TRITON_INTERPRET=1, set by base.mode). Read
 # from the environment, as Triton does, so the kernels can also be compiled for a GPU on a machine
-# without one (benchmarks/compile_kernels.py).
+# without one (tools/compile_kernels.py).
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if INTERPRETING:
     interpreter.skip_repeated_language_patches()  # the same results, ~1.7x faster (base/interpreter.py)

@@ -115,7 +115,7 @@ class PrefetchPipeline:
             cache which rows are needed soonest (pulled from ``batches`` early and kept on the
             device; default ``DEFAULT_LOOKAHEAD`` when a module uses the lookahead policy, else
             0; at most ``MAX_LOOKAHEAD`` = 64). Longer windows move fewer rows (see
-            benchmarks/HIT_RATES.md); each batch's rows are recorded once, when it enters the
+            docs/hit_rates.md); each batch's rows are recorded once, when it enters the
             window, so the window's length costs device memory for its batches, not time.
         high_priority: on CUDA, run the loop's steps on a stream of the device's highest
             priority (made to wait for the work queued before the loop; the stream current at
