@@ -174,6 +174,7 @@ CONFIGS = [
     Config("cached-mixed-weighted-lfu", **_MIXED, policy="lfu"),
     Config("cached-mixed-weighted-lfu-admit", **_MIXED, policy="lfu-admit"),
     Config("cached-mixed-weighted-pipelined", **_MIXED, pipelined=True),
+    Config("cached-mixed-weighted-lfu-admit-pipelined", **_MIXED, policy="lfu-admit", pipelined=True),
     # The same in pinned host memory (FBGEMM's side: host-mapped, uvm_host_mapped), to choose its mover.
     Config("cached-pinned-mixed-weighted", **dict(_MIXED, placement="host_cached")),
     # The same rows drawn less skewed (Zipf 0.6): most of a batch's ~3.3M unique rows miss, ~2.35M rows (~0.9 GB)
