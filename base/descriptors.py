@@ -36,16 +36,12 @@ NUM_ROWS = 6  # rows of the table
 DIM = 7  # embedding_dim of the table (an int32 value)
 OUTPUT_OFFSET = 8  # first column of the group in a pooled output row (an int32 value)
 FEATURE = 9  # the row's own number g (an int32 value), kept by a copy of some of the rows
-# A row describing a slice of its table's columns (kernels/rows.py, forward_slice_groups): the slice's first
-# column (an int32 value; 0 in a table's own row), already added to WEIGHTS_ADDRESS and OUTPUT_OFFSET, and to
-# be added by a kernel to the address of a slot's row.
-COLUMN_OFFSET = 10
-DESCRIPTOR_COLUMNS = 16  # columns 11-15 are zero: a row is one 128-byte cache line
+DESCRIPTOR_COLUMNS = 16  # columns 10-15 are zero: a row is one 128-byte cache line
 
 # Columns whose values fit int32, read as 32-bit words by the Triton kernels.
-INT32_COLUMNS = (DIM, OUTPUT_OFFSET, FEATURE, COLUMN_OFFSET)
+INT32_COLUMNS = (DIM, OUTPUT_OFFSET, FEATURE)
 COLUMN_NAMES = ("weights_address", "weights_stride", "state_address", "state_stride", "state_width", "row_offset",
-                "num_rows", "dim", "output_offset", "feature", "column_offset")
+                "num_rows", "dim", "output_offset", "feature")
 
 
 def describe_tables(

@@ -107,9 +107,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--forward-one-launch", action="store_true",
                         help="also time our HBM steps with the forward launched once over every feature "
                              "(TIERED_TBE_FORWARD_ONE_LAUNCH=1) instead of once per column group of dims")
-    parser.add_argument("--forward-slices", action="store_true",
-                        help="also time our HBM steps with features far from a power of two launched as two column "
-                             "slices (TIERED_TBE_FORWARD_SLICES=1, kernels/rows.py column_slices)")
     parser.add_argument("--backward-one-launch", action="store_true",
                         help="also time our HBM steps with the backward's row updates launched once over every row "
                              "(TIERED_TBE_BACKWARD_ONE_LAUNCH=1) instead of once per column group of dims")
@@ -360,8 +357,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     variants.update({f"ours forward {spec}": {"TIERED_TBE_FORWARD_TILE": spec} for spec in args.forward_tiles or []})
     if args.forward_one_launch:
         variants["ours forward one-launch"] = {"TIERED_TBE_FORWARD_ONE_LAUNCH": "1"}
-    if args.forward_slices:
-        variants["ours forward slices"] = {"TIERED_TBE_FORWARD_SLICES": "1"}
     if args.backward_one_launch:
         variants["ours backward one-launch"] = {"TIERED_TBE_BACKWARD_ONE_LAUNCH": "1"}
     results = []

@@ -56,7 +56,6 @@ ROW_OFFSET = tl.constexpr(descriptors.ROW_OFFSET)
 DIM = tl.constexpr(descriptors.DIM)
 OUTPUT_OFFSET = tl.constexpr(descriptors.OUTPUT_OFFSET)
 FEATURE = tl.constexpr(descriptors.FEATURE)
-COLUMN_OFFSET = tl.constexpr(descriptors.COLUMN_OFFSET)
 DESCRIPTOR_COLUMNS = tl.constexpr(descriptors.DESCRIPTOR_COLUMNS)
 
 

@@ -36,7 +36,6 @@ import triton.language as tl
 from tiered_tbe.base.graphs import padded_size
 
 from .addressing import (
-    COLUMN_OFFSET,
     DIM,
     INTERPRETING,
     OUTPUT_OFFSET,
@@ -160,7 +159,7 @@ def _prune_configs(configs, named_args, **kwargs):
 @triton.autotune(
     configs=_forward_configs(),
     key=["bag_length_class", "BLOCK_D", "POOLING", "HAS_PER_SAMPLE_WEIGHTS", "USE_CACHE", "KEEPS_COPIES",
-         "ALIGN_BYTES", "SLICED"],
+         "ALIGN_BYTES"],
     prune_configs_by={"early_config_prune": _prune_configs},
     # The winner is kept in Triton's cache folder: a later process of the same model shape loads the
     # winning tile only, instead of compiling and timing every candidate (seconds at start-up).
@@ -199,7 +198,6 @@ def _pooled_forward_kernel(
     STAGES: tl.constexpr,  # steps of a bag whose loads are in flight at once (Triton's loop pipeliner)
     BLOCK_D: tl.constexpr,  # columns per tile: next power of two of the largest embedding_dim of the launch's features
     GROUPED: tl.constexpr,  # descriptor_ptr holds a column group's rows: program (i, g) pools the feature of row g
-    SLICED: tl.constexpr,  # the rows may be column slices of their features (RowStores.forward_slices)
     ADDRESSES: tl.constexpr,  # the five tensors are the ones at addresses_ptr's addresses (a CUDA graph
     #                           of the launch then reads and writes each call's own), typed as the arguments
     OUTPUT_ALIGN_BYTES: tl.constexpr,  # every output row slice of a table starts at a multiple of this
@@ -222,13 +220,6 @@ def _pooled_forward_kernel(
     # A multiple of the alignment (in elements), so masks stay constant across a vector.
     dim = descriptor_field_int32(descriptor_ptr, row, None, DIM, ALIGN)
     output_column = descriptor_field_int32(descriptor_ptr, row, None, OUTPUT_OFFSET, ALIGN)
-    slot_rows_ptr = cache_weights_ptr
-    if SLICED:
-        # A slice of its table's columns (kernels/rows.py column_slices) reads and copies its slots' rows from its
-        # first column on; its store's row address and output column include it already.
-        column_offset = descriptor_field_int32(descriptor_ptr, row, None, COLUMN_OFFSET, ALIGN)
-        slot_rows_ptr += column_offset
-        copies_ptr += column_offset
     columns = tl.arange(0, BLOCK_D)
     in_row = columns < dim
     # GROUPS tiles a program, one after the other: fewer, longer programs (the H200 launches
@@ -243,7 +234,7 @@ def _pooled_forward_kernel(
                 positions = starts[:, None] + step_start + tl.arange(0, BLOCK_L)[None, :]  # int64 [BLOCK_B, BLOCK_L]
                 in_bag = positions < ends[:, None]
                 tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
-                                   row_stride, slot_rows_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
+                                   row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
                 if KEEPS_COPIES:
                     keep_copies(tile, positions, in_bag, in_row, columns, in_place_rank_ptr, copies_ptr,
                                 copies_stride, num_copies, ALIGN_BYTES)
@@ -258,7 +249,7 @@ def _pooled_forward_kernel(
                 positions = starts + step_start + lanes  # int64 [BLOCK_B * BLOCK_L]
                 in_bag = positions < ends
                 tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
-                                   row_stride, slot_rows_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
+                                   row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
                 if KEEPS_COPIES:
                     keep_copies(tile, positions, in_bag, in_row, columns, in_place_rank_ptr, copies_ptr,
                                 copies_stride, num_copies, ALIGN_BYTES)
@@ -300,7 +291,6 @@ class _ForwardPlan(NamedTuple):
     has_per_sample_weights: bool
     tile: ForwardTile | None
     keeps_copies: bool  # writes the rows read in place to copies (kernels/in_place_copies.py)
-    sliced: bool  # launches over RowStores.forward_slices (forward_slices_on), the column slices' groups
 
 
 def pooled_forward(
@@ -368,13 +358,12 @@ def pooled_forward(
         _check_copies(stores, copies, lookups.num_lookups)
     tensors = (output, lookups.indices, lookups.offsets, slot_of_index if use_cache else None,
                lookups.per_sample_weights, copies.rank if keeps_copies else None)
-    sliced = forward_slices_on(stores, mode)
-    plan = _ForwardPlan(mode, batch_size, tuple(padded.shape), sliced or launches_per_group(stores, mode),
+    plan = _ForwardPlan(mode, batch_size, tuple(padded.shape), launches_per_group(stores, mode),
                         row_slice_alignment_bytes(output, stores),
                         min(_alignment_bytes(tensor) for tensor in tensors[1:] if tensor is not None),
                         bag_class,
                         (lookups.indices.dtype, lookups.offsets.dtype), use_cache, tensors[4] is not None, tile,
-                        keeps_copies, sliced)
+                        keeps_copies)
     copy_rows = copies.rows if keeps_copies else stores.cache_weights  # the kernel's argument, written if kept
     # Launched directly where no graph will be replayed (graphs off) or inside a caller's capture (a
     # capture bakes the addresses in; the address block's pinned copy would be replayed stale).
@@ -427,16 +416,6 @@ def launches_per_group(stores: RowStores, mode: int) -> bool:
             and os.environ.get("TIERED_TBE_FORWARD_ONE_LAUNCH", "0") != "1")
 
 
-def forward_slices_on(stores: RowStores, mode: int) -> bool:
-    """Whether a pooled forward launches over ``stores.forward_slices`` (features far from a power of two cut
-    into two column slices, ``kernels/rows.py`` ``column_slices``): ``TIERED_TBE_FORWARD_SLICES=1``, pooling sum
-    or mean, and some feature cut. Off by default until a GPU measures it against the whole features' tiles
-    (docs/performance.md, plan: ``odd-dims-ragged``)."""
-    return (mode != POOLING_NONE and stores.forward_slices is not stores.column_groups
-            and os.environ.get("TIERED_TBE_FORWARD_SLICES", "0") == "1"
-            and os.environ.get("TIERED_TBE_FORWARD_ONE_LAUNCH", "0") != "1")
-
-
 def launch_groups(stores: RowStores, grouped: bool) -> tuple[ColumnGroup, ...]:
     """The column groups a forward-type kernel launches over: the stores' (``grouped``), or one of
     every feature with the widest dim's column tile and the whole descriptor."""
@@ -461,7 +440,7 @@ def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, addresses, output, i
         shape = dict(BLOCK_B=tile.bags, BLOCK_L=tile.lanes, GROUPS=tile.groups, STAGES=tile.stages,
                      num_warps=tile.warps)
     output_stride, output_width = plan.output_shape[1], plan.output_shape[1]  # a contiguous output
-    for group in stores.forward_slices if plan.sliced else launch_groups(stores, plan.grouped):
+    for group in launch_groups(stores, plan.grouped):
         kernel[_grid(plan.batch_size, len(group.features))](
             addresses if addresses is not None else offsets, output, output_stride, output_width,
             group.descriptor, stores.cache_weights, stores.cache_weights.stride(0),
@@ -477,7 +456,6 @@ def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, addresses, output, i
             ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
             BLOCK_D=group.block_d,
             GROUPED=plan.grouped,
-            SLICED=plan.sliced,
             ADDRESSES=addresses is not None,
             OUTPUT_ALIGN_BYTES=plan.output_align_bytes,
             INPUT_ALIGN_BYTES=plan.input_align_bytes,

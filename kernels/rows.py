@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from tiered_tbe.base.descriptors import COLUMN_OFFSET, DIM, OUTPUT_OFFSET, WEIGHTS_ADDRESS, describe_tables
+from tiered_tbe.base.descriptors import describe_tables
 
 # Weights dtypes the kernels take; the plain-torch references also take float64.
 WEIGHTS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -27,19 +27,13 @@ _REFERENCE_DTYPES = (*WEIGHTS_DTYPES, torch.float64)
 MIN_GROUP_COLUMNS = 8
 
 
-# A feature is launched by the pooled forward as two column slices (``column_slices``) when their two tiles
-# hold at most this share of the columns of one tile of its dim (132 = 128 + 4: 132 columns against 256).
-SLICE_SHARE = 0.75
-
-
 class ColumnGroup(NamedTuple):
     """Features whose dims round up to one power of two: one launch of the forward-type kernels,
     a column tile of ``block_d`` (a tile of the widest dim would leave a narrow table's rows mostly
-    mask, and fit fewer bags in a tile's budget). In ``RowStores.forward_slices`` a row may be a slice of
-    a feature's columns (``column_slices``), and a feature may have a row in two groups."""
+    mask, and fit fewer bags in a tile's budget)."""
 
     block_d: int  # the group's column tile: its widest dim rounded up to a power of two
-    features: tuple[int, ...]  # the feature of each of its descriptor rows, ascending
+    features: tuple[int, ...]  # its features, ascending
     # int64 [len(features), DESCRIPTOR_COLUMNS]: their rows of RowStores.descriptor (column FEATURE says whose);
     # the descriptor itself when the group holds every feature.
     descriptor: torch.Tensor
@@ -79,44 +73,6 @@ def table_groups(dims: tuple[int, ...], row_offsets: tuple[int, ...], num_rows: 
         ends.append(len(order))
     return TableGroups(tuple(block_ds), tuple(ends), torch.tensor(order, dtype=torch.int32, device=device),
                        torch.tensor([*row_offsets, num_rows], dtype=torch.int64, device=device))
-
-
-def column_slices(dim: int) -> tuple[tuple[int, int], ...]:
-    """``((first column, width), ...)``: the column slices a pooled forward launches a feature of ``dim`` as:
-    the largest power of two below ``dim`` and the rest, each in a column group of its width, when their tiles
-    hold at most ``SLICE_SHARE`` of one tile of ``dim`` (132 -> 128 + 4, 76 -> 64 + 12, 36 -> 32 + 4, 20 -> 16
-    + 4, 12 -> 8 + 4); else the whole row (100 -> 128 either way). The first slice is a power of two of at
-    least 8 columns, so the second starts where every row's alignment (at most 8 elements) allows."""
-    if dim <= MIN_GROUP_COLUMNS:
-        return ((0, dim),)
-    head = 1 << (dim.bit_length() - 1)
-    rest = dim - head
-    if rest == 0 or head + power_of_two_at_least(rest) > SLICE_SHARE * power_of_two_at_least(dim):
-        return ((0, dim),)
-    return ((0, head), (head, rest))
-
-
-def forward_slice_groups(dims_of_features: tuple[int, ...], element_size: int, descriptor: torch.Tensor,
-                         groups: tuple[ColumnGroup, ...]) -> tuple[ColumnGroup, ...]:
-    """The pooled forward's launches when features are cut into column slices (``column_slices``): the slices
-    grouped by column tile as ``column_groups`` groups whole features, each a row of ``descriptor`` with its
-    first column added to its weights' address and output column and kept in ``COLUMN_OFFSET`` (a kernel adds
-    it to the address of a slot's row); ``groups`` (the whole features') when no feature is cut."""
-    slices = [(feature, first, width) for feature, dim in enumerate(dims_of_features)
-              for first, width in column_slices(dim)]
-    if len(slices) == len(dims_of_features):
-        return groups
-    out = []
-    for block_d, members in by_column_tile(tuple(width for _, _, width in slices)):
-        features, firsts, widths = (torch.tensor([slices[m][k] for m in members], dtype=torch.int64,
-                                                 device=descriptor.device) for k in range(3))
-        rows = descriptor.index_select(0, features)
-        rows[:, WEIGHTS_ADDRESS] += firsts * element_size
-        rows[:, OUTPUT_OFFSET] += firsts
-        rows[:, DIM] = widths
-        rows[:, COLUMN_OFFSET] = firsts
-        out.append(ColumnGroup(block_d, tuple(slices[m][0] for m in members), rows))
-    return tuple(out)
 
 
 def power_of_two_at_least(n: int) -> int:
@@ -177,9 +133,6 @@ class RowStores:
     block_d: int = field(init=False)  # the kernels' column tile: the widest row rounded up to a power of two
     # The features by column tile: the forward launches once per group (one group when every dim rounds alike).
     column_groups: tuple[ColumnGroup, ...] = field(init=False)
-    # The same with features far from a power of two cut into two column slices (the pooled forward's, with
-    # TIERED_TBE_FORWARD_SLICES=1; column_groups itself when no feature is cut).
-    forward_slices: tuple[ColumnGroup, ...] = field(init=False)
     # The tables by column tile: the backward updates each group's rows with a launch of its own (None: one group).
     table_groups: TableGroups | None = field(init=False)
 
@@ -241,10 +194,9 @@ class RowStores:
                                      [row_offsets[t] for t in features], output_offsets, device)
         # Computed once: triton.next_power_of_2 took 3.4 us a call on the training path's host.
         block_d = power_of_two_at_least(max(dims, default=1))
-        groups = column_groups(tuple(dims[t] for t in features), block_d, descriptor)
         values = {
-            "descriptor": descriptor, "block_d": block_d, "column_groups": groups,
-            "forward_slices": forward_slice_groups(tuple(dims[t] for t in features), element, descriptor, groups),
+            "descriptor": descriptor, "block_d": block_d,
+            "column_groups": column_groups(tuple(dims[t] for t in features), block_d, descriptor),
             "table_groups": table_groups(dims, tuple(row_offsets), total, device),
             "dims": dims, "row_offsets": tuple(row_offsets), "features": features, "output_offsets": output_offsets,
             "shares_tables": len(set(features)) < len(features), "num_rows": total,

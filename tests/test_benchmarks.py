@@ -723,24 +723,3 @@ def test_a_records_step_counts_are_not_named_as_milliseconds():
                         "device_frees_per_step": 0.0})
     assert figures == {"forward_ms": 1.0, "host_forward_ms": 0.5, "host_mallocs_per_step": 0.0,
                        "device_frees_per_step": 0.0}
-
-
-def test_bench_fbgemm_times_the_forward_slices_beside_the_whole_features(monkeypatch):
-    """--forward-slices: an HBM configuration's steps also run by a module of our own that launches its odd
-    dims as column slices (TIERED_TBE_FORWARD_SLICES=1 during its turns only), reported beside ours."""
-    bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
-    forward = importlib.import_module("tiered_tbe.kernels.forward")
-    sliced_calls = []
-    plain_on = forward.forward_slices_on
-
-    def spy(stores, mode):
-        on = plain_on(stores, mode)
-        sliced_calls.append(on)
-        return on
-
-    monkeypatch.setattr(forward, "forward_slices_on", spy)
-    args = bench_fbgemm.check_args(bench_fbgemm.build_parser().parse_args(
-        ["--configs", "odd-dims-ragged", "--steps", "1", "--warmup", "1", "--ours-only", "--forward-slices"]))
-    row = bench_fbgemm.run(args)[0]
-    assert row["ours forward slices"]["forward"] > 0 and row["ours"]["forward"] > 0
-    assert True in sliced_calls and False in sliced_calls  # the variant's turns sliced, ours did not

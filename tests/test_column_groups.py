@@ -16,10 +16,9 @@ from tiered_tbe.base import descriptors
 from tiered_tbe.base.graphs import padded_size
 from tiered_tbe.kernels import forward as forward_module
 from tiered_tbe.kernels.forward import pooled_forward
-from tiered_tbe.kernels.in_place_copies import InPlaceCopies
 from tiered_tbe.kernels.per_sample_weights import per_sample_weights_grad
 from tiered_tbe.kernels.reference import reference_forward, reference_per_sample_weights_grad
-from tiered_tbe.kernels.rows import MIN_GROUP_COLUMNS, column_slices
+from tiered_tbe.kernels.rows import MIN_GROUP_COLUMNS
 
 # Dims from 1 to 300: odd ones, powers of two and their neighbours (column tiles of 8 to 512).
 MIXED_DIMS = (1, 2, 3, 5, 8, 9, 16, 17, 31, 33, 64, 65, 127, 128, 129, 255, 256, 257, 300)
@@ -160,83 +159,3 @@ def test_pooling_none_output_is_padded_and_exact(weighted, device):
     assert output.shape == (lookups.num_lookups, 6) and output.is_contiguous()
     assert output.untyped_storage().nbytes() == padded_size(lookups.num_lookups) * 6 * 4
     assert torch.equal(output, reference_forward(stores, lookups, slots, "none").float())
-
-
-# Dims far from a power of two (cut: 12, 20, 36, 76, 132, 300), near one or one (whole: 4, 52, 100, 128), tables
-# of one row among them.
-ODD_DIMS = (4, 12, 20, 36, 52, 76, 100, 128, 132, 300)
-ODD_ROWS = tuple(1 + (5 * t) % 7 for t in range(len(ODD_DIMS)))
-
-
-def test_features_far_from_a_power_of_two_are_cut_into_two_column_slices(device):
-    """column_slices: a power of two and the rest where their tiles hold at most SLICE_SHARE of one tile of the
-    dim. forward_slices groups the slices by column tile; each slice's row is its feature's with the first column
-    added to the weights' address and the output column, its width as dim, the first column kept in
-    COLUMN_OFFSET; every column of every feature is in exactly one slice. Dims that are powers of two or near
-    one cut nothing, and forward_slices is then column_groups itself."""
-    assert [column_slices(d) for d in (4, 12, 20, 52, 76, 100, 132, 300)] == [
-        ((0, 4),), ((0, 8), (8, 4)), ((0, 16), (16, 4)), ((0, 52),), ((0, 64), (64, 12)), ((0, 100),),
-        ((0, 128), (128, 4)), ((0, 256), (256, 44))]
-    stores = make_batch(dims=ODD_DIMS, num_rows=ODD_ROWS, device=device)[0]
-    element = stores.table_weights[0].element_size()
-    covered = {f: [] for f in range(stores.num_features)}
-    for group in stores.forward_slices:
-        rows = group.descriptor.cpu()
-        assert rows.shape == (len(group.features), descriptors.DESCRIPTOR_COLUMNS)
-        for row, feature in zip(rows, group.features):
-            whole = stores.descriptor[feature].cpu()
-            first, width = int(row[descriptors.COLUMN_OFFSET]), int(row[descriptors.DIM])
-            assert int(row[descriptors.WEIGHTS_ADDRESS]) == int(whole[descriptors.WEIGHTS_ADDRESS]) + first * element
-            assert int(row[descriptors.OUTPUT_OFFSET]) == int(whole[descriptors.OUTPUT_OFFSET]) + first
-            assert int(row[descriptors.FEATURE]) == feature and width <= group.block_d
-            covered[feature].append((first, width))
-    assert all(sorted(covered[f]) == list(column_slices(ODD_DIMS[f])) for f in covered)
-    def tile_columns(groups):  # the columns the launches' tiles hold a bag of each feature in
-        return sum(group.block_d * len(group.features) for group in groups)
-    assert tile_columns(stores.column_groups) == 4 + 16 + 32 + 64 + 64 + 128 + 128 + 128 + 256 + 512
-    # The slices of 4 columns share the tile of 8 of the narrow dims (MIN_GROUP_COLUMNS), 300's 44 a tile of 64.
-    assert tile_columns(stores.forward_slices) == 8 * 6 + 16 * 2 + 32 + 64 * 3 + 128 * 3 + 256
-    powers = make_batch(dims=(4, 8, 64, 128, 100), num_rows=(2,) * 5, device=device)[0]
-    assert powers.forward_slices is powers.column_groups
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("pooling", ["sum", "mean"])
-def test_sliced_forward_equals_the_reference_and_the_whole_features_bitwise(pooling, dtype, monkeypatch, device):
-    """TIERED_TBE_FORWARD_SLICES=1: one launch per group of forward_slices, equal to the reference and, bit for
-    bit, to the launches over whole features (each column's sum is added in the same order), rows in slots and
-    in their stores, weights, empty bags, tables of one row."""
-    stores, lookups, slots = make_batch(dims=ODD_DIMS, num_rows=ODD_ROWS, batch_size=4, dtype=dtype, weighted=True,
-                                        device=device)
-    assert (slots >= 0).any() and (slots < 0).any()
-    whole = pooled_forward(stores, lookups, slots, pooling)
-    monkeypatch.setenv("TIERED_TBE_FORWARD_SLICES", "1")
-    recorder = record_forward_launches(monkeypatch)
-    sliced = pooled_forward(stores, lookups, slots, pooling)
-    assert [(launch["BLOCK_D"], launch["features"], launch["GROUPED"]) for launch in recorder.launches] == [
-        (group.block_d, len(group.features), True) for group in stores.forward_slices]
-    assert [launch["descriptor"] for launch in recorder.launches] == [g.descriptor for g in stores.forward_slices]
-    torch.testing.assert_close(sliced.double(), reference_forward(stores, lookups, slots, pooling),
-                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
-    assert torch.equal(sliced, whole)
-    # Pooling none writes whole rows in one launch: no slices.
-    assert torch.equal(pooled_forward(stores, lookups, slots, "none"),
-                       reference_forward(stores, lookups, slots, "none").float())
-    assert recorder.launches[-1]["GROUPED"] is False
-
-
-def test_a_sliced_forward_copies_each_row_read_in_place_whole(monkeypatch, device):
-    """With copies (kernels/in_place_copies.py), each slice writes its columns of a row read in place to the
-    row's copy, at the slice's columns: the copy equals the store's row, every column of it."""
-    stores, lookups, slots = make_batch(dims=ODD_DIMS, num_rows=ODD_ROWS, batch_size=4, device=device)
-    in_place = slots < 0
-    rank = torch.where(in_place, torch.cumsum(in_place.int(), 0, dtype=torch.int32) - 1, -1).int()
-    copy_rows = torch.full((int(in_place.sum()), stores.cache_weights.shape[1]), float("nan"), device=device)
-    monkeypatch.setenv("TIERED_TBE_FORWARD_SLICES", "1")
-    pooled_forward(stores, lookups, slots, "sum", copies=InPlaceCopies(rank, copy_rows))
-    lengths = (lookups.offsets[1:] - lookups.offsets[:-1]).tolist()
-    feature_of_lookup = [bag // lookups.batch_size for bag, n in enumerate(lengths) for _ in range(n)]
-    for i in torch.nonzero(in_place).flatten().tolist():
-        table = stores.features[feature_of_lookup[i]]
-        row = stores.table_weights[table][int(lookups.indices[i])]
-        assert torch.equal(copy_rows[int(rank[i]), :row.numel()], row), (i, table)

@@ -246,8 +246,7 @@ def test_row_stores_reject_mixed_dtypes_and_bad_pooling(device):
 def test_row_stores_describe_each_table_in_one_descriptor(device):
     """The kernels' one int64 descriptor (base/descriptors.py): per table, the addresses of row 0
     of its weights and state, their strides, its rows, dim, global row offset, output column and
-    its own number (the feature), and column offset 0 (a table's own row, not a slice of it); a table without
-    state has address, stride and width 0; a row is one 128-byte line."""
+    its own number (the feature); a table without state has address, stride and width 0; a row is one 128-byte line."""
     stores, _, _ = make_batch(optimizer=ALL_OPTIMIZERS["adam"], device=device)
     assert stores.descriptor.dtype == torch.int64 and stores.descriptor.shape == (stores.num_tables, 16)
     assert stores.descriptor.device == stores.cache_weights.device
@@ -256,7 +255,7 @@ def test_row_stores_describe_each_table_in_one_descriptor(device):
         assert descriptor_row(stores.descriptor, t) == dict(
             weights_address=weights.data_ptr(), weights_stride=weights.stride(0), state_address=state.data_ptr(),
             state_stride=state.stride(0), state_width=state.shape[1], row_offset=row_offset,
-            num_rows=weights.shape[0], dim=weights.shape[1], output_offset=column, feature=t, column_offset=0)
+            num_rows=weights.shape[0], dim=weights.shape[1], output_offset=column, feature=t)
         row_offset, column = row_offset + weights.shape[0], column + weights.shape[1]
     assert not stores.descriptor[:, len(descriptors.COLUMN_NAMES):].any()
     no_state = make_batch(optimizer=ALL_OPTIMIZERS["sgd"], device=device)[0]

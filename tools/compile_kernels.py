@@ -144,19 +144,14 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
         # loaded from a tensor, the alignment hints all Triton knows of them): the same 16-byte accesses.
         # Grouped: one launch of a column group (a model of mixed dims), its feature read from its descriptor row.
         # Copies: a training forward of a cache that keeps the rows it reads in place (16-byte stores too).
-        # Sliced: the groups of column slices (TIERED_TBE_FORWARD_SLICES=1), each slice's first column loaded.
-        for graphed, grouped, copies, sliced, label in (
-                (False, False, False, False, ""), (True, False, False, False, ", addresses"),
-                (True, True, False, False, ", addresses, grouped"),
-                (True, True, True, False, ", addresses, grouped, copies"),
-                (True, True, False, True, ", addresses, grouped, sliced"),
-                (True, True, True, True, ", addresses, grouped, copies, sliced")):
+        for graphed, grouped, copies, label in ((False, False, False, ""), (True, False, False, ", addresses"),
+                                                (True, True, False, ", addresses, grouped"),
+                                                (True, True, True, ", addresses, grouped, copies")):
             kernel = forward._pooled_forward_kernel.fn.warmup(
                 addresses, f32, 3328, dim, descriptor, weights, dim, i64, i64, i32, f32, i32, weights, dim, 64, 65536,
                 0, POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, KEEPS_COPIES=copies,
                 ALIGN=16 // weights.element_size(),
-                ALIGN_BYTES=16, BLOCK_D=block_d, GROUPED=grouped, SLICED=sliced, ADDRESSES=graphed,
-                OUTPUT_ALIGN_BYTES=16,
+                ALIGN_BYTES=16, BLOCK_D=block_d, GROUPED=grouped, ADDRESSES=graphed, OUTPUT_ALIGN_BYTES=16,
                 INPUT_ALIGN_BYTES=16, BLOCK_B=tile.bags, BLOCK_L=tile.lanes, GROUPS=tile.groups, STAGES=tile.stages,
                 grid=grid, num_warps=tile.warps)
             results.append(_report(f"forward B{tile.bags} L{tile.lanes} w{tile.warps} G{tile.groups} "
