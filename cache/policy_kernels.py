@@ -191,7 +191,7 @@ def asking_before_set(touched, set_start, needs_number):
 def decode_next_use_kernel(
     set_start,  # int32 [N]: first position of each set the batch touches, in order, then N
     set_of_position,  # int32 [N]: the set of each position (ascending)
-    needs_number,  # int32 [N]: inclusive prefix sum of slot_needed_kernel's needs_slot
+    needs_number,  # int32 [N]: inclusive prefix sum of find_hits_kernel's needs_slot
     associativity,  # int64: ways per set
     step_of_prefetch,  # int64 [1]: this prefetch's step
     tags,  # int64 [S]
@@ -222,7 +222,7 @@ def decode_next_use_kernel(
 def rank_few_ways_kernel(
     set_start,  # int32 [N]: first position of each set the batch touches, in order, then N
     set_of_position,  # int32 [N]: the set of each position (ascending)
-    needs_number,  # int32 [N]: inclusive prefix sum of slot_needed_kernel's needs_slot
+    needs_number,  # int32 [N]: inclusive prefix sum of find_hits_kernel's needs_slot
     associativity,  # int64: ways per set (at most MAX_WAYS: the taken ways are the bits of an int64)
     few_asks,  # int64: this kernel ranks the sets asking for 1 to few_asks ways; rank_ways_kernel the others
     policy,  # int64: POLICY_* code
@@ -270,7 +270,7 @@ def rank_few_ways_kernel(
 def rank_ways_kernel(
     set_start,  # int32 [N]: first position of each set the batch touches, in order, then N
     set_of_position,  # int32 [N]: the set of each position (ascending)
-    needs_number,  # int32 [N]: inclusive prefix sum of slot_needed_kernel's needs_slot
+    needs_number,  # int32 [N]: inclusive prefix sum of find_hits_kernel's needs_slot
     associativity,  # int64: ways per set (at most MAX_WAYS)
     few_asks,  # int64: sets asking for at most this many ways are rank_few_ways_kernel's, skipped here
     policy,  # int64: POLICY_* code
