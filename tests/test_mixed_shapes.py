@@ -166,12 +166,16 @@ def test_ragged_pipelined_steps_replay_graphs_only():
     seen, every prefetch, forward and backward replays a graph. Its backward takes the dirty marks of the
     batch (its unlock is deferred) into its graph; they once read an array of the batch's own size, so on
     batches whose size changes every step the backward ran eagerly every step (H100, 5cdfaa5: one eager
-    run a step, the pipelined step slower than the serial one)."""
+    run a step, the pipelined step slower than the serial one).
+
+    Three passes before the one counted: the first batch of the first pass is prefetched unpadded (the
+    first size a prefetch is asked about counts as unchanged), and from the second pass on, after a batch of
+    another size, padded: keys first seen in the second pass, captured in the third."""
     dims = [4, 12, 20, 36, 52, 76, 100, 132]
     rows = [r // 64 for r in GPU_ROWS[: len(dims)]]
     module = mixed_module(rows, dims, [Placement.MANAGED_CACHED] * len(dims), "cuda", cache=CacheConfig(fraction=0.1))
     batches = ragged_batches(rows, dims, steps=12, batch_sizes=[512, 300, 448, 256], max_bag=30, device="cuda")
-    for _ in range(2):  # every shape seen, then every padded shape's graphs captured
+    for _ in range(3):  # every shape seen, its graphs captured, the first batch's padded ones too
         train(module, batches, depth=2)
     counters = step_counters(module, module.cache)
     before = counters()
