@@ -98,8 +98,7 @@ def ours_module(config: Config, args, device=None) -> TieredEmbeddingBags:
     """Our module of a configuration: a table of its dim each, its placement, optimizer and cache;
     no bounds checks; ``args``: ``seed``, ``mover`` (the cache's, when it has one), ``state_layout``,
     ``in_place_copies`` (CacheConfig's, when given)."""
-    placement = {"device": Placement.DEVICE, "host_cached": Placement.HOST_CACHED,
-                 "managed_cached": Placement.MANAGED_CACHED}[config.placement]
+    placement = Placement(config.placement)
     tables = [TableSpec(n, dim, name=f"t{t}", placement=placement)
               for t, (n, dim) in enumerate(zip(config.tables, config.dims))]
     cache = None
@@ -116,9 +115,9 @@ def ours_module(config: Config, args, device=None) -> TieredEmbeddingBags:
 
 
 def fbgemm_module(config: Config, device=None, cache_stats: bool = False):
-    """FBGEMM's TBE of a configuration: ``MANAGED_CACHING`` with ``cache_load_factor`` equal to our
-    cache fraction (LRU, or LFU for ``lfu`` and ``lfu-admit`` but pipelined; a lookahead configuration runs LRU) or
-    ``DEVICE``; a
+    """FBGEMM's TBE of a configuration: ``MANAGED`` (uncached UVM) for ``managed``, ``MANAGED_CACHING`` with
+    ``cache_load_factor`` equal to our cache fraction (LRU, or LFU for ``lfu`` and ``lfu-admit`` but
+    pipelined; a lookahead configuration runs LRU) or ``DEVICE``; a
     dim per table; ``prefetch_pipeline`` for a pipelined one. ``cache_stats``: gather its cache
     counters (``gather_uvm_cache_stats``: unique rows missed and inserted, for LRU). On a CPU
     ``device`` (a test of the construction) the tables are ``HOST`` and computed on the CPU."""
@@ -137,7 +136,7 @@ def fbgemm_module(config: Config, device=None, cache_stats: bool = False):
     device = torch.device(device or "cuda")
     on_cpu = device.type == "cpu"
     location = (EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.MANAGED_CACHING if config.cached
-                else EmbeddingLocation.DEVICE)
+                else EmbeddingLocation.MANAGED if config.placement == "managed" else EmbeddingLocation.DEVICE)
     compute = ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA
     optimizer = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
                  "adam": EmbOptimType.ADAM}[config.optimizer]

@@ -24,7 +24,7 @@ import torch
 from background import run_in_background
 
 import tiered_tbe  # noqa: F401  (chooses GPU / simulation mode before the scripts import triton or numba)
-from tiered_tbe import records
+from tiered_tbe import Placement, records
 from tiered_tbe.cache.policy import POLICIES
 from tiered_tbe.cli import main as cli_main
 
@@ -411,6 +411,26 @@ def test_bench_fbgemm_mixed_dims_ragged_bags_and_weights(capsys, tmp_path):
         assert results[name]["ours"]["step"] > 0, name
         assert 0 <= results[name]["ours"]["ahead_at_end"] <= 2, name  # --fit-cache
     assert_no_verdicts(out)
+
+
+def test_bench_fbgemm_uncached_managed_configuration_reads_every_row_in_place(capsys, tmp_path):
+    """``managed-odd-dims-ragged`` has no cache: our module keeps every table in managed memory (``MANAGED``,
+    no slots, no prefetch), and the benchmark times its forward and backward as it times an HBM
+    configuration's, its record naming the placement."""
+    from tiered_tbe.benchmarks import fbgemm_sides
+    from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS, simulation_shape
+
+    config = simulation_shape(next(c for c in CONFIGS if c.name == "managed-odd-dims-ragged"))
+    assert not config.cached and config.lookahead_window == 0
+    ours = fbgemm_sides.ours_module(config, fbgemm_sides.DEFAULT_MODULE_ARGS)
+    assert ours.cache is None and {spec.placement for spec in ours.tables} == {Placement.MANAGED}
+    json_file = tmp_path / "fbgemm.json"
+    assert cli_main(["bench", "fbgemm", "--configs", "managed-odd-dims-ragged", "--steps", "1", "--ours-only",
+                     "--json", str(json_file)]) == 0
+    result = json.loads(json_file.read_text())["results"][0]
+    assert result["configuration"]["placement"] == "managed" and result["configuration"]["policy"] is None
+    assert result["ours"]["forward"] > 0 and result["ours"]["backward"] > 0 and "prefetch" not in result["ours"]
+    assert_no_verdicts(capsys.readouterr().out)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fbgemm_gpu") is None, reason="needs fbgemm-gpu (its CPU build will do)")
