@@ -212,10 +212,16 @@ def test_trace_step_splits_each_phase_into_lag_busy_and_idle(capsys):
     assert backward["host"] == 0.5 and backward["busy"] == 0.2
     assert backward["lag"] == pytest.approx(0.15)  # forward's GPU end (160) to the first backward kernel (310)
     assert backward["span"] == pytest.approx(0.5) and backward["idle"] == pytest.approx(0.3)  # 160 -> 660
-    # A cached configuration of mixed dims, ragged weighted bags: each step prefetches first.
-    trace.main(["--configs", "big-zipf-sgd", "cached-mixed-weighted", "--ours-only", "--warmup", "1", "--steps", "1"])
+    # A cached configuration of mixed dims, ragged weighted bags: each step prefetches first. A pipelined one
+    # is read by stream (no GPU events in simulation, but the host time of its steps).
+    trace.main(["--configs", "big-zipf-sgd", "cached-mixed-weighted", "cached-odd-dims-ragged-lfu-admit-pipelined",
+                "--ours-only", "--warmup", "1", "--steps", "2"])
     out = capsys.readouterr().out
     assert "== big-zipf-sgd, ours" in out and "== cached-mixed-weighted, ours" in out
+    pipelined = out.split("== cached-odd-dims-ragged-lfu-admit-pipelined, ours (pipelined, depth 2")[1]
+    assert "host ms / step: step " in pipelined and "(no GPU events: simulation mode)" in pipelined
+    host = dict(item.rsplit(" ", 1) for item in pipelined.split("host ms / step: ")[1].splitlines()[0].split(", "))
+    assert float(host["step"]) > 0 and float(host["forward"]) > 0 and float(host["backward"]) > 0
 
 
 def test_profile_step_reports_host_and_device_time_per_phase(capsys):

@@ -15,7 +15,14 @@ synchronize), and prints per phase (prefetch, forward, backward) and side:
 - span ms: from the previous phase's last GPU end to this phase's (what an event pair measures);
 - idle ms: span less busy.
 
+A pipelined configuration (ours only: bench fbgemm's ``PrefetchPipeline`` of depth 2) has no phases to
+split, since its prefetches run on a side stream beside the step: for it the tool prints what each CUDA
+stream is busy with per step, its top kernels, and how long the two busiest streams run together
+(``tools/trace_pipeline.py``'s reading), which says whether the training stream waits for the bus or for
+the SMs the prefetch holds.
+
     python tools/trace_step.py --configs big-zipf-sgd --trace-dir $OUT
+    python tools/trace_step.py --configs cached-odd-dims-ragged-lfu-admit-pipelined --ours-only
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile, record_function
-from trace_events import GPU_CATEGORIES, launch_times, trace_events, union_ms
+from trace_events import GPU_CATEGORIES, launch_times, steady_steps, trace_events, union_ms
+from trace_pipeline import summarize
 
+from tiered_tbe import PrefetchPipeline
 from tiered_tbe.base.mode import SIMULATION, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.benchmarks import common
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS
@@ -55,6 +64,34 @@ def trace_steps(emb, batches, grad, warmup: int, steps: int, trace_path: Path | 
         del out
     common.synchronize()
     prof.stop()
+    return trace_events(prof, trace_path)
+
+
+def trace_pipelined_steps(emb, batches, grad, warmup: int, steps: int, trace_path: Path | None,
+                          lookahead: int) -> list[dict]:
+    """Train ``warmup`` steps through a ``PrefetchPipeline`` of depth 2 (``lookahead``: batches a lookahead
+    cache is told, 0 for the other policies), as ``bench fbgemm``'s pipelined configurations do, then record
+    ``1 + steps`` more; the chrome trace's events."""
+    prof = profile(activities=[ProfilerActivity.CPU] + ([] if SIMULATION else [ProfilerActivity.CUDA]))
+    source = iter(PrefetchPipeline(emb, common.cycle(batches, warmup + 1 + steps + lookahead), depth=2,
+                                   lookahead=lookahead or None))
+    try:
+        for i in range(warmup + 1 + steps):
+            if i == warmup:
+                common.synchronize()
+                prof.start()
+            with record_function("step"):
+                with record_function("pipeline"):  # hands the batch out and issues the next prefetch
+                    indices, offsets, weights = next(source)
+                with record_function("forward"):
+                    out = emb(indices, offsets, per_sample_weights=weights)
+                with record_function("backward"):
+                    out.backward(grad[: out.shape[0]])
+            del out
+        common.synchronize()
+        prof.stop()
+    finally:
+        source.close()
     return trace_events(prof, trace_path)
 
 
@@ -100,12 +137,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/trace_step.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["big-zipf-sgd"], metavar="NAME",
-                        choices=[c.name for c in CONFIGS if not c.pipelined],
-                        help="bench fbgemm's configurations, in HBM or cached (serial); default big-zipf-sgd")
+                        choices=[c.name for c in CONFIGS],
+                        help="bench fbgemm's configurations, in HBM or cached (a pipelined one: ours only); "
+                             "default big-zipf-sgd")
     parser.add_argument("--warmup", type=int, default=10, help="steps before tracing (default 10)")
     parser.add_argument("--steps", type=int, default=8, help="steps traced (default 8)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ours-only", action="store_true")
+    parser.add_argument("--top", type=int, default=8, help="pipelined: kernels listed per stream (default 8)")
     parser.add_argument("--trace-dir", type=Path, help="write each side's chrome trace here (gzipped)")
     args = parser.parse_args(argv)
     args.mover = args.state_layout = None  # what ours_module reads besides the config
@@ -114,8 +153,20 @@ def main(argv=None) -> int:
     for base in (c for c in CONFIGS if c.name in args.configs):
         config = shape_of(base)
         # A cached configuration gets a new batch every step (a cache that saw a batch misses nothing).
-        batches, grad = batches_of(config, args.seed, args.warmup + 1 + args.steps if config.cached else 6)
+        window = config.lookahead_window
+        batches, grad = batches_of(config, args.seed,
+                                   args.warmup + 1 + args.steps + window if config.cached else 6)
         phases = PHASES if config.cached else PHASES[1:]
+        if config.pipelined:
+            emb = ours_module(config, args)
+            path = args.trace_dir / f"trace_{base.name}_ours.json" if args.trace_dir else None
+            events = trace_pipelined_steps(emb, batches, grad, args.warmup, args.steps, path, window)
+            print(f"== {base.name}, ours (pipelined, depth 2; FBGEMM's side is not traced)")
+            for line in summarize(steady_steps(events), args.steps, args.top):
+                print(line, flush=True)
+            del emb
+            common.free()
+            continue
         for side in sides:
             emb = ours_module(config, args) if side == "ours" else fbgemm_module(config)
             path = args.trace_dir / f"trace_{base.name}_{side}.json" if args.trace_dir else None
