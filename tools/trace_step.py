@@ -45,44 +45,27 @@ from tiered_tbe.benchmarks.fbgemm_sides import batches_of, fbgemm_available, fbg
 PHASES = ("prefetch", "forward", "backward")
 
 
-def trace_steps(emb, batches, grad, warmup: int, steps: int, trace_path: Path | None, cached: bool) -> list[dict]:
-    """Train ``warmup`` steps, record ``1 + steps`` more (``cached``: each prefetching its batch
-    first, both sides' ``prefetch``); the chrome trace's events."""
+def trace_steps(emb, batches, grad, warmup: int, steps: int, trace_path: Path | None, cached: bool,
+                pipelined: bool = False, lookahead: int = 0) -> list[dict]:
+    """Train ``warmup`` steps, record ``1 + steps`` more; the chrome trace's events. ``cached``: each step
+    prefetches its batch first (``prefetch``). ``pipelined``: the batches come through a ``PrefetchPipeline``
+    of depth 2 instead, as in ``bench fbgemm``'s pipelined configurations (``pipeline``: handing a batch out,
+    which issues the next prefetch; ``lookahead``: batches a lookahead cache is told, 0 for the others)."""
     prof = profile(activities=[ProfilerActivity.CPU] + ([] if SIMULATION else [ProfilerActivity.CUDA]))
-    for i, (indices, offsets, weights) in enumerate(common.cycle(batches, warmup + 1 + steps)):
-        if i == warmup:
-            common.synchronize()
-            prof.start()
-        with record_function("step"):
-            if cached:
-                with record_function("prefetch"):
-                    emb.prefetch(indices, offsets)
-            with record_function("forward"):
-                out = emb(indices, offsets, per_sample_weights=weights)
-            with record_function("backward"):
-                out.backward(grad[: out.shape[0]])
-        del out
-    common.synchronize()
-    prof.stop()
-    return trace_events(prof, trace_path)
-
-
-def trace_pipelined_steps(emb, batches, grad, warmup: int, steps: int, trace_path: Path | None,
-                          lookahead: int) -> list[dict]:
-    """Train ``warmup`` steps through a ``PrefetchPipeline`` of depth 2 (``lookahead``: batches a lookahead
-    cache is told, 0 for the other policies), as ``bench fbgemm``'s pipelined configurations do, then record
-    ``1 + steps`` more; the chrome trace's events."""
-    prof = profile(activities=[ProfilerActivity.CPU] + ([] if SIMULATION else [ProfilerActivity.CUDA]))
-    source = iter(PrefetchPipeline(emb, common.cycle(batches, warmup + 1 + steps + lookahead), depth=2,
-                                   lookahead=lookahead or None))
+    count = warmup + 1 + steps
+    source = iter(PrefetchPipeline(emb, common.cycle(batches, count + lookahead), depth=2, lookahead=lookahead or None)
+                  if pipelined else common.cycle(batches, count))
     try:
-        for i in range(warmup + 1 + steps):
+        for i in range(count):
             if i == warmup:
                 common.synchronize()
                 prof.start()
             with record_function("step"):
-                with record_function("pipeline"):  # hands the batch out and issues the next prefetch
+                with record_function("pipeline" if pipelined else "batch"):
                     indices, offsets, weights = next(source)
+                if cached and not pipelined:
+                    with record_function("prefetch"):
+                        emb.prefetch(indices, offsets)
                 with record_function("forward"):
                     out = emb(indices, offsets, per_sample_weights=weights)
                 with record_function("backward"):
@@ -91,7 +74,8 @@ def trace_pipelined_steps(emb, batches, grad, warmup: int, steps: int, trace_pat
         common.synchronize()
         prof.stop()
     finally:
-        source.close()
+        if pipelined:
+            source.close()
     return trace_events(prof, trace_path)
 
 
@@ -160,7 +144,8 @@ def main(argv=None) -> int:
         if config.pipelined:
             emb = ours_module(config, args)
             path = args.trace_dir / f"trace_{base.name}_ours.json" if args.trace_dir else None
-            events = trace_pipelined_steps(emb, batches, grad, args.warmup, args.steps, path, window)
+            events = trace_steps(emb, batches, grad, args.warmup, args.steps, path, True, pipelined=True,
+                                 lookahead=window)
             print(f"== {base.name}, ours (pipelined, depth 2; FBGEMM's side is not traced)")
             for line in summarize(steady_steps(events), args.steps, args.top):
                 print(line, flush=True)
