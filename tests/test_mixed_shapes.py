@@ -176,7 +176,7 @@ def test_ragged_pipelined_steps_replay_graphs_only():
     the host, say recent prefetches left rows in place, and on this small cache that changes from batch to
     batch (the CPU replay of the test's first pass: copies for ten forwards, then none). When a reading
     lands depends on the device's timing, so a batch may meet the other choice for the first time in any
-    pass, a key of its own run eagerly once (H100, aca1407: 2 eager runs in the fourth pass, no capture)."""
+    pass: a key of its own, run eagerly once (H100, aca1407: 2 eager runs in the fourth pass, no capture)."""
     dims = [4, 12, 20, 36, 52, 76, 100, 132]
     rows = [r // 64 for r in GPU_ROWS[: len(dims)]]
     module = mixed_module(rows, dims, [Placement.MANAGED_CACHED] * len(dims), "cuda",
