@@ -141,24 +141,20 @@ def main(argv=None) -> int:
         batches, grad = batches_of(config, args.seed,
                                    args.warmup + 1 + args.steps + window if config.cached else 6)
         phases = PHASES if config.cached else PHASES[1:]
-        if config.pipelined:
-            emb = ours_module(config, args)
-            path = args.trace_dir / f"trace_{base.name}_ours.json" if args.trace_dir else None
-            events = trace_steps(emb, batches, grad, args.warmup, args.steps, path, True, pipelined=True,
-                                 lookahead=window)
-            print(f"== {base.name}, ours (pipelined, depth 2; FBGEMM's side is not traced)")
-            for line in summarize(steady_steps(events), args.steps, args.top):
-                print(line, flush=True)
-            del emb
-            common.free()
-            continue
-        for side in sides:
+        for side in ["ours"] if config.pipelined else sides:  # FBGEMM's pipelined side is not traced
             emb = ours_module(config, args) if side == "ours" else fbgemm_module(config)
             path = args.trace_dir / f"trace_{base.name}_{side}.json" if args.trace_dir else None
-            table = phase_table(trace_steps(emb, batches, grad, args.warmup, args.steps, path, config.cached), phases)
-            print(f"== {base.name}, {side} (ms per step, medians)")
-            for name, row in table.items():
-                print(f"   {name:<9}" + "  ".join(f"{key} {value:.3f}" for key, value in row.items()), flush=True)
+            events = trace_steps(emb, batches, grad, args.warmup, args.steps, path, config.cached,
+                                 pipelined=config.pipelined, lookahead=window)
+            if config.pipelined:
+                print(f"== {base.name}, ours (pipelined, depth 2; FBGEMM's side is not traced)")
+                lines = summarize(steady_steps(events), args.steps, args.top)
+            else:
+                print(f"== {base.name}, {side} (ms per step, medians)")
+                lines = [f"   {name:<9}" + "  ".join(f"{key} {value:.3f}" for key, value in row.items())
+                         for name, row in phase_table(events, phases).items()]
+            for line in lines:
+                print(line, flush=True)
             del emb
             common.free()
     return 0
