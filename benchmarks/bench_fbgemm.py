@@ -18,9 +18,10 @@ batch prefetched on a side stream as TorchRec does; ours ``HOST_CACHED`` / ``MAN
 ``prefetch`` before each step, or a depth-2 :class:`~tiered_tbe.PrefetchPipeline`).
 
 For each cached configuration it also reports the rows and bytes its cache moved per batch in
-and out (ours from ``cache_stats()``; FBGEMM's rows from its own cache counters, LRU only) and the
-bus rate reached (bytes moved / prefetch time), and beside each serial cached configuration the
-step of its pipelined twin when both ran. Every ratio is against FBGEMM's figure measured in the
+and out (ours from ``cache_stats()``; FBGEMM's read off its cache tags around each prefetch over a
+few untimed steps after the timed ones, serial configurations only) and the bus rate reached (bytes
+moved / prefetch time), and beside each serial cached configuration the step of its pipelined twin
+when both ran. Every ratio is against FBGEMM's figure measured in the
 same run.
 
 Settings: both sides run without bounds checks (FBGEMM ``BoundsCheckMode.NONE``, ours
@@ -56,7 +57,7 @@ from tiered_tbe.benchmarks.fbgemm_sides import (
     batches_of,
     fbgemm_available,
     fbgemm_module,
-    fbgemm_rows_moved,
+    fbgemm_moves_counted,
     ours_module,
     shape_of,
     warmup_steps,
@@ -120,9 +121,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help=f"cProfile {PROFILED_STEPS} of our steps after the timed ones and print the N functions "
                              "taking the most host time (own, then cumulative)")
-    parser.add_argument("--no-fbgemm-cache-stats", dest="fbgemm_cache_stats", action="store_false",
-                        help="time FBGEMM's cache without gathering its counters of the rows it moves "
-                             "(gather_uvm_cache_stats, on by default for the cached configurations)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the lookups")
     common.add_output_flags(parser)
     return parser
@@ -275,11 +273,9 @@ def lookahead_prefetch(emb: TieredEmbeddingBags, batches: list, window: int):
 def measure_fbgemm(config: Config, batches, grad, args, emb=None, timed: dict | None = None) -> dict:
     """FBGEMM's side of a configuration (``timed``: as in :func:`measure_ours`)."""
     if emb is None:
-        emb = fbgemm_module(config, cache_stats=args.fbgemm_cache_stats)
+        emb = fbgemm_module(config)
     warmup = warmup_steps(config, args)
     count = warmup + args.steps
-    gathering = getattr(emb, "gather_uvm_cache_stats", False)
-    reset = emb.reset_uvm_cache_stats if gathering else None  # its counters of the timed steps
     counters = common.step_counters()  # the allocators' CUDA calls over the timed steps
 
     def forward_of(i, indices, offsets, weights):
@@ -303,23 +299,23 @@ def measure_fbgemm(config: Config, batches, grad, args, emb=None, timed: dict | 
             return out
 
         def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
-            return time_steps(step, common.cycle(batches, count, first), grad, warmup, after_warmup=reset,
-                              counters=counters)
+            return time_steps(step, common.cycle(batches, count, first), grad, warmup, counters=counters)
     elif config.cached:
         def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
-            return time_steps(forward_of, common.cycle(batches, count, first), grad, warmup, after_warmup=reset,
+            return time_steps(forward_of, common.cycle(batches, count, first), grad, warmup,
                               before=lambda i, indices, offsets, weights: emb.prefetch(indices, offsets),
                               counters=counters)
     else:
         def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
             return time_steps(forward_of, common.cycle(batches, count, first), grad, warmup, counters=counters)
     result = dict(timed) if timed is not None else run_steps(count, warmup)
-    if config.cached:
-        result.update(fbgemm_rows_moved(emb, config, result.get("steps", 0)))
     result.update(lookups_of_steps(batches, warmup, count, args.profile and not config.pipelined))
     if args.profile and not config.pipelined:  # (the pipelined steps' events and batches run on from the timing)
         result["profile"] = kernel_profile.kernel_ms_per_step(lambda: run_steps(PROFILED_STEPS, 0, first=count),
                                                               PROFILED_STEPS)
+    if config.cached and not config.pipelined:  # on fresh batches, after the timed and profiled ones
+        result.update(fbgemm_moves_counted(emb, config, batches, grad,
+                                           first=count + (PROFILED_STEPS if args.profile else 0)))
     return result
 
 
@@ -342,8 +338,8 @@ def run(args: argparse.Namespace) -> list[dict]:
           f"{'' if not args.mover else f' mover={args.mover}'}, same cache fraction; "
           f"ours state_layout={args.state_layout or 'auto (with_rows in *-with-rows)'}; our forward tuned on "
           "each configuration's own batches; HBM: the sides take turns, "
-          f"{ROUND_STEPS} steps each; FBGEMM's cache counters "
-          + ("gathered (gather_uvm_cache_stats)" if args.fbgemm_cache_stats else "off"))
+          f"{ROUND_STEPS} steps each; FBGEMM gathers no cache counters (its moves are counted off its cache "
+          "tags after the timed steps)")
     configs = [c for c in CONFIGS if args.configs is None or c.name in args.configs]
     copy_gbs = kernel_profile.copy_bandwidth_gbs() if args.profile else None
     if copy_gbs is not None:
@@ -369,7 +365,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         else:
             modules = {"ours": fresh_ours_module(config, args)}
             if not missing:
-                modules["fbgemm"] = fbgemm_module(config, cache_stats=args.fbgemm_cache_stats)
+                modules["fbgemm"] = fbgemm_module(config)
             modules.update({name: ours_module(config, args) for name in variants})
             timed = time_interleaved({name: stepper(emb) for name, emb in modules.items()}, batches, grad,
                                      args.warmup, args.steps, environments=variants)

@@ -5,7 +5,7 @@
 - :func:`ours_module`: our :class:`~tiered_tbe.TieredEmbeddingBags` of a configuration;
 - :func:`fbgemm_module`: FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` on the same tables
   (a dim per table), optimizer, weights dtype and cache; :func:`fbgemm_available` says whether it
-  can run here;
+  can run here; :func:`fbgemm_moves_counted`: the rows and bytes its cache moves a batch;
 - :func:`shape_of`: a configuration at a tiny size in CPU simulation.
 
 Shared by ``bench fbgemm`` and the developer tools that trace or profile its steps.
@@ -32,6 +32,8 @@ DEFAULT_MODULE_ARGS = argparse.Namespace(seed=0, mover=None, state_layout=None, 
 # Our policies that FBGEMM's side runs as its LFU (the others as its LRU): lfu-admit admits misses by
 # use counts, as FBGEMM's LFU does.
 FBGEMM_LFU_POLICIES = ("lfu", "lfu-admit")
+# Serial steps after the timed ones over which FBGEMM's cache moves are counted (fbgemm_moves_counted).
+COUNTED_STEPS = 8
 
 
 def fbgemm_available() -> str | None:
@@ -90,8 +92,11 @@ def batches_needed(config: Config, args) -> int:
     batches that do not repeat moves tens of thousands of rows a batch."""
     if not config.cached:
         return args.distinct_batches
-    # A lookahead cache is told the batches after the last one stepped too, as in a longer run.
-    return warmup_steps(config, args) + args.steps + (PROFILED_STEPS if args.profile else 0) + config.lookahead_window
+    # A lookahead cache is told the batches after the last one stepped too, as in a longer run; FBGEMM's
+    # cache moves are counted over fresh batches after the timed (and profiled) ones.
+    counted = COUNTED_STEPS if not config.pipelined else 0
+    return (warmup_steps(config, args) + args.steps + (PROFILED_STEPS if args.profile else 0)
+            + max(config.lookahead_window, counted))
 
 
 def ours_module(config: Config, args, device=None) -> TieredEmbeddingBags:
@@ -114,12 +119,12 @@ def ours_module(config: Config, args, device=None) -> TieredEmbeddingBags:
                                seed=args.seed, state_layout=args.state_layout or config.state_layout)
 
 
-def fbgemm_module(config: Config, device=None, cache_stats: bool = False):
+def fbgemm_module(config: Config, device=None):
     """FBGEMM's TBE of a configuration: ``MANAGED`` (uncached UVM) for ``managed``, ``MANAGED_CACHING`` with
     ``cache_load_factor`` equal to our cache fraction (LRU, or LFU for ``lfu`` and ``lfu-admit`` but
     pipelined; a lookahead configuration runs LRU) or ``DEVICE``; a
-    dim per table; ``prefetch_pipeline`` for a pipelined one. ``cache_stats``: gather its cache
-    counters (``gather_uvm_cache_stats``: unique rows missed and inserted, for LRU). On a CPU
+    dim per table; ``prefetch_pipeline`` for a pipelined one. It gathers no cache counters (they add
+    atomics to its prefetch; :func:`fbgemm_moves_counted` counts its moves instead). On a CPU
     ``device`` (a test of the construction) the tables are ``HOST`` and computed on the CPU."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
@@ -158,18 +163,54 @@ def fbgemm_module(config: Config, device=None, cache_stats: bool = False):
         cache_algorithm=CacheAlgorithm.LFU if config.policy in FBGEMM_LFU_POLICIES and not config.pipelined
         else CacheAlgorithm.LRU,
         prefetch_pipeline=config.pipelined and cached, stochastic_rounding=config.dtype != "fp32",
-        gather_uvm_cache_stats=cache_stats and cached, device=device, **extra)
+        device=device, **extra)
     bound = 1.0 / max(config.tables) ** 0.5
     emb.init_embedding_weights_uniform(-bound, bound)
     return emb
 
 
-def fbgemm_rows_moved(emb, config: Config, batches: int) -> dict:
-    """FBGEMM's own count of the rows its prefetches copied into its cache since the last
-    ``reset_uvm_cache_stats``, over ``batches`` prefetches: ``rows_in_per_batch`` (unique misses
-    less those that found no slot), when it gathered them (LRU: its LFU prefetch counts no misses)."""
-    if not getattr(emb, "gather_uvm_cache_stats", False) or config.policy in FBGEMM_LFU_POLICIES or batches < 1:
-        return {}
-    counters = emb.get_uvm_cache_stats().tolist()
-    unique_misses, conflict_unique_misses = int(counters[3]), int(counters[4])  # fbgemm's UVMCacheStatsIndex
-    return {"rows_in_per_batch": (unique_misses - conflict_unique_misses) / batches}
+def cache_moves(before: torch.Tensor, after: torch.Tensor, row_starts: torch.Tensor,
+                row_bytes: torch.Tensor) -> torch.Tensor:
+    """What one prefetch moved, read off a cache's tags around it: a way whose row changed took a
+    row in and, if it held one, wrote that row back (FBGEMM keeps no dirty bits: every victim goes back).
+
+    Args:
+        before, after: int64 [sets, ways], the global row each way holds (FBGEMM's linear cache
+            index, ``lxu_cache_state``), -1 for an empty way.
+        row_starts: int64 [T], the first global row of each table, ascending.
+        row_bytes: int64 [T], the bytes of a row of each table.
+
+    Returns:
+        int64 [4] on their device: rows in, rows out, bytes in, bytes out. No host sync.
+    """
+    changed = before != after
+    went_out = changed & (before >= 0)
+    table_in = torch.searchsorted(row_starts, after.clamp(min=0), right=True) - 1
+    table_out = torch.searchsorted(row_starts, before.clamp(min=0), right=True) - 1
+    zero = torch.zeros((), dtype=torch.int64, device=before.device)
+    return torch.stack([changed.sum(), went_out.sum(), torch.where(changed, row_bytes[table_in], zero).sum(),
+                        torch.where(went_out, row_bytes[table_out], zero).sum()])
+
+
+def fbgemm_moves_counted(emb, config: Config, batches, grad, first: int, steps: int | None = None) -> dict:
+    """FBGEMM's cache moves a batch over ``steps`` more serial training steps (prefetch, forward,
+    backward) on the batches from ``first`` on, untimed: ``rows_in_per_batch``,
+    ``rows_out_per_batch``, ``bytes_in_per_batch`` and ``bytes_out_per_batch``, read off its cache
+    tags around each prefetch (:func:`cache_moves`), so for its LFU as for its LRU (whose own
+    counters count misses, not rows moved). Bytes are its weights only: it keeps optimizer state out
+    of its cache. Its serial configurations only (a pipelined one prefetches on its own stream)."""
+    steps = COUNTED_STEPS if steps is None else steps
+    dims = torch.tensor(config.dims, dtype=torch.int64)
+    row_bytes = (dims * (2 if config.dtype == "fp16" else 4)).to(grad.device)
+    row_starts = torch.tensor([0, *config.tables], dtype=torch.int64).cumsum(0)[:-1].to(grad.device)
+    total = torch.zeros(4, dtype=torch.int64, device=grad.device)
+    for i in range(steps):
+        indices, offsets, weights = batches[(first + i) % len(batches)]
+        before = emb.lxu_cache_state.clone()
+        emb.prefetch(indices, offsets)
+        total += cache_moves(before, emb.lxu_cache_state, row_starts, row_bytes)
+        out = emb(indices, offsets, per_sample_weights=weights)
+        out.backward(grad[: out.shape[0]])
+    rows_in, rows_out, bytes_in, bytes_out = (total.double() / steps).tolist()
+    return {"rows_in_per_batch": rows_in, "rows_out_per_batch": rows_out, "bytes_in_per_batch": bytes_in,
+            "bytes_out_per_batch": bytes_out}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from tiered_tbe import records
 from tiered_tbe.benchmarks import common, kernel_profile
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS, PROFILED_KERNELS, SWEEP_PREFIXES
-from tiered_tbe.benchmarks.fbgemm_sides import warmup_steps
+from tiered_tbe.benchmarks.fbgemm_sides import COUNTED_STEPS, warmup_steps
 
 PHASES = ("prefetch", "forward", "backward", "step")
 _BY_NAME = {c.name: c for c in CONFIGS}
@@ -86,29 +86,19 @@ def cached_table_of(results: list[dict]) -> list[str]:
     return ["", *records.markdown_table(header, rows)]
 
 
-def moved(side: dict, ours: dict) -> dict:
+def moved(side: dict) -> dict:
     """Rows and bytes a side's cache moved per batch and the bus rate reached (bytes moved /
-    prefetch ms, from the timed steps' total prefetch time): ours from its own counters; FBGEMM's
-    rows in from its counters, its bytes at our mean row size (weights only: FBGEMM keeps the
-    optimizer state out of its cache) and its rows out as many as its rows in (it writes every
-    victim back, dirty or not, once its cache is full): ``estimated`` says so."""
-    rows_in = side.get("rows_in_per_batch")
-    if rows_in is None:
+    prefetch ms, from the timed steps' total prefetch time): ours from its own counters over the
+    timed steps, FBGEMM's counted off its cache tags over a few steps after them
+    (``fbgemm_sides.fbgemm_moves_counted``: every victim written back, weights only)."""
+    if side.get("rows_in_per_batch") is None:
         return {}
-    if side is ours:
-        bytes_in, bytes_out, rows_out, estimated = (ours["bytes_in_per_batch"], ours["bytes_out_per_batch"],
-                                                    ours["rows_out_per_batch"], False)
-    else:
-        state = ours.get("state_bytes_per_row")
-        if not ours.get("rows_in_per_batch") or state is None:
-            return {"rows_in_per_batch": rows_in}
-        row_bytes = ours["bytes_in_per_batch"] / ours["rows_in_per_batch"] - state
-        bytes_in = bytes_out = rows_in * row_bytes
-        rows_out, estimated = rows_in, True
+    found = {key: side[key] for key in ("rows_in_per_batch", "rows_out_per_batch", "bytes_in_per_batch",
+                                        "bytes_out_per_batch")}
     prefetch_ms = side.get("prefetch_total", 0) / max(side.get("steps", 0), 1)
-    return dict(rows_in_per_batch=rows_in, rows_out_per_batch=rows_out, bytes_in_per_batch=bytes_in,
-                bytes_out_per_batch=bytes_out, estimated=estimated,
-                bus_gbs=(bytes_in + bytes_out) / prefetch_ms / 1e6 if prefetch_ms else None)
+    found["bus_gbs"] = ((found["bytes_in_per_batch"] + found["bytes_out_per_batch"]) / prefetch_ms / 1e6
+                        if prefetch_ms else None)
+    return found
 
 
 def moved_table_of(results: list[dict]) -> list[str]:
@@ -119,22 +109,22 @@ def moved_table_of(results: list[dict]) -> list[str]:
         if not config.cached or config.pipelined:
             continue
         for name, side in (("ours", row["ours"]), ("FBGEMM", row["fbgemm"])):
-            found = moved(side, row["ours"])
+            found = moved(side)
             if not found:
                 continue
-            mark = "≈" if found.get("estimated") else ""
             rows.append([config.name, name, common.fmt(found["rows_in_per_batch"], ",.0f"),
-                         mark + common.fmt(found.get("rows_out_per_batch"), ",.0f"),
-                         mark + common.fmt(_mb(found.get("bytes_in_per_batch")), ",.1f"),
-                         mark + common.fmt(_mb(found.get("bytes_out_per_batch")), ",.1f"),
-                         mark + common.fmt(found.get("bus_gbs"), ".1f"),
+                         common.fmt(found["rows_out_per_batch"], ",.0f"),
+                         common.fmt(_mb(found["bytes_in_per_batch"]), ",.1f"),
+                         common.fmt(_mb(found["bytes_out_per_batch"]), ",.1f"),
+                         common.fmt(found["bus_gbs"], ".1f"),
                          common.fmt(side.get("hit_rate"), ".3f")])
     if not rows:
         return []
     header = ["cached configuration", "side", "rows in / batch", "rows out / batch", "MB in / batch", "MB out / batch",
               "bus GB/s (in + out) / prefetch", "hit rate (lookups)"]
-    note = ("≈: FBGEMM's bytes at our mean row size (its weights only) and its rows out as many as its rows in (it "
-            "writes every victim back); its rows in are its own counters (LRU only). Ours write back dirty rows only.")
+    note = ("Ours: its counters over the timed steps, rows with their optimizer state, dirty victims written back. "
+            f"FBGEMM's: counted off its cache tags over {COUNTED_STEPS} steps after the timed ones, weights only (its "
+            "optimizer state stays out of its cache), every victim written back.")
     return ["", *records.markdown_table(header, rows), "", note]
 
 
@@ -200,8 +190,7 @@ def measurements_of(results: list[dict], args) -> list[tuple[dict, dict]]:
     found = []
     for row in results:
         configuration = dict(row["configuration"], mover=args.mover, steps=args.steps,
-                             warmup=warmup_steps(_BY_NAME[row['config']], args),
-                             fbgemm_cache_stats=args.fbgemm_cache_stats)
+                             warmup=warmup_steps(_BY_NAME[row['config']], args))
         if row["configuration"].get("placement") == "host_cached":
             configuration["fbgemm_placement"] = "managed_caching_host_mapped"  # fbgemm_sides.fbgemm_module
         if args.state_layout:
@@ -212,7 +201,7 @@ def measurements_of(results: list[dict], args) -> list[tuple[dict, dict]]:
                    "ours_over_fbgemm": {phase: ratio(row["ours"].get(phase), row["fbgemm"].get(phase))
                                         for phase in PHASES if row["ours"].get(phase) and row["fbgemm"].get(phase)}}
         if _BY_NAME[row["config"]].cached:
-            figures["moved"] = {"ours": moved(row["ours"], row["ours"]), "fbgemm": moved(row["fbgemm"], row["ours"])}
+            figures["moved"] = {"ours": moved(row["ours"]), "fbgemm": moved(row["fbgemm"])}
         figures.update({key: _figures(value) for key, value in row.items() if key.startswith(SWEEP_PREFIXES)})
         # --profile: every kernel's phase and device ms a step (longest first), so that two records can be
         # compared phase by phase and kernel by kernel (the printed table lists the longest few of each phase).

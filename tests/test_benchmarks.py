@@ -433,6 +433,88 @@ def test_bench_fbgemm_uncached_managed_configuration_reads_every_row_in_place(ca
     assert_no_verdicts(capsys.readouterr().out)
 
 
+def test_cache_moves_reads_rows_in_and_out_off_the_tags():
+    """A way whose row changed took a row in, and wrote its old row back when it held one; bytes by
+    each row's table (tables of 3, 2 and 4 rows, rows of 8, 16 and 4 bytes)."""
+    from tiered_tbe.benchmarks.fbgemm_sides import cache_moves
+
+    row_starts = torch.tensor([0, 3, 5])
+    row_bytes = torch.tensor([8, 16, 4])
+    before = torch.tensor([[-1, 0, 4], [8, -1, 2]])
+    after = torch.tensor([[3, 0, 6], [8, -1, 5]])  # way 0 filled (empty before), 4 -> 6, 2 -> 5
+    rows_in, rows_out, bytes_in, bytes_out = cache_moves(before, after, row_starts, row_bytes).tolist()
+    assert (rows_in, rows_out) == (3, 2)
+    assert bytes_in == 16 + 4 + 4  # rows 3 (table 1), 6 (table 2), 5 (table 2)
+    assert bytes_out == 16 + 8  # rows 4 (table 1), 2 (table 0)
+    assert cache_moves(after, after, row_starts, row_bytes).tolist() == [0, 0, 0, 0]
+
+
+def test_fbgemm_moves_counted_averages_each_prefetch_and_trains_each_batch():
+    """The counting steps prefetch, pool and backpropagate each batch from ``first`` on (cycling),
+    and report the moves a batch, read off the tags around each prefetch (a stand-in for FBGEMM's
+    module whose prefetch puts the batch's first index in way 0 of set 0)."""
+    from tiered_tbe.benchmarks import fbgemm_sides
+    from tiered_tbe.benchmarks.fbgemm_configs import Config
+
+    config = Config("two-tables", tables=(4, 4), dim=(2, 6), placement="managed_cached")
+
+    class StandIn:
+        def __init__(self):
+            self.lxu_cache_state = torch.full((2, 2), -1, dtype=torch.int64)
+            self.weight = torch.ones(3, requires_grad=True)
+            self.seen = []
+
+        def prefetch(self, indices, offsets):
+            self.lxu_cache_state[0, 0] = indices[0]
+
+        def __call__(self, indices, offsets, per_sample_weights=None):
+            self.seen.append(int(indices[0]))
+            return self.weight.sum().expand(2, 8)
+
+    batches = [(torch.tensor([row]), torch.tensor([0, 1]), None) for row in (1, 5, 5, 2)]
+    emb = StandIn()
+    found = fbgemm_sides.fbgemm_moves_counted(emb, config, batches, torch.ones(2, 8), first=1, steps=4)
+    assert emb.seen == [5, 5, 2, 1]
+    # in: 5 (empty way), then 2 (out 5), then 1 (out 2); 5 again moved nothing
+    assert found["rows_in_per_batch"] == 3 / 4 and found["rows_out_per_batch"] == 2 / 4
+    assert found["bytes_in_per_batch"] == (24 + 8 + 8) / 4 and found["bytes_out_per_batch"] == (24 + 8) / 4
+    assert emb.weight.grad is not None and float(emb.weight.grad[0]) == 4 * 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_fbgemm_cache_moves_match_the_rows_that_entered_and_left_its_cache(policy):
+    """On FBGEMM's own cache (MANAGED_CACHING, LRU and LFU, more rows named than it holds): what
+    ``cache_moves`` reads off the tags around each prefetch equals the rows found in the cache after
+    it and not before (in), and before and not after (out), each row weighed by its table's dim."""
+    from tiered_tbe.benchmarks import fbgemm_sides
+    from tiered_tbe.benchmarks.fbgemm_configs import Config
+
+    if fbgemm_sides.fbgemm_available():
+        pytest.skip(fbgemm_sides.fbgemm_available())
+    config = Config("small-cached", tables=(3000, 5000), dim=(4, 12), batch_size=256, bag_size=8, alpha=1.05,
+                    placement="managed_cached", policy=policy, cache_fraction=0.1, bag_lengths="per_bag")
+    emb = fbgemm_sides.fbgemm_module(config)
+    batches, grad = fbgemm_sides.batches_of(config, seed=3, count=6)
+    row_starts = torch.tensor([0, 3000], device="cuda")
+    row_bytes = torch.tensor([16, 48], device="cuda")
+    total_in = 0
+    for indices, offsets, weights in batches:
+        before = emb.lxu_cache_state.clone()
+        emb.prefetch(indices, offsets)
+        after = emb.lxu_cache_state
+        found = fbgemm_sides.cache_moves(before, after, row_starts, row_bytes).tolist()
+        held_before, held_after = before[before >= 0], after[after >= 0]
+        came_in = held_after[~torch.isin(held_after, held_before)]
+        went_out = held_before[~torch.isin(held_before, held_after)]
+        weigh = lambda rows: int(torch.where(rows >= 3000, 48, 16).sum())  # noqa: E731
+        assert found == [came_in.numel(), went_out.numel(), weigh(came_in), weigh(went_out)]
+        total_in += came_in.numel()
+        out = emb(indices, offsets, per_sample_weights=weights)
+        out.backward(grad[: out.shape[0]])
+    assert total_in > 0
+
+
 @pytest.mark.skipif(importlib.util.find_spec("fbgemm_gpu") is None, reason="needs fbgemm-gpu (its CPU build will do)")
 def test_fbgemm_side_has_our_tables_dims_and_weights():
     """FBGEMM's module of a mixed-dim configuration (built on the CPU: HOST tables) has a table of
@@ -481,16 +563,19 @@ def test_bench_fbgemm_times_the_forward_of_one_launch_beside_column_groups(capsy
 
 def test_bench_fbgemm_gives_a_cached_configuration_a_new_batch_every_step():
     """A cache that saw the batches before misses nothing: cached configurations never repeat a
-    batch (warm-up, timed and profiled steps); the all-HBM ones cycle --distinct-batches."""
+    batch (warm-up, timed, profiled and FBGEMM's counted steps); the all-HBM ones cycle
+    --distinct-batches."""
     bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
+    counted = importlib.import_module("tiered_tbe.benchmarks.fbgemm_sides").COUNTED_STEPS
     by_name = {c.name: c for c in bench_fbgemm.CONFIGS}
     args = bench_fbgemm.check_args(bench_fbgemm.build_parser().parse_args(["--steps", "20", "--warmup", "8"]))
     steps = args.warmup + args.steps
     assert bench_fbgemm.batches_needed(by_name["criteo-sgd"], args) == args.distinct_batches
-    assert bench_fbgemm.batches_needed(by_name["cached-lru"], args) == steps
+    assert bench_fbgemm.batches_needed(by_name["cached-lru"], args) == steps + counted
+    assert bench_fbgemm.batches_needed(by_name["cached-lru-pipelined"], args) == steps  # FBGEMM's moves not counted
     args.profile = True
-    assert bench_fbgemm.batches_needed(by_name["cached-lfu"], args) == steps + bench_fbgemm.PROFILED_STEPS
-    # The profiled steps take the batches after the timed ones.
+    assert bench_fbgemm.batches_needed(by_name["cached-lfu"], args) == steps + bench_fbgemm.PROFILED_STEPS + counted
+    # The profiled steps take the batches after the timed ones, the counted ones those after them.
     assert scripts_common().cycle(list(range(7)), 3, first=5) == [5, 6, 0]
 
 
@@ -505,7 +590,7 @@ def test_bench_fbgemm_times_batches_of_changing_size_after_their_graphs_are_capt
     ragged, fixed = by_name["cached-odd-dims-ragged"], by_name["cached-mixed-weighted"]
     assert sides.warmup_steps(ragged, args) == sides.VARIABLE_SIZE_WARMUP > args.warmup
     assert sides.warmup_steps(fixed, args) == args.warmup
-    assert sides.batches_needed(ragged, args) == sides.VARIABLE_SIZE_WARMUP + args.steps
+    assert sides.batches_needed(ragged, args) == sides.VARIABLE_SIZE_WARMUP + args.steps + sides.COUNTED_STEPS
     args.warmup = 100
     assert sides.warmup_steps(ragged, args) == 100
 
@@ -517,8 +602,8 @@ def scripts_common():
 def test_bench_fbgemm_tables_give_ratios_against_the_same_run():
     """The cached summary puts each phase beside FBGEMM's (ours / FBGEMM and their ratio), the step of
     the pipelined twin beside the serial one, and our best step against FBGEMM's best step of the
-    same shape in the run (its LFU here); FBGEMM's bytes are estimated at our mean row size; nothing
-    is judged against a target."""
+    same shape in the run (its LFU here); each side's rows and bytes moved beside the bus rate of its
+    own prefetch; nothing is judged against a target."""
     tables = importlib.import_module("tiered_tbe.benchmarks.fbgemm_tables")
     moved = dict(rows_in_per_batch=100.0, rows_out_per_batch=40.0, bytes_in_per_batch=100 * 516.0,
                  bytes_out_per_batch=40 * 516.0, state_bytes_per_row=4, prefetch_total=2.0, steps=2)
@@ -527,18 +612,20 @@ def test_bench_fbgemm_tables_give_ratios_against_the_same_run():
                {"config": "cached-managed-lru", "ours": {"prefetch": 1.0, "forward": 0.5, "backward": 0.8, "step": 2.5,
                                                         **moved},
                 "fbgemm": {"prefetch": 0.8, "forward": 0.5, "backward": 1.0, "step": 2.6, "rows_in_per_batch": 110.0,
-                           "prefetch_total": 1.6, "steps": 2}},
+                           "rows_out_per_batch": 90.0, "bytes_in_per_batch": 110 * 512.0,
+                           "bytes_out_per_batch": 90 * 512.0, "prefetch_total": 1.6, "steps": 2}},
                {"config": "cached-managed-lfu", "ours": {"step": 2.4}, "fbgemm": {"step": 2.0}},
                {"config": "cached-managed-lru-pipelined", "ours": {"step": 1.9}, "fbgemm": {"step": 3.0}}]
     text = "\n".join(tables.table_of(results))
     assert "| criteo-adagrad | step | 1.200 | 1.000 | 0.83 |" in text
     assert ("| cached-managed-lru | 1.000 / 0.800 (1.25) | 0.500 / 0.500 (1.00) | 0.800 / 1.000 (0.80) | "
             "2.500 / 2.600 (0.96) | 1.900 / 3.000 (0.63) | 0.95 |") in text  # 1.9 against LFU's 2.0
-    # Ours: (100 + 40) x 516 bytes in 1 ms a prefetch; FBGEMM: 110 rows each way at 512 bytes in 0.8 ms.
+    # Ours: (100 + 40) x 516 bytes in 1 ms a prefetch; FBGEMM: (110 + 90) x 512 bytes in 0.8 ms.
     assert "| cached-managed-lru | ours | 100 | 40 | 0.1 | 0.0 | 0.1 | - |" in text
-    assert "| cached-managed-lru | FBGEMM | 110 | ≈110 | ≈0.1 | ≈0.1 | ≈0.1 | - |" in text
-    fbgemm_moved = tables.moved(results[1]["fbgemm"], results[1]["ours"])
-    assert fbgemm_moved["bytes_in_per_batch"] == 110 * 512 and fbgemm_moved["bus_gbs"] == 2 * 110 * 512 / 0.8 / 1e6
+    assert "| cached-managed-lru | FBGEMM | 110 | 90 | 0.1 | 0.0 | 0.1 | - |" in text
+    fbgemm_moved = tables.moved(results[1]["fbgemm"])
+    assert fbgemm_moved["rows_out_per_batch"] == 90 and fbgemm_moved["bus_gbs"] == (110 + 90) * 512 / 0.8 / 1e6
+    assert tables.moved(results[1]["ours"])["bus_gbs"] == (100 + 40) * 516 / 1.0 / 1e6
     assert_no_verdicts(text)
 
 
