@@ -119,8 +119,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="also profile a few steps of each side: device ms per step of each kernel, and each "
                              "phase's fraction of the copy bandwidth measured in the same run")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
-                        help=f"cProfile {PROFILED_STEPS} of our steps after the timed ones and print the N functions "
-                             "taking the most host time (own, then cumulative)")
+                        help="cProfile our timed steps run again (their batches, whose graphs are captured) and print "
+                             "the N functions taking the most host time (own, then cumulative)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the lookups")
     common.add_output_flags(parser)
     return parser
@@ -192,7 +192,9 @@ def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags |
         result["profile"] = kernel_profile.kernel_ms_per_step(lambda: run_steps(PROFILED_STEPS, 0, first=count),
                                                               PROFILED_STEPS)
     if args.host_profile:
-        result["host_profile"] = host_profile(lambda: run_steps(PROFILED_STEPS, 0, first=count), args.host_profile)
+        # The timed steps' batches again: every graph shape among them is captured already, so the profile sees
+        # the replays the timed steps ran (fresh batches of a changing size would be captures and eager runs).
+        result["host_profile"] = host_profile(lambda: run_steps(args.steps, 0, first=warmup), args.host_profile)
     if not config.cached:
         indices, offsets, weights = batches[0]
         lookups = Lookups(indices, offsets, (offsets.numel() - 1) // len(config.tables), weights)
@@ -379,7 +381,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         print(f"  {base.name}: ours " + ", ".join(f"{k} {common.fmt(v)}" for k, v in row["ours"].items()
                                                   if not isinstance(v, (list, dict, str))), flush=True)
         if "host_profile" in row["ours"]:
-            print(f"host profile of {base.name}, {PROFILED_STEPS} steps:\n{row['ours'].pop('host_profile')}")
+            profile = row["ours"].pop("host_profile")
+            print(f"host profile of {base.name}, the {args.steps} timed steps again:\n{profile}")
         del batches, grad
         common.free()
     for base, row in zip(configs, results):

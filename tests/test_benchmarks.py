@@ -433,6 +433,16 @@ def test_bench_fbgemm_uncached_managed_configuration_reads_every_row_in_place(ca
     assert_no_verdicts(capsys.readouterr().out)
 
 
+def test_bench_fbgemm_host_profile_runs_the_timed_steps_again(capsys):
+    """--host-profile profiles our timed steps again, on their own batches (a pipelined cached
+    configuration here): the table names the module's prefetch and the pipeline's."""
+    assert cli_main(["bench", "fbgemm", "--configs", "cached-odd-dims-ragged-lfu-admit-pipelined", "--steps", "2",
+                     "--warmup", "1", "--ours-only", "--host-profile", "60"]) == 0
+    out = capsys.readouterr().out
+    profile = out[out.index("host profile of cached-odd-dims-ragged-lfu-admit-pipelined, the 2 timed steps again"):]
+    assert "tiered_tbe/module.py" in profile and "(prefetch)" in profile and "(_prefetch_next)" in profile
+
+
 def test_cache_moves_reads_rows_in_and_out_off_the_tags():
     """A way whose row changed took a row in, and wrote its old row back when it held one; bytes by
     each row's table (tables of 3, 2 and 4 rows, rows of 8, 16 and 4 bytes)."""
