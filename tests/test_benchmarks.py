@@ -437,7 +437,7 @@ def test_bench_fbgemm_host_profile_runs_the_timed_steps_again(capsys):
     """--host-profile profiles our timed steps again, on their own batches (a pipelined cached
     configuration here): the table names the module's prefetch and the pipeline's."""
     assert cli_main(["bench", "fbgemm", "--configs", "cached-odd-dims-ragged-lfu-admit-pipelined", "--steps", "2",
-                     "--warmup", "1", "--ours-only", "--host-profile", "60"]) == 0
+                     "--warmup", "1", "--ours-only", "--host-profile", "2000"]) == 0
     out = capsys.readouterr().out
     profile = out[out.index("host profile of cached-odd-dims-ragged-lfu-admit-pipelined, the 2 timed steps again"):]
     assert "tiered_tbe/module.py" in profile and "(prefetch)" in profile and "(_prefetch_next)" in profile
