@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from tiered_tbe.base.graphs import GraphLaunches
+from tiered_tbe.base.graphs import GraphLaunches, pad_to_size
 from tiered_tbe.cache import _kernels
+from tiered_tbe.cache._kernels import NO_SLOT, NOT_CACHED
 from tiered_tbe.cache.cache_batch import CacheBatch, check_batch
 
 
@@ -65,6 +66,22 @@ class SlotReleases:
                                   self._k_metadata.bypass_count)
 
         return GraphLaunches(("unlock", mark, id(self)), (entry.locked_slots, entry.bypassed_rows), enqueue)
+
+    def fit_unlock_launches(self, batch: CacheBatch, launches: GraphLaunches, size: int) -> GraphLaunches:
+        """``launches`` (:meth:`unlock_launches` of ``batch``) laid out at ``size`` entries, for a prefetch of
+        that size to take into its graph, when the batch's unique rows fit: they come first in its arrays (the
+        rest is padding the release kernel skips), and there are at most as many as its lookups. Else
+        ``launches`` as they are. A pipeline of batches whose size changes every step then unlocks in the next
+        prefetch's replay at least whenever the earlier batch was no larger, instead of in a replay of its own."""
+        locked_slots, bypassed_rows = launches.inputs
+        held = self._unreleased[check_batch(batch).step]  # what its prefetch returned (batch may be a copy)
+        if locked_slots.numel() == size or held.slot_of_index.numel() > size:
+            return launches
+        if locked_slots.numel() > size:
+            inputs = (locked_slots[:size], bypassed_rows[:size])
+        else:
+            inputs = (pad_to_size(locked_slots, size, NO_SLOT), pad_to_size(bypassed_rows, size, NOT_CACHED))
+        return launches._replace(inputs=inputs)
 
     def mark_dirty(self, slots: CacheBatch | torch.Tensor, launched: bool = False) -> None:
         """Mark slots updated in place (by backward): they are written back before being dropped.

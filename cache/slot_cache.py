@@ -276,10 +276,12 @@ class SlotCache(LookaheadHints, SlotReleases):
         # whose size changes every step replay a few graphs, and a model of one batch shape sorts and ranks no
         # padding (7.7% more lookups at B=65536 x 26) and copies no array.
         size = padded_size(rows.numel()) if self._prefetch_graphs.size_changed(rows.numel()) else rows.numel()
-        # Added to this prefetch's graph when they have its size, the steady state of a pipeline of batches of
-        # one shape: pairs of sizes would multiply the graphs of batches whose size changes.
+        # Added to this prefetch's graph when they fit its size (pairs of sizes would multiply the graphs of
+        # batches whose size changes), else unlocked by a replay of their own (~0.1-0.2 ms of host time).
         fused = []
         for earlier, launches in zip(unlock_first, unlocks):
+            if launches is not None:
+                launches = self.fit_unlock_launches(earlier, launches, size)
             if rows.numel() and (launches is None or launches.inputs[0].numel() == size):
                 fused.append((earlier, launches))
             else:

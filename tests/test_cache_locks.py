@@ -183,19 +183,26 @@ def test_a_batchs_dirty_marks_take_an_array_of_its_padded_size_and_mark_its_slot
     assert marked[0] == marked[1]
 
 
-@pytest.mark.parametrize("second_size", [5, 40], ids=["same_padded_size", "another_size"])
-def test_a_prefetch_that_unlocks_earlier_batches_first_equals_unlock_then_prefetch(mover, second_size):
-    """prefetch(rows, unlock_first=[...]) (a pipeline's deferred unlocks, in the prefetch's graph when their
-    size is the batch's, else by their own launch) leaves the cache as unlock() of each, then prefetch()."""
+@pytest.mark.parametrize("sizes, fused", [((5, 5, 5), 2), ((5, 5, 40), 2), ((40, 5, 5), 1), ((5, 40, 12), 1)],
+                         ids=["same_size", "earlier_smaller", "first_larger", "second_larger"])
+def test_a_prefetch_that_unlocks_earlier_batches_first_equals_unlock_then_prefetch(mover, monkeypatch, sizes, fused):
+    """prefetch(rows, unlock_first=[...]) (a pipeline's deferred unlocks: in the prefetch's graph when an
+    earlier batch's lookups fit the prefetch's size, its arrays cut or padded to it; else by their own
+    launch) leaves the cache as unlock() of each, then prefetch()."""
     generator = torch.Generator().manual_seed(4)
-    batches = [torch.randint(0, 60, (n,), generator=generator) for n in (5, 5, second_size)]
+    batches = [torch.randint(0, 60, (n,), generator=generator) for n in sizes]
     caches = [SlotCache(make_tables(), num_slots=8, associativity=2, mover=mover) for _ in range(2)]
     held = [[prefetch(cache, rows_tensor(batches[0].tolist())), prefetch(cache, rows_tensor(batches[1].tolist()))]
             for cache in caches]
     for batch in held[0]:
         caches[0].unlock(batch)
     expected = prefetch(caches[0], rows_tensor(batches[2].tolist()))
+    unlocks = []
+    unlock = SlotCache.unlock
+    monkeypatch.setattr(SlotCache, "unlock", lambda cache, batch, mark_dirty=False, launched=False: (
+        unlocks.append(launched), unlock(cache, batch, mark_dirty, launched))[1])
     got = caches[1].prefetch(rows_tensor(batches[2].tolist()), unlock_first=held[1])
+    assert sorted(unlocks) == [False] * (2 - fused) + [True] * fused  # launched: in the prefetch's launches
     caches[1].wait_filled(got)
     assert not any(caches[1].holds(batch) for batch in held[1]) and caches[1].holds(got)
     assert torch.equal(got.slot_of_index, expected.slot_of_index)
