@@ -224,6 +224,23 @@ def test_trace_step_splits_each_phase_into_lag_busy_and_idle(capsys):
     assert float(host["step"]) > 0 and float(host["forward"]) > 0 and float(host["backward"]) > 0
 
 
+def test_trace_step_warms_up_as_bench_fbgemm(monkeypatch):
+    """On a GPU a configuration whose batch size changes every step is traced after bench fbgemm's
+    warm-up (its graphs captured), not after --warmup alone, on a new batch every step."""
+    trace = tool("trace_step")
+    sides = importlib.import_module("tiered_tbe.benchmarks.fbgemm_sides")
+    seen = []
+    monkeypatch.setattr(sides, "SIMULATION", False)  # warmup_steps as on a GPU
+    monkeypatch.setattr(trace, "batches_of", lambda config, seed, count: (list(range(count)), None))
+    monkeypatch.setattr(trace, "ours_module", lambda config, args: None)
+    monkeypatch.setattr(trace, "trace_steps", lambda emb, batches, grad, warmup, steps, *rest, **named: (
+        seen.append((warmup, steps, len(batches))), [])[1])
+    monkeypatch.setattr(trace, "summarize", lambda events, steps, top: [])
+    trace.main(["--configs", "cached-odd-dims-ragged-lfu-admit-pipelined", "--ours-only", "--warmup", "1",
+                "--steps", "2"])
+    assert seen == [(sides.VARIABLE_SIZE_WARMUP, 2, sides.VARIABLE_SIZE_WARMUP + 1 + 2)]
+
+
 def test_profile_step_reports_host_and_device_time_per_phase(capsys):
     profile_step = tool("profile_step")
     profile_step.main([*TINY_MODEL, "--steps", "1", "--top", "3", "--skip-hbm"])
