@@ -12,6 +12,8 @@ graph replay costs the host ~0.1 ms on the H200 machine in a DMP step, where the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tiered_tbe.base.graphs import GraphLaunches, pad_to_size
@@ -66,6 +68,23 @@ class SlotReleases:
                                   self._k_metadata.bypass_count)
 
         return GraphLaunches(("unlock", mark, id(self)), (entry.locked_slots, entry.bypassed_rows), enqueue)
+
+    def _join_unlocks(self, unlock_first: Sequence[CacheBatch], unlocks: Sequence[GraphLaunches | None], size: int,
+                      has_rows: bool) -> list[tuple[CacheBatch, GraphLaunches | None]]:
+        """Which of a prefetch's ``unlock_first`` batches (``unlocks``: their :meth:`unlock_launches`) join its
+        graph of ``size`` entries, as ``(batch, launches)``: those whose launches fit it
+        (:meth:`fit_unlock_launches`; pairs of sizes would multiply the graphs of batches whose size changes).
+        The others are unlocked here, each by a replay of its own (~0.1-0.2 ms of host time), and so is every
+        one when the prefetch has no rows (no graph)."""
+        joined = []
+        for batch, launches in zip(unlock_first, unlocks):
+            if launches is not None:
+                launches = self.fit_unlock_launches(batch, launches, size)
+            if has_rows and (launches is None or launches.inputs[0].numel() == size):
+                joined.append((batch, launches))
+            else:
+                self.unlock(batch)
+        return joined
 
     def fit_unlock_launches(self, batch: CacheBatch, launches: GraphLaunches, size: int) -> GraphLaunches:
         """``launches`` (:meth:`unlock_launches` of ``batch``) laid out at ``size`` entries, for a prefetch of

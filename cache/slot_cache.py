@@ -47,7 +47,7 @@ from tiered_tbe.cache._kernels import NOT_CACHED
 from tiered_tbe.cache.cache_batch import CacheBatch, check_batch
 from tiered_tbe.cache.hints import MAX_LOOKAHEAD, LookaheadHints, UpcomingBatches
 from tiered_tbe.cache.launch import KernelLauncher
-from tiered_tbe.cache.mover import Moves, make_mover, sorted_write_backs
+from tiered_tbe.cache.mover import Moves, make_mover
 from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
@@ -61,6 +61,7 @@ from tiered_tbe.cache.policy import (
 from tiered_tbe.cache.releases import SlotReleases
 from tiered_tbe.cache.stats import CacheStats
 from tiered_tbe.cache.tables import CachedTable, check_tables
+from tiered_tbe.cache.write_backs import SlotWriteBacks
 
 __all__ = ["MAX_LOOKAHEAD", "CacheBatch", "CachedTable", "SlotCache"]
 
@@ -72,7 +73,7 @@ assert tuple(_DEVICE_COUNTERS) == batch_kernels.COUNTER_NAMES, "batch_kernels.CO
 _ASSIGN_OUTPUTS = 6
 
 
-class SlotCache(LookaheadHints, SlotReleases):
+class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
     """A set-associative cache of rows in device memory, shared by one module's cached tables.
 
     Args:
@@ -276,16 +277,7 @@ class SlotCache(LookaheadHints, SlotReleases):
         # whose size changes every step replay a few graphs, and a model of one batch shape sorts and ranks no
         # padding (7.7% more lookups at B=65536 x 26) and copies no array.
         size = padded_size(rows.numel()) if self._prefetch_graphs.size_changed(rows.numel()) else rows.numel()
-        # Added to this prefetch's graph when they fit its size (pairs of sizes would multiply the graphs of
-        # batches whose size changes), else unlocked by a replay of their own (~0.1-0.2 ms of host time).
-        fused = []
-        for earlier, launches in zip(unlock_first, unlocks):
-            if launches is not None:
-                launches = self.fit_unlock_launches(earlier, launches, size)
-            if rows.numel() and (launches is None or launches.inputs[0].numel() == size):
-                fused.append((earlier, launches))
-            else:
-                self.unlock(earlier)
+        fused = self._join_unlocks(unlock_first, unlocks, size, rows.numel() > 0)
         self._step += 1
         self._batches += 1
         self._upcoming.forget(through=self._step)  # this batch's own hint, if any, leaves the window
@@ -332,32 +324,6 @@ class SlotCache(LookaheadHints, SlotReleases):
             self._launcher.launch(_kernels.lookup_kernel, rows.numel(), self._mask_uncached(rows), self.num_sets,
                                   self.associativity, self._k_metadata.tags, slot_of_index)
         return slot_of_index
-
-    def write_back(self, slot_of_index: torch.Tensor) -> None:
-        """Copy the rows of these slots (int32/int64 [N]; -1 skipped, repeats fine) to their backing
-        stores now, weights and state. Dirty bits are left as they are.
-
-        Counted in ``write_backs`` and ``bytes_out``.
-        """
-        slots = self._check_slots(slot_of_index)
-        if slots.numel() == 0:
-            return
-        self._order_metadata()
-        rows = torch.where(slots >= 0, self.tags[slots.clamp(min=0).long()], EMPTY)
-        self._write_rows_back(rows, slots)  # repeats of a slot are repeats of its row: written once
-        self._metadata_done()
-
-    def flush(self) -> None:
-        """Write every dirty slot (weights and state) back to its backing store; clear dirty bits.
-
-        Counts ``write_backs`` and ``bytes_out``. Rows stay cached (and locked ones stay locked).
-        With the staged mover it returns once the rows are in the backing stores (streamed in
-        chunks of its staging buffers).
-        """
-        self._order_metadata()
-        self._write_rows_back(torch.where(self.dirty.bool(), self.tags, EMPTY), self._all_slots)
-        self.dirty.zero_()
-        self._metadata_done()
 
     def invalidate(self) -> None:
         """Drop every cached row without writing it back (e.g. after the backing store was reloaded).
@@ -477,17 +443,6 @@ class SlotCache(LookaheadHints, SlotReleases):
                       u.unique_number[-1:])
         return slot_of_index, in_place_rank, u.slot_of_unique, bypassed_rows, u.sorted_keys, u.order, moves
 
-    def _write_rows_back(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Copy slot ``slots[i]`` to the backing row ``rows[i]`` (int64 [M]; EMPTY skips; a row named
-        more than once must name one slot, and is copied once), every table, in ascending row
-        order; counted in write_backs and bytes_out."""
-        sorted_rows, sorted_slots, selected = sorted_write_backs(rows, slots, self._rows_end)
-        self.mover.write_back(sorted_rows, sorted_slots, selected)
-        update = torch.zeros_like(self._counters)
-        update[_DEVICE_COUNTERS.index("write_backs")] = selected.sum(dtype=torch.int64)
-        update[_DEVICE_COUNTERS.index("bytes_out")] = self._bytes_of(sorted_rows, selected)
-        self._counters += update
-
     # ------------------------------------------------------------------ helpers
 
     def _order_metadata(self) -> None:
@@ -506,14 +461,6 @@ class SlotCache(LookaheadHints, SlotReleases):
         table = torch.searchsorted(self._table_starts, rows, right=True) - 1
         inside = (table >= 0) & (rows < self._table_ends[table.clamp(min=0)])
         return torch.where(inside, rows, NOT_CACHED)
-
-    def _bytes_of(self, rows: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
-        """Bytes (weights and state) of the rows where ``counted`` is set: an int64 device scalar.
-        ``rows`` elsewhere may be anything (padding, EMPTY)."""
-        if self._uniform_row_bytes is not None:
-            return counted.sum(dtype=torch.int64) * self._uniform_row_bytes
-        table = (torch.searchsorted(self._table_starts, rows, right=True) - 1).clamp(min=0)
-        return (self._table_row_bytes[table] * counted).sum()
 
     def _check_rows(self, global_rows: torch.Tensor, dtypes=(torch.int64,)) -> torch.Tensor:
         if not isinstance(global_rows, torch.Tensor) or global_rows.dtype not in dtypes or global_rows.dim() != 1:
