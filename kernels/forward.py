@@ -54,7 +54,7 @@ from .addressing import (
     row_slice_alignment_bytes,
     table_row_zero,
 )
-from .grouping import pads_batches
+from .grouping import pad_bags, pads_batches
 from .in_place_copies import InPlaceCopies, keep_copies, uses_copies
 from .rows import ColumnGroup, Lookups, RowStores, check_lookups
 
@@ -167,9 +167,8 @@ def _prune_configs(configs, named_args, **kwargs):
 )
 @triton.jit(do_not_specialize=["batch_size"])
 def _pooled_forward_kernel(
-    addresses_ptr,  # int64 [7], read only if ADDRESSES: the addresses of this call's output, indices,
-    #                 offsets, slot_of_index, per_sample_weights and in_place_rank, and its batch size
-    #                 (batch_addresses)
+    addresses_ptr,  # int64 [6], read only if ADDRESSES: the addresses of this call's output, indices,
+    #                 offsets, slot_of_index, per_sample_weights and in_place_rank (batch_addresses)
     output_ptr,  # fp32 [B, total_dim] (sum, mean) or [N, output_width] (none): out
     output_stride,  # elements between consecutive output rows
     output_width,  # pooling none: columns of an output row (zeros past the table's dim)
@@ -185,8 +184,7 @@ def _pooled_forward_kernel(
     copies_ptr,  # [num_copies, row_width] the rows read in place, kept for the backward (written if KEEPS_COPIES)
     copies_stride,  # elements between consecutive copy rows
     num_copies,  # copy rows: a lookup whose rank is past them keeps no copy
-    batch_size,  # B: bags per table (not specialized: a last, smaller batch compiles nothing new); with
-    #              ADDRESSES the block's instead. The grid may cover more bags (a padded batch): those are empty
+    batch_size,  # B: bags per table (not specialized: a last, smaller batch compiles nothing new)
     bag_length_class,  # log2 of the mean bag length, 0..7: the autotuner's key, unused in the body
     POOLING: tl.constexpr,  # POOLING_SUM, POOLING_MEAN or POOLING_NONE; constexpr so the branches fold
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether rows are scaled by per-sample weights
@@ -216,9 +214,6 @@ def _pooled_forward_kernel(
         per_sample_weights_ptr = tl.multiple_of(tl.load(addresses_ptr + 4).to(per_sample_weights_ptr.dtype),
                                                 INPUT_ALIGN_BYTES)
         in_place_rank_ptr = tl.multiple_of(tl.load(addresses_ptr + 5).to(in_place_rank_ptr.dtype), INPUT_ALIGN_BYTES)
-        # The call's own batch size: a graph of a padded batch size serves every batch up to it, with no padded
-        # copy of the offsets (bags past it are masked as outside the batch).
-        batch_size = tl.load(addresses_ptr + 6).to(tl.int32)  # as the argument (an int32 for B < 2**31)
     element = cache_weights_ptr.dtype.element_ty
     table_rows = table_row_zero(descriptor_ptr, row, None, WEIGHTS_ADDRESS, element)
     row_stride = descriptor_field(descriptor_ptr, row, None, WEIGHTS_STRIDE)
@@ -285,7 +280,7 @@ class _ForwardPlan(NamedTuple):
     padded size of its output), so a graph serves batches of bags of any lengths."""
 
     mode: int
-    batch_size: int  # bags a feature the launches cover: the batch's, or its padded_size (the extra ones empty)
+    batch_size: int
     output_shape: tuple[int, int]  # of the output the kernels write (pooling none: padded_size(N) rows)
     grouped: bool  # one launch per column group (RowStores.column_groups), else one over every feature
     output_align_bytes: int
@@ -317,10 +312,10 @@ def pooled_forward(
             a CUDA graph per batch shape, which reads the batch's tensors and writes its output at
             addresses passed in one small tensor (no device copy; a replay costs the host a few
             microseconds where Triton's launch path cost tens).
-        pad: pooled: launch over ``padded_size(B)`` bags a feature, the kernel reading the batch's own
-            size (the extra bags are empty, their output rows dropped; the output is bit for bit the
-            unpadded one, and no padded copy of the offsets is made), so that batches whose batch size
-            changes every step share a few graphs. Default: ``grouping.pads_batches`` (graphs on a GPU).
+        pad: pooled: lay the batch out at ``padded_size(B)`` bags a feature (``grouping.pad_bags``: the
+            padding's bags are empty and their output rows dropped; the output is bit for bit the
+            unpadded one), so that batches whose batch size changes every step share a few graphs.
+            Default: ``grouping.pads_batches`` (graphs on a GPU).
         copies: where to copy the rows read in place for the backward (``kernels/in_place_copies.py``):
             ``copies.rank`` int32 [N] (the prefetch's ``in_place_rank``), ``copies.rows`` [C, row_width]
             of the weights' dtype. The output is the same with or without.
@@ -351,6 +346,9 @@ def pooled_forward(
         output = leading_rows(padded, batch_size)
     if batch_size == 0 or output.numel() == 0:
         return output
+    if mode != POOLING_NONE and padded.shape[0] != batch_size:  # the bags laid out at the output's rows
+        lookups = pad_bags(lookups, stores.num_features, padded.shape[0])
+        batch_size = lookups.batch_size
     override = os.environ.get("TIERED_TBE_FORWARD_TILE")  # a tuning run's tile for every forward
     if tile is None and override:
         tile = ForwardTile(*(int(value) for value in override.split(",")))
@@ -360,10 +358,7 @@ def pooled_forward(
         _check_copies(stores, copies, lookups.num_lookups)
     tensors = (output, lookups.indices, lookups.offsets, slot_of_index if use_cache else None,
                lookups.per_sample_weights, copies.rank if keeps_copies else None)
-    # The launches cover the output's rows of bags: a padded batch's extra bags are empty (the kernel reads the
-    # batch's own size), bit for bit the unpadded rows, and one graph serves every batch size padded to it.
-    launched_bags = padded.shape[0] if mode != POOLING_NONE else batch_size
-    plan = _ForwardPlan(mode, launched_bags, tuple(padded.shape), launches_per_group(stores, mode),
+    plan = _ForwardPlan(mode, batch_size, tuple(padded.shape), launches_per_group(stores, mode),
                         row_slice_alignment_bytes(output, stores),
                         min(_alignment_bytes(tensor) for tensor in tensors[1:] if tensor is not None),
                         bag_class,
@@ -373,13 +368,12 @@ def pooled_forward(
     # Launched directly where no graph will be replayed (graphs off) or inside a caller's capture (a
     # capture bakes the addresses in; the address block's pinned copy would be replayed stale).
     if graphs is None or (device.type == "cuda" and (not graphs.enabled or torch.cuda.is_current_stream_capturing())):
-        _enqueue_forward(plan, stores, None, *tensors, copy_rows, batch_size)
+        _enqueue_forward(plan, stores, None, *tensors, copy_rows)
     else:
         # The tensors go to the launch for their types only: the kernel reads them at the addresses. The
         # copy rows are the module's, one buffer for every batch: their address is part of the graph's key.
-        graphs.run((plan, id(stores), copy_rows.data_ptr()), (batch_addresses(tensors, batch_size),),
-                   lambda addresses: _enqueue_forward(plan, stores, addresses[0], *tensors, copy_rows, batch_size),
-                   device)
+        graphs.run((plan, id(stores), copy_rows.data_ptr()), (batch_addresses(tensors),),
+                   lambda addresses: _enqueue_forward(plan, stores, addresses[0], *tensors, copy_rows), device)
     return output
 
 
@@ -401,12 +395,11 @@ def leading_rows(padded: torch.Tensor, rows: int) -> torch.Tensor:
                                     padded.stride())
 
 
-def batch_addresses(tensors, batch_size: int) -> torch.Tensor:
-    """int64 [7] on the host: the address of each of ``(output, indices, offsets, slot_of_index,
-    per_sample_weights, in_place_rank)`` (0 for a missing one), which a graphed forward reads its batch at,
-    and the batch's size (bags a feature)."""
-    return torch.frombuffer(bytearray(struct.pack("<7q", *(0 if t is None else t.data_ptr() for t in tensors),
-                                                  batch_size)), dtype=torch.int64)
+def batch_addresses(tensors) -> torch.Tensor:
+    """int64 [6] on the host: the address of each of ``(output, indices, offsets, slot_of_index,
+    per_sample_weights, in_place_rank)`` (0 for a missing one), which a graphed forward reads its batch at."""
+    return torch.frombuffer(bytearray(struct.pack("<6q", *(0 if t is None else t.data_ptr() for t in tensors))),
+                            dtype=torch.int64)
 
 
 def _alignment_bytes(tensor: torch.Tensor) -> int:
@@ -437,10 +430,9 @@ def _grid(batch_size: int, num_features: int):
 
 
 def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, addresses, output, indices, offsets, slot_of_index,
-                     per_sample_weights, in_place_rank, copy_rows, batch_size: int) -> None:
-    """Launch the forward kernel (once per column group, over ``plan.batch_size`` bags a feature) on the
-    tensors of a batch of ``batch_size`` bags a feature, or (``addresses``: an int64 [7] device tensor of
-    :func:`batch_addresses`) on the ones at those addresses, typed as these, and of the size it holds."""
+                     per_sample_weights, in_place_rank, copy_rows) -> None:
+    """Launch the forward kernel (once per column group) on the tensors, or (``addresses``: an int64
+    [6] device tensor of :func:`batch_addresses`) on the ones at those addresses, typed as these."""
     tile = plan.tile
     kernel, shape = _pooled_forward_kernel, {}
     if tile is not None:
@@ -455,7 +447,7 @@ def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, addresses, output, i
             indices, offsets, slot_of_index if plan.use_cache else indices,
             per_sample_weights if plan.has_per_sample_weights else output,
             in_place_rank if plan.keeps_copies else indices, copy_rows, copy_rows.stride(0), copy_rows.shape[0],
-            batch_size, plan.bag_length_class,
+            plan.batch_size, plan.bag_length_class,
             POOLING=plan.mode,
             HAS_PER_SAMPLE_WEIGHTS=plan.has_per_sample_weights,
             USE_CACHE=plan.use_cache,

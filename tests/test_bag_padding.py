@@ -1,9 +1,8 @@
-"""A batch laid out at more bags a feature than it has, so that batches whose batch size changes every step
-share a few CUDA graphs: the forward launched over ``padded_size(B)`` bags, reading the batch's own size, and
-the backward's batch laid out at a power of two (kernels/grouping.py ``pad_bags``). The padding's bags are
-empty, so the forward's rows and the backward's update are the unpadded ones bit for bit. Against a
-plain-torch layout of the bags; edge sizes: one bag a feature, empty bags, shared tables, int32 offsets, the
-caller's ``bag_of_index``."""
+"""A batch laid out at more bags a feature than it has (kernels/grouping.py ``pad_bags``), so that batches
+whose batch size changes every step share a few CUDA graphs of the forward (``padded_size(B)`` bags) and of
+the backward (a power of two): the padding's bags are empty, so the forward's rows and the backward's update
+are the unpadded ones bit for bit. Against a plain-torch layout of the bags; edge sizes: one bag a feature,
+empty bags, shared tables, int32 offsets, the caller's ``bag_of_index``."""
 
 from __future__ import annotations
 
@@ -161,39 +160,6 @@ def test_batch_sizes_of_one_padded_size_share_a_graph_key(device):
         plain = pooled_forward(stores, lookups, None, "mean", graphs=plain_forward_keys, pad=False)
         assert torch.equal(padded, plain)
     assert len(set(forward_keys.keys)) == 1 and len(set(plain_forward_keys.keys)) == 2
-
-
-class _Replays:
-    """Stands in for a ``StepGraphs`` as a CUDA graph behaves: a key's first call runs its launches and keeps
-    them; a later call of the key reruns those first launches, with their baked arguments, on the later
-    call's inputs (what a replay reads from its static inputs)."""
-
-    enabled = True
-
-    def __init__(self):
-        self.kept = {}
-
-    def run(self, key, inputs, enqueue, device, advance=None):
-        key = (key, tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs))
-        return self.kept.setdefault(key, enqueue)(to_device(inputs, device))
-
-
-@pytest.mark.parametrize("pooling", ["sum", "mean"])
-def test_a_padded_forward_replayed_for_a_smaller_batch_pools_that_batch(pooling, device):
-    """The forward's graph of a padded batch size serves a batch of another size of that padding: the kernel
-    reads the call's own batch size with its tensors' addresses (never the size of the call it was captured
-    on), so the replay pools the smaller batch's bags, bit for bit the unpadded forward's."""
-    stores, _, _ = make_batch(device=device)
-    generator = torch.Generator().manual_seed(7)
-    graphs = _Replays()
-    for batch_size in (10, 9, 10, 9):
-        assert padded_size(batch_size) == 10
-        lookups = _batch_of(stores, batch_size, 5 * batch_size, generator, device)
-        replayed = pooled_forward(stores, lookups, None, pooling, graphs=graphs, pad=True)
-        plain = pooled_forward(stores, lookups, None, pooling, pad=False)
-        assert replayed.shape == (batch_size, stores.total_dim)
-        assert torch.equal(replayed, plain), batch_size
-    assert len(graphs.kept) == 1
 
 
 def test_batches_are_padded_where_graphs_run_on_a_gpu_for_pooled_outputs(monkeypatch):
