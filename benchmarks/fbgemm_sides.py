@@ -187,19 +187,17 @@ def cache_moves(before: torch.Tensor, after: torch.Tensor, row_starts: torch.Ten
     went_out = changed & (before >= 0)
     table_in = torch.searchsorted(row_starts, after.clamp(min=0), right=True) - 1
     table_out = torch.searchsorted(row_starts, before.clamp(min=0), right=True) - 1
-    zero = torch.zeros((), dtype=torch.int64, device=before.device)
-    return torch.stack([changed.sum(), went_out.sum(), torch.where(changed, row_bytes[table_in], zero).sum(),
-                        torch.where(went_out, row_bytes[table_out], zero).sum()])
+    return torch.stack([changed.sum(), went_out.sum(), (row_bytes[table_in] * changed).sum(),
+                        (row_bytes[table_out] * went_out).sum()])
 
 
-def fbgemm_moves_counted(emb, config: Config, batches, grad, first: int, steps: int | None = None) -> dict:
+def fbgemm_moves_counted(emb, config: Config, batches, grad, first: int, steps: int = COUNTED_STEPS) -> dict:
     """FBGEMM's cache moves a batch over ``steps`` more serial training steps (prefetch, forward,
     backward) on the batches from ``first`` on, untimed: ``rows_in_per_batch``,
     ``rows_out_per_batch``, ``bytes_in_per_batch`` and ``bytes_out_per_batch``, read off its cache
     tags around each prefetch (:func:`cache_moves`), so for its LFU as for its LRU (whose own
     counters count misses, not rows moved). Bytes are its weights only: it keeps optimizer state out
     of its cache. Its serial configurations only (a pipelined one prefetches on its own stream)."""
-    steps = COUNTED_STEPS if steps is None else steps
     dims = torch.tensor(config.dims, dtype=torch.int64)
     row_bytes = (dims * (2 if config.dtype == "fp16" else 4)).to(grad.device)
     row_starts = torch.tensor([0, *config.tables], dtype=torch.int64).cumsum(0)[:-1].to(grad.device)

@@ -73,20 +73,20 @@ class SlotReleases:
                       has_rows: bool) -> list[tuple[CacheBatch, GraphLaunches | None]]:
         """Which of a prefetch's ``unlock_first`` batches (``unlocks``: their :meth:`unlock_launches`) join its
         graph of ``size`` entries, as ``(batch, launches)``: those whose launches fit it
-        (:meth:`fit_unlock_launches`; pairs of sizes would multiply the graphs of batches whose size changes).
+        (:meth:`_fit_unlock_launches`; pairs of sizes would multiply the graphs of batches whose size changes).
         The others are unlocked here, each by a replay of its own (~0.1-0.2 ms of host time), and so is every
         one when the prefetch has no rows (no graph)."""
         joined = []
         for batch, launches in zip(unlock_first, unlocks):
             if launches is not None:
-                launches = self.fit_unlock_launches(batch, launches, size)
+                launches = self._fit_unlock_launches(batch, launches, size)
             if has_rows and (launches is None or launches.inputs[0].numel() == size):
                 joined.append((batch, launches))
             else:
                 self.unlock(batch)
         return joined
 
-    def fit_unlock_launches(self, batch: CacheBatch, launches: GraphLaunches, size: int) -> GraphLaunches:
+    def _fit_unlock_launches(self, batch: CacheBatch, launches: GraphLaunches, size: int) -> GraphLaunches:
         """``launches`` (:meth:`unlock_launches` of ``batch``) laid out at ``size`` entries, for a prefetch of
         that size to take into its graph, when the batch's unique rows fit: they come first in its arrays (the
         rest is padding the release kernel skips), and there are at most as many as its lookups. Else
