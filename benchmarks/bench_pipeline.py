@@ -55,7 +55,7 @@ from tiered_tbe.pipeline import DEFAULT_LOOKAHEAD, PrefetchPipeline
 from tiered_tbe.specs import CacheConfig, Placement
 
 SCRIPT = "bench_pipeline.py"
-GPU_DEFAULTS = dict(tables=26, row_cap=0, dim=128, batch_size=65536, bag_size=1, warmup=15, batches=20)
+GPU_DEFAULTS = dict(tables=26, row_cap=0, dim=128, batch_size=65536, bag_size=1, warmup=20, batches=20)
 SIMULATION_DEFAULTS = dict(tables=3, row_cap=1000, dim=16, batch_size=8, bag_size=1, warmup=2, batches=2)
 MODES = ("hbm", "managed", "serial", "pipelined")
 BASELINE_POLICY = "lru"  # the serial run's policy, and what every policy's rows moved are divided by
@@ -86,7 +86,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                      help=f"what to run (default: all): hbm, managed, serial ({BASELINE_POLICY}, prefetch in forward), "
                           "pipelined (every --policy)")
-    run.add_argument("--warmup", type=int, help="steps before timing, per run (default 15; 2 in simulation)")
+    run.add_argument("--warmup", type=int, help="steps before timing, per run (default 20; 2 in simulation)")
     run.add_argument("--batches", type=int, help="timed steps per run (default 20; 2 in simulation)")
     run.add_argument("--bounds-check", default="off", choices=["off", "raise"],
                      help="the module's bounds_check ('raise' adds a host sync per batch); default off")

@@ -75,14 +75,21 @@ def batches_of(config: Config, seed: int, count: int, device=None) -> tuple[list
 # and replayed after: its first ~50 steps run eagerly or capture. Its steady state is timed after this
 # many warm-up steps (what those first steps cost is start-up: tools/startup.py).
 VARIABLE_SIZE_WARMUP = 60
+# A cached configuration's first steps fill its cache, and its forwards keep copies of the rows they read in
+# place until the cache's counters have shown none for CopyRows.QUIET_READINGS readings in a row (a graph
+# of its own, captured when the choice changes): timed after this many steps.
+CACHED_WARMUP = 40
 
 
 def warmup_steps(config: Config, args) -> int:
     """Untimed steps before a configuration's timed ones: ``--warmup``, at least
-    :data:`VARIABLE_SIZE_WARMUP` for batches whose size changes every step (not in simulation)."""
-    if config.min_batch_size is None or SIMULATION:
+    :data:`VARIABLE_SIZE_WARMUP` for batches whose size changes every step and :data:`CACHED_WARMUP` for
+    other cached ones (not in simulation)."""
+    if SIMULATION:
         return args.warmup
-    return max(args.warmup, VARIABLE_SIZE_WARMUP)
+    if config.min_batch_size is not None:
+        return max(args.warmup, VARIABLE_SIZE_WARMUP)
+    return max(args.warmup, CACHED_WARMUP) if config.cached else args.warmup
 
 
 def batches_needed(config: Config, args) -> int:

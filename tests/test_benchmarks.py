@@ -25,6 +25,7 @@ from background import run_in_background
 
 import tiered_tbe  # noqa: F401  (chooses GPU / simulation mode before the scripts import triton or numba)
 from tiered_tbe import Placement, records
+from tiered_tbe.batch import CopyRows
 from tiered_tbe.cache.policy import POLICIES
 from tiered_tbe.cli import main as cli_main
 
@@ -591,7 +592,8 @@ def test_bench_fbgemm_gives_a_cached_configuration_a_new_batch_every_step():
 
 def test_bench_fbgemm_times_batches_of_changing_size_after_their_graphs_are_captured(monkeypatch):
     """On a GPU a configuration whose batch size changes every step warms up at least
-    VARIABLE_SIZE_WARMUP steps (each padded batch shape captured), and draws a batch for each."""
+    VARIABLE_SIZE_WARMUP steps (each padded batch shape captured), and draws a batch for each; another cached
+    configuration CACHED_WARMUP, an uncached one --warmup."""
     sides = importlib.import_module("tiered_tbe.benchmarks.fbgemm_sides")
     bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
     by_name = {c.name: c for c in bench_fbgemm.CONFIGS}
@@ -599,7 +601,9 @@ def test_bench_fbgemm_times_batches_of_changing_size_after_their_graphs_are_capt
     monkeypatch.setattr(sides, "SIMULATION", False)
     ragged, fixed = by_name["cached-odd-dims-ragged"], by_name["cached-mixed-weighted"]
     assert sides.warmup_steps(ragged, args) == sides.VARIABLE_SIZE_WARMUP > args.warmup
-    assert sides.warmup_steps(fixed, args) == args.warmup
+    # A cached one of a fixed batch size warms up past the readings after which its forwards stop keeping copies.
+    assert sides.warmup_steps(fixed, args) == sides.CACHED_WARMUP > CopyRows.QUIET_READINGS + 8
+    assert sides.warmup_steps(by_name["criteo-adagrad"], args) == args.warmup  # nothing cached
     assert sides.batches_needed(ragged, args) == sides.VARIABLE_SIZE_WARMUP + args.steps + sides.COUNTED_STEPS
     args.warmup = 100
     assert sides.warmup_steps(ragged, args) == 100

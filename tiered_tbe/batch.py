@@ -158,21 +158,31 @@ class CopyRows:
     prefetches left rows in their backing stores, as read from its counters without a host sync
     (``cache/counter_readings.py``): the readings lag the GPU, and a batch that reads rows in place
     while they say none had its backward read the stores, the same training.
+
+    A forward that keeps copies and one that does not are two CUDA graphs, so the choice must not flip
+    with every batch: copies start at the first reading of rows read in place, and stop only after
+    ``QUIET_READINGS`` readings in a row found none. Decided reading by reading, a cache that leaves a row
+    in place now and then (all the ways of a set locked) switched graph keys every few steps: captures
+    and eager runs in a steady state (the graphed training tests on an H100).
     """
+
+    QUIET_READINGS = 16  # readings in a row without rows read in place before forwards stop keeping copies
 
     def __init__(self, rows: torch.Tensor, cache: SlotCache):
         self.rows = rows  # [C, row_width] of the weights' dtype, beside the cache
         self._holder: weakref.ref | None = None
         self._readings = CounterReadings([cache], _COPY_READINGS)
-        self._reads_in_place = True  # until two readings compare: unknown, so keep copies
+        self._quiet_readings = 0  # landed readings in a row that found no row read in place
 
     def for_forward(self, batch: PreparedBatch) -> InPlaceCopies | None:
         """The copies a training forward of ``batch`` writes (None: it writes none)."""
         self._readings.record()
         for _, change in self._readings.landed():
-            self._reads_in_place = change is None or bool(change[0, MISSES_NO_SLOT] > 0)
+            # No change to compare (the first reading, or counters reset): unknown, so keep copies.
+            read_in_place = change is None or bool(change[0, MISSES_NO_SLOT] > 0)
+            self._quiet_readings = 0 if read_in_place else self._quiet_readings + 1
         rank = batch.in_place_rank
-        keeps = rank is not None and rank.numel() > 0 and self._reads_in_place
+        keeps = rank is not None and rank.numel() > 0 and self._quiet_readings < self.QUIET_READINGS
         self._holder = weakref.ref(batch) if keeps else None
         return InPlaceCopies(rank, self.rows) if keeps else None
 
