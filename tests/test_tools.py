@@ -164,6 +164,8 @@ def test_trace_pipeline_measures_busy_overlap_and_idle_time_per_stream(capsys):
     assert "stream 7: busy 4.000 ms / step (80% of the span), idle 1.000 ms / step, 1 kernels / step" in lines
     assert "stream 13: busy 1.000 ms / step" in lines
     assert "streams 7 and 13 both busy: 0.500 ms / step" in lines
+    gpu_only = "\n".join(trace.summarize(events, steps=2, top=3, host=False))  # a trace of the GPU's work alone
+    assert "host ms" not in gpu_only and "streams 7 and 13 both busy: 0.500 ms / step" in gpu_only
 
     # The first traced step is left out: its annotations and the GPU work launched before the second began.
     def launch(correlation, ts):
@@ -235,10 +237,41 @@ def test_trace_step_warms_up_as_bench_fbgemm(monkeypatch):
     monkeypatch.setattr(trace, "ours_module", lambda config, args: None)
     monkeypatch.setattr(trace, "trace_steps", lambda emb, batches, grad, warmup, steps, *rest, **named: (
         seen.append((warmup, steps, len(batches))), [])[1])
-    monkeypatch.setattr(trace, "summarize", lambda events, steps, top: [])
+    monkeypatch.setattr(trace, "summarize", lambda events, steps, top, **named: [])
     trace.main(["--configs", "cached-odd-dims-ragged-lfu-admit-pipelined", "--ours-only", "--warmup", "1",
                 "--steps", "2"])
     assert seen == [(sides.VARIABLE_SIZE_WARMUP, 2, sides.VARIABLE_SIZE_WARMUP + 1 + 2)]
+
+
+def test_trace_step_gpu_only_records_the_gpus_work_alone_without_a_synchronize(monkeypatch, capsys):
+    """--gpu-only: on a GPU the profiler records CUDA activity alone (recording the host's ops slowed a
+    host-bound step by half), the traced steps start without a synchronize (no start-up gap to leave
+    out), and a serial configuration is read per stream, without host figures."""
+    trace = tool("trace_step")
+    seen = {"syncs": 0}
+
+    class RecordingProfile:
+        def __init__(self, activities):
+            seen["activities"] = activities
+
+        def start(self):
+            seen["syncs_before_start"] = seen["syncs"]
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(trace, "SIMULATION", False)  # the tool's choices as on a GPU; the kernels still simulated
+    monkeypatch.setattr(trace, "profile", RecordingProfile)
+    monkeypatch.setattr(trace.common, "synchronize", lambda: seen.__setitem__("syncs", seen["syncs"] + 1))
+    monkeypatch.setattr(trace, "trace_events", lambda prof, path: [])
+    trace.main(["--configs", "cached-mixed-weighted", "--ours-only", "--warmup", "1", "--steps", "1", "--gpu-only"])
+    out = capsys.readouterr().out
+    assert seen["activities"] == [trace.ProfilerActivity.CUDA] and seen["syncs_before_start"] == 0
+    assert "== cached-mixed-weighted, ours (serial; GPU work only)" in out and "host ms" not in out
+    seen["syncs"] = 0
+    trace.main(["--configs", "cached-mixed-weighted", "--ours-only", "--warmup", "1", "--steps", "1"])
+    assert seen["activities"] == [trace.ProfilerActivity.CPU, trace.ProfilerActivity.CUDA]
+    assert seen["syncs_before_start"] >= 1  # the default: host marks, and a synchronize before the traced steps
 
 
 def test_profile_step_reports_host_and_device_time_per_phase(capsys):

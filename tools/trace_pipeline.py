@@ -113,15 +113,18 @@ def train_and_trace(model, batches, args, pipelined: bool, trace_path: Path | No
     return trace_events(prof, trace_path)
 
 
-def summarize(events: list[dict], steps: int, top: int) -> list[str]:
-    """The per-stream and per-phase table of one run, as printed lines."""
+def summarize(events: list[dict], steps: int, top: int, host: bool = True) -> list[str]:
+    """The per-stream and per-phase table of one run, as printed lines (``host``: with the host's time in
+    each phase, from the trace's marks)."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
     lines = []
-    host = defaultdict(float)
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"] in PHASES + ("step",):
-            host[e["name"]] += e["dur"] / 1e3
-    lines.append("   host ms / step: " + ", ".join(f"{name} {host[name] / steps:.2f}" for name in ("step",) + PHASES))
+    if host:
+        host_ms = defaultdict(float)
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"] in PHASES + ("step",):
+                host_ms[e["name"]] += e["dur"] / 1e3
+        lines.append("   host ms / step: " + ", ".join(f"{name} {host_ms[name] / steps:.2f}"
+                                                       for name in ("step",) + PHASES))
     if not gpu:
         lines.append("   (no GPU events: simulation mode)")
         return lines

@@ -21,8 +21,16 @@ stream is busy with per step, its top kernels, and how long the two busiest stre
 (``tools/trace_pipeline.py``'s reading), which says whether the training stream waits for the bus or for
 the SMs the prefetch holds.
 
+Recording the host's ops costs the host more than the step's own enqueue (a ragged pipelined step of
+2.97 ms enqueued at 4.8 ms a step under the profiler, H100): a step bound by its host then idles the GPU,
+and the streams' overlap read from such a trace is not the unprofiled one. ``--gpu-only`` records the GPU's
+kernels and copies alone (no host ops, no phase marks, no synchronize before the traced steps) and prints
+the per-stream reading for every configuration, with the GPU span a step to compare with ``bench fbgemm``'s
+step time: the closer the two, the less the tracing moved the timeline.
+
     python tools/trace_step.py --configs big-zipf-sgd --trace-dir $OUT
     python tools/trace_step.py --configs cached-odd-dims-ragged-lfu-admit-pipelined --ours-only
+    python tools/trace_step.py --configs cached-odd-dims-ragged-lfu-admit-pipelined --ours-only --gpu-only --steps 30
 """
 
 from __future__ import annotations
@@ -53,19 +61,24 @@ PHASES = ("prefetch", "forward", "backward")
 
 
 def trace_steps(emb, batches, grad, warmup: int, steps: int, trace_path: Path | None, cached: bool,
-                pipelined: bool = False, lookahead: int = 0) -> list[dict]:
+                pipelined: bool = False, lookahead: int = 0, gpu_only: bool = False) -> list[dict]:
     """Train ``warmup`` steps, record ``1 + steps`` more; the chrome trace's events. ``cached``: each step
     prefetches its batch first (``prefetch``). ``pipelined``: the batches come through a ``PrefetchPipeline``
     of depth 2 instead, as in ``bench fbgemm``'s pipelined configurations (``pipeline``: handing a batch out,
-    which issues the next prefetch; ``lookahead``: batches a lookahead cache is told, 0 for the others)."""
-    prof = profile(activities=[ProfilerActivity.CPU] + ([] if SIMULATION else [ProfilerActivity.CUDA]))
+    which issues the next prefetch; ``lookahead``: batches a lookahead cache is told, 0 for the others).
+    ``gpu_only``: record the GPU's work alone, and start without a synchronize (the GPU keeps the queue the
+    warm-up left it, as in a long run); in simulation, which has no GPU, the host's ops instead."""
+    host = not gpu_only or SIMULATION
+    activities = ([ProfilerActivity.CPU] if host else []) + ([] if SIMULATION else [ProfilerActivity.CUDA])
+    prof = profile(activities=activities)
     count = warmup + 1 + steps
     source = iter(PrefetchPipeline(emb, common.cycle(batches, count + lookahead), depth=2, lookahead=lookahead or None)
                   if pipelined else common.cycle(batches, count))
     try:
         for i in range(count):
             if i == warmup:
-                common.synchronize()
+                if host:
+                    common.synchronize()
                 prof.start()
             with record_function("step"):
                 with record_function("pipeline" if pipelined else "batch"):
@@ -139,6 +152,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ours-only", action="store_true")
     parser.add_argument("--top", type=int, default=8, help="pipelined: kernels listed per stream (default 8)")
     parser.add_argument("--trace-dir", type=Path, help="write each side's chrome trace here (gzipped)")
+    parser.add_argument("--gpu-only", action="store_true",
+                        help="record the GPU's work alone (the host runs at its own pace) and print each "
+                             "configuration per stream")
     args = parser.parse_args(argv)
     args.mover = args.state_layout = None  # what ours_module reads besides the config
     print(describe_mode(), flush=True)
@@ -156,10 +172,14 @@ def main(argv=None) -> int:
             emb = ours_module(config, args) if side == "ours" else fbgemm_module(config)
             path = args.trace_dir / f"trace_{base.name}_{side}.json" if args.trace_dir else None
             events = trace_steps(emb, batches, grad, warmup, args.steps, path, config.cached,
-                                 pipelined=config.pipelined, lookahead=window)
-            if config.pipelined:
-                print(f"== {base.name}, ours (pipelined, depth 2; FBGEMM's side is not traced)")
-                lines = summarize(steady_steps(events), args.steps, args.top)
+                                 pipelined=config.pipelined, lookahead=window, gpu_only=args.gpu_only)
+            if config.pipelined or args.gpu_only:
+                what = "pipelined, depth 2; FBGEMM's side is not traced" if config.pipelined else "serial"
+                print(f"== {base.name}, {side} ({what}{'; GPU work only' if args.gpu_only else ''})")
+                # Without host marks the first traced step cannot be told apart: all 1 + steps are read.
+                traced = args.steps + 1 if args.gpu_only else args.steps
+                lines = summarize(events if args.gpu_only else steady_steps(events), traced, args.top,
+                                  host=not args.gpu_only)
             else:
                 print(f"== {base.name}, {side} (ms per step, medians)")
                 lines = [f"   {name:<9}" + "  ".join(f"{key} {value:.3f}" for key, value in row.items())
