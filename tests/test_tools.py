@@ -334,14 +334,15 @@ def test_gpu_scripts_are_valid_bash(script):
 def test_bench_commits_benchmarks_each_tree_with_its_own_code(tmp_path):
     """bench_commits.sh unpacks a commit's tree, then benchmarks the working tree and the unpacked one, each in a
     process that imports only its own code (the script refuses a tree importing the working tree's), with the
-    settings of a variant; one record each, named by its label."""
+    settings of a variant, and an unpacked tree again with flags of its own; one record each, named by its label."""
     trees, out = tmp_path / "trees", tmp_path / "out"
-    env = {**os.environ, "TREES": str(trees), "OUT": str(out), "CONFIGS": "criteo-sgd",
-           "TIERED_TBE_COMMIT": "worktree", "VARIANTS": "nopad:TIERED_TBE_PAD_BATCHES=0"}
-    script = str(TOOLS / "bench_commits.sh")
-    subprocess.run(["bash", script, "unpack", "HEAD"], env=env, check=True, capture_output=True, cwd=REPO)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
                           cwd=REPO).stdout.strip()
+    env = {**os.environ, "TREES": str(trees), "OUT": str(out), "CONFIGS": "criteo-sgd",
+           "TIERED_TBE_COMMIT": "worktree", "VARIANTS": "nopad:TIERED_TBE_PAD_BATCHES=0",
+           "TREE_VARIANTS": f"{head}:seed7:--seed 7"}
+    script = str(TOOLS / "bench_commits.sh")
+    subprocess.run(["bash", script, "unpack", "HEAD"], env=env, check=True, capture_output=True, cwd=REPO)
     assert (trees / head / "kernels" / "forward.py").is_file() and not (trees / head / "results").exists()
     result = subprocess.run(["bash", script, "run", "--ours-only", "--steps", "1", "--warmup", "1"], env=env,
                             capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -349,14 +350,16 @@ def test_bench_commits_benchmarks_each_tree_with_its_own_code(tmp_path):
     assert "imports" not in result.stdout, result.stdout
     lines = [json.loads(line) for line in (out / "measurements.jsonl").read_text().splitlines()]
     assert [(r["commit"], r.get("settings")) for r in lines] == [
-        ("worktree", None), ("worktree-nopad", {"TIERED_TBE_PAD_BATCHES": "0"}), (head, None)]
+        ("worktree", None), ("worktree-nopad", {"TIERED_TBE_PAD_BATCHES": "0"}), (head, None), (f"{head}-seed7", None)]
+    assert "--steps 1 --warmup 1 --seed 7 --record" in lines[-1]["command"] and "--seed" not in lines[-2]["command"]
     assert all(r["figures"]["ours"]["step_ms"] > 0 for r in lines)
     assert (trees / head / "tiered_tbe" / "kernels").resolve() == (trees / head / "kernels").resolve()
     # Two files come back whatever the trees (a device call returns 8): the records and the logs packed.
     assert sorted(path.name for path in out.iterdir()) == ["bench_commits_logs.tgz", "measurements.jsonl"]
     with tarfile.open(out / "bench_commits_logs.tgz") as logs:
         assert sorted(logs.getnames()) == sorted(["bench_commits", *(f"bench_commits/{label}.log" for label in
-                                                                      (head, "worktree", "worktree-nopad"))])
+                                                                      (head, "worktree", "worktree-nopad",
+                                                                       f"{head}-seed7"))])
 
 
 def test_tools_are_not_installed():

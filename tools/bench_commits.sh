@@ -14,7 +14,9 @@
 # left the records behind once), its records appended to $OUT/measurements.jsonl, and a line of each one's
 # phases printed.
 # VARIANTS="label:ENV=value[,ENV=value]..." also runs the working tree under those settings (e.g.
-# "nopad:TIERED_TBE_PAD_BATCHES=0"). Each tree imports only itself: the project's editable install maps
+# "nopad:TIERED_TBE_PAD_BATCHES=0"). TREE_VARIANTS="sha:label:flags[;sha:label:flags]..." also runs an unpacked
+# tree with bench fbgemm flags of its own after the shared ones (a flag only that tree knows, e.g.
+# "970c0ae:t50:--admit-ties 0.5"), labelled sha-label. Each tree imports only itself: the project's editable install maps
 # tiered_tbe.{base,cache,kernels} to the working tree's folders whatever the PYTHONPATH (docs/PITFALLS.md),
 # so a tree gets links tiered_tbe/<sub> -> ../<sub>, which Python's path finder sees first.
 set -uo pipefail
@@ -75,6 +77,15 @@ run() {
     if [[ -f $TREES/order ]]; then
         while read -r sha; do one "$sha" "$TREES/$sha" -- "${flags[@]}"; done <"$TREES/order"
     fi
+    local tree_variants tree_variant sha label extra extra_flags
+    IFS=';' read -r -a tree_variants <<<"${TREE_VARIANTS:-}"
+    for tree_variant in "${tree_variants[@]}"; do
+        [[ -z $tree_variant ]] && continue
+        IFS=: read -r sha label extra <<<"$tree_variant"
+        [[ -d $TREES/$sha ]] || { echo "TREE_VARIANTS: no tree $sha under $TREES (unpack it first)"; exit 1; }
+        read -r -a extra_flags <<<"$extra"
+        one "$sha-$label" "$TREES/$sha" -- "${flags[@]}" "${extra_flags[@]}"
+    done
     tar -czf "$OUT/bench_commits_logs.tgz" -C "$OUT" bench_commits && rm -rf "$LOGS"
 }
 
