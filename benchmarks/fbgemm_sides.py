@@ -206,7 +206,7 @@ def fbgemm_moves_counted(emb, config: Config, batches, grad, first: int, steps: 
     counters count misses, not rows moved). Bytes are its weights only: it keeps optimizer state out
     of its cache. Its serial configurations only (a pipelined one prefetches on its own stream)."""
     dims = torch.tensor(config.dims, dtype=torch.int64)
-    row_bytes = (dims * (2 if config.dtype == "fp16" else 4)).to(grad.device)
+    row_bytes = (dims * common.DTYPES[config.dtype].itemsize).to(grad.device)
     row_starts = torch.tensor([0, *config.tables], dtype=torch.int64).cumsum(0)[:-1].to(grad.device)
     total = torch.zeros(4, dtype=torch.int64, device=grad.device)
     for i in range(steps):
