@@ -15,6 +15,8 @@ through tensors whose addresses do not change:
 
 - device inputs (``indices``, ``offsets``, slots, ...) are copied into static tensors of the
   graph before each replay (device-to-device, a few microseconds);
+- a padded device input (``padded_inputs.PaddedInput``, a batch laid out at a padded size) is copied
+  into its static tensor's head and its padding into the tail, in the same multi-tensor copy;
 - host inputs (a small CPU tensor of scalars: the address of this step's ``grad_output`` or of
   the forward's output, the step, the optimizer's hyper-parameters) are copied to a static
   device tensor, only when their values changed, through a ring of pinned slots (``PinnedRing``:
@@ -44,9 +46,10 @@ import numpy as np
 import torch
 
 from .mode import SIMULATION
+from .padded_inputs import PaddedInput, copy_pairs, materialized
 from .streams import current_stream, current_stream_handle
 
-Inputs = Sequence[torch.Tensor | None]
+Inputs = Sequence[torch.Tensor | PaddedInput | None]  # PaddedInput: base/padded_inputs.py
 Outputs = tuple[torch.Tensor, ...] | None
 
 
@@ -69,17 +72,6 @@ def padded_size(n: int) -> int:
     return -(-n // granule) * granule
 
 
-def pad_to_size(tensor: torch.Tensor, size: int, value: int) -> torch.Tensor:
-    """1-D ``tensor`` [N] with ``value`` appended up to ``size`` entries (itself when ``size <= N``)."""
-    extra = size - tensor.numel()
-    return tensor if extra <= 0 else torch.cat([tensor, tensor.new_full((extra,), value)])
-
-
-def pad_to_padded_size(tensor: torch.Tensor, value: int) -> torch.Tensor:
-    """1-D ``tensor`` [N] with ``value`` appended up to ``padded_size(N)`` entries (itself when N is one)."""
-    return pad_to_size(tensor, padded_size(tensor.numel()), value)
-
-
 def graphs_enabled() -> bool:
     """CUDA graphs need a GPU and the compiled kernels; ``TIERED_TBE_CUDA_GRAPHS=0`` turns them off."""
     return (not SIMULATION and torch.cuda.is_available()
@@ -87,9 +79,9 @@ def graphs_enabled() -> bool:
 
 
 def to_device(inputs: Inputs, device: torch.device) -> list[torch.Tensor | None]:
-    """``inputs`` with (small) host tensors copied to ``device`` without a host sync."""
+    """``inputs`` with (small) host tensors copied to ``device`` without a host sync, padded inputs padded."""
     moved = []
-    for tensor in inputs:
+    for tensor in map(materialized, inputs):
         if tensor is not None and tensor.device.type == "cpu" and device.type != "cpu":
             target = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
             copy_to_device(target, tensor)
@@ -267,7 +259,8 @@ class StepGraphs:
         return self._replay(captured, inputs, advance)
 
     def _capture(self, key, inputs: Inputs, enqueue, device: torch.device) -> _Captured | None:
-        statics = [None if tensor is None else torch.empty_like(tensor, device=device) for tensor in inputs]
+        statics = [None if tensor is None else torch.empty(tensor.numel(), dtype=tensor.dtype, device=device)
+                   if isinstance(tensor, PaddedInput) else torch.empty_like(tensor, device=device) for tensor in inputs]
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
@@ -296,7 +289,11 @@ class StepGraphs:
         for index, (static, tensor) in enumerate(zip(captured.statics, inputs)):
             if tensor is None:
                 continue
-            if tensor.device.type == "cpu":
+            if isinstance(tensor, PaddedInput):  # the batch into the head, the padding into the tail
+                padded_targets, padded_sources = copy_pairs(static, tensor)
+                targets += padded_targets
+                sources += padded_sources
+            elif tensor.device.type == "cpu":
                 # Compared as bytes: a host tensor here is a handful of scalars, and torch.equal and
                 # clone were two more op dispatches on the path to the replay (the GPU idles until it).
                 values = tensor.numpy().tobytes()
@@ -330,7 +327,9 @@ def next_int64(values: bytes) -> bytes:
     return step.to_bytes(8, "little", signed=True)
 
 
-def _signature(tensor: torch.Tensor | None) -> tuple | None:
+def _signature(tensor: torch.Tensor | PaddedInput | None) -> tuple | None:
     if tensor is None:
         return None
+    if isinstance(tensor, PaddedInput):  # the padded tensor's
+        return (tensor.size,), tensor.dtype, tensor.device.type
     return tuple(tensor.shape), tensor.dtype, tensor.device.type

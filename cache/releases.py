@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tiered_tbe.base.graphs import GraphLaunches, pad_to_size
+from tiered_tbe.base.graphs import GraphLaunches
+from tiered_tbe.base.padded_inputs import padded_input
 from tiered_tbe.cache import _kernels
 from tiered_tbe.cache._kernels import NO_SLOT, NOT_CACHED
 from tiered_tbe.cache.cache_batch import CacheBatch, check_batch
@@ -99,7 +100,7 @@ class SlotReleases:
         if locked_slots.numel() > size:
             inputs = (locked_slots[:size], bypassed_rows[:size])
         else:
-            inputs = (pad_to_size(locked_slots, size, NO_SLOT), pad_to_size(bypassed_rows, size, NOT_CACHED))
+            inputs = (padded_input(locked_slots, size, NO_SLOT), padded_input(bypassed_rows, size, NOT_CACHED))
         return launches._replace(inputs=inputs)
 
     def mark_dirty(self, slots: CacheBatch | torch.Tensor, launched: bool = False) -> None:

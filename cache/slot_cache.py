@@ -38,8 +38,9 @@ from dataclasses import fields
 
 import torch
 
-from tiered_tbe.base.graphs import PADDED_GRAPHS, GraphLaunches, StepGraphs, next_int64, pad_to_size, padded_size
+from tiered_tbe.base.graphs import PADDED_GRAPHS, GraphLaunches, StepGraphs, next_int64, padded_size
 from tiered_tbe.base.mode import SIMULATION, default_device
+from tiered_tbe.base.padded_inputs import padded_input
 from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.base.streams import current_stream, current_stream_handle
 from tiered_tbe.cache import _kernels, batch_kernels, policy_kernels, slot_layout
@@ -390,7 +391,7 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
         step = torch.tensor([self._step], dtype=torch.int64)
         # Padded with a row outside every cached table (sorted last as no row, counted nowhere).
         num_lookups = rows.numel()
-        rows = pad_to_size(rows, size, self._rows_end)
+        rows = padded_input(rows, size, self._rows_end)  # laid out by the replay's copy (base/padded_inputs.py)
 
         unlock_inputs = [launches.inputs for launches in unlocks]
 

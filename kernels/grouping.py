@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from tiered_tbe.base.codes import INT32_MAX
+from tiered_tbe.base.padded_inputs import POSITIONS, padded_input
 from tiered_tbe.base.sorting import sort_ids, stable_sort
 
 from .addressing import INTERPRETING, POOLING_NONE
@@ -87,6 +88,8 @@ def pad_batch(stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor |
               in_place_rank: torch.Tensor | None = None):
     """``(lookups, slot_of_index, presorted, in_place_rank)`` padded to ``size`` lookups, so that batches
     whose lookup count changes every step share a few CUDA graphs of the backward (``base/graphs.padded_size``).
+    Each padded array is a graph input laid out where the replay copies it in
+    (``base/padded_inputs.PaddedInput``): read the results only through ``StepGraphs.run`` or ``to_device``.
 
     A padding lookup's global row is ``stores.num_rows`` (past every table: it sorts after every
     lookup, and the update kernels skip its run), its index and bag 0 (a gradient row that exists), its
@@ -94,21 +97,16 @@ def pad_batch(stores: RowStores, lookups: Lookups, slot_of_index: torch.Tensor |
     the batch's and its positions are its own. ``offsets`` stay the batch's: its last entry, the real count,
     ends its last bag.
     """
-    extra = size - lookups.num_lookups
-    if extra <= 0:
+    if size <= lookups.num_lookups:
         return lookups, slot_of_index, presorted, in_place_rank
-
-    def pad(tensor, value):
-        return None if tensor is None else torch.cat([tensor, tensor.new_full((extra,), value)])
-
-    lookups = lookups._replace(indices=pad(lookups.indices, 0), per_sample_weights=pad(lookups.per_sample_weights, 0),
-                               global_rows=pad(lookups.global_rows, stores.num_rows),
-                               bag_of_index=pad(lookups.bag_of_index, 0))
+    lookups = lookups._replace(indices=padded_input(lookups.indices, size, 0),
+                               per_sample_weights=padded_input(lookups.per_sample_weights, size, 0),
+                               global_rows=padded_input(lookups.global_rows, size, stores.num_rows),
+                               bag_of_index=padded_input(lookups.bag_of_index, size, 0))
     if presorted is not None:
         sorted_rows, order = presorted
-        positions = torch.arange(order.numel(), size, dtype=order.dtype, device=order.device)
-        presorted = (pad(sorted_rows, stores.num_rows), torch.cat([order, positions]))
-    return lookups, pad(slot_of_index, -1), presorted, pad(in_place_rank, -1)
+        presorted = (padded_input(sorted_rows, size, stores.num_rows), padded_input(order, size, POSITIONS))
+    return lookups, padded_input(slot_of_index, size, -1), presorted, padded_input(in_place_rank, size, -1)
 
 
 def pads_batches(graphs, device: torch.device, mode: int) -> bool:

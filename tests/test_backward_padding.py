@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_inputs import ALL_OPTIMIZERS, STEP, assert_stores_equal, make_batch, poison_empty  # noqa: F401
 
-from tiered_tbe.base.graphs import padded_size
+from tiered_tbe.base.graphs import padded_size, to_device
 from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.kernels.backward import backward_update
 from tiered_tbe.kernels.linearize import linearize
@@ -121,10 +121,10 @@ def test_the_backward_hands_its_graph_only_what_it_reads(given, pad, device):
     grad_output = torch.randn(lookups.batch_size, stores.total_dim, device=device)
     handed = []
 
-    class RunningGraphs:  # runs the launches as a replay would, from the inputs it was handed
+    class RunningGraphs:  # runs the launches as an eager run does, from the inputs it was handed (padded there)
         def run(self, key, inputs, enqueue, device, advance=None):
             handed.append(inputs)
-            return enqueue(list(inputs))
+            return enqueue(to_device(inputs, device))
 
     expected, actual = stores.clone(), stores.clone()
     backward_update(grad_output, expected, lookups, slot_of_index, "sum", optimizer, STEP, presorted=presorted,

@@ -11,8 +11,9 @@ from tiered_tbe import validation
 from tiered_tbe.backends import backend_named
 from tiered_tbe.base import streams
 from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
-from tiered_tbe.base.graphs import PADDED_GRAPHS, StepGraphs, pad_to_padded_size
+from tiered_tbe.base.graphs import PADDED_GRAPHS, StepGraphs, padded_size
 from tiered_tbe.base.mode import default_device
+from tiered_tbe.base.padded_inputs import padded_input
 from tiered_tbe.base.sorting import sort_ids
 from tiered_tbe.batch import CopyRows, DeferredUnlocks, PreparedBatch
 from tiered_tbe.cache.mover import default_mover
@@ -310,7 +311,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         # Shaped by the padded lookup count and the feature count only, so that batches whose bag
         # lengths and batch size change every step replay a few graphs: eager, a ragged batch's hint
         # cost its prefetch ~5 ms of host time on the H200 machine (docs/performance.md).
-        indices = pad_to_padded_size(indices, 0)  # padding lies past the last bag: left out below
+        indices = padded_input(indices, padded_size(indices.numel()), 0)  # padding lies past the last bag: left out
         feature_starts = offsets[::batch_size]  # [F + 1]: where each feature's lookups start, then the end
 
         def enqueue(tensors):
