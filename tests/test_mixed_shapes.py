@@ -199,18 +199,20 @@ def test_ragged_pipelined_steps_replay_graphs_only():
 
 
 @pytest.mark.gpu
-def test_ragged_pipeline_stops_taking_memory():
+@pytest.mark.parametrize("dims,max_bag", [([4, 12, 20, 36, 52, 76, 100, 132], 30), (GPU_DIMS, 40)],
+                         ids=["odd-dims", "mixed-dims"])
+def test_ragged_pipeline_stops_taking_memory(dims, max_bag):
     """2,000 pipelined steps (depth 2, ``lfu-admit``: rows read in place, and copies of them) on batches whose
     size and bag lengths change every step: once their shapes have been seen, the pipeline takes no more
     memory from CUDA and holds no more tensors. `bench fbgemm` counted 0.5 ``cudaMalloc`` a step over the 30
-    timed steps of ``cached-odd-dims-ragged-lfu-admit-pipelined`` after its 60 warm-up steps (H100, c47ac55):
-    were that for good, a long run would end out of memory."""
-    dims = [4, 12, 20, 36, 52, 76, 100, 132]
+    timed steps of ``cached-odd-dims-ragged-lfu-admit-pipelined`` after its 60 warm-up steps (H100, c47ac55),
+    and 3 a step for ``cached-mixed-weighted-lfu-admit-pipelined`` (68a8b37): were that for good, a long run
+    would end out of memory. The odd dims of the first, and the 12 tables of dims 8-256 of the second."""
     rows = [r // 64 for r in GPU_ROWS[: len(dims)]]
     module = mixed_module(rows, dims, [Placement.MANAGED_CACHED] * len(dims), "cuda",
                           cache=CacheConfig(fraction=0.1, policy="lfu-admit"))
     sizes = torch.randint(256, 513, (64,), generator=torch.Generator().manual_seed(3)).tolist()
-    batches = ragged_batches(rows, dims, steps=len(sizes), batch_sizes=sizes, max_bag=30, device="cuda")
+    batches = ragged_batches(rows, dims, steps=len(sizes), batch_sizes=sizes, max_bag=max_bag, device="cuda")
     readings = {}
     source = PrefetchPipeline(module, itertools.islice(itertools.cycle(batches), 2000), depth=2,
                               lookups=lambda batch: (batch[0], batch[1]))
