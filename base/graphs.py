@@ -182,6 +182,20 @@ class GraphLaunches(NamedTuple):
     enqueue: Callable[[list], None]
 
 
+class OutputLoan:
+    """A replay's outputs lent to one borrower as they are, not copied (``StepGraphs.run(..., loan=)``): the
+    graph is not replayed again until :meth:`give_back`. The borrower gives them back once every use of them
+    is enqueued, ordered before any later work on the stream the key replays on."""
+
+    __slots__ = ("returned",)
+
+    def __init__(self):
+        self.returned = False
+
+    def give_back(self) -> None:
+        self.returned = True
+
+
 class _Captured:
     """One key's graph and its static inputs (device tensors the graph reads)."""
 
@@ -191,6 +205,11 @@ class _Captured:
         self.statics = statics
         self.outputs = outputs  # the graph's outputs (its pool's memory), overwritten by each replay
         self.host_values = host_values  # the bytes last copied into each static of a host input
+        self.loan: OutputLoan | None = None  # who holds the outputs of the last replay, uncopied
+
+    def free(self) -> bool:
+        """Whether a replay may overwrite the outputs: none lent, or given back."""
+        return self.loan is None or self.loan.returned
 
 
 class StepGraphs:
@@ -200,14 +219,21 @@ class StepGraphs:
     by replaying the key's graph of it. ``enqueue`` must read the batch only through ``inputs``
     (every other tensor it reads must keep its address and be updated in place), must not
     synchronize with the host, and returns ``None`` or a tuple of tensors (a replay returns
-    copies of them).
+    copies of them, or lends them as they are: ``run(..., loan=)``).
+
+    ``replicas``: most graphs of one key, so that outputs lent to several borrowers at once (a pipeline's
+    batches in flight) need no copies: a replay takes a replica whose outputs are free, and one more is
+    captured where none is. Each replica has a memory pool of its own: in a shared pool a later capture may
+    place its outputs where an earlier one keeps its scratch, and the earlier one's replay would overwrite
+    them while they are lent. Where every replica is lent, the key runs eagerly.
     """
 
-    def __init__(self, capacity: int = 4, capture_after: int = 1, enabled: bool | None = None):
+    def __init__(self, capacity: int = 4, capture_after: int = 1, enabled: bool | None = None, replicas: int = 1):
         self.capacity = capacity
         self.capture_after = capture_after  # eager uses of a key before its capture
         self.enabled = graphs_enabled() if enabled is None else enabled
-        self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()
+        self.replicas = replicas  # most graphs a key keeps (each lent to one borrower at a time)
+        self._graphs: OrderedDict[Hashable, list[_Captured]] = OrderedDict()
         self._uses: OrderedDict[Hashable, int] = OrderedDict()  # eager uses of keys not captured yet
         self._refused: set[Hashable] = set()  # keys whose capture failed: always eager
         self._last_size: Hashable | None = None  # size_changed's last size
@@ -230,18 +256,23 @@ class StepGraphs:
         return changed
 
     def run(self, key: Hashable, inputs: Inputs, enqueue: Callable[[list], Outputs], device: torch.device,
-            advance: Callable[[bytes], bytes] | None = None) -> Outputs:
+            advance: Callable[[bytes], bytes] | None = None, loan: OutputLoan | None = None) -> Outputs:
         """``advance``: what ``enqueue`` leaves in a host input's static, from the bytes it held (an
         enqueue that advances its step in place): after a replay the next step's values are known to
-        be there, and equal ones are not copied again."""
+        be there, and equal ones are not copied again. ``loan``: a replay returns the graph's outputs
+        themselves, lent until ``loan.give_back()`` (an eager run returns tensors of its own either way)."""
         if not self.enabled or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             self.eager += 1
             return enqueue(to_device(inputs, device))
         key = (key, tuple(_signature(tensor) for tensor in inputs), current_stream_handle(device))
-        captured = self._graphs.get(key)
-        if captured is not None:
+        replicas = self._graphs.get(key)
+        if replicas is not None:
             self._graphs.move_to_end(key)
-            return self._replay(captured, inputs, advance)
+            captured = self._free_replica(key, replicas, inputs, enqueue, device)
+            if captured is None:  # every replica's outputs are lent, and the key has all it may have
+                self.eager += 1
+                return enqueue(to_device(inputs, device))
+            return self._replay(captured, inputs, advance, loan)
         uses = self._uses.pop(key, 0)
         if key in self._refused or uses < self.capture_after:
             self._uses[key] = uses + 1
@@ -253,10 +284,26 @@ class StepGraphs:
         if captured is None:
             self.eager += 1
             return enqueue(to_device(inputs, device))
-        self._graphs[key] = captured
+        self._graphs[key] = [captured]
         while len(self._graphs) > self.capacity:
+            # A lent replica's outputs stay allocated while the borrower holds them (a graph's pool frees
+            # only the blocks no tensor uses).
             self._graphs.popitem(last=False)
-        return self._replay(captured, inputs, advance)
+        return self._replay(captured, inputs, advance, loan)
+
+    def _free_replica(self, key, replicas: list[_Captured], inputs: Inputs, enqueue, device: torch.device
+                      ) -> _Captured | None:
+        """A replica of ``key`` whose outputs a replay may overwrite: a free one, else one more captured
+        while the key has fewer than ``replicas``; else None."""
+        for captured in replicas:
+            if captured.free():
+                return captured
+        if len(replicas) >= self.replicas:
+            return None
+        captured = self._capture(key, inputs, enqueue, device)
+        if captured is not None:
+            replicas.append(captured)
+        return captured
 
     def _capture(self, key, inputs: Inputs, enqueue, device: torch.device) -> _Captured | None:
         statics = [None if tensor is None else torch.empty(tensor.numel(), dtype=tensor.dtype, device=device)
@@ -283,8 +330,8 @@ class StepGraphs:
         self.captures += 1
         return _Captured(graph, statics, [None] * len(inputs), outputs)
 
-    def _replay(self, captured: _Captured, inputs: Inputs, advance: Callable[[bytes], bytes] | None = None
-                ) -> Outputs:
+    def _replay(self, captured: _Captured, inputs: Inputs, advance: Callable[[bytes], bytes] | None = None,
+                loan: OutputLoan | None = None) -> Outputs:
         targets, sources = [], []
         for index, (static, tensor) in enumerate(zip(captured.statics, inputs)):
             if tensor is None:
@@ -314,8 +361,11 @@ class StepGraphs:
         self.replays += 1
         if advance is not None:
             captured.host_values = [None if values is None else advance(values) for values in captured.host_values]
+        captured.loan = loan
         if captured.outputs is None:
             return None
+        if loan is not None:  # lent as they are until given back: no replay of this replica before then
+            return captured.outputs
         # Clones: one multi-tensor copy into five new tensors took twice the host time of five clones on
         # the H200 machine (0.14 against 0.07 ms a prefetch; tools/dmp_host_time.py, 0a0fe96).
         return tuple(output.clone() for output in captured.outputs)

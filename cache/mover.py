@@ -99,6 +99,9 @@ class RowMover:
     """
 
     name = ""
+    # Whether hand_off gives enqueue's tensors to something that reads them after the prefetch returns (the
+    # staged mover's threads): then a prefetch's graph copies its outputs rather than lending them.
+    hands_off_device_lists = False
 
     def enqueue(self, moves: Moves) -> tuple[torch.Tensor, ...]:
         """Begin the write-backs and fills one prefetch decided, device part: launches on the

@@ -6,7 +6,7 @@ A mixin of :class:`~tiered_tbe.cache.slot_cache.SlotCache`. Each operation also 
 (the unlock, or a pipeline's dirty marks) and the next prefetch's (a pipeline's deferred unlocks). A
 graph replay costs the host ~0.1 ms on the H200 machine in a DMP step, where the GPU waits for the host
 (``docs/performance.md``); one replay instead of two is that much off the step. Needs of the cache:
-``_unreleased``, ``_release_graphs``, ``_launcher``, ``_k_metadata``, ``device``, ``_check_slots``,
+``_unreleased``, ``_loans``, ``_release_graphs``, ``_launcher``, ``_k_metadata``, ``device``, ``_check_slots``,
 ``_order_metadata`` and ``_metadata_done``.
 """
 
@@ -43,6 +43,11 @@ class SlotReleases:
         if launches is not None:
             self._release_graphs.run(launches.key, launches.inputs, launches.enqueue, self.device)
         self._metadata_done()
+        # Every use of the batch's tensors is enqueued now, and the next prefetch waits for the metadata event
+        # just recorded: its graph may overwrite them (StepGraphs' loan).
+        loan = self._loans.pop(batch.step, None)
+        if loan is not None:
+            loan.give_back()
 
     def holds(self, batch: CacheBatch) -> bool:
         """Whether ``batch`` (or a copy) still holds its locks: prefetched by this cache, not unlocked."""

@@ -38,7 +38,7 @@ from dataclasses import fields
 
 import torch
 
-from tiered_tbe.base.graphs import PADDED_GRAPHS, GraphLaunches, StepGraphs, next_int64, padded_size
+from tiered_tbe.base.graphs import PADDED_GRAPHS, GraphLaunches, OutputLoan, StepGraphs, next_int64, padded_size
 from tiered_tbe.base.mode import SIMULATION, default_device
 from tiered_tbe.base.padded_inputs import padded_input
 from tiered_tbe.base.sorting import stable_sort
@@ -72,6 +72,11 @@ _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
 assert tuple(_DEVICE_COUNTERS) == batch_kernels.COUNTER_NAMES, "batch_kernels.COUNTER_NAMES must follow CacheStats"
 # Tensors SlotCache._assign returns before its moves (slot_of_index .. order).
 _ASSIGN_OUTPUTS = 6
+# Batches whose prefetch outputs one graph key lends at once without copies (StepGraphs' replicas, captured as
+# batches of one size pile up, each with its graph's memory): a pipeline of depth 2 holds three (two prefetched
+# ahead, one training), and one more covers a forward's own prefetch. Beyond that a prefetch of that size runs
+# eagerly until one is unlocked.
+LENT_REPLICAS = 4
 
 
 class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
@@ -218,14 +223,19 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
                                               self.dirty, self.bypass_count, self.row_uses, self._way_of_rank)))
         self.mover = make_mover(mover, self.weights, self.state, self.tables, self.device, self._launcher,
                                 self._rows_end, threads=mover_threads, staging_rows=staging_rows)
-        # CUDA graphs of the prefetch (assign and move), per batch shape.
-        self._prefetch_graphs = StepGraphs(PADDED_GRAPHS, enabled=None if cuda_graphs else False)
+        # CUDA graphs of the prefetch (assign and move), per batch shape. A replay lends its outputs to the batch
+        # until its unlock (no copies of them, ~0.05 ms of the prefetch's stream a ragged step on an H100), except
+        # where the mover's threads read its lists later.
+        self._lends_outputs = not self.mover.hands_off_device_lists
+        self._prefetch_graphs = StepGraphs(PADDED_GRAPHS, enabled=None if cuda_graphs else False,
+                                           replicas=LENT_REPLICAS if self._lends_outputs else 1)
         # ... and of the unlock and mark_dirty launches: a Numba launch costs ~0.3 ms of host time on
         # the H200 machine (the cached backward's host time was 1.0 ms against 0.7 without a cache;
         # results/measurements.jsonl), a replay a fraction of that.
         self._release_graphs = StepGraphs(2 * PADDED_GRAPHS, enabled=None if cuda_graphs else False)
-        # Prefetches not yet unlocked, by step -> the batch as its prefetch made it.
+        # Prefetches not yet unlocked, by step -> the batch as its prefetch made it, and the loan of its tensors.
         self._unreleased: dict[int, CacheBatch] = {}
+        self._loans: dict[int, OutputLoan] = {}
         # The stream of the latest operation on the metadata (its raw handle) and an event after it, on
         # CUDA: an operation on another stream waits for it, since the kernels update the metadata without
         # atomics. One event, recorded again by each operation (a wait enqueued before keeps the record it
@@ -285,8 +295,10 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
         ticket = None
         if rows.numel() > 0:
             try:
-                slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order, ticket = \
+                slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order, ticket, loan = \
                     self._assign_and_move(rows, size, [launches for _, launches in fused if launches is not None])
+                if loan is not None:
+                    self._loans[self._step] = loan
             finally:  # their launches come first in the prefetch's (graph or eager launches)
                 for earlier, _ in fused:
                     self.unlock(earlier, launched=True)
@@ -382,12 +394,13 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
     # ------------------------------------------------------------------ prefetch
 
     def _assign_and_move(self, rows: torch.Tensor, size: int, unlocks: Sequence[GraphLaunches] = ()):
-        """(slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order, the mover's ticket) of a
-        batch: ``unlocks`` (earlier batches' :meth:`unlock_launches`), :meth:`_assign` and the mover's
-        device work (:meth:`RowMover.enqueue`) replay as one CUDA graph per batch shape
-        (``base/graphs.py``; the step reaches the kernels in a tensor), then the mover's host part
+        """(slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order, the mover's ticket, the
+        loan of those tensors or None) of a batch: ``unlocks`` (earlier batches' :meth:`unlock_launches`),
+        :meth:`_assign` and the mover's device work (:meth:`RowMover.enqueue`) replay as one CUDA graph per
+        batch shape (``base/graphs.py``; the step reaches the kernels in a tensor), then the mover's host part
         (:meth:`RowMover.hand_off`: the staged mover hands the lists to its threads) runs on the host.
-        ``size``: the lookups the batch is laid out at (``rows.numel()``, or its ``padded_size``)."""
+        ``size``: the lookups the batch is laid out at (``rows.numel()``, or its ``padded_size``). A replay's
+        tensors are its graph's own, lent until the batch's unlock gives the loan back (:meth:`unlock`)."""
         step = torch.tensor([self._step], dtype=torch.int64)
         # Padded with a row outside every cached table (sorted last as no row, counted nowhere).
         num_lookups = rows.numel()
@@ -412,14 +425,15 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
         key = (self._policy_code == POLICY_LOOKAHEAD and window_bits is not None,
                None if window_bits is None else window_bits.data_ptr(), tuple(launches.key for launches in unlocks))
         inputs = (rows, step, *(tensor for tensors in unlock_inputs for tensor in tensors))
-        results = self._prefetch_graphs.run(key, inputs, enqueue, self.device, advance=next_int64)
+        loan = OutputLoan() if self._lends_outputs else None
+        results = self._prefetch_graphs.run(key, inputs, enqueue, self.device, advance=next_int64, loan=loan)
         (slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order), enqueued = \
             results[:_ASSIGN_OUTPUTS], results[_ASSIGN_OUTPUTS:]
         # The padding sorts after every lookup (stable: after the lookups outside the cached tables too),
         # so the first num_lookups sorted positions are the batch's. The padding locks no slot and
         # leaves no row in its store: locked_slots and bypassed_rows stay padded.
         return (slot_of_index[:num_lookups], in_place_rank[:num_lookups], locked_slots, bypassed_rows,
-                sorted_rows[:num_lookups], order[:num_lookups], self.mover.hand_off(enqueued))
+                sorted_rows[:num_lookups], order[:num_lookups], self.mover.hand_off(enqueued), loan)
 
     def _assign(self, rows: torch.Tensor, step: torch.Tensor) -> tuple:
         """(slot_of_index int32 [N], in_place_rank int32 [N], locked_slots int32 [N], bypassed_rows int64 [N],

@@ -121,6 +121,7 @@ class StagedMover(RowMover):
     """
 
     name = "staged"
+    hands_off_device_lists = True  # the threads read the fill and write-back lists after the prefetch
 
     def __init__(self, weights: torch.Tensor, state: torch.Tensor, tables, device: torch.device, rows_end: int,
                  threads: int | None = None, staging_rows: int | None = None):
