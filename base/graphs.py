@@ -15,8 +15,8 @@ through tensors whose addresses do not change:
 
 - device inputs (``indices``, ``offsets``, slots, ...) are copied into static tensors of the
   graph before each replay (device-to-device, a few microseconds);
-- a padded device input (``padded_inputs.PaddedInput``, a batch laid out at a padded size) is copied
-  into its static tensor's head and its padding into the tail, in the same multi-tensor copy;
+- a laid-out device input (``padded_inputs.LaidOutInput``: a batch at a padded size, offsets at more bags
+  a feature) is copied into its static tensor in parts (the batch, the padding), in the same multi-tensor copy;
 - host inputs (a small CPU tensor of scalars: the address of this step's ``grad_output`` or of
   the forward's output, the step, the optimizer's hyper-parameters) are copied to a static
   device tensor, only when their values changed, through a ring of pinned slots (``PinnedRing``:
@@ -46,10 +46,10 @@ import numpy as np
 import torch
 
 from .mode import SIMULATION
-from .padded_inputs import PaddedInput, copy_pairs, materialized
+from .padded_inputs import LaidOutInput, materialized
 from .streams import current_stream, current_stream_handle
 
-Inputs = Sequence[torch.Tensor | PaddedInput | None]  # PaddedInput: base/padded_inputs.py
+Inputs = Sequence[torch.Tensor | LaidOutInput | None]  # LaidOutInput: base/padded_inputs.py
 Outputs = tuple[torch.Tensor, ...] | None
 
 
@@ -306,8 +306,7 @@ class StepGraphs:
         return captured
 
     def _capture(self, key, inputs: Inputs, enqueue, device: torch.device) -> _Captured | None:
-        statics = [None if tensor is None else torch.empty(tensor.numel(), dtype=tensor.dtype, device=device)
-                   if isinstance(tensor, PaddedInput) else torch.empty_like(tensor, device=device) for tensor in inputs]
+        statics = [_static_for(tensor, device) for tensor in inputs]
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
@@ -336,10 +335,10 @@ class StepGraphs:
         for index, (static, tensor) in enumerate(zip(captured.statics, inputs)):
             if tensor is None:
                 continue
-            if isinstance(tensor, PaddedInput):  # the batch into the head, the padding into the tail
-                padded_targets, padded_sources = copy_pairs(static, tensor)
-                targets += padded_targets
-                sources += padded_sources
+            if isinstance(tensor, LaidOutInput):  # the batch and its padding, each into its part
+                part_targets, part_sources = tensor.copy_pairs(static)
+                targets += part_targets
+                sources += part_sources
             elif tensor.device.type == "cpu":
                 # Compared as bytes: a host tensor here is a handful of scalars, and torch.equal and
                 # clone were two more op dispatches on the path to the replay (the GPU idles until it).
@@ -377,9 +376,18 @@ def next_int64(values: bytes) -> bytes:
     return step.to_bytes(8, "little", signed=True)
 
 
-def _signature(tensor: torch.Tensor | PaddedInput | None) -> tuple | None:
+def _static_for(tensor: torch.Tensor | LaidOutInput | None, device: torch.device) -> torch.Tensor | None:
+    """An uninitialized device tensor shaped as ``tensor`` (a laid-out input: as the tensor it lays out)."""
     if tensor is None:
         return None
-    if isinstance(tensor, PaddedInput):  # the padded tensor's
+    if isinstance(tensor, LaidOutInput):
+        return torch.empty(tensor.size, dtype=tensor.dtype, device=device)
+    return torch.empty_like(tensor, device=device)
+
+
+def _signature(tensor: torch.Tensor | LaidOutInput | None) -> tuple | None:
+    if tensor is None:
+        return None
+    if isinstance(tensor, LaidOutInput):  # the laid-out tensor's
         return (tensor.size,), tensor.dtype, tensor.device.type
     return tuple(tensor.shape), tensor.dtype, tensor.device.type

@@ -5,15 +5,15 @@ launches replay a few CUDA graphs. Padded first (``torch.cat`` of the batch and 
 the graph's static tensor, each array crosses HBM twice and costs the host two ops more (the tail and the
 ``cat``); a ragged step pads ~11 arrays (kernels/grouping.py ``pad_batch``, the prefetch's rows, the unlocks).
 A :class:`PaddedInput` names the padded array instead: a replay copies the batch's entries into the head of
-the static tensor and the tail from a constant buffer (:func:`copy_pairs`), in the one multi-tensor copy
-that moves every input (``StepGraphs._replay``). Eager runs and captures see the padded tensor itself
-(:meth:`PaddedInput.materialize`), the same values.
+the static tensor and the tail from a constant buffer (:meth:`PaddedInput.copy_pairs`), in the one
+multi-tensor copy that moves every input (``StepGraphs._replay``). Eager runs and captures see the padded
+tensor itself (:meth:`PaddedInput.materialize`), the same values. Other layouts implement
+:class:`LaidOutInput` where they belong (kernels/grouping.py ``PaddedBags``: offsets at more bags a feature).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
 
 import torch
 
@@ -22,22 +22,20 @@ from .streams import current_stream_handle
 POSITIONS = "positions"  # a PaddedInput's fill: each padding entry holds its own position (N .. size - 1)
 
 
-class PaddedInput(NamedTuple):
-    """A 1-D device tensor laid out at ``size`` entries: ``tensor`` [N], then ``size - N`` entries of
-    ``fill`` (a number, or :data:`POSITIONS`). ``N < size`` (:func:`padded_input` returns the tensor
-    itself otherwise)."""
+class LaidOutInput:
+    """A graph input that a replay lays out in its static tensor from parts (:meth:`copy_pairs`), where an
+    eager run or a capture gets the laid-out tensor itself (:meth:`materialize`). 1-D, ``size`` entries."""
 
-    tensor: torch.Tensor  # [N] the batch's entries, on the device
-    size: int  # the padded length
-    fill: int | float | str  # the padding's value, or POSITIONS
+    __slots__ = ()
+    size: int
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
+        raise NotImplementedError
 
     @property
     def device(self) -> torch.device:
-        return self.tensor.device
+        raise NotImplementedError
 
     @property
     def shape(self) -> tuple[int]:
@@ -47,13 +45,47 @@ class PaddedInput(NamedTuple):
         return self.size
 
     def materialize(self) -> torch.Tensor:
-        """The padded tensor, [size] (a new tensor: one ``cat``)."""
+        """The laid-out tensor, [size] (a new tensor)."""
+        raise NotImplementedError
+
+    def copy_pairs(self, static: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(targets, sources)``: copying each source into its target (one ``torch._foreach_copy_``) leaves
+        ``static`` [size] equal to :meth:`materialize`."""
+        raise NotImplementedError
+
+
+class PaddedInput(LaidOutInput):
+    """A 1-D device tensor laid out at ``size`` entries: ``tensor`` [N], then ``size - N`` entries of
+    ``fill`` (a number, or :data:`POSITIONS`). ``N < size`` (:func:`padded_input` returns the tensor
+    itself otherwise)."""
+
+    __slots__ = ("tensor", "size", "fill")
+
+    def __init__(self, tensor: torch.Tensor, size: int, fill: int | float | str):
+        self.tensor = tensor  # [N] the batch's entries, on the device
+        self.size = size  # the padded length
+        self.fill = fill  # the padding's value, or POSITIONS
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def materialize(self) -> torch.Tensor:
         extra = self.size - self.tensor.numel()
         if self.fill == POSITIONS:
             tail = torch.arange(self.tensor.numel(), self.size, dtype=self.dtype, device=self.device)
         else:
             tail = self.tensor.new_full((extra,), self.fill)
         return torch.cat([self.tensor, tail])
+
+    def copy_pairs(self, static: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The head from the batch, the tail from a kept buffer of the padding."""
+        count = self.tensor.numel()
+        return [static[:count], static[count:]], [self.tensor, _padding(self)]
 
 
 def padded_input(tensor: torch.Tensor | None, size: int, fill: int | float | str
@@ -66,8 +98,8 @@ def padded_input(tensor: torch.Tensor | None, size: int, fill: int | float | str
 
 
 def materialized(value):
-    """``value`` as a tensor: a :class:`PaddedInput` padded, anything else as it is."""
-    return value.materialize() if isinstance(value, PaddedInput) else value
+    """``value`` as a tensor: a :class:`LaidOutInput` laid out, anything else as it is."""
+    return value.materialize() if isinstance(value, LaidOutInput) else value
 
 
 _LOCK = threading.Lock()  # the forward's replays run on the caller's thread, the backward's on autograd's
@@ -96,10 +128,3 @@ def _padding(padded: PaddedInput) -> torch.Tensor:
                       else torch.full((length,), padded.fill, dtype=padded.dtype, device=padded.device))
             _TAILS[key] = buffer
     return buffer[start:start + padded.size - count]
-
-
-def copy_pairs(static: torch.Tensor, padded: PaddedInput) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``(targets, sources)``: copying each source into its target leaves ``static`` [size] equal to
-    ``padded.materialize()`` (the head from the batch, the tail from a kept buffer of the padding)."""
-    count = padded.tensor.numel()
-    return [static[:count], static[count:]], [padded.tensor, _padding(padded)]

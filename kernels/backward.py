@@ -234,7 +234,7 @@ def backward_update(
     ranks = copies.rank if reads_copies else None
     if pad:  # grad_output keeps its B rows: the padding's bags are empty, so no kernel reads a row past B.
         # A batch of a padded size already takes the same launches (and graph) as the ones padded to it.
-        lookups = pad_bags(lookups, stores.num_features, padded_batch_size(lookups.batch_size))
+        lookups = pad_bags(lookups, stores.num_features, padded_batch_size(lookups.batch_size), laid_out=True)
         lookups, slot_of_index, presorted, ranks = pad_batch(stores, lookups, slot_of_index, presorted,
                                                              padded_size(lookups.num_lookups), ranks)
     block_d = stores.block_d

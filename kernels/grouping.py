@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from tiered_tbe.base.codes import INT32_MAX
-from tiered_tbe.base.padded_inputs import POSITIONS, padded_input
+from tiered_tbe.base.padded_inputs import POSITIONS, LaidOutInput, padded_input
 from tiered_tbe.base.sorting import sort_ids, stable_sort
 
 from .addressing import INTERPRETING, POOLING_NONE
@@ -135,25 +135,66 @@ def padded_batch_size(batch_size: int) -> int:
     return 1 << max(batch_size - 1, 0).bit_length()
 
 
-def pad_bags(lookups: Lookups, num_features: int, batch_size: int) -> Lookups:
+class PaddedBags(LaidOutInput):
+    """Offsets ``[F * B + 1]`` laid out at ``B'`` bags a feature (``[F * B' + 1]``), as a graph input that a
+    replay lays out in its static tensor (``base/padded_inputs.py``): feature ``f``'s ``B`` offsets into its
+    first ``B`` places (one strided copy for every feature), where its last bag ends into the other
+    ``B' - B`` (the features' ends, expanded), and the batch's end last. Where the offsets were made first by
+    two ``cat``s and then copied in."""
+
+    __slots__ = ("offsets", "num_features", "batch_size", "padded_batch_size", "size")
+
+    def __init__(self, offsets: torch.Tensor, num_features: int, batch_size: int, padded_batch_size: int):
+        self.offsets = offsets  # int32/int64 [F * B + 1], the batch's
+        self.num_features = num_features  # F
+        self.batch_size = batch_size  # B
+        self.padded_batch_size = padded_batch_size  # B' > B
+        self.size = num_features * padded_batch_size + 1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.offsets.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.offsets.device
+
+    def _parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The bags' offsets [F, B], the features' ends expanded [F, B' - B] and the batch's end [1]."""
+        bags = self.offsets[:-1].view(self.num_features, self.batch_size)
+        ends = self.offsets[self.batch_size::self.batch_size].unsqueeze(1)  # [F, 1]: offsets[(f+1)*B]
+        return bags, ends.expand(self.num_features, self.padded_batch_size - self.batch_size), self.offsets[-1:]
+
+    def materialize(self) -> torch.Tensor:
+        bags, ends, last = self._parts()
+        return torch.cat([torch.cat([bags, ends], 1).view(-1), last])
+
+    def copy_pairs(self, static: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        grid = static[:-1].view(self.num_features, self.padded_batch_size)
+        return [grid[:, :self.batch_size], grid[:, self.batch_size:], static[-1:]], list(self._parts())
+
+
+def pad_bags(lookups: Lookups, num_features: int, batch_size: int, laid_out: bool = False) -> Lookups:
     """``lookups`` laid out at ``batch_size`` bags a feature, so that batches whose batch size changes every
     step share a few CUDA graphs (the graph's key holds the offsets' length and the kernels' batch size):
     feature ``f``'s bags ``B .. batch_size - 1`` are empty (their offsets repeat where its last bag ends), and
     ``bag_of_index`` (where given) is renumbered to the new layout (``f * batch_size + b``). Every bag of the
     batch keeps its lookups, so the forward's rows and the backward's update are the unpadded ones, bit for bit
-    (the caller's output rows and gradient rows past ``B`` are never read). ~5 small device ops, no sync."""
+    (the caller's output rows and gradient rows past ``B`` are never read). No sync.
+
+    ``laid_out``: the offsets as a :class:`PaddedBags` graph input, for a caller that hands them to
+    ``StepGraphs.run`` or ``to_device`` only (the backward); else a tensor (two ``cat``s: the forward reads
+    its batch by address)."""
     extra = batch_size - lookups.batch_size
     if extra <= 0 or num_features == 0 or num_features * batch_size >= INT32_MAX:  # bag ids are int32
         return lookups
     old = lookups.batch_size
-    offsets = lookups.offsets
-    bags = offsets[:-1].view(num_features, old)
-    ends = offsets[old::old].unsqueeze(1)  # [F, 1]: offsets[(f+1)*B], where feature f's last bag ends
-    offsets = torch.cat([torch.cat([bags, ends.expand(num_features, extra)], 1).view(-1), offsets[-1:]])
+    offsets = PaddedBags(lookups.offsets, num_features, old, batch_size)
     bag_of_index = lookups.bag_of_index
     if bag_of_index is not None:  # f*B + b -> f*B' + b = (f*B + b) + f*(B' - B)
-        bag_of_index = torch.div(bag_of_index, old, rounding_mode="floor").mul_(extra).add_(bag_of_index)
-    return lookups._replace(offsets=offsets, batch_size=batch_size, bag_of_index=bag_of_index)
+        bag_of_index = bag_of_index.add(torch.div(bag_of_index, old, rounding_mode="floor"), alpha=extra)
+    return lookups._replace(offsets=offsets if laid_out else offsets.materialize(), batch_size=batch_size,
+                            bag_of_index=bag_of_index)
 
 
 def sort_lookups(stores: RowStores, lookups: Lookups, presorted: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -101,9 +101,9 @@ def test_module_training_on_changing_batch_sizes_padded_equals_unpadded_bitwise(
     plain = _train(_module(dims, device), batches)
     padded_to = []
 
-    def recording_pad_bags(lookups, num_features, batch_size):
+    def recording_pad_bags(lookups, num_features, batch_size, **layout):
         padded_to.append((lookups.batch_size, batch_size))
-        return grouping.pad_bags(lookups, num_features, batch_size)
+        return grouping.pad_bags(lookups, num_features, batch_size, **layout)
 
     def pads(graphs, device, mode):
         return mode != POOLING_NONE

@@ -6,7 +6,8 @@ import torch
 
 from tiered_tbe.base import graphs, padded_inputs
 from tiered_tbe.base.graphs import StepGraphs, to_device
-from tiered_tbe.base.padded_inputs import POSITIONS, PaddedInput, copy_pairs, padded_input
+from tiered_tbe.base.padded_inputs import POSITIONS, LaidOutInput, PaddedInput, padded_input
+from tiered_tbe.kernels.grouping import PaddedBags
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() and not graphs.SIMULATION else torch.device("cpu")
 
@@ -30,7 +31,7 @@ def test_materialize_and_replay_copies_give_the_padded_tensor(dtype, fill):
         expected = reference_padding(tensor.cpu(), size, fill)
         assert torch.equal(padded.materialize().cpu(), expected)
         static = torch.full((size,), 99, dtype=dtype, device=DEVICE)  # poisoned
-        targets, sources = copy_pairs(static, padded)
+        targets, sources = padded.copy_pairs(static)
         for target, source in zip(targets, sources):
             target.copy_(source)
         assert torch.equal(static.cpu(), expected), (count, size)
@@ -47,9 +48,9 @@ def test_a_grown_padding_buffer_is_kept_for_copies_still_queued():
     padded_inputs._TAILS.clear()
     retired = len(padded_inputs._RETIRED)
     small = padded_input(torch.zeros(2, dtype=torch.int64, device=DEVICE), 4, 12345)
-    first = copy_pairs(torch.empty(4, dtype=torch.int64, device=DEVICE), small)[1][1]
+    first = small.copy_pairs(torch.empty(4, dtype=torch.int64, device=DEVICE))[1][1]
     large = padded_input(torch.zeros(2, dtype=torch.int64, device=DEVICE), 40, 12345)
-    copy_pairs(torch.empty(40, dtype=torch.int64, device=DEVICE), large)
+    large.copy_pairs(torch.empty(40, dtype=torch.int64, device=DEVICE))
     assert len(padded_inputs._RETIRED) == retired + 1
     assert padded_inputs._RETIRED[-1].data_ptr() == first.data_ptr()  # still referenced, never reallocated
 
@@ -80,18 +81,50 @@ def test_a_replay_copies_padded_and_plain_inputs_into_their_statics():
     plain = torch.arange(3, 6, dtype=torch.int64, device=DEVICE)
     statics = [torch.full((8,), 99, dtype=torch.int64, device=DEVICE), torch.full((3,), 99, device=DEVICE,
                                                                                    dtype=torch.int64),
-               torch.full((8,), 99, dtype=torch.int32, device=DEVICE), None]
+               torch.full((8,), 99, dtype=torch.int32, device=DEVICE), None,
+               torch.full((9,), 99, dtype=torch.int64, device=DEVICE)]
     graph = _RecordingGraph(statics)
-    captured = graphs._Captured(graph, statics, [None] * 4, None)
+    captured = graphs._Captured(graph, statics, [None] * 5, None)
     step_graphs = StepGraphs(enabled=False)
     for count in (5, 8, 0, 7):  # batches of every size up to the padded one
         batch = torch.arange(10, 10 + count, dtype=torch.int64, device=DEVICE)
         order = torch.arange(count, dtype=torch.int32, device=DEVICE).flip(0)
-        step_graphs._replay(captured, [padded_input(batch, 8, -3), plain, padded_input(order, 8, POSITIONS), None])
+        offsets = torch.tensor([0, 1, count], dtype=torch.int64, device=DEVICE)  # 2 features of one bag
+        step_graphs._replay(captured, [padded_input(batch, 8, -3), plain, padded_input(order, 8, POSITIONS), None,
+                                       PaddedBags(offsets, 2, 1, 4)])
         read = graph.read[-1]
+        assert read[4].tolist() == [0, 1, 1, 1, 1, count, count, count, count]
         assert read[0].tolist() == list(range(10, 10 + count)) + [-3] * (8 - count)
         assert read[1].tolist() == [3, 4, 5]
         assert read[2].tolist() == list(range(count))[::-1] + list(range(count, 8))
+
+
+
+def reference_bags(offsets: list[int], num_features: int, batch_size: int, padded_batch_size: int) -> list[int]:
+    """Plain Python: each feature's offsets, then where its last bag ends for each bag added, then the end."""
+    laid_out = []
+    for feature in range(num_features):
+        laid_out += offsets[feature * batch_size:(feature + 1) * batch_size]
+        laid_out += [offsets[(feature + 1) * batch_size]] * (padded_batch_size - batch_size)
+    return laid_out + offsets[-1:]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("num_features,batch_size,padded_batch_size", [(1, 1, 2), (3, 5, 8), (8, 7, 64), (2, 1, 16)])
+def test_padded_bags_lay_offsets_out_at_more_bags_a_feature(dtype, num_features, batch_size, padded_batch_size):
+    generator = torch.Generator().manual_seed(num_features * 100 + batch_size)
+    lengths = torch.randint(0, 4, (num_features * batch_size,), generator=generator)
+    lengths[::3] = 0  # empty bags
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(dtype).to(DEVICE)
+    bags = PaddedBags(offsets, num_features, batch_size, padded_batch_size)
+    expected = torch.tensor(reference_bags(offsets.tolist(), num_features, batch_size, padded_batch_size),
+                            dtype=dtype)
+    assert bags.numel() == expected.numel() and bags.dtype == dtype and graphs._signature(bags)[0] == (bags.size,)
+    assert torch.equal(bags.materialize().cpu(), expected)
+    static = torch.full((bags.size,), -99, dtype=dtype, device=DEVICE)  # poisoned
+    targets, sources = bags.copy_pairs(static)
+    torch._foreach_copy_(targets, sources)  # as a replay copies them, strided and expanded parts included
+    assert torch.equal(static.cpu(), expected)
 
 
 @pytest.mark.gpu
@@ -111,7 +144,7 @@ def test_a_captured_graph_replays_batches_of_every_size_as_their_padded_tensors(
         order = torch.randperm(count, generator=generator).to(torch.int32).to(device)
         inputs = [padded_input(batch, 8, -5), padded_input(order, 8, POSITIONS)]
         (output,) = step_graphs.run("padded", inputs, enqueue, device)
-        (expected,) = enqueue([padded.materialize() if isinstance(padded, PaddedInput) else padded
+        (expected,) = enqueue([padded.materialize() if isinstance(padded, LaidOutInput) else padded
                                for padded in inputs])
         assert torch.equal(output, expected), count
     assert step_graphs.captures == 1 and step_graphs.replays == 8
