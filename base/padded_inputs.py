@@ -29,13 +29,17 @@ class LaidOutInput:
     __slots__ = ()
     size: int
 
-    @property
-    def dtype(self) -> torch.dtype:
+    def data(self) -> torch.Tensor:
+        """The batch's tensor the layout reads (its dtype and device are the laid-out tensor's)."""
         raise NotImplementedError
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.data().dtype
+
+    @property
     def device(self) -> torch.device:
-        raise NotImplementedError
+        return self.data().device
 
     @property
     def shape(self) -> tuple[int]:
@@ -66,13 +70,8 @@ class PaddedInput(LaidOutInput):
         self.size = size  # the padded length
         self.fill = fill  # the padding's value, or POSITIONS
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensor.device
+    def data(self) -> torch.Tensor:
+        return self.tensor
 
     def materialize(self) -> torch.Tensor:
         extra = self.size - self.tensor.numel()

@@ -151,13 +151,8 @@ class PaddedBags(LaidOutInput):
         self.padded_batch_size = padded_batch_size  # B' > B
         self.size = num_features * padded_batch_size + 1
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.offsets.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.offsets.device
+    def data(self) -> torch.Tensor:
+        return self.offsets
 
     def _parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The bags' offsets [F, B], the features' ends expanded [F, B' - B] and the batch's end [1]."""
