@@ -41,8 +41,10 @@ ROWS = [
     ("cached-managed-lru", "26 Criteo tables (17 GB), `MANAGED_CACHED` / `MANAGED_CACHING`, 5% cache, LRU, serial", ()),
     ("cached-managed-lru-z1.2", "the same at Zipf 1.2", ()),
     ("cached-managed-lfu-admit", "26 Criteo tables (17 GB), 5% cache, ours `lfu-admit`, FBGEMM's LFU, serial", ()),
+    ("cached-managed-lfu-admit-z1.2", "the same at Zipf 1.2", ()),
     ("cached-mixed-weighted", "12 tables of dims 8-256 (64M rows), B=16384, bags of 0-40 with weights, 10% cache, "
                               "serial", ()),
+    ("cached-mixed-weighted-lfu-admit", "the same (mixed dims), ours `lfu-admit`, FBGEMM's LFU", ()),
     ("cached-mixed-weighted-z0.6", "the same at Zipf 0.6 (most rows miss: ~2.7M rows, ~1 GB each way a batch)", ()),
     ("cached-mixed-weighted-z0.6-lookahead", "the same at Zipf 0.6, ours `lookahead` (told the next 64 batches), "
                                              "FBGEMM's LRU", ()),
@@ -55,8 +57,16 @@ ROWS = [
     ("cached-criteo-mixed", "26 Criteo tables of dims 16-128, bags of 0-4 with weights, 5% cache, serial", ()),
     ("cached-managed-lru-pipelined", "Criteo cached, pipelined (depth 2), against FBGEMM's best step",
      ("cached-managed-lru", "cached-managed-lfu", "cached-managed-lfu-admit")),
+    ("cached-managed-lfu-admit-pipelined", "Criteo cached, ours `lfu-admit`, pipelined (depth 2), against FBGEMM's "
+                                           "best step",
+     ("cached-managed-lru", "cached-managed-lfu", "cached-managed-lfu-admit")),
+    ("cached-managed-lfu-admit-pipelined-z1.2", "the same at Zipf 1.2",
+     ("cached-managed-lru-z1.2", "cached-managed-lfu-z1.2", "cached-managed-lfu-admit-z1.2")),
     ("cached-mixed-weighted-pipelined", "mixed dims, pipelined (depth 2), against FBGEMM's best step",
      ("cached-mixed-weighted", "cached-mixed-weighted-lfu")),
+    ("cached-mixed-weighted-lfu-admit-pipelined", "mixed dims, ours `lfu-admit`, pipelined (depth 2), against "
+                                                  "FBGEMM's best step",
+     ("cached-mixed-weighted", "cached-mixed-weighted-lfu", "cached-mixed-weighted-lfu-admit")),
     ("cached-mixed-bag20-pipelined", "mixed dims, bags of 20, pipelined (depth 2), against FBGEMM's best step",
      ("cached-mixed-bag20",)),
     ("cached-odd-dims-ragged-pipelined", "odd dims, pipelined (depth 2), against FBGEMM's best step",
