@@ -137,6 +137,8 @@ def run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associat
             if hinted:
                 next_step[slot] = missed_next[k]
         in_flight_counts[step % ring] = num_held
+        # Sorted, so that later batches find a row among them by bisection (_bypassed_in_flight).
+        in_flight_bypassed[step % ring, :in_flight_bypassed_counts[step % ring]].sort()
 
         # The batch prefetched pipeline_depth steps ago finishes (this one, when serial): its
         # backward updated every row it used (dirty), then it unlocks them.
@@ -172,15 +174,18 @@ def _unique_sorted(values, count):
 
 @numba.njit
 def _bypassed_in_flight(row, step, in_flight_bypassed, in_flight_bypassed_counts):
-    """Whether a batch in flight other than this step's got no slot for ``row`` (a linear scan:
-    such rows are few, only from sets full of locked rows)."""
+    """Whether a batch in flight other than this step's got no slot for ``row``: a bisection of each
+    one's rows, sorted when its prefetch ended. A linear scan took 128 s a batch on 12 mixed-dim tables
+    under ``lfu-admit``, which leaves ~400K rows a batch in place (0.7 s before the cache filled)."""
     ring = in_flight_bypassed_counts.size
     for entry in range(ring):
-        if entry == step % ring:
+        count = in_flight_bypassed_counts[entry]
+        if entry == step % ring or count == 0:
             continue
-        for k in range(in_flight_bypassed_counts[entry]):
-            if in_flight_bypassed[entry, k] == row:
-                return True
+        rows = in_flight_bypassed[entry, :count]
+        k = np.searchsorted(rows, row)
+        if k < count and rows[k] == row:
+            return True
     return False
 
 
