@@ -171,8 +171,9 @@ def test_staged_mover_memory_stays_flat_over_2000_steps():
 
 @pytest.mark.parametrize("name", ["cached-managed-lfu-admit-pipelined", "cached-mixed-weighted-lfu-admit-pipelined"])
 def test_benchmark_pipelines_stop_taking_memory(name):
-    """2,000 steps of a pipelined `bench fbgemm` configuration (its own module and batches, depth 2, 48
-    batches cycled): from step 1,000 to 2,000 the caching allocator takes no more memory from CUDA and the
+    """2,016 steps of a pipelined `bench fbgemm` configuration (its own module and batches, depth 2, 48
+    batches cycled): from step 1,008 to 2,016 (the same place in the cycle, so the same batches in flight:
+    the mixed shape's batches differ in size) the caching allocator takes no more memory from CUDA and the
     tensors held stay as they were. The benchmark counted 0.2-0.7 ``cudaMalloc`` a timed step on these two
     within the first ~100 steps of a process (H100 e9af082, H200 176b074); the 2,000-step test of a small
     mixed shape (test_mixed_shapes.py) grew its reserved memory until a prefetch's outputs were lent
@@ -184,24 +185,26 @@ def test_benchmark_pipelines_stop_taking_memory(name):
     from tiered_tbe.benchmarks.fbgemm_sides import batches_of, ours_module
 
     config = next(c for c in CONFIGS if c.name == name)
-    batches, grad = batches_of(config, 0, 48)
+    cycled = 48
+    first, last = 21 * cycled, 42 * cycled  # steps 1,008 and 2,016: each after the cycle's last batch
+    batches, grad = batches_of(config, 0, cycled)
     module = ours_module(config, argparse.Namespace(mover=None, state_layout=None, in_place_copies=None, seed=0))
     counters = common.step_counters(module, module.cache)
     readings = {}
     for step, (indices, offsets, weights) in enumerate(
-            PrefetchPipeline(module, common.cycle(batches, 2000), depth=2), start=1):
+            PrefetchPipeline(module, common.cycle(batches, last + 2), depth=2), start=1):
         out = module(indices, offsets, per_sample_weights=weights)
         out.backward(grad[: out.shape[0]])
         del out
-        if step in (1000, 2000):
+        if step in (first, last):
             torch.cuda.synchronize()
             readings[step] = (torch.cuda.memory_reserved(), torch.cuda.memory_allocated(), counters())
     assert module.cache.num_locked() == 0 and module.cache_stats().evictions > 0
-    (reserved_1000, allocated_1000, counts_1000), (reserved_2000, allocated_2000, counts_2000) = \
-        readings[1000], readings[2000]
-    grew = {key: counts_2000[key] - counts_1000[key] for key in counts_1000}
-    assert reserved_2000 <= reserved_1000 + (64 << 20), (reserved_1000, reserved_2000, grew)
-    assert allocated_2000 <= allocated_1000 + (1 << 20), (allocated_1000, allocated_2000, grew)
+    (reserved_first, allocated_first, counts_first), (reserved_last, allocated_last, counts_last) = \
+        readings[first], readings[last]
+    grew = {key: counts_last[key] - counts_first[key] for key in counts_first}
+    assert reserved_last <= reserved_first + (64 << 20), (reserved_first, reserved_last, grew)
+    assert allocated_last <= allocated_first + (1 << 20), (allocated_first, allocated_last, grew)
     assert grew["graph_captures"] == 0, grew
 
 _ON_THE_SECOND_GPU = """
