@@ -73,7 +73,6 @@ from tiered_tbe.pipeline import PrefetchPipeline
 from tiered_tbe.storage import STATE_LAYOUTS
 
 SCRIPT = "bench_fbgemm.py"
-PIPELINE_PRIORITIES = ("training", "prefetch", "equal")  # the stream of the highest priority, if any
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -116,10 +115,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="pipelined configurations: PrefetchPipeline(fit_cache=True), which holds fewer batches "
                              "ahead while its prefetches find the cache full (tiered_tbe/ahead.py); the batches it "
                              "held ahead at the end are reported")
-    parser.add_argument("--pipeline-priority", default="training", choices=PIPELINE_PRIORITIES,
-                        help="pipelined configurations: which stream has the device's highest priority, the training "
-                             "steps' (the default: PrefetchPipeline(high_priority=True)), the prefetches' "
-                             "(prefetch_priority=True, high_priority=False) or neither ('equal')")
     parser.add_argument("--profile", action="store_true",
                         help="also profile a few steps of each side: device ms per step of each kernel, and each "
                              "phase's fraction of the copy bandwidth measured in the same run")
@@ -173,9 +168,7 @@ def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags |
         reset = emb.reset_cache_stats if config.cached else None  # the counters of the timed steps
         if config.pipelined:
             pipeline = PrefetchPipeline(emb, batches_run, depth=2, lookahead=window if window else None,
-                                        fit_cache=args.fit_cache,
-                                        high_priority=args.pipeline_priority == "training",
-                                        prefetch_priority=args.pipeline_priority == "prefetch")
+                                        fit_cache=args.fit_cache)
             result = time_steps(forward_of, pipeline, grad, warmup, after_warmup=reset, count=count, counters=counters)
             pipeline.close()
             if pipeline.ahead_control is not None:

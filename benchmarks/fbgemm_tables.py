@@ -197,8 +197,6 @@ def measurements_of(results: list[dict], args) -> list[tuple[dict, dict]]:
             configuration["state_layout"] = args.state_layout
         if getattr(args, "in_place_copies", None) is not None:
             configuration["in_place_copies"] = args.in_place_copies
-        if row["configuration"].get("pipelined") and getattr(args, "pipeline_priority", "training") != "training":
-            configuration["pipeline_priority"] = args.pipeline_priority
         figures = {"ours": _figures(row["ours"]), "fbgemm": _figures(row["fbgemm"]),
                    "ours_over_fbgemm": {phase: ratio(row["ours"].get(phase), row["fbgemm"].get(phase))
                                         for phase in PHASES if row["ours"].get(phase) and row["fbgemm"].get(phase)}}

@@ -122,10 +122,6 @@ class PrefetchPipeline:
             the end waits for it). The GPU then schedules the training kernels' blocks before
             the prefetch's pending copy blocks, which otherwise hold every SM while they move
             rows over the bus (results/measurements.jsonl). False keeps the steps on the current stream.
-        prefetch_priority: on CUDA, prefetch on a stream of the device's highest priority instead of
-            a default one: the prefetch's short bookkeeping kernels then take SMs as the training
-            kernels' blocks retire, where the training kernels wait on the bus (rows read and written
-            in place) rather than on the SMs. With ``high_priority`` too, both streams are of one priority.
         fit_cache: hold fewer batches ahead (down to none: each batch prefetched after the step before it)
             while the batches in flight hold more rows than the cache has room for, seen as prefetches that
             leave rows without a slot, or while fewer ahead step faster, timed on the training stream
@@ -143,8 +139,7 @@ class PrefetchPipeline:
     """
 
     def __init__(self, model: nn.Module, batches: Iterable, depth: int = 2, lookups: LookupsOf | None = None,
-                 lookahead: int | None = None, high_priority: bool = True, fit_cache: bool = False,
-                 prefetch_priority: bool = False):
+                 lookahead: int | None = None, high_priority: bool = True, fit_cache: bool = False):
         if not 1 <= depth <= 8:
             raise ValueError(f"depth must be between 1 and 8, got {depth}")
         if lookahead is not None and not 0 <= lookahead <= MAX_LOOKAHEAD:
@@ -159,8 +154,7 @@ class PrefetchPipeline:
         self.is_cuda = self.device.type == "cuda"
         # The streams of every pipeline on this device (base/streams.loop_stream): a pipeline per epoch
         # replays the graphs the one before captured.
-        self.side_stream = ((loop_stream(self.device, "prefetch-first", priority=-100) if prefetch_priority
-                             else loop_stream(self.device, "prefetch")) if self.is_cuda else None)
+        self.side_stream = loop_stream(self.device, "prefetch") if self.is_cuda else None
         # Where the loop's steps run: a stream of the device's highest priority, or the stream
         # current when iteration starts (set then).
         self.high_priority_stream = (loop_stream(self.device, "training", priority=-100)  # clamped to the highest
