@@ -484,6 +484,24 @@ def test_bench_host_memory_times_every_kind_and_row_width(tmp_path, capsys):
         bench_host_memory.main(["--gb", "0.00000001", "--dims", "128"])
 
 
+def test_bench_host_memory_interleaves_a_write_back_and_a_fill_per_program():
+    """The interleaved way's kernel writes every leaving row to its row of the table and reads every
+    filled row as it was (plain torch beside it), at an odd width; nothing else of the table changes."""
+    bench_host_memory = tool("bench_host_memory")
+    generator = torch.Generator().manual_seed(5)
+    table = torch.randn(64, 5, generator=generator)
+    before = table.clone()
+    filled = torch.tensor([0, 2, 2, 40, 62])  # a row read twice; even rows only
+    written = torch.tensor([1, 3, 33, 51, 63])
+    staged = torch.full((5, 5), float("nan"))
+    leaving = torch.randn(5, 5, generator=generator)
+    bench_host_memory.interleave_rows(table, filled, staged, written, leaving)
+    assert torch.equal(staged, before[filled])
+    expected = before.clone()
+    expected[written] = leaving
+    assert torch.equal(table, expected)
+
+
 def test_find_allocations_names_the_project_frames_of_a_segment():
     """tools/find_allocations.py groups each cudaMalloc by the project's innermost frames of its stack
     (torch's own frames left out), as many as asked; a stack without one says so."""

@@ -7,8 +7,13 @@ shape's copy kernel moved the same rows 1.76 ms a batch in one process and 2.14-
 (docs/performance.md). A GPU reaches host pages through its own page tables, one translation a
 page: a 2 MiB page covers 512 times the rows of a 4 KiB one. This script times, for each kind of
 memory, a gather of ``--rows`` random rows into HBM, a scatter of as many back, and both one after
-the other (a prefetch's fills and write-backs), for several row widths, and reports how much of
-the host's memory the kernel backs with transparent huge pages after the allocation:
+the other (a prefetch's fills and write-backs), both at once on two streams, and both interleaved in
+one kernel (each program writes one row back and reads another in, the order of the zero-copy mover's
+``move_rows_kernel``), for several row widths, and reports how much of the host's memory the kernel
+backs with transparent huge pages after the allocation. The last two ask whether the SMs' reads and
+writes of host memory add up when they cross the bus at the same time, as a copy engine's each way do:
+if the interleaved kernel moves more than the gather and the scatter one after the other, a backward that
+wrote its rows read in place while reading the next batch's would gain (docs/performance.md).
 
 - ``host_alloc``: ``cudaHostAlloc`` (``Placement.HOST`` today);
 - ``registered``, ``registered_huge_pages``: memory this process maps, advised into 4 KiB or 2 MiB
@@ -32,6 +37,8 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from tiered_tbe.base.host_memory import meminfo_bytes, transparent_huge_pages
 from tiered_tbe.base.mode import SIMULATION, describe_mode  # first: picks GPU / simulation mode
@@ -41,7 +48,8 @@ from tiered_tbe.cache import tiers
 SCRIPT = "bench_host_memory"
 MANAGED_KINDS = ("managed", "managed_prefetched", "managed_host_written")
 KINDS = (*tiers.HOST_MEMORY_KINDS, *MANAGED_KINDS)
-WAYS = ("gather", "scatter", "gather + scatter")
+WAYS = ("gather", "scatter", "gather + scatter", "two streams", "interleaved")
+MOVES_TWICE = ("gather + scatter", "two streams", "interleaved")  # ways that move twice the rows
 
 
 def host_memory(kind: str, nbytes: int) -> tuple[torch.Tensor, object]:
@@ -61,14 +69,46 @@ def host_memory(kind: str, nbytes: int) -> tuple[torch.Tensor, object]:
     return flat, memory
 
 
+@triton.jit
+def _interleaved_kernel(
+    table_ptr,  # fp32 [R, DIM]: the rows in host memory, read and written in place
+    filled_ptr,  # int64 [C]: the rows each program reads in
+    staged_ptr,  # fp32 [C, DIM] in HBM: where they land
+    written_ptr,  # int64 [C]: the rows each program writes back
+    leaving_ptr,  # fp32 [C, DIM] in HBM: what it writes
+    DIM: tl.constexpr,  # fp32 a row
+    BLOCK: tl.constexpr,  # the next power of two of DIM
+):
+    """Program p writes ``leaving[p]`` to row ``written[p]``, then reads row ``filled[p]`` into ``staged[p]``:
+    both directions of the bus in one warp, as a prefetch's write-back and fill of one slot."""
+    p = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, BLOCK)
+    inside = columns < DIM
+    written = tl.load(written_ptr + p)
+    filled = tl.load(filled_ptr + p)
+    tl.store(table_ptr + written * DIM + columns, tl.load(leaving_ptr + p * DIM + columns, mask=inside), mask=inside)
+    tl.store(staged_ptr + p * DIM + columns, tl.load(table_ptr + filled * DIM + columns, mask=inside), mask=inside)
+
+
+def interleave_rows(table: torch.Tensor, filled: torch.Tensor, staged: torch.Tensor, written: torch.Tensor,
+                    leaving: torch.Tensor) -> None:
+    """``table[written] = leaving`` and ``staged = table[filled]`` in one launch, a program a row pair
+    (``filled`` and ``written`` distinct: a row in both is a race). table fp32 [R, D] contiguous; filled,
+    written int64 [C]; staged, leaving fp32 [C, D]."""
+    dim = table.shape[1]
+    _interleaved_kernel[(filled.numel(),)](table, filled, staged, written, leaving, DIM=dim,
+                                           BLOCK=triton.next_power_of_2(dim), num_warps=1)
+
+
 def measure(flat: torch.Tensor, dim: int, count: int, repeats: int, seed: int) -> dict[str, float]:
     """Ms of each way of moving ``count`` random rows of ``dim`` fp32 between the table over ``flat`` and
-    HBM (distinct row sets for the gather and the scatter, each in ascending order, as a prefetch's)."""
+    HBM (disjoint row sets for the gather and the scatter, each in ascending order, as a prefetch's)."""
     table = flat[: flat.numel() // dim * dim].view(-1, dim)
     device = table.device
     generator = torch.Generator(device).manual_seed(seed)
-    rows = torch.randint(table.shape[0], (2 * count,), device=device, generator=generator)
-    filled, written = rows[:count].sort().values, rows[count:].sort().values
+    # Even rows read, odd rows written: the two sets never share a row (the interleaved kernel's race).
+    rows = 2 * torch.randint(table.shape[0] // 2, (2 * count,), device=device, generator=generator)
+    filled, written = rows[:count].sort().values, (rows[count:] + 1).sort().values
     staged = torch.empty(count, dim, device=device)
     leaving = torch.rand(count, dim, device=device, generator=generator)
 
@@ -82,7 +122,22 @@ def measure(flat: torch.Tensor, dim: int, count: int, repeats: int, seed: int) -
         scatter()
         gather()
 
-    return {way: common.event_ms(fn, repeats) for way, fn in zip(WAYS, (gather, scatter, both))}
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def two_streams():  # the scatter on a side stream beside the gather; the current stream waits for both
+        if side is None:
+            return both()
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            scatter()
+        gather()
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    def interleaved():
+        interleave_rows(table, filled, staged, written, leaving)
+
+    return {way: common.event_ms(fn, repeats) for way, fn in zip(WAYS, (gather, scatter, both, two_streams,
+                                                                        interleaved))}
 
 
 def main(argv=None) -> int:
@@ -107,11 +162,11 @@ def main(argv=None) -> int:
     gb = args.gb if args.gb is not None else (0.01 if SIMULATION else 16.0)
     count = args.rows or (500 if SIMULATION else 262144)
     nbytes = int(gb * 1e9)
-    if nbytes < 4 * max(args.dims):
-        parser.error(f"--gb {gb:g} holds no row of {max(args.dims)} fp32")
+    if nbytes < 2 * 4 * max(args.dims):
+        parser.error(f"--gb {gb:g} holds fewer than two rows of {max(args.dims)} fp32")
     pages = transparent_huge_pages() or "unknown"
     lines = [f"{gb:g} GB of each kind, written once by the GPU; {count} random rows a copy (ascending), fp32; "
-             f"GB/s of rows moved (a gather + scatter moves twice the rows), median of {args.repeats} (CUDA "
+             f"GB/s of rows moved (both ways at once move twice the rows), median of {args.repeats} (CUDA "
              f"events); transparent huge pages: {pages}.", "",
              "| memory | huge pages GB | row bytes | " + " | ".join(f"{way} GB/s" for way in WAYS) + " | made in s |",
              "| --- | ---: | ---: | " + " | ".join("---:" for _ in WAYS) + " | ---: |"]
@@ -128,7 +183,7 @@ def main(argv=None) -> int:
         for dim in args.dims:
             ms = measure(flat, dim, count, args.repeats, args.seed)
             row_bytes = 4 * dim
-            gbs = {way: (2 if way == "gather + scatter" else 1) * count * row_bytes / ms[way] / 1e6 for way in WAYS}
+            gbs = {way: (2 if way in MOVES_TWICE else 1) * count * row_bytes / ms[way] / 1e6 for way in WAYS}
             results.append(dict(kind=kind, row_bytes=row_bytes, huge_page_gb=huge_gb, made_s=made_s,
                                 **{f"{way}_ms": ms[way] for way in WAYS}, **{f"{way}_gbs": gbs[way] for way in WAYS}))
             huge = "-" if huge_gb is None else f"{huge_gb:.1f}"
