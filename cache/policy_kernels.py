@@ -18,7 +18,8 @@ simulator runs one miss at a time. Here it runs in six data-parallel passes, non
                              that order (a way's rank: how many come before it)
     fill_misses_kernel       a thread per asking miss: the k-th takes the way of rank k, or
                              no slot when its set has fewer unlocked ways (or, lfu-admit, when
-                             the way holds a row used at least as often)
+                             the way holds a row used at least as often; lookahead-admit, when
+                             the way's row is needed no later than the miss)
 
 The ranks are the simulator's choices: a set's misses take slots in ascending row order, each the
 first unlocked way in the order, and only the fills (each locks its way) change the set meanwhile,
@@ -50,6 +51,7 @@ from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
     NO_SLOT,
+    admits_by_next_use_device,
     admits_device,
     comes_before_device,
     count_use_device,
@@ -120,10 +122,14 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
         per_set = launcher.shape_of(min(n, num_sets), simulated_threads=DEVICE_CALL_THREADS)
         launcher.launch_configured(rank_few_ways_kernel, *per_set, *sets, FEW_ASKS, *ranked_state)
     launcher.launch_configured(rank_ways_kernel, *per_way, *sets, FEW_ASKS, *ranked_state)
+    # The misses' own next uses (lookahead-admit) read the window too; without it, a one-element placeholder.
+    has_window = window_bits is not None
+    misses_window = window_bits if has_window else slots.row_uses
     launcher.launch(fill_misses_kernel, n, set_start, set_number, set_of_position, unique_of_position, num_unique,
                     needs_slot, needs_number, unique.unique_rows, associativity, step, policy, slots.way_of_rank,
-                    slots.tags, slots.last_use, slots.use_count, slots.dirty, slots.locks, slots.bypass_count,
-                    slots.row_uses, unique.slot_of_unique, unique.outcome, unique.victim_row, unique.victim_was_dirty)
+                    slots.tags, slots.last_use, slots.use_count, slots.next_use, slots.dirty, slots.locks,
+                    slots.bypass_count, slots.row_uses, misses_window, has_window, unique.slot_of_unique,
+                    unique.outcome, unique.victim_row, unique.victim_was_dirty)
 
 
 @cached_kernel
@@ -334,19 +340,23 @@ def fill_misses_kernel(
     tags,  # int64 [S]
     last_use,  # int64 [S]
     use_count,  # int32 [S]
+    next_use,  # int64 [S]: each way's next use, as decode_next_use_kernel left it (a policy that reads the window)
     dirty,  # uint8 [S]
     locks,  # int32 [S]
     bypass_count,  # uint8 [R]: each row given no slot is counted here (see SlotCache)
     row_uses,  # int16 [R]: per global row, its use count with this batch's (a policy that counts rows)
+    window_bits,  # int64 [R]: per global row, the lookahead window's bits (if has_window; else a placeholder)
+    has_window,  # bool: the cache holds a window (a policy that reads it, after add_upcoming)
     slot_of_unique,  # int32 [N] in/out: the hits' slots; the fills' are written here
     outcome,  # int8 [N] in/out: OUTCOME_HIT; OUTCOME_FILLED or OUTCOME_NO_SLOT written for the misses
     victim_row,  # int64 [N] out (pre-filled with EMPTY): the row a fill evicts
     victim_was_dirty,  # uint8 [N] out (pre-filled with 0): 1 when that row must be written back
 ):
-    """The k-th asking miss of a set (ascending rows; a policy that counts rows: most used first) takes
-    the way of rank k, if the policy admits it there; one past the set's unlocked ways gets no slot, as
-    does every miss that did not ask. Admission refuses a suffix of a set's misses (policy.py,
-    "Admission"), so the ways that the admitted ones take are the ranks a one-by-one pass gives them."""
+    """The k-th asking miss of a set (ascending rows; a policy that counts rows: most used first; one that
+    admits by next use: soonest needed first) takes the way of rank k, if the policy admits it there; one
+    past the set's unlocked ways gets no slot, as does every miss that did not ask. Admission refuses a
+    suffix of a set's misses (policy.py, "Admission"), so the ways that the admitted ones take are the
+    ranks a one-by-one pass gives them."""
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     step = step_of_prefetch[0]
@@ -359,14 +369,21 @@ def fill_misses_kernel(
         first_slot = set_of_position[p] * associativity
         if needs_slot[p] != 0:
             begin, before, _ = asking_before_set(set_number[p] - 1, set_start, needs_number)
+            miss_next_use = NEXT_USE_UNKNOWN
+            if has_window and admits_by_next_use_device(policy):
+                miss_next_use = soonest_hinted_step(window_bits[row], step)
             if counts_rows_device(policy):
                 rank = asking_misses_used_more(p, begin, set_of_position, unique_of_position, unique_rows, needs_slot,
                                                row_uses)
+            elif admits_by_next_use_device(policy):
+                rank = asking_misses_needed_sooner(p, begin, miss_next_use, set_of_position, unique_of_position,
+                                                   unique_rows, needs_slot, window_bits, has_window, step)
             else:
                 rank = needs_number[p] - 1 - before
             if rank < associativity:
                 way = way_of_rank[first_slot + rank]
-                if way >= 0 and not admits_device(policy, row, row_uses, first_slot + way, tags, use_count):
+                if way >= 0 and not admits_device(policy, row, row_uses, first_slot + way, tags, use_count, next_use,
+                                                  miss_next_use):
                     way = -1
         if way < 0:
             outcome[u] = OUTCOME_NO_SLOT
@@ -395,6 +412,26 @@ def asking_misses_used_more(p, begin, set_of_position, unique_of_position, uniqu
         if q != p and needs_slot[q] != 0:
             other = row_uses[unique_rows[unique_of_position[q]]]
             if other > uses or (other == uses and q < p):
+                rank += 1
+        q += 1
+    return rank
+
+
+@cuda.jit(device=True, inline=True)
+def asking_misses_needed_sooner(p, begin, next_use_of_p, set_of_position, unique_of_position, unique_rows, needs_slot,
+                                window_bits, has_window, step):
+    """The rank of position ``p``'s miss (needed at step ``next_use_of_p``) among its set's asking misses (from
+    position ``begin``) in the order of a policy that admits by next use: the soonest needed first, then the
+    lower row (position). Without a window every next use is unknown: the ascending rows alone."""
+    the_set = set_of_position[p]
+    rank = 0
+    q = begin
+    while q < set_of_position.shape[0] and set_of_position[q] == the_set:
+        if q != p and needs_slot[q] != 0:
+            other = NEXT_USE_UNKNOWN
+            if has_window:
+                other = soonest_hinted_step(window_bits[unique_rows[unique_of_position[q]]], step)
+            if other < next_use_of_p or (other == next_use_of_p and q < p):
                 rank += 1
         q += 1
     return rank

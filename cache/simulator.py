@@ -44,7 +44,6 @@ from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
     POLICIES,
-    POLICY_LOOKAHEAD,
     check_geometry,
     policy_code,
     policy_named,
@@ -164,7 +163,7 @@ class CacheSimulator:
     @property
     def uses_hints(self) -> bool:
         """Whether the policy reads next-use hints (lookahead with a window of at least one batch)."""
-        return self._policy_code == POLICY_LOOKAHEAD and self.lookahead_window > 0
+        return policy_named(self.policy).reads_window and self.lookahead_window > 0
 
     def run(self, rows: np.ndarray, batch_offsets: np.ndarray, num_batches: int | None = None) -> CacheSimulator:
         """Simulate batches ``rows[batch_offsets[b]:batch_offsets[b+1]]`` after those run so far.

@@ -14,7 +14,7 @@ from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
     NO_SLOT,
-    POLICY_LOOKAHEAD,
+    admits_by_next_use_cpu,
     admits_cpu,
     choose_victim_cpu,
     count_use_cpu,
@@ -22,6 +22,7 @@ from tiered_tbe.cache.policy import (
     fill_slot_cpu,
     find_way_cpu,
     lock_hit_cpu,
+    reads_window_cpu,
     set_of_row_cpu,
 )
 
@@ -47,7 +48,8 @@ def run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associat
     of the rows each batch got no slot for (policy.py, "Rows left in the backing store").
     ``row_uses`` (int16, past the largest row id; a policy that counts rows only): each row's use count.
     """
-    hinted = policy == POLICY_LOOKAHEAD and lookahead_window > 0
+    hinted = reads_window_cpu(policy) and lookahead_window > 0
+    by_next_use = admits_by_next_use_cpu(policy)
     counting = counts_rows_cpu(policy)
     known_batches = batch_offsets.size - 1
     ring = in_flight_counts.size  # pipeline_depth + 1
@@ -94,6 +96,9 @@ def run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associat
         # pass in global row order is each set's misses in ascending order.
         if hinted:  # keep each missed row's next use beside it (repeats of a row share it)
             order = np.argsort(missed[:num_missed])
+            if by_next_use:  # soonest needed within the window first, then ascending rows (policy.py, "Admission")
+                seen = np.minimum(missed_next[:num_missed][order], step + lookahead_window + 1)  # past it: unknown
+                order = order[np.argsort(seen, kind="mergesort")]
             missed[:num_missed] = missed[:num_missed][order]
             missed_next[:num_missed] = missed_next[:num_missed][order]
         else:
@@ -119,7 +124,11 @@ def run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associat
             if not _bypassed_in_flight(row, step, in_flight_bypassed, in_flight_bypassed_counts):
                 slot = choose_victim_cpu(policy, tags, last_use, use_count, next_use, locks, first_slot,
                                          associativity)
-                if slot != NO_SLOT and not admits_cpu(policy, row, row_uses, slot, tags, use_count):
+                miss_next_use = NEXT_USE_UNKNOWN  # what the cache decodes from its window bits for this row
+                if hinted and missed_next[k] <= horizon:
+                    miss_next_use = missed_next[k]
+                if slot != NO_SLOT and not admits_cpu(policy, row, row_uses, slot, tags, use_count, next_use,
+                                                      miss_next_use):
                     slot = NO_SLOT
             if slot == NO_SLOT:
                 misses_no_slot += 1

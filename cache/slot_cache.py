@@ -52,7 +52,6 @@ from tiered_tbe.cache.mover import Moves, make_mover
 from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
-    POLICY_LOOKAHEAD,
     check_geometry,
     check_gpu_ways,
     compile_for_simulator,
@@ -209,6 +208,7 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
         self.bypass_count = torch.zeros(self._rows_end, dtype=torch.uint8, **on)
         # Per-row use counts, kept only by a policy that counts rows (policy.py, "Per-row use counts").
         self._counts_rows = policy_named(policy).counts_rows
+        self._reads_window = policy_named(policy).reads_window  # decodes next uses from the window's bits
         self.row_uses = torch.zeros(self._rows_end if self._counts_rows else 1, dtype=slot_layout.ROW_USES_DTYPE, **on)
         # The policy kernels' scratch: per set, the way of each rank in the order of victims (policy_kernels.py).
         self._way_of_rank = torch.zeros(num_slots, dtype=torch.int8, **on)
@@ -422,7 +422,7 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
             return outputs
 
         window_bits = self._upcoming.window_bits
-        key = (self._policy_code == POLICY_LOOKAHEAD and window_bits is not None,
+        key = (self._reads_window and window_bits is not None,
                None if window_bits is None else window_bits.data_ptr(), tuple(launches.key for launches in unlocks))
         inputs = (rows, step, *(tensor for tensors in unlock_inputs for tensor in tensors))
         loan = OutputLoan() if self._lends_outputs else None
@@ -445,8 +445,7 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
         # 2. The unique rows grouped by set (stable: ascending rows within a set).
         set_of_position, unique_of_position = stable_sort(u.set_of_unique, self.num_sets)
         # 3. Hits, victims, fills: the policy's kernels, in their order.
-        window_bits = self._upcoming.kernel_bits if (self._policy_code == POLICY_LOOKAHEAD
-                                                     and self.window_bits is not None) else None
+        window_bits = self._upcoming.kernel_bits if (self._reads_window and self.window_bits is not None) else None
         policy_kernels.assign_slots(self._launcher, u, set_of_position, unique_of_position, self.num_sets,
                                     self.associativity, step, self._policy_code, self._k_metadata,
                                     self._way_of_rank, window_bits)

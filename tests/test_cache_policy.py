@@ -8,8 +8,11 @@ from tiered_tbe.cache.policy import (
     EMPTY,
     NEXT_USE_UNKNOWN,
     NO_SLOT,
+    POLICIES,
     POLICY_LFU,
+    POLICY_LFU_ADMIT,
     POLICY_LOOKAHEAD,
+    POLICY_LOOKAHEAD_ADMIT,
     POLICY_LRU,
 )
 
@@ -110,6 +113,45 @@ def test_lookahead_evicts_unneeded_first_then_needed_latest(implementation):
     assert _victim(implementation, POLICY_LOOKAHEAD, state) == 1  # every row needed: the latest
     state["next_use"][:] = unknown
     assert _victim(implementation, POLICY_LOOKAHEAD, state) == _victim(implementation, POLICY_LRU, state) == 1
+
+
+def test_compiled_policy_tests_agree_with_the_registry():
+    """What the kernels and the simulator branch on (a policy code) says what the registry says."""
+    for entry in POLICIES.values():
+        for counts_rows, reads_window in ((policy.counts_rows, policy.reads_window),
+                                          (policy.counts_rows_cpu, policy.reads_window_cpu)):
+            assert bool(counts_rows(entry.code)) == entry.counts_rows, entry.name
+            assert bool(reads_window(entry.code)) == entry.reads_window, entry.name
+    assert [name for name, entry in POLICIES.items() if policy.admits_by_next_use_cpu(entry.code)] == \
+        ["lookahead-admit"]
+    # A policy refuses misses when it admits by use counts or by next use.
+    assert all(entry.refuses_misses == bool(policy.counts_rows(entry.code) or policy.admits_by_next_use(entry.code))
+               for entry in POLICIES.values())
+
+
+ADMITS = {"python": policy.admits, "njit": policy.admits_cpu}
+
+
+@pytest.mark.parametrize("implementation", sorted(ADMITS))
+def test_lookahead_admit_takes_a_way_only_for_a_row_needed_sooner(implementation):
+    """An empty way always; a full one only when the miss is needed strictly before the way's row (an unknown
+    next use comes after every known one, and ties refuse); the other policies admit as before."""
+    admits = ADMITS[implementation]
+    unknown = NEXT_USE_UNKNOWN
+    state = _set_state([EMPTY, 11, 12, 13], use_count=[0, 3, 3, 3], next_use=[unknown, 9, unknown, 12])
+    row_uses = np.array([0, 3, 5, 1], dtype=np.int16)
+
+    def admitted(code, slot, miss_next_use, row=2):
+        return bool(admits(code, row, row_uses, slot, state["tags"], state["use_count"], state["next_use"],
+                           np.int64(miss_next_use)))
+
+    assert admitted(POLICY_LOOKAHEAD_ADMIT, 0, unknown)  # an empty way
+    assert admitted(POLICY_LOOKAHEAD_ADMIT, 1, 8) and not admitted(POLICY_LOOKAHEAD_ADMIT, 1, 9)
+    assert not admitted(POLICY_LOOKAHEAD_ADMIT, 1, unknown)
+    assert admitted(POLICY_LOOKAHEAD_ADMIT, 2, 100) and not admitted(POLICY_LOOKAHEAD_ADMIT, 2, unknown)
+    assert all(admitted(code, slot, unknown)
+               for code in (POLICY_LRU, POLICY_LFU, POLICY_LOOKAHEAD) for slot in range(4))
+    assert admitted(POLICY_LFU_ADMIT, 1, unknown, row=2) and not admitted(POLICY_LFU_ADMIT, 1, unknown, row=3)
 
 
 def test_touch_on_hit_and_fill():

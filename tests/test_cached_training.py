@@ -77,7 +77,7 @@ def _train_cached_and_plain(policy, optimizer, weights_dtype, mover, device, bou
     generator = torch.Generator().manual_seed(5)
     steps = [(i.to(device), o.to(device)) for i, o in batches(generator, cached.cache.num_sets)]
     for step, (indices, offsets) in enumerate(steps):
-        if policy == "lookahead":  # the next three batches' rows, as a pipeline would hint them
+        if POLICIES[policy].reads_window:  # the next three batches' rows, as a pipeline would hint them
             cached.hint_upcoming([cached.rows_for_hint(*later)[0] for later in steps[step + 1: step + 4]])
         a, b = cached(indices, offsets), plain(indices, offsets)
         assert torch.equal(a, b)

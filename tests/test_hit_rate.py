@@ -92,7 +92,7 @@ def test_belady_beats_every_policy(trace_name):
         at_size = {m.policy: m.stats for m in results if m.num_slots == slots}
         optimum = at_size.pop("belady")
         for policy, stats in at_size.items():
-            if policy in CACHE_POLICIES and CACHE_POLICIES[policy].counts_rows:
+            if policy in CACHE_POLICIES and CACHE_POLICIES[policy].refuses_misses:
                 continue  # Belady's optimum caches every miss; a policy that refuses some may hit more
             assert optimum.unique_hits >= stats.unique_hits, (policy, slots)
             assert optimum.hit_rate_by_lookup >= stats.hit_rate_by_lookup, (policy, slots)
@@ -272,7 +272,9 @@ def test_pipeline_depth_counts_as_the_simulator_does(policy):
             assert got == simulate(trace.rows, trace.batch_offsets, slots, 8, policy, row_bytes=options.row_bytes,
                                    lookahead_window=3, pipeline_depth=depth), (slots, depth)
             by_depth[depth] = got
-        assert by_depth[2] != by_depth[0], slots  # the locks of the batches in flight change the counts
+        # The locks of the batches in flight change the counts (lookahead-admit, which refuses most misses of
+        # this trace, only at some depths).
+        assert any(by_depth[depth] != by_depth[0] for depth in (1, 2, 4)), slots
         assert by_depth[4].misses_no_slot > by_depth[0].misses_no_slot, slots
 
 
@@ -435,7 +437,7 @@ def test_real_cache_with_depth_and_warmup_agrees_with_the_simulator(depth):
         expected = measure(trace, policy, 120, options, "3%").stats
         assert run_slot_cache(trace, policy, 120, options) == expected, policy
         assert expected.batches == 8 and expected.evictions > 0
-        if entry.counts_rows:  # refused misses, each barred while its batch is in flight
+        if entry.refuses_misses:  # refused misses, each barred while its batch is in flight
             assert expected.misses_no_slot > 0, policy
     with pytest.raises(ValueError, match="MAX_LOOKAHEAD = 64"):  # the cache's hints reach 64 batches
         run_slot_cache(trace, "lookahead(65)", 120, options)

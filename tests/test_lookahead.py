@@ -258,7 +258,9 @@ def test_slot_cache_agrees_with_simulator(policy, window, depth, mover):
     assert_same_state(cache, simulator)
     assert cache.num_locked() == 0
     stats = cache.stats()
-    assert stats.evictions > 10 and stats.write_backs > 0 and stats.unique_hits > 20
+    # lookahead-admit leaves a miss in place unless the window needs it before its victim: few evictions here.
+    assert stats.evictions > (2 if policy == "lookahead-admit" else 10)
+    assert stats.write_backs > 0 and stats.unique_hits > 20
     if depth:
         assert stats.misses_no_slot > 0  # the trace fills sets with the locks of batches in flight
 

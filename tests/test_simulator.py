@@ -21,7 +21,8 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
     Each set is a list of ways, each way None or a dict; nothing here is vectorized or compiled.
     Lookahead looks the window up in the batch list itself; a pipeline of depth k releases
     batch j - k right after batch j's prefetch. lfu-admit keeps a dict of use counts by row and takes a
-    batch's misses most used first, each refused when its victim's row is used at least as often.
+    batch's misses most used first, each refused when its victim's row is used at least as often;
+    lookahead-admit takes them soonest needed first, each refused when its victim's row is needed no later.
     """
     num_sets = num_slots // associativity
     sets = [[None] * associativity for _ in range(num_sets)]
@@ -43,7 +44,7 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
             return (entry["last_use"], w)
         if policy in ("lfu", "lfu-admit"):
             return (entry["count"], entry["last_use"], w)
-        if policy == "lookahead":
+        if policy in ("lookahead", "lookahead-admit"):
             return (-next_use(entry["row"], batch_index), entry["last_use"], w)
         raise NotImplementedError(f"the reference model knows no policy {policy!r}: write its victim key here")
 
@@ -69,6 +70,8 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
                     held.append((the_set, way))
                     hit_rows.add(row)
         misses = sorted(unique_rows, key=lambda r: (-row_counts[r], r)) if admitting else unique_rows
+        if policy == "lookahead-admit":
+            misses = sorted(unique_rows, key=lambda r: (next_use(r, batch_index), r))
         for row in misses:  # then misses, ascending (lfu-admit: most used first)
             if row in hit_rows:
                 continue
@@ -83,6 +86,11 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
             way = empty[0] if empty else min(free, key=lambda w, ways=ways: rank(ways, w, batch_index))
             if admitting and ways[way] is not None and row_counts[row] <= ways[way]["count"]:
                 stats.misses_no_slot += 1  # not admitted: read in place, like a row of a full set
+                bypassed.add(row)
+                continue
+            if (policy == "lookahead-admit" and ways[way] is not None
+                    and next_use(row, batch_index) >= next_use(ways[way]["row"], batch_index)):
+                stats.misses_no_slot += 1  # needed no sooner than its victim: read in place
                 bypassed.add(row)
                 continue
             if ways[way] is not None:

@@ -12,6 +12,7 @@ import torch
 
 from tiered_tbe.base import streams
 from tiered_tbe.batch import DeferredUnlocks, PreparedBatch, same_batch
+from tiered_tbe.cache.policy import policy_named
 from tiered_tbe.cache.slot_cache import MAX_LOOKAHEAD
 
 
@@ -49,7 +50,7 @@ class PrefetchQueue:
 
     @property
     def uses_lookahead(self) -> bool:
-        return self.cache is not None and self.cache.policy == "lookahead"
+        return self.cache is not None and policy_named(self.cache.policy).reads_window
 
     def hint_upcoming(self, upcoming_rows: list[torch.Tensor]) -> None:
         """Tell a lookahead cache the global rows of the batches that follow the next prefetch.

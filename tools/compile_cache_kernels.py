@@ -67,7 +67,7 @@ def record_launches() -> list[dict]:
                     tables = [CachedTable(0, 40, 4, weights[:160].view(40, 4), state[:80].view(40, 2)),
                               CachedTable(50, 30, 6, weights[160:].view(30, 6), state[80:].view(30, 2))]
                 cache = SlotCache(tables, num_slots=8, associativity=4, policy=policy, mover=mover)
-                if policy == "lookahead":
+                if POLICIES[policy].reads_window:
                     cache.add_upcoming(torch.tensor([1, 2, 55]), cache.step + 2)
                 first = cache.prefetch(torch.tensor([1, 2, 2, 55, 45, 79, 3, 4, 5, 6, 7]))
                 cache.wait_filled(first)

@@ -347,9 +347,10 @@ def run(args: argparse.Namespace, out=None) -> int:
     if no_slot:  # a cache smaller than a batch's rows (or the batches in flight): the rest bypasses it
         lockers = "their own batch" + (f" and the {options.pipeline_depth} before it (the bounds: their own only)"
                                        if options.pipeline_depth else "")
-        refused = " (or, a policy admitting by use counts, whose victim was used at least as often)" if any(
-            base_policy(m.policy) in CACHE_POLICIES and CACHE_POLICIES[base_policy(m.policy)].counts_rows
-            for m in no_slot_results) else ""
+        refused = (" (or, a policy that admits misses, refused: its victim used at least as often, or needed no "
+                   "later)") if any(base_policy(m.policy) in CACHE_POLICIES
+                                   and CACHE_POLICIES[base_policy(m.policy)].refuses_misses
+                                   for m in no_slot_results) else ""
         print(f"misses that found every way of their set locked by {lockers}{refused}, read in place: "
               + ", ".join(no_slot), file=out)
 
