@@ -170,6 +170,9 @@ CONFIGS = [
     Config("cached-managed-lookahead-pipelined-z1.2", CRITEO, placement="managed_cached", policy="lookahead",
            pipelined=True, alpha=1.2),
     Config("cached-managed-lru-pipelined-z1.2", CRITEO, placement="managed_cached", pipelined=True, alpha=1.2),
+    # Belady's rule with bypass over the pipeline's 64-batch window: 0.75 of lfu-admit's rows crossing (simulator).
+    Config("cached-managed-lookahead-admit-pipelined", CRITEO, placement="managed_cached", policy="lookahead-admit",
+           pipelined=True),
     Config("cached-managed-lru-with-rows", CRITEO, placement="managed_cached", state_layout="with_rows"),
     Config("criteo-adagrad-with-rows", CRITEO, state_layout="with_rows"),
     Config("cached-lru-pipelined", CRITEO, placement="host_cached", pipelined=True),
@@ -212,6 +215,9 @@ CONFIGS = [
     # batches moves 0.20 of LRU's rows, and reads 9% of the lookups in place (docs/hit_rates.md).
     Config("cached-odd-dims-ragged-lfu-admit", **_ODD, policy="lfu-admit"),
     Config("cached-odd-dims-ragged-lfu-admit-pipelined", **_ODD, policy="lfu-admit", pipelined=True),
+    # The simulator on these batches: 0.87 of lfu-admit's rows crossing at a window of 16 (docs/performance.md).
+    Config("cached-odd-dims-ragged-lookahead-admit-pipelined", **_ODD, policy="lookahead-admit", window=16,
+           pipelined=True),
     Config("cached-odd-dims-ragged-lookahead", **_ODD, policy="lookahead"),
     Config("cached-odd-dims-ragged-lookahead-pipelined", **_ODD, policy="lookahead", pipelined=True),
     # The odd-dim shape in HBM, beside the same tables at POW2_DIMS: whether the column tiles of a power of two
