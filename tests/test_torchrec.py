@@ -316,6 +316,8 @@ def test_fused_params_map_fbgemms_names_and_refuse_what_they_cannot_honour():
                              "cache_config": CacheConfig(slots=64, policy="lookahead"), "backend": "torch"},
                             DataType.FP32, cached=True)
     assert ours.optimizer == RowwiseAdagrad(lr=0.3) and ours.cache.slots == 64 and ours.cache.policy == "lookahead"
+    with pytest.raises(ValueError, match="policy='lookahead-admit' needs the lookahead window"):
+        module_arguments({"cache_config": CacheConfig(policy="lookahead-admit")}, DataType.FP32, cached=True)
     assert ours.as_kwargs()["backend"] == "torch"
     assert module_arguments({"cache_load_factor": 0.1}, DataType.FP32, cached=True).cache.fraction == 0.1
     for params, message in (

@@ -41,6 +41,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.modules.embedding_configs import data_type_to_dtype
 
+from tiered_tbe.cache.policy import policy_named
 from tiered_tbe.fbgemm_names import FBGEMM_DEFAULTS, optimizer_from_fbgemm
 from tiered_tbe.optimizers import FusedOptimizer
 from tiered_tbe.specs import CacheConfig, Placement
@@ -148,6 +149,12 @@ def module_arguments(fused_params: dict | None, data_type, cached: bool) -> Modu
             if algorithm not in _POLICY_OF_ALGORITHM:
                 raise ValueError(f"fused_params: cache_algorithm={params['cache_algorithm']} has no tiered-tbe policy")
             cache = dataclasses.replace(cache, policy=_POLICY_OF_ALGORITHM[algorithm])
+        policy = policy_named(cache.policy)
+        if policy.reads_window and policy.refuses_misses:
+            # TorchRec's pipelines tell a cache no batches ahead: every next use would be unknown, and such a
+            # policy would let no row into a full set (lookahead without hints is LRU, which still works).
+            raise ValueError(f"fused_params: cache_config policy={cache.policy!r} needs the lookahead window, which "
+                             "TorchRec's train pipelines do not give a cache; use 'lfu-admit' or 'lookahead'")
     extra = {key: params[key] for key in _OURS if key != "cache_config" and key in params}
     return ModuleArguments(optimizer, weights_dtype, stochastic_rounding, cache, bounds_check, extra)
 
