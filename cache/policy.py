@@ -77,8 +77,8 @@ Admission (``lfu-admit``, ``lookahead-admit``)
     (:func:`admits`). The victims come in lookahead's order, latest next use first, so again a refused
     miss refuses every later one of its set and the k-th miss meets the k-th victim. A row needed
     no sooner than everything it could evict is read in place for this batch instead of moved in:
-    on the 12 mixed-dim benchmark tables 18-27% fewer rows crossed the bus than under ``lfu-admit`` at
-    windows of 16-32 batches (docs/performance.md). Without hints every next use is unknown and no
+    on the 12 mixed-dim benchmark tables 16-24% fewer rows crossed the bus than under ``lfu-admit`` at
+    windows of 16-64 batches (docs/performance.md). Without hints every next use is unknown and no
     miss takes a full set's way: give the cache its window (``PrefetchPipeline(lookahead=...)``).
 
 Victim keys (smaller is evicted first; compared as a pair, then by way)
