@@ -134,6 +134,7 @@ def test_a_resumed_run_prints_the_final_figures_of_the_uninterrupted_one(tmp_pat
     (["--rows", "-3"], "--rows must be >= 1, got -3"),
     (["--cache-fraction", "0"], "--cache-fraction must be in (0, 1], got 0.0"),
     (["--pipeline-depth", "9"], "--pipeline-depth must be between 0 and 8, got 9"),
+    (["--policy", "lookahead-admit"], "--policy lookahead-admit needs --pipeline-depth 1 or more"),
     (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
     (["--alpha", "-1"], "--alpha must be a finite number >= 0"),
     (["--save-every", "2"], "--save-every needs --save PATH"),
