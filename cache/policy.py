@@ -200,6 +200,12 @@ class CachePolicy:
     counts_rows: bool = False  # keeps a use count per row (row_uses) and admits misses by it
     refuses_misses: bool = False  # may leave a miss in its backing store though a way is free (admission)
 
+    @property
+    def needs_window(self) -> bool:
+        """Admits by the window's next uses: with no window every next use is unknown and no row enters a
+        full set, so a caller that gives the cache no batches ahead must refuse the policy."""
+        return self.reads_window and self.refuses_misses
+
 
 # The registry: every policy of the cache, in the order --help lists them.
 POLICIES: dict[str, CachePolicy] = {p.name: p for p in (
@@ -298,7 +304,7 @@ def victim_key(policy, slot, last_use, use_count, next_use):
     """
     if policy == POLICY_LFU or policy == POLICY_LFU_ADMIT:
         return np.int64(use_count[slot]), last_use[slot]
-    if policy == POLICY_LOOKAHEAD or policy == POLICY_LOOKAHEAD_ADMIT:
+    if reads_window(policy):
         return -next_use[slot], last_use[slot]
     return last_use[slot], np.int64(0)
 
@@ -449,7 +455,8 @@ _cpu = numba.njit(cache=True)
 _cpu_inlined = numba.njit(cache=True, inline="always")
 mix64_cpu = _cpu_inlined(mix64)
 set_of_row_cpu = _cpu_inlined(_rebind(set_of_row, mix64=mix64_cpu))
-victim_key_cpu = _cpu_inlined(victim_key)
+reads_window_cpu = _cpu_inlined(reads_window)
+victim_key_cpu = _cpu_inlined(_rebind(victim_key, reads_window=reads_window_cpu))
 find_way_cpu = _cpu(find_way)
 victim_order_cpu = _cpu_inlined(_rebind(victim_order, victim_key=victim_key_cpu))
 comes_before_cpu = _cpu_inlined(comes_before)
@@ -459,7 +466,6 @@ touch_on_fill_cpu = _cpu_inlined(touch_on_fill)
 counts_rows_cpu = _cpu_inlined(counts_rows)
 count_use_cpu = _cpu_inlined(count_use)
 take_row_uses_cpu = _cpu_inlined(_rebind(take_row_uses, counts_rows=counts_rows_cpu))
-reads_window_cpu = _cpu_inlined(reads_window)
 admits_by_next_use_cpu = _cpu_inlined(admits_by_next_use)
 admits_cpu = _cpu_inlined(_rebind(admits, counts_rows=counts_rows_cpu, admits_by_next_use=admits_by_next_use_cpu))
 lock_hit_cpu = _cpu_inlined(_rebind(lock_hit, touch_on_hit=touch_on_hit_cpu, take_row_uses=take_row_uses_cpu))
@@ -489,7 +495,8 @@ def compile_for_simulator() -> None:
     """
     if numba.config.ENABLE_CUDASIM:
         set_of_row_cpu(np.int64(0), np.int64(1))
-victim_key_device = _device(victim_key)
+reads_window_device = _device(reads_window)
+victim_key_device = _device(_rebind(victim_key, reads_window=reads_window_device))
 find_way_device = _device(find_way)
 victim_order_device = _device(_rebind(victim_order, victim_key=victim_key_device))
 comes_before_device = _device(comes_before)
@@ -498,7 +505,6 @@ touch_on_fill_device = _device(touch_on_fill)
 counts_rows_device = _device(counts_rows)
 count_use_device = _device(count_use)
 take_row_uses_device = _device(_rebind(take_row_uses, counts_rows=counts_rows_device))
-reads_window_device = _device(reads_window)
 admits_by_next_use_device = _device(admits_by_next_use)
 admits_device = _device(_rebind(admits, counts_rows=counts_rows_device, admits_by_next_use=admits_by_next_use_device))
 lock_hit_device = _device(_rebind(lock_hit, touch_on_hit=touch_on_hit_device, take_row_uses=take_row_uses_device))

@@ -122,9 +122,10 @@ def assign_slots(launcher, unique, set_of_position: torch.Tensor, unique_of_posi
         per_set = launcher.shape_of(min(n, num_sets), simulated_threads=DEVICE_CALL_THREADS)
         launcher.launch_configured(rank_few_ways_kernel, *per_set, *sets, FEW_ASKS, *ranked_state)
     launcher.launch_configured(rank_ways_kernel, *per_way, *sets, FEW_ASKS, *ranked_state)
-    # The misses' own next uses (lookahead-admit) read the window too; without it, a one-element placeholder.
+    # The misses' own next uses (lookahead-admit) read the window too; without it, a placeholder of its dtype
+    # (int64, so one compiled kernel serves both), never read.
     has_window = window_bits is not None
-    misses_window = window_bits if has_window else slots.row_uses
+    misses_window = window_bits if has_window else slots.next_use
     launcher.launch(fill_misses_kernel, n, set_start, set_number, set_of_position, unique_of_position, num_unique,
                     needs_slot, needs_number, unique.unique_rows, associativity, step, policy, slots.way_of_rank,
                     slots.tags, slots.last_use, slots.use_count, slots.next_use, slots.dirty, slots.locks,

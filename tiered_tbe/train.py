@@ -195,9 +195,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--cache-fraction must be in (0, 1], got {args.cache_fraction}")
     if not 0 <= args.pipeline_depth <= 8:
         raise ValueError(f"--pipeline-depth must be between 0 and 8, got {args.pipeline_depth}")
-    policy = POLICIES[args.policy]
-    if policy.reads_window and policy.refuses_misses and args.pipeline_depth == 0 and not getattr(args, "torchrec",
-                                                                                                  False):
+    if POLICIES[args.policy].needs_window and args.pipeline_depth == 0 and not getattr(args, "torchrec", False):
         # Its window of batches ahead comes from the pipeline; without one it lets no row into a full set.
         raise ValueError(f"--policy {args.policy} needs --pipeline-depth 1 or more (its lookahead window comes from "
                          "the prefetch pipeline)")

@@ -149,8 +149,7 @@ def module_arguments(fused_params: dict | None, data_type, cached: bool) -> Modu
             if algorithm not in _POLICY_OF_ALGORITHM:
                 raise ValueError(f"fused_params: cache_algorithm={params['cache_algorithm']} has no tiered-tbe policy")
             cache = dataclasses.replace(cache, policy=_POLICY_OF_ALGORITHM[algorithm])
-        policy = policy_named(cache.policy)
-        if policy.reads_window and policy.refuses_misses:
+        if policy_named(cache.policy).needs_window:
             # TorchRec's pipelines tell a cache no batches ahead: every next use would be unknown, and such a
             # policy would let no row into a full set (lookahead without hints is LRU, which still works).
             raise ValueError(f"fused_params: cache_config policy={cache.policy!r} needs the lookahead window, which "
