@@ -16,6 +16,9 @@ Building a CUB sort JIT-compiles it (NVRTC): ~2 s per dtype pair on the H200 mac
 process. A built sort is kept on disk (``cuda.compute.serialize``, cuda-cccl >= 1.1) in
 :func:`sorter_cache_dir`, one file per dtype pair, GPU architecture and cuda-cccl version, and
 a later process loads it instead (counted as ``cub compiled`` / ``cub loaded``, ``base/compiling.py``).
+
+:func:`compact` moves selected entries to the front in order where a sort would only be used for
+that: one pass instead of a sort's several.
 """
 
 from __future__ import annotations
@@ -206,3 +209,26 @@ def sort_ids(ids: torch.Tensor, upper_bound: int) -> tuple[torch.Tensor, torch.T
     keys = torch.where(ids == INT64_MAX, INT32_MAX, ids).to(torch.int32)
     sorted_keys, order = stable_sort(keys)
     return torch.where(sorted_keys == INT32_MAX, INT64_MAX, sorted_keys.long()), order
+
+
+def compact(mask: torch.Tensor, *values: torch.Tensor, fill: int | None = None) -> list[torch.Tensor]:
+    """The entries of each of ``values`` where ``mask`` holds, moved to the front in their order.
+
+    Args:
+        mask: bool [N].
+        values: tensors [N] of any dtype.
+        fill: the value of the entries after the selected ones (``None``: left uninitialised).
+
+    Returns:
+        a tensor [N] per value. A cumsum and a scatter: no sort, no host sync (the count is
+        ``mask.sum()``, left on the device), and CUDA-graph capturable.
+    """
+    n = mask.numel()
+    target = torch.where(mask, torch.cumsum(mask, 0) - 1, n)  # unselected entries go to a spare slot n
+    result = []
+    for value in values:
+        out = (torch.empty(n + 1, dtype=value.dtype, device=value.device) if fill is None
+               else torch.full((n + 1,), fill, dtype=value.dtype, device=value.device))
+        out.scatter_(0, target, value)
+        result.append(out[:n])
+    return result

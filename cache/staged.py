@@ -58,7 +58,7 @@ from collections.abc import Callable
 
 import torch
 
-from tiered_tbe.base.sorting import stable_sort
+from tiered_tbe.base.sorting import compact, stable_sort
 from tiered_tbe.cache._kernels import OUTCOME_FILLED
 from tiered_tbe.cache.host_rows import HostRows, set_copy_threads
 from tiered_tbe.cache.mover import Moves, RowMover
@@ -89,19 +89,6 @@ class _Job:
             self.counts_ready.synchronize()
         fills, write_backs = self.counts.tolist()
         return fills, write_backs
-
-
-def _compact(mask: torch.Tensor, *values: torch.Tensor) -> list[torch.Tensor]:
-    """The entries of each of ``values`` where ``mask`` holds, moved to the front in order
-    (the rest is garbage): cumsum and scatter, no host sync."""
-    n = mask.numel()
-    target = torch.where(mask, torch.cumsum(mask, 0) - 1, n)  # unselected entries go to a spare slot n
-    result = []
-    for value in values:
-        out = torch.empty(n + 1, dtype=value.dtype, device=value.device)
-        out.scatter_(0, target, value)
-        result.append(out[:n])
-    return result
 
 
 class StagedMover(RowMover):
@@ -159,7 +146,7 @@ class StagedMover(RowMover):
         """Compact the moves on the current stream (device work only; the slot cache graphs it
         with the prefetch): ``(fill_rows, fill_slots, back_rows, back_slots, counts)``, int64."""
         filled = moves.outcome == OUTCOME_FILLED
-        fill_rows, fill_slots = _compact(filled, moves.unique_rows, moves.slot_of_unique.long())
+        fill_rows, fill_slots = compact(filled, moves.unique_rows, moves.slot_of_unique.long())
         # The dirty victims are distinct rows (Moves.write_back_keys): sorted, they are the prefix.
         back_keys, order = stable_sort(moves.write_back_keys)
         counts = torch.stack([filled.sum(), moves.victim_was_dirty.sum(dtype=torch.int64)])
@@ -228,7 +215,7 @@ class StagedMover(RowMover):
         count = int(selected.sum())  # a host sync: flush and write_back are asked for
         if count == 0:
             return
-        rows, slots = _compact(selected.bool(), sorted_rows, sorted_slots.long())
+        rows, slots = compact(selected.bool(), sorted_rows, sorted_slots.long())
         stream = self.back_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the updates so far are in the slots

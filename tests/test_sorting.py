@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
-from tiered_tbe.base.sorting import sort_backend, sort_ids, stable_sort
+from tiered_tbe.base.sorting import compact, sort_backend, sort_ids, stable_sort
 
 
 def _keys(n: int, high: int, dtype: torch.dtype, device, seed: int) -> torch.Tensor:
@@ -55,6 +55,22 @@ def test_sort_ids_puts_the_none_marker_last(device):
     sorted_ids, order = sort_ids(ids, 6)
     assert sorted_ids.tolist() == [0, 0, 2, 5, 5, INT64_MAX, INT64_MAX]
     assert order.tolist() == [2, 6, 4, 0, 3, 1, 5]
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 4097])
+@pytest.mark.parametrize("share", [0.0, 0.3, 1.0])
+def test_compact_moves_the_selected_entries_to_the_front_in_order(n, share, device):
+    generator = torch.Generator().manual_seed(n)
+    mask = (torch.rand(n, generator=generator) < share).to(device)
+    rows = torch.randint(-5, 1 << 40, (n,), generator=generator).to(device)
+    slots = torch.randint(0, 99, (n,), generator=generator, dtype=torch.int32).to(device)
+    count = int(mask.sum())
+    filled_rows, filled_slots = compact(mask, rows, slots, fill=-7)
+    assert filled_rows.dtype == rows.dtype and filled_slots.dtype == slots.dtype
+    assert filled_rows.tolist() == rows[mask].tolist() + [-7] * (n - count)
+    assert filled_slots.tolist() == slots[mask].tolist() + [-7] * (n - count)
+    (unfilled,) = compact(mask, rows)
+    assert unfilled.shape == (n,) and unfilled[:count].tolist() == rows[mask].tolist()
 
 
 @pytest.mark.gpu

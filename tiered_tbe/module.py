@@ -14,7 +14,7 @@ from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
 from tiered_tbe.base.graphs import PADDED_GRAPHS, StepGraphs, padded_size
 from tiered_tbe.base.mode import default_device
 from tiered_tbe.base.padded_inputs import padded_input
-from tiered_tbe.base.sorting import sort_ids
+from tiered_tbe.base.sorting import compact, sort_ids
 from tiered_tbe.batch import CopyRows, DeferredUnlocks, PreparedBatch
 from tiered_tbe.cache.mover import default_mover
 from tiered_tbe.cache.slot_cache import SlotCache
@@ -171,8 +171,8 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         self._forward_graphs, self._backward_graphs = (
             (StepGraphs(PADDED_GRAPHS, enabled=graphs_enabled), StepGraphs(PADDED_GRAPHS, enabled=graphs_enabled))
             if self.backend.name == "triton" else (None, None))
-        # ... and of a lookahead hint's rows (rows_for_hint: two sorts and ~15 torch ops, 2.6-4 ms of
-        # host time a batch when enqueued one by one on the H200 machine), padded the same way.
+        # ... and of a lookahead hint's rows (rows_for_hint: a sort and ~15 torch ops; with a second sort
+        # they took 2.6-4 ms of host time a batch enqueued one by one on the H200 machine), padded the same way.
         self._hint_graphs = StepGraphs(PADDED_GRAPHS, enabled=graphs_enabled)
 
         state_width = [optimizer.state_width(s.embedding_dim) if optimizer else 0 for s in tables]
@@ -326,8 +326,7 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
             first = torch.ones_like(sorted_rows, dtype=torch.bool)
             first[1:] = sorted_rows[1:] != sorted_rows[:-1]
             first &= sorted_rows != INT64_MAX
-            distinct = sort_ids(torch.where(first, sorted_rows, INT64_MAX), num_rows)[0]  # repeats sort last
-            return distinct, first.sum()
+            return compact(first, sorted_rows, fill=INT64_MAX)[0], first.sum()  # repeats and padding last
 
         return self._hint_graphs.run("hint rows", (indices, feature_starts), enqueue, self.device)
 
