@@ -502,6 +502,34 @@ def test_bench_host_memory_interleaves_a_write_back_and_a_fill_per_program():
     assert torch.equal(table, expected)
 
 
+@pytest.mark.parametrize("programs,rows_a_step", [(1, 1), (3, 4), (0, 2), (64, 8)])
+def test_bench_link_sharing_gathers_every_row_whatever_the_grid(programs, rows_a_step):
+    """The grid-stride gather equals plain indexing for grids smaller and larger than its steps (0: one
+    program a step), rows repeated, an odd width, a count no step size divides; nothing past the count."""
+    bench_link_sharing = tool("bench_link_sharing")
+    generator = torch.Generator().manual_seed(programs)
+    table = torch.randn(50, 7, generator=generator)
+    rows = torch.cat([torch.randint(0, 50, (20,), generator=generator), torch.full((3,), 49)])
+    out = torch.full((rows.numel() + 2, 7), float("nan"))
+    bench_link_sharing.strided_gather(table, rows, out[: rows.numel()], programs, rows_a_step)
+    assert torch.equal(out[: rows.numel()], table[rows])
+    assert out[rows.numel():].isnan().all()
+
+
+def test_bench_link_sharing_records_each_grid(tmp_path, capsys):
+    bench_link_sharing = tool("bench_link_sharing")
+    path = tmp_path / "records.jsonl"
+    assert bench_link_sharing.main(["--rows", "30", "--keys", "40", "--dim", "5", "--programs", "2", "0",
+                                    "--rows-a-step", "1", "4", "--repeats", "1", "--record", str(path)]) == 0
+    found = records.read(path)
+    assert [(r["configuration"]["programs"], r["configuration"]["rows_a_step"]) for r in found] == \
+        [(2, 1), (0, 1), (2, 4), (0, 4)]
+    assert all(r["figures"]["gather_ms"] > 0 and r["figures"]["both_ms"] > 0 for r in found)
+    assert "| one a step | 4 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_link_sharing.main(["--rows-a-step", "3"])
+
+
 def test_find_allocations_names_the_project_frames_of_a_segment():
     """tools/find_allocations.py groups each cudaMalloc by the project's innermost frames of its stack
     (torch's own frames left out), as many as asked; a stack without one says so."""
