@@ -418,7 +418,8 @@ def test_gpu_lookahead_pipeline_matches_simulator_and_never_syncs(mover):
     assert_same_state(cache, simulator)
 
 
-def test_rows_for_hint_gives_each_distinct_row_once_then_padding():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rows_for_hint_gives_each_distinct_row_once_then_padding(backend):
     from tiered_tbe import CacheConfig, Placement, TableSpec, TieredEmbeddingBags
     from tiered_tbe.base.graphs import padded_size
     from tiered_tbe.base.sorting import INT64_MAX
@@ -427,7 +428,7 @@ def test_rows_for_hint_gives_each_distinct_row_once_then_padding():
     cached = Placement.HOST_CACHED
     tables = [TableSpec(50, 4, placement=cached), TableSpec(1, 4), TableSpec(30, 4, placement=cached)]
     module = TieredEmbeddingBags(tables, cache=CacheConfig(slots=16, policy="lookahead", associativity=4),
-                                 device="cpu", backend="torch")
+                                 device="cpu", backend=backend)
     # B = 3 bags per table; repeats within a bag and across bags, an empty bag, a one-row table
     # (index 29 there is out of range: clamped to its row 0, global row 50).
     indices = torch.tensor([7, 7, 3, 49, 3, 0, 0, 29, 29, 5, 0])
@@ -440,7 +441,8 @@ def test_rows_for_hint_gives_each_distinct_row_once_then_padding():
     assert _HintRows(rows, count).rows().tolist() == expected  # on the CPU the count is known at once
 
 
-def test_rows_for_hint_of_batches_changing_size_every_step_equal_a_set_of_their_rows():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rows_for_hint_of_batches_changing_size_every_step_equal_a_set_of_their_rows(backend):
     """Hints are padded to a few shapes (batch size and bag lengths drawn anew each step): each batch's
     distinct rows, as a plain set of its lookups' global rows names them, then only padding."""
     from tiered_tbe import CacheConfig, Placement, TableSpec, TieredEmbeddingBags
@@ -451,7 +453,7 @@ def test_rows_for_hint_of_batches_changing_size_every_step_equal_a_set_of_their_
     table_rows = [97, 1, 40, 13]
     tables = [TableSpec(n, 3, placement=Placement.HOST_CACHED) for n in table_rows]
     module = TieredEmbeddingBags(tables, cache=CacheConfig(slots=32, policy="lookahead", associativity=4),
-                                 device="cpu", backend="torch")
+                                 device="cpu", backend=backend)
     starts = [sum(table_rows[:t]) for t in range(len(table_rows))]
     for step in range(6):
         batch_size = int(torch.randint(1, 9, (), generator=generator))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tiered_tbe.base.graphs import to_device
-from tiered_tbe.kernels import backward, forward, per_sample_weights, reference
+from tiered_tbe.kernels import backward, forward, hint_rows, per_sample_weights, reference
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class KernelBackend:
     #                            copies=: the rows the forward read in place, kernels/in_place_copies.py)
     per_sample_weights_grad: Callable  # (grad_output, stores, lookups, slot_of_index, pooling) -> fp32 [N]
     rounds_stochastically: bool  # whether backward_update can round fp16 / bf16 weights stochastically
+    hint_rows: Callable  # (indices, feature_starts, num_rows_of_feature, row_offset, num_rows) -> (rows, count)
 
 
 def _reference_forward(stores, lookups, slot_of_index, pooling, graphs=None, copies=None):
@@ -51,9 +52,11 @@ def _reference_per_sample_weights_grad(*args) -> torch.Tensor:
 
 BACKENDS = {
     "triton": KernelBackend("triton", forward.pooled_forward, backward.backward_update,
-                            per_sample_weights.per_sample_weights_grad, rounds_stochastically=True),
+                            per_sample_weights.per_sample_weights_grad, rounds_stochastically=True,
+                            hint_rows=hint_rows.hint_rows),
     "torch": KernelBackend("torch", _reference_forward, _reference_backward_update,
-                           _reference_per_sample_weights_grad, rounds_stochastically=False),
+                           _reference_per_sample_weights_grad, rounds_stochastically=False,
+                           hint_rows=hint_rows.hint_rows_reference),
 }
 
 

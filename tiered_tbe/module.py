@@ -10,11 +10,10 @@ from torch import nn
 from tiered_tbe import validation
 from tiered_tbe.backends import backend_named
 from tiered_tbe.base import streams
-from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
+from tiered_tbe.base.codes import INT32_MAX
 from tiered_tbe.base.graphs import PADDED_GRAPHS, StepGraphs, padded_size
 from tiered_tbe.base.mode import default_device
 from tiered_tbe.base.padded_inputs import padded_input
-from tiered_tbe.base.sorting import compact, sort_ids
 from tiered_tbe.batch import CopyRows, DeferredUnlocks, PreparedBatch
 from tiered_tbe.cache.mover import default_mover
 from tiered_tbe.cache.slot_cache import SlotCache
@@ -171,8 +170,8 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         self._forward_graphs, self._backward_graphs = (
             (StepGraphs(PADDED_GRAPHS, enabled=graphs_enabled), StepGraphs(PADDED_GRAPHS, enabled=graphs_enabled))
             if self.backend.name == "triton" else (None, None))
-        # ... and of a lookahead hint's rows (rows_for_hint: a sort and ~15 torch ops; with a second sort
-        # they took 2.6-4 ms of host time a batch enqueued one by one on the H200 machine), padded the same way.
+        # ... and of a lookahead hint's rows (rows_for_hint, kernels/hint_rows.py: the reference's ~30 torch
+        # ops took 2.6-4 ms of host time a batch enqueued one by one on the H200 machine), padded the same way.
         self._hint_graphs = StepGraphs(PADDED_GRAPHS, enabled=graphs_enabled)
 
         state_width = [optimizer.state_width(s.embedding_dim) if optimizer else 0 for s in tables]
@@ -315,18 +314,9 @@ class TieredEmbeddingBags(PrefetchQueue, TableState, FbgemmAccess, nn.Module):
         feature_starts = offsets[::batch_size]  # [F + 1]: where each feature's lookups start, then the end
 
         def enqueue(tensors):
-            indices, feature_starts = (t.long().contiguous() for t in tensors)  # (a graph's inputs are already)
-            positions = torch.arange(indices.numel(), device=indices.device)
-            feature_of_index = (torch.searchsorted(feature_starts, positions, right=True) - 1).clamp_(
-                0, len(self.feature_table_map) - 1)
-            rows = torch.minimum(indices.clamp(min=0), self._num_rows_of_feature[feature_of_index] - 1)
-            rows = torch.where(positions < feature_starts[-1], self._row_offset[feature_of_index] + rows, INT64_MAX)
-            num_rows = self.row_stores.num_rows
-            sorted_rows = sort_ids(rows, num_rows)[0]
-            first = torch.ones_like(sorted_rows, dtype=torch.bool)
-            first[1:] = sorted_rows[1:] != sorted_rows[:-1]
-            first &= sorted_rows != INT64_MAX
-            return compact(first, sorted_rows, fill=INT64_MAX)[0], first.sum()  # repeats and padding last
+            indices, feature_starts = (t.contiguous() for t in tensors)  # (offsets[::B] is strided; a graph's are not)
+            return self.backend.hint_rows(indices, feature_starts, self._num_rows_of_feature, self._row_offset,
+                                          self.row_stores.num_rows)
 
         return self._hint_graphs.run("hint rows", (indices, feature_starts), enqueue, self.device)
 

@@ -126,6 +126,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     triton.runtime.driver.set_active(OfflineDriver(arch))
     import tiered_tbe.kernels.backward as backward
     import tiered_tbe.kernels.forward as forward
+    import tiered_tbe.kernels.hint_rows as hint_rows
     import tiered_tbe.kernels.linearize as linearize
     from tiered_tbe.kernels.optimizers import OPTIMIZERS
 
@@ -159,6 +160,14 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     for block_b, block_l in ((128, 1), (4, 32)):  # bags of one (Criteo) and of 32 (linearize_tile)
         results.append(_report(f"linearize B{block_b} L{block_l}", linearize._linearize_kernel.warmup(
             i32, i32, descriptor, i64, i64, n, 65536, BLOCK_B=block_b, BLOCK_L=block_l, grid=grid, num_warps=4), arch))
+    for key, none_key in ((i32, 2**31 - 1), (i64, 2**63 - 1)):  # int32 sort keys, and int64 past 2^31 global rows
+        label = f"hint keys ({str(key.dtype).removeprefix('torch.')})"
+        results.append(_report(label, hint_rows._hint_keys_kernel.warmup(
+            key, i64, i64, i64, i64, n, 12, none_key, SEARCH_STEPS=4, BLOCK=hint_rows.BLOCK, grid=grid), arch))
+    results.append(_report("hint first of runs", hint_rows._first_of_runs_kernel.warmup(
+        i32, i32, n, 2**31 - 1, BLOCK=hint_rows.BLOCK, grid=grid), arch))
+    results.append(_report("hint compact runs", hint_rows._compact_runs_kernel.warmup(
+        i64, i32, i32, i32, n, BLOCK=hint_rows.BLOCK, grid=grid), arch))
     config = backward.default_config(block_d)
     align = 16 // weights.element_size()
     common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, ALIGN=align, GRAD_ALIGN_BYTES=16, SHARED_TABLES=False,
