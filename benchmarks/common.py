@@ -55,6 +55,21 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def beside(side_fn: Callable[[], object], fn: Callable[[], object], side: torch.cuda.Stream | None) -> None:
+    """``side_fn()`` on the ``side`` stream beside ``fn()`` on the current one, the current stream then
+    waiting for both (one after the other where there is no side stream: on the CPU)."""
+    if side is None:
+        side_fn()
+        fn()
+        return
+    current = torch.cuda.current_stream(side.device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        side_fn()
+    fn()
+    current.wait_stream(side)
+
+
 def time_ms(fn: Callable[[], object], rep_ms: float = 200.0) -> float:
     """Median milliseconds of ``fn()``: ``do_bench`` on a GPU (CUDA events, warm-up included),
     a wall clock over three calls after one warm-up call in simulation."""

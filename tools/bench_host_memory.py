@@ -124,14 +124,8 @@ def measure(flat: torch.Tensor, dim: int, count: int, repeats: int, seed: int) -
 
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def two_streams():  # the scatter on a side stream beside the gather; the current stream waits for both
-        if side is None:
-            return both()
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            scatter()
-        gather()
-        torch.cuda.current_stream(device).wait_stream(side)
+    def two_streams():  # the scatter on a side stream beside the gather
+        common.beside(scatter, gather, side)
 
     def interleaved():
         interleave_rows(table, filled, staged, written, leaving)

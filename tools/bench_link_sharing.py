@@ -102,15 +102,8 @@ def measure(table: torch.Tensor, count: int, keys: int, programs: int, rows_a_st
     def sort():
         stable_sort(sort_keys)
 
-    def both():  # the gather on a side stream beside the sort; the current stream waits for both
-        if side is None:
-            gather()
-            return sort()
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            gather()
-        sort()
-        torch.cuda.current_stream(device).wait_stream(side)
+    def both():  # the gather on a side stream beside the sort
+        common.beside(gather, sort, side)
 
     return {name: common.event_ms(fn, repeats) for name, fn in (("gather", gather), ("sort", sort), ("both", both))}
 
