@@ -438,7 +438,9 @@ def test_rows_for_hint_gives_each_distinct_row_once_then_padding(backend):
     assert int(count) == len(expected) and rows.shape == (padded_size(indices.numel()),)
     assert rows[: len(expected)].tolist() == expected
     assert (rows[len(expected):] == INT64_MAX).all()
-    assert _HintRows(rows, count).rows().tolist() == expected  # on the CPU the count is known at once
+    hint = _HintRows(rows, count)
+    assert hint.rows().tolist() == expected  # on the CPU the count is known at once
+    assert hint.rows() is hint.rows()  # shortened once, not at every prefetch of the window
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -327,6 +327,7 @@ class _HintRows:
     def __init__(self, padded: torch.Tensor, count: torch.Tensor):
         self.padded = padded
         self.count: int | None = None
+        self._rows: torch.Tensor | None = None  # padded[:count], made once
         self.event = None
         if count.is_cuda:
             self.count_host = torch.empty((), dtype=count.dtype, pin_memory=True)
@@ -337,10 +338,18 @@ class _HintRows:
             self.count = int(count)
 
     def rows(self) -> torch.Tensor:
-        """int64: the batch's distinct rows (with padding while their count is not known yet)."""
-        if self.count is None and self.event.query():
-            self.count = int(self.count_host)
-        return self.padded if self.count is None else self.padded[: self.count]
+        """int64: the batch's distinct rows (with padding while their count is not known yet).
+
+        Asked for every batch of the window before each prefetch (64 at the longest window), so the
+        shortened view is made once: a slice and an event query cost a few microseconds of host time
+        each, and the steps that lookahead loses are bound by their host."""
+        if self._rows is None:
+            if self.count is None and self.event.query():
+                self.count = int(self.count_host)
+            if self.count is None:
+                return self.padded
+            self._rows = self.padded[: self.count]
+        return self._rows
 
 
 def _default_lookups(batch) -> tuple[torch.Tensor, torch.Tensor]:
