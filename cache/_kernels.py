@@ -7,8 +7,7 @@ thread). Entries past the end of the real data are marked in the data itself (a 
 ``NOT_CACHED``, a flag of 0), so launches are sized from host-known bounds and the GPU path
 never waits for the device to learn how many rows a batch had.
 
-No kernel uses atomics: each unique row or slot is handled by one thread (``window_bits_kernel``
-lets threads race on a repeated row, benignly: see there). The policy's kernels, which decide what
+No kernel uses atomics: each unique row or slot is handled by one thread. The policy's kernels, which decide what
 each unique row of a prefetch gets, are in :mod:`tiered_tbe.cache.policy_kernels`.
 """
 
@@ -41,27 +40,6 @@ OUTCOME_NO_SLOT = 3  # missed, every way of its set locked: slot -1
 # Steps of the lookahead window one int64 word of ``window_bits`` holds: bit ``s % WINDOW_BITS``
 # of a row's word stands for the batch prefetched at step ``s``.
 WINDOW_BITS = 64
-
-
-@cached_kernel
-def window_bits_kernel(
-    rows,  # int64 [M]: the rows of one hinted step's batch, NOT_CACHED outside the cached tables (skipped)
-    step_bit,  # int64: that step's bit, 1 << (step % WINDOW_BITS) (bit 63 is the sign bit)
-    set_bit,  # bool: True sets the bit in each row's word, False clears it
-    window_bits,  # int64 [R]: per global row, the bits of the hinted steps whose batch names it
-):
-    """Record (or forget) one hinted step for every row of its batch."""
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, rows.shape[0], stride):
-        row = rows[i]
-        if row == NOT_CACHED:
-            continue
-        # A row named twice is updated by two threads without atomics: a benign race, since every
-        # thread of a launch changes only this one bit, the same way, so whichever write lands
-        # last leaves the word right (launches on one stream do not overlap).
-        word = window_bits[row]
-        window_bits[row] = (word | step_bit) if set_bit else (word & ~step_bit)
 
 
 # ``wanted`` of copy_rows_kernel that copies every entry whose row lies in the group's tables.

@@ -3,7 +3,7 @@
 Lookahead hints are incremental: each batch of the window is recorded once, as a bit in a
 per-row word (``window_bits``: bit ``s % 64`` for the batch of step ``s``), and forgotten when
 its step is prefetched; a prefetch decodes each row's next use from its word, only for the
-sets that choose a victim (``cache/_kernels.py``). Telling the cache of a batch costs one pass
+sets that choose a victim (``cache/policy_kernels.py``). Telling the cache of a batch costs one pass
 over that batch's rows, whatever the window's length. The words cost 8 bytes of device memory
 per row of the cached tables (allocated by the first hint only). The policy's side of it is
 specified in ``cache/policy.py`` ("Lookahead window").
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tiered_tbe.cache import _kernels
-from tiered_tbe.cache._kernels import WINDOW_BITS
+from tiered_tbe.cache._kernels import NOT_CACHED, WINDOW_BITS
 from tiered_tbe.cache.launch import KernelLauncher
 from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN
 
@@ -45,6 +44,7 @@ class UpcomingBatches:
         self.device = device
         self.launcher = launcher
         self.window_bits: torch.Tensor | None = None
+        self._words: torch.Tensor | None = None  # window_bits and a spare word after it
         self._no_bits = torch.zeros(1, dtype=torch.int64, device=device)
         self.kernel_bits = launcher.array(self._no_bits)
         self._rows_of_step: dict[int, torch.Tensor] = {}  # the masked rows of each recorded step
@@ -67,7 +67,10 @@ class UpcomingBatches:
         if step in self._rows_of_step:
             raise ValueError(f"step {step} is already recorded (upcoming_steps: {self.steps})")
         if self.window_bits is None:
-            self.window_bits = torch.zeros(self.rows_end, dtype=torch.int64, device=self.device)
+            # One word more than the rows: the rows outside the cached tables (NOT_CACHED) update it
+            # instead of being filtered out, which would wait for the device (_update_bits).
+            self._words = torch.zeros(self.rows_end + 1, dtype=torch.int64, device=self.device)
+            self.window_bits = self._words[: self.rows_end]
             self.kernel_bits = self.launcher.array(self.window_bits)
         # The next prefetch's step shares its bit with step + 1 + WINDOW_BITS: forget it first.
         self.forget(through=current_step + 1)
@@ -102,12 +105,19 @@ class UpcomingBatches:
         return next_use
 
     def _update_bits(self, rows: torch.Tensor, step: int, set_bit: bool) -> None:
-        """Set (or clear) bit ``step % WINDOW_BITS`` of the words of ``rows`` (NOT_CACHED skipped): one launch."""
+        """Set (or clear) bit ``step % WINDOW_BITS`` of the words of ``rows`` (NOT_CACHED: the spare word).
+
+        Four torch ops, not a Numba kernel: an eager Numba launch costs ~0.1-0.3 ms of host time
+        (docs/PITFALLS.md), and a lookahead pipeline records and forgets a batch at every prefetch,
+        on steps bound by their host (docs/performance.md). A row named twice is read once and written
+        twice with the same word: every write of an index carries the same value."""
         if rows.numel() == 0:
             return
         bit = step % WINDOW_BITS
         step_bit = 1 << bit if bit < WINDOW_BITS - 1 else -(1 << bit)  # as an int64: bit 63 is the sign
-        self.launcher.launch(_kernels.window_bits_kernel, rows.numel(), rows, step_bit, set_bit, self.kernel_bits)
+        index = torch.where(rows == NOT_CACHED, self.rows_end, rows)
+        words = self._words[index]
+        self._words[index] = (words | step_bit) if set_bit else (words & ~step_bit)
 
 
 class LookaheadHints:
