@@ -87,13 +87,14 @@ def _compact_runs_kernel(
     first_ptr,  # int32 [N]: _first_of_runs_kernel's flags
     place_ptr,  # int32 [N]: their inclusive cumsum (a first key's place is its value - 1; the last is the count)
     num_positions,  # N (>= 1)
+    padding,  # int64: the row written after the distinct ones (INT64_MAX)
     BLOCK: tl.constexpr,  # positions per program
 ):
     positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = positions < num_positions
     count = tl.load(place_ptr + num_positions - 1).to(tl.int64)
     # Places below the count are written by the first keys only, those at or above it by the padding only.
-    tl.store(rows_ptr + positions, tl.full([BLOCK], 9223372036854775807, tl.int64), mask=inside & (positions >= count))
+    tl.store(rows_ptr + positions, tl.zeros([BLOCK], dtype=tl.int64) + padding, mask=inside & (positions >= count))
     first = tl.load(first_ptr + positions, mask=inside, other=0) != 0
     place = tl.load(place_ptr + positions, mask=inside, other=1).to(tl.int64) - 1
     key = tl.load(sorted_keys_ptr + positions, mask=inside, other=0).to(tl.int64)
@@ -131,7 +132,7 @@ def hint_rows(indices: torch.Tensor, feature_starts: torch.Tensor, num_rows_of_f
     _first_of_runs_kernel[grid](first, sorted_keys, n, none_key, BLOCK=BLOCK)
     place = torch.cumsum(first, 0, dtype=torch.int32)
     rows = torch.empty(n, dtype=torch.int64, device=device)
-    _compact_runs_kernel[grid](rows, sorted_keys, first, place, n, BLOCK=BLOCK)
+    _compact_runs_kernel[grid](rows, sorted_keys, first, place, n, INT64_MAX, BLOCK=BLOCK)
     return rows, place[-1].long()
 
 

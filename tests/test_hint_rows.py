@@ -86,3 +86,19 @@ def test_hint_rows_past_int32_keep_int64_keys():
     assert INT32_MAX < sum(table_rows)
     assert int(count) == int(want_count) == 4 and torch.equal(rows, want_rows)
     assert rows.tolist() == [5, 2_999_999_999, 3_000_000_000, 3_000_000_049] + [INT64_MAX] * 3
+
+
+@pytest.mark.gpu
+def test_hint_rows_on_the_gpu_equal_the_reference_at_benchmark_size(device):
+    """The Criteo benchmark's batch (26 features, B=65536, bags of 1) and a ragged one with 4M lookups on
+    the GPU: CUB's sort, the kernels and their launch grids at sizes the CPU tests cannot reach."""
+    generator = torch.Generator(device).manual_seed(11)
+    for table_rows, lookups in (([1460, 583, 10131227, 2202608] * 6 + [305, 24], 26 * 65536),
+                                ([9_000_000, 8_000_000, 5_000_000, 2_000_000, 1], 4_000_000)):
+        sizes = torch.tensor(table_rows, dtype=torch.int64, device=device)
+        row_offset = torch.cumsum(sizes, 0) - sizes
+        starts = torch.linspace(0, lookups, len(table_rows) + 1, device=device).long()
+        indices = torch.randint(-2, 12_000_000, (lookups + 4096,), device=device, generator=generator)
+        got = hint_rows(indices, starts, sizes, row_offset, int(sizes.sum()))
+        want = hint_rows_reference(indices, starts, sizes, row_offset, int(sizes.sum()))
+        assert int(got[1]) == int(want[1]) > 0 and torch.equal(got[0], want[0])

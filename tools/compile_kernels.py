@@ -167,7 +167,7 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     results.append(_report("hint first of runs", hint_rows._first_of_runs_kernel.warmup(
         i32, i32, n, 2**31 - 1, BLOCK=hint_rows.BLOCK, grid=grid), arch))
     results.append(_report("hint compact runs", hint_rows._compact_runs_kernel.warmup(
-        i64, i32, i32, i32, n, BLOCK=hint_rows.BLOCK, grid=grid), arch))
+        i64, i32, i32, i32, n, 2**63 - 1, BLOCK=hint_rows.BLOCK, grid=grid), arch))
     config = backward.default_config(block_d)
     align = 16 // weights.element_size()
     common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, ALIGN=align, GRAD_ALIGN_BYTES=16, SHARED_TABLES=False,
