@@ -44,7 +44,7 @@ import torch
 
 from tiered_tbe import records
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
-from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks import common, sampling
 from tiered_tbe.benchmarks.models import build_module
 from tiered_tbe.cache.mover import MOVERS
 from tiered_tbe.cache.policy import POLICIES
@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> list[dict]:
           flush=True)
 
     num_batches = args.warmup + args.batches
-    batches = {alpha: common.ZipfBatches(table_rows, alpha, args.batch_size, args.bag_size, device,
+    batches = {alpha: sampling.ZipfBatches(table_rows, alpha, args.batch_size, args.bag_size, device,
                                          seed=args.seed).batches(num_batches)
                for alpha in args.alpha}
     grad = torch.randn(args.batch_size, len(table_rows) * args.dim, device=device,
@@ -404,7 +404,7 @@ def run_big_table(args: argparse.Namespace) -> dict:
     setup_s = time.perf_counter() - start
     print(f"  allocated and initialised in {setup_s:.1f} s; {emb.cache.num_slots:,} cache slots "
           f"({emb.cache.num_slots / num_rows:.1%} of the rows)", flush=True)
-    source = common.ZipfBatches([num_rows], args.alpha[0], args.batch_size, args.big_bag_size, device, seed=args.seed)
+    source = sampling.ZipfBatches([num_rows], args.alpha[0], args.batch_size, args.big_bag_size, device, seed=args.seed)
     grad = torch.randn(args.batch_size, args.dim, device=device,
                        generator=torch.Generator(device=device).manual_seed(args.seed))
     first_timed = args.big_steps // 2  # the second half: the cache is warm by then

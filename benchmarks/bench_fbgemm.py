@@ -3,7 +3,7 @@
 FBGEMM_GPU's ``SplitTableBatchedEmbeddingBagsCodegen`` is what our users run today, so it is the
 baseline that counts. Each configuration builds FBGEMM's module and ours on the same tables (a
 dim per table), optimizer and weights dtype, trains both on the same batches
-(``common.ZipfBatches``: bags of one length or of lengths drawn per bag or per batch, per-sample
+(``sampling.ZipfBatches``: bags of one length or of lengths drawn per bag or per batch, per-sample
 weights, batch sizes that change every step, as the configuration says), and times the forward
 (``module(indices, offsets, per_sample_weights)``), the backward (``out.backward(grad)``: the
 fused update) and the whole step with CUDA events, medians of ``--steps`` steps after
@@ -50,7 +50,7 @@ import torch
 from tiered_tbe import records
 from tiered_tbe.base.mode import SIMULATION, describe_mode  # first: picks GPU / simulation mode
 from tiered_tbe.base.sorting import stable_sort
-from tiered_tbe.benchmarks import common, kernel_profile
+from tiered_tbe.benchmarks import common, kernel_profile, sampling
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIG_NAMES, CONFIGS, PROFILED_STEPS, Config
 from tiered_tbe.benchmarks.fbgemm_sides import (
     batches_needed,
@@ -164,7 +164,7 @@ def measure_ours(config: Config, batches, grad, args, emb: TieredEmbeddingBags |
 
     def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
         window = config.lookahead_window
-        batches_run = common.cycle(batches, count + window, first)  # the last steps see a whole window too
+        batches_run = sampling.cycle(batches, count + window, first)  # the last steps see a whole window too
         reset = emb.reset_cache_stats if config.cached else None  # the counters of the timed steps
         if config.pipelined:
             pipeline = PrefetchPipeline(emb, batches_run, depth=2, lookahead=window if window else None,
@@ -232,7 +232,7 @@ def lookups_of_steps(batches: list, warmup: int, count: int, profiled: bool) -> 
     batches (on the ragged shape its 5 batches held 25% fewer samples than the 8 timed ones, which
     read as ~1 ms a step that the GPU idled)."""
     def mean_lookups(first: int, steps: int) -> float:
-        chosen = common.cycle(batches, steps, first)
+        chosen = sampling.cycle(batches, steps, first)
         return sum(batch[0].numel() for batch in chosen) / max(len(chosen), 1)
 
     found = {"lookups_per_step": mean_lookups(warmup, count - warmup)}
@@ -301,15 +301,15 @@ def measure_fbgemm(config: Config, batches, grad, args, emb=None, timed: dict | 
             return out
 
         def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
-            return time_steps(step, common.cycle(batches, count, first), grad, warmup, counters=counters)
+            return time_steps(step, sampling.cycle(batches, count, first), grad, warmup, counters=counters)
     elif config.cached:
         def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
-            return time_steps(forward_of, common.cycle(batches, count, first), grad, warmup,
+            return time_steps(forward_of, sampling.cycle(batches, count, first), grad, warmup,
                               before=lambda i, indices, offsets, weights: emb.prefetch(indices, offsets),
                               counters=counters)
     else:
         def run_steps(count: int, warmup: int, first: int = 0) -> dict[str, float]:
-            return time_steps(forward_of, common.cycle(batches, count, first), grad, warmup, counters=counters)
+            return time_steps(forward_of, sampling.cycle(batches, count, first), grad, warmup, counters=counters)
     result = dict(timed) if timed is not None else run_steps(count, warmup)
     result.update(lookups_of_steps(batches, warmup, count, args.profile and not config.pipelined))
     if args.profile and not config.pipelined:  # (the pipelined steps' events and batches run on from the timing)

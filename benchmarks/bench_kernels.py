@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from tiered_tbe import records
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
-from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks import common, sampling
 from tiered_tbe.kernels.backward import backward_update
 from tiered_tbe.kernels.forward import pooled_forward
 from tiered_tbe.kernels.rows import Lookups, RowStores, no_cache
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     torch_grad = as_torch_layout(grad_output).to(dtype)
 
     for alpha in args.alpha:
-        indices = common.ZipfBatches([args.rows] * num_tables, alpha, batch_size, bag_size, device,
+        indices = sampling.ZipfBatches([args.rows] * num_tables, alpha, batch_size, bag_size, device,
                                      seed=args.seed).next()[0]
         global_rows = indices + table_start
         lookups = Lookups(indices, offsets, batch_size)

@@ -23,7 +23,7 @@ class Config:
     """One side-by-side measurement.
 
     ``dim`` is one dim for every table or one per table (FBGEMM's TBE takes a dim per table,
-    each a multiple of 4). ``bag_lengths`` (``common.BAG_LENGTHS``): every bag ``bag_size``
+    each a multiple of 4). ``bag_lengths`` (``sampling.BAG_LENGTHS``): every bag ``bag_size``
     lookups (``"fixed"``), each bag's length drawn in ``0..bag_size`` (``"per_bag"``), or one
     length per table and batch in ``1..bag_size`` (``"per_batch"``). ``weighted``: per-sample
     weights on both sides. ``min_batch_size``: each batch's size drawn in

@@ -1,7 +1,7 @@
 """Both sides of a ``bench fbgemm`` configuration: our module, FBGEMM_GPU's, and their batches.
 
 - :func:`batches_of`: a configuration's batches ``(indices, offsets, per_sample_weights or None)``
-  (:class:`~tiered_tbe.benchmarks.common.ZipfBatches`) and a gradient of the largest output;
+  (:class:`~tiered_tbe.benchmarks.sampling.ZipfBatches`) and a gradient of the largest output;
 - :func:`ours_module`: our :class:`~tiered_tbe.TieredEmbeddingBags` of a configuration;
 - :func:`fbgemm_module`: FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` on the same tables
   (a dim per table), optimizer, weights dtype and cache; :func:`fbgemm_available` says whether it
@@ -20,7 +20,7 @@ import inspect
 import torch
 
 from tiered_tbe.base.mode import SIMULATION, default_device  # first: picks GPU / simulation mode
-from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks import common, sampling
 from tiered_tbe.benchmarks.fbgemm_configs import HYPER, PROFILED_STEPS, Config, simulation_shape
 from tiered_tbe.module import TieredEmbeddingBags
 from tiered_tbe.optimizers import optimizer_named
@@ -61,7 +61,7 @@ def batches_of(config: Config, seed: int, count: int, device=None) -> tuple[list
     ``[batch_size, total dim]``; a batch of ``B`` bags takes its first ``B`` rows), all drawn from
     ``seed`` on ``device`` (default: the default device)."""
     device = device or default_device()
-    sampler = common.ZipfBatches(config.tables, config.alpha, config.batch_size, config.bag_size, device, seed=seed,
+    sampler = sampling.ZipfBatches(config.tables, config.alpha, config.batch_size, config.bag_size, device, seed=seed,
                                  bag_lengths=config.bag_lengths, weighted=config.weighted,
                                  min_batch_size=config.min_batch_size)
     grad = torch.randn(config.batch_size, config.total_dim, device=device,

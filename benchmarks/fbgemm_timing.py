@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from tiered_tbe.benchmarks import common, kernel_profile
+from tiered_tbe.benchmarks import common, kernel_profile, sampling
 
 ROUND_STEPS = 4  # timed steps a side takes in a row when the sides take turns (time_interleaved)
 
@@ -121,12 +121,12 @@ def time_interleaved(steps: dict, batches: list, grad, warmup: int, count: int, 
                 times[name].setdefault(phase, []).extend(values)
 
     for name in steps:
-        take_turn(name, common.cycle(batches, warmup), warmup)
+        take_turn(name, sampling.cycle(batches, warmup), warmup)
     order = list(steps)
     for round_number in range(-(-count // round_steps)):
         first = warmup + round_number * round_steps
         for name in order if round_number % 2 == 0 else order[::-1]:
-            take_turn(name, common.cycle(batches, min(round_steps, count - round_number * round_steps), first), 0)
+            take_turn(name, sampling.cycle(batches, min(round_steps, count - round_number * round_steps), first), 0)
     return {name: medians(phase_times) for name, phase_times in times.items()}
 
 

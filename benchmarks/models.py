@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tiered_tbe.base.mode import default_device  # first: picks GPU / simulation mode
-from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks import common, sampling
 from tiered_tbe.module import TieredEmbeddingBags
 from tiered_tbe.optimizers import RowwiseAdagrad
 from tiered_tbe.specs import CacheConfig, Placement, TableSpec
@@ -98,7 +98,7 @@ def make_batches(table_rows, alpha, args, device) -> list[tuple[torch.Tensor, ..
     the device: the pipeline keeps ``depth`` batches prefetched and ``lookahead`` more pulled
     ahead of the last timed step."""
     count = args.warmup + args.batches + args.depth + args.lookahead
-    lookups = common.ZipfBatches(table_rows, alpha, args.batch_size, args.bag_size, device, seed=args.seed)
+    lookups = sampling.ZipfBatches(table_rows, alpha, args.batch_size, args.bag_size, device, seed=args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed + 1)
     batches = []
     for _ in range(count):

@@ -282,35 +282,35 @@ def test_both_entry_points_import(entry_point):
     assert "--cache-fraction" in result.stdout or "--tables" in result.stdout
 
 
-def test_zipf_batches_are_tbe_batches_and_seeded(scripts):
-    common = scripts["common"]
+def test_zipf_batches_are_tbe_batches_and_seeded():
+    sampling = importlib.import_module("tiered_tbe.benchmarks.sampling")
     rows = [1000, 5, 300]
-    source = common.ZipfBatches(rows, 1.05, batch_size=64, bag_size=2, device="cpu", seed=3)
+    source = sampling.ZipfBatches(rows, 1.05, batch_size=64, bag_size=2, device="cpu", seed=3)
     indices, offsets = source.next()
     assert indices.dtype == torch.int64 and indices.shape == (3 * 64 * 2,)
     assert torch.equal(offsets, torch.arange(0, 3 * 64 * 2 + 1, 2))
     for t, n in enumerate(rows):
         part = indices[t * 128:(t + 1) * 128]
         assert 0 <= int(part.min()) and int(part.max()) < n
-    again = common.ZipfBatches(rows, 1.05, batch_size=64, bag_size=2, device="cpu", seed=3).next()[0]
+    again = sampling.ZipfBatches(rows, 1.05, batch_size=64, bag_size=2, device="cpu", seed=3).next()[0]
     assert torch.equal(indices, again)
-    uniform = common.ZipfBatches(rows, 0.0, batch_size=64, bag_size=1, device="cpu").next()[0]
+    uniform = sampling.ZipfBatches(rows, 0.0, batch_size=64, bag_size=1, device="cpu").next()[0]
     assert int(uniform[64:128].max()) < 5
-    global_rows = common.global_rows(indices, offsets, rows)
+    global_rows = sampling.global_rows(indices, offsets, rows)
     assert torch.equal(global_rows[128:256], indices[128:256] + 1000)
 
 
 @pytest.mark.parametrize("bag_lengths", ["per_bag", "per_batch", "fixed"])
-def test_zipf_batches_with_drawn_bag_lengths_weights_and_batch_sizes(scripts, bag_lengths):
+def test_zipf_batches_with_drawn_bag_lengths_weights_and_batch_sizes(bag_lengths):
     """Bags of lengths drawn per bag (empty ones included) or per table and batch, per-sample
     weights, batch sizes drawn per batch: every batch a valid TBE batch, each table's rows its own,
     seeded."""
-    common = scripts["common"]
+    sampling = importlib.import_module("tiered_tbe.benchmarks.sampling")
     rows = [1000, 5, 300, 70]
 
     def source():
-        return common.ZipfBatches(rows, 1.05, batch_size=32, bag_size=6, device="cpu", seed=4,
-                                  bag_lengths=bag_lengths, weighted=True, min_batch_size=9)
+        return sampling.ZipfBatches(rows, 1.05, batch_size=32, bag_size=6, device="cpu", seed=4,
+                                    bag_lengths=bag_lengths, weighted=True, min_batch_size=9)
 
     batches, sizes = source().batches(12), set()
     for indices, offsets, weights in batches:
@@ -329,7 +329,7 @@ def test_zipf_batches_with_drawn_bag_lengths_weights_and_batch_sizes(scripts, ba
             assert part.numel() == 0 or (0 <= int(part.min()) and int(part.max()) < n)
         assert weights.dtype == torch.float32 and weights.shape == indices.shape
         assert bool(((weights >= 0.5) & (weights < 1.5)).all())
-        global_rows = common.global_rows(indices, offsets, rows)
+        global_rows = sampling.global_rows(indices, offsets, rows)
         assert bool((global_rows < sum(rows)).all())
     assert len(sizes) > 1  # the batch size changes
     if bag_lengths == "per_bag":
@@ -337,7 +337,7 @@ def test_zipf_batches_with_drawn_bag_lengths_weights_and_batch_sizes(scripts, ba
     for (i, o, w), (i2, o2, w2) in zip(batches, source().batches(12)):
         assert torch.equal(i, i2) and torch.equal(o, o2) and torch.equal(w, w2)
     with pytest.raises(ValueError, match="bag_lengths must be one of"):
-        common.ZipfBatches(rows, 1.05, 4, 2, "cpu", bag_lengths="poisson")
+        sampling.ZipfBatches(rows, 1.05, 4, 2, "cpu", bag_lengths="poisson")
 
 
 def assert_no_verdicts(text: str) -> None:
@@ -587,7 +587,7 @@ def test_bench_fbgemm_gives_a_cached_configuration_a_new_batch_every_step():
     args.profile = True
     assert bench_fbgemm.batches_needed(by_name["cached-lfu"], args) == steps + bench_fbgemm.PROFILED_STEPS + counted
     # The profiled steps take the batches after the timed ones, the counted ones those after them.
-    assert scripts_common().cycle(list(range(7)), 3, first=5) == [5, 6, 0]
+    assert importlib.import_module("tiered_tbe.benchmarks.sampling").cycle(list(range(7)), 3, first=5) == [5, 6, 0]
 
 
 def test_bench_fbgemm_times_batches_of_changing_size_after_their_graphs_are_captured(monkeypatch):
@@ -607,10 +607,6 @@ def test_bench_fbgemm_times_batches_of_changing_size_after_their_graphs_are_capt
     assert sides.batches_needed(ragged, args) == sides.VARIABLE_SIZE_WARMUP + args.steps + sides.COUNTED_STEPS
     args.warmup = 100
     assert sides.warmup_steps(ragged, args) == 100
-
-
-def scripts_common():
-    return importlib.import_module("tiered_tbe.benchmarks.common")
 
 
 def test_bench_fbgemm_tables_give_ratios_against_the_same_run():

@@ -108,7 +108,7 @@ def test_pipelined_equals_serial_at_benchmark_size(policy, mover):
     row-wise Adagrad, B = 65536, a cache of 5% of the rows), 12 steps at Zipf 1.05: the
     pipeline (depth 2, side stream, high-priority steps) with either mover trains bitwise like
     serial training with the zero-copy mover, and leaves no lock held."""
-    from tiered_tbe.benchmarks.common import ZipfBatches
+    from tiered_tbe.benchmarks.sampling import ZipfBatches
     from tiered_tbe.traces import CRITEO_KAGGLE_TABLE_ROWS
 
     def build(mover):
@@ -178,7 +178,7 @@ def test_benchmark_pipelines_stop_taking_memory(name):
     instead of copied. Here at the benchmark's size: the Criteo tables and the 12 mixed-dim ones."""
     import argparse
 
-    from tiered_tbe.benchmarks import common
+    from tiered_tbe.benchmarks import common, sampling
     from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS
     from tiered_tbe.benchmarks.fbgemm_sides import batches_of, ours_module
 
@@ -190,7 +190,7 @@ def test_benchmark_pipelines_stop_taking_memory(name):
     counters = common.step_counters(module, module.cache)
     readings = {}
     for step, (indices, offsets, weights) in enumerate(
-            PrefetchPipeline(module, common.cycle(batches, last + 2), depth=2), start=1):
+            PrefetchPipeline(module, sampling.cycle(batches, last + 2), depth=2), start=1):
         out = module(indices, offsets, per_sample_weights=weights)
         out.backward(grad[: out.shape[0]])
         del out

@@ -7,7 +7,7 @@ batches (its tables, Zipf exponent, bag lengths and batch sizes), before any GPU
     tiered-tbe bench hit-rate --trace file --file /tmp/z06.pt --table-rows <printed> \\
         --cache-sizes 10% --policies lru,lfu,lookahead --lookahead-window 8 --full-window --warmup 36
 
-The batches come from the benchmark's own sampler (``benchmarks/common.ZipfBatches``) on the CPU:
+The batches come from the benchmark's own sampler (``benchmarks/sampling.ZipfBatches``) on the CPU:
 the same distribution as a GPU run, not the same rows (the GPU draws with its own generator).
 The file is a list of ``(indices, offsets)`` pairs, one TBE batch each (table-local int64 rows,
 table-major; offsets of ``T * B + 1`` entries), which ``--trace file`` reads with ``--table-rows``.
@@ -25,8 +25,8 @@ import torch
 def write_trace(name: str, count: int, path: str, seed: int = 0) -> list[int]:
     """Draw ``count`` batches of configuration ``name`` on the CPU and save them to ``path``;
     returns the rows of each table."""
-    from tiered_tbe.benchmarks.common import ZipfBatches
     from tiered_tbe.benchmarks.fbgemm_configs import CONFIG_NAMES, CONFIGS
+    from tiered_tbe.benchmarks.sampling import ZipfBatches
 
     if name not in CONFIG_NAMES:
         raise SystemExit(f"unknown configuration {name!r}; choose from {CONFIG_NAMES}")

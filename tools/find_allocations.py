@@ -19,7 +19,7 @@ from collections import Counter
 import torch
 
 from tiered_tbe.base.mode import SIMULATION  # first: picks GPU / simulation mode
-from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks import common, sampling
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS
 from tiered_tbe.benchmarks.fbgemm_sides import batches_of, ours_module, shape_of
 from tiered_tbe.pipeline import PrefetchPipeline
@@ -37,7 +37,7 @@ def project_frames(frames: list[dict], depth: int) -> str:
 def steps_of(emb, config, batches, grad, count: int, sync: bool = False):
     """Yield after each of ``count`` training steps of ``emb`` (serial prefetch, or a depth-2 pipeline);
     ``sync``: the host waits for each step's GPU work (a loop that reads its loss every step)."""
-    stream = common.cycle(batches, count)
+    stream = sampling.cycle(batches, count)
     if config.pipelined:
         stream = PrefetchPipeline(emb, stream, depth=2)
     for i, (indices, offsets, weights) in enumerate(stream):

@@ -17,7 +17,7 @@ import time
 import torch
 
 from tiered_tbe.base.mode import SIMULATION, default_device, describe_mode  # first: picks GPU / simulation mode
-from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks import common, sampling
 from tiered_tbe.benchmarks.models import build_module
 from tiered_tbe.cache.mover import MOVERS
 from tiered_tbe.cache.policy import POLICIES
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     print(describe_mode(), flush=True)
     table_rows = common.table_rows_of(args)
     alpha = args.alpha[0]
-    batches = common.ZipfBatches(table_rows, alpha, args.batch_size, args.bag_size, device,
+    batches = sampling.ZipfBatches(table_rows, alpha, args.batch_size, args.bag_size, device,
                                  seed=args.seed).batches(args.warmup + 2 * args.steps)
     grad = torch.randn(args.batch_size, len(table_rows) * args.dim, device=device)
     models = [] if args.skip_cached else [

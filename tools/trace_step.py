@@ -46,7 +46,7 @@ from trace_pipeline import summarize
 
 from tiered_tbe import PrefetchPipeline
 from tiered_tbe.base.mode import SIMULATION, describe_mode  # first: picks GPU / simulation mode
-from tiered_tbe.benchmarks import common
+from tiered_tbe.benchmarks import common, sampling
 from tiered_tbe.benchmarks.fbgemm_configs import CONFIGS
 from tiered_tbe.benchmarks.fbgemm_sides import (
     batches_of,
@@ -72,8 +72,8 @@ def trace_steps(emb, batches, grad, warmup: int, steps: int, trace_path: Path | 
     activities = ([ProfilerActivity.CPU] if host else []) + ([] if SIMULATION else [ProfilerActivity.CUDA])
     prof = profile(activities=activities)
     count = warmup + 1 + steps
-    source = iter(PrefetchPipeline(emb, common.cycle(batches, count + lookahead), depth=2, lookahead=lookahead or None)
-                  if pipelined else common.cycle(batches, count))
+    source = iter(PrefetchPipeline(emb, sampling.cycle(batches, count + lookahead), depth=2,
+                                   lookahead=lookahead or None) if pipelined else sampling.cycle(batches, count))
     try:
         for i in range(count):
             if i == warmup:
