@@ -494,3 +494,34 @@ def test_hint_upcoming_records_each_batch_once_up_to_max_lookahead():
     assert cache.upcoming_steps == [3, 4, 5]
     module.hint_upcoming([rows_tensor([d]) for d in range(MAX_LOOKAHEAD)])  # the longest window
     assert cache.upcoming_steps == list(range(3, 2 + MAX_LOOKAHEAD + 1))
+
+
+@pytest.mark.gpu
+def test_a_lookahead_pipeline_lends_its_hints_pinned_counts_from_one_ring():
+    """Each batch entering the window copies its count of distinct rows to the host. The counts land in a
+    pinned ring made with the pipeline (``pipeline._PinnedCounts``), not in scalars from the pinned
+    allocator, which allocated anew every few steps while the host ran ahead of the device: no hint
+    holds memory outside the ring, and the pinned allocator allocates nothing in the steady state."""
+    from tiered_tbe import SGD, CacheConfig, Placement, PrefetchPipeline, TableSpec, TieredEmbeddingBags
+
+    cached = Placement.MANAGED_CACHED
+    module = TieredEmbeddingBags([TableSpec(5000, 8, placement=cached), TableSpec(300, 4, placement=cached)],
+                                 optimizer=SGD(lr=0.1), device="cuda",
+                                 cache=CacheConfig(slots=256, associativity=32, policy="lookahead-admit"))
+    generator = torch.Generator("cuda").manual_seed(0)
+    batch_size, bag = 64, 3
+    batches = [(torch.randint(0, 300, (2 * batch_size * bag,), device="cuda", generator=generator),
+                torch.arange(0, 2 * batch_size * bag + 1, bag, device="cuda")) for _ in range(80)]
+    pipeline = PrefetchPipeline(module, batches, depth=2, lookahead=16)
+    ring = pipeline._hint_counts.values
+    ring_start, ring_end = ring.data_ptr(), ring.data_ptr() + ring.numel() * ring.element_size()
+    allocations = []
+    for step, (indices, offsets) in enumerate(pipeline):
+        module(indices, offsets).sum().backward()
+        for _, _, hints in pipeline.upcoming:
+            assert all(ring_start <= hint.count_host.data_ptr() < ring_end for hint in hints.values())
+        if step in (30, 79):
+            torch.cuda.synchronize()
+            allocations.append(torch.cuda.host_memory_stats()["num_host_alloc"])
+    assert allocations[0] == allocations[1]
+    assert module.cache.num_locked() == 0

@@ -166,6 +166,10 @@ class PrefetchPipeline:
         self.upcoming: deque[tuple[Any, dict, dict]] = deque()
         uses_lookahead = any(m.uses_lookahead for m in self.modules.values())
         self.lookahead = lookahead if lookahead is not None else (DEFAULT_LOOKAHEAD if uses_lookahead else 0)
+        # Where the hints' counts land on the host: at most 1 + lookahead batches are held ahead, a count
+        # each per lookahead module, so a ring of one batch more is never lent twice at once.
+        hinted = sum(m.uses_lookahead for m in self.modules.values())
+        self._hint_counts = _PinnedCounts((self.lookahead + 2) * hinted) if self.is_cuda and hinted else None
         # Met while reading or prefetching ahead: raised once the batches queued before it are handed out;
         # nothing is read or prefetched after it.
         self.error: Exception | None = None
@@ -199,7 +203,7 @@ class PrefetchPipeline:
             lookups = self._lookups_by_module(batch)
             # Rows a lookahead cache is told about, once per batch (each serves `lookahead` prefetches).
             with self._on_side_stream():
-                hint_rows = {name: _HintRows(*self.modules[name].rows_for_hint(indices, offsets))
+                hint_rows = {name: _HintRows(*self.modules[name].rows_for_hint(indices, offsets), self._hint_counts)
                              for name, (indices, offsets) in lookups.items() if self.modules[name].uses_lookahead}
         except StopIteration:
             return False
@@ -314,6 +318,26 @@ class PrefetchPipeline:
         self.close()
 
 
+class _PinnedCounts:
+    """Pinned int64 scalars lent in turn to the hints of the batches pulled ahead.
+
+    Made once: a pinned scalar per batch came from the pinned-memory allocator, which made a new
+    allocation every five to eight steps of a lookahead pipeline in steady state (its blocks wait for
+    their copies' events while the host runs ahead; ``host_mallocs_per_step`` 0.13-0.2 in ``bench
+    fbgemm``). A slot is lent again ``size`` hints later; the caller sizes the ring so that its holder
+    has left the window by then (copies into it are ordered on the prefetch stream)."""
+
+    def __init__(self, size: int):
+        self.values = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        self.next = 0
+
+    def lend(self) -> torch.Tensor:
+        """int64 [] pinned: the next slot."""
+        value = self.values[self.next]
+        self.next = (self.next + 1) % self.values.numel()
+        return value
+
+
 class _HintRows:
     """A batch's distinct rows for lookahead hints (``rows_for_hint``), shortened to their count
     once the count has reached the host.
@@ -324,13 +348,14 @@ class _HintRows:
     W x (lookups): at Zipf 1.05 about 8x fewer.
     """
 
-    def __init__(self, padded: torch.Tensor, count: torch.Tensor):
+    def __init__(self, padded: torch.Tensor, count: torch.Tensor, pinned: _PinnedCounts | None = None):
         self.padded = padded
         self.count: int | None = None
         self._rows: torch.Tensor | None = None  # padded[:count], made once
         self.event = None
         if count.is_cuda:
-            self.count_host = torch.empty((), dtype=count.dtype, pin_memory=True)
+            self.count_host = pinned.lend() if pinned is not None else torch.empty((), dtype=count.dtype,
+                                                                                   pin_memory=True)
             self.count_host.copy_(count, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
