@@ -349,18 +349,17 @@ class _HintRows:
     """
 
     def __init__(self, padded: torch.Tensor, count: torch.Tensor, pinned: _PinnedCounts | None = None):
+        """``pinned``: where a count on the GPU lands on the host (a CPU count is read at once)."""
         self.padded = padded
-        self.count: int | None = None
-        self._rows: torch.Tensor | None = None  # padded[:count], made once
+        self._rows: torch.Tensor | None = None  # padded[:count], made once the count is on the host
         self.event = None
         if count.is_cuda:
-            self.count_host = pinned.lend() if pinned is not None else torch.empty((), dtype=count.dtype,
-                                                                                   pin_memory=True)
+            self.count_host = pinned.lend()
             self.count_host.copy_(count, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.count = int(count)
+            self._rows = padded[: int(count)]
 
     def rows(self) -> torch.Tensor:
         """int64: the batch's distinct rows (with padding while their count is not known yet).
@@ -369,11 +368,9 @@ class _HintRows:
         shortened view is made once: a slice and an event query cost a few microseconds of host time
         each, and the steps that lookahead loses are bound by their host."""
         if self._rows is None:
-            if self.count is None and self.event.query():
-                self.count = int(self.count_host)
-            if self.count is None:
+            if not self.event.query():
                 return self.padded
-            self._rows = self.padded[: self.count]
+            self._rows = self.padded[: int(self.count_host)]
         return self._rows
 
 
