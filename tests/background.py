@@ -34,7 +34,13 @@ class Check:
 
     def start(self) -> None:
         if self.future is None:
-            self.future = _checks.submit(subprocess.run, self.command, capture_output=True, text=True, **self.kwargs)
+            # The environment is copied here, on the thread that runs the tests. Without ``env``, the child
+            # execs with the C library's ``environ``. On Linux, subprocess starts the child with vfork(), so
+            # the child shares the parent's memory until it execs. A test's ``monkeypatch.setenv`` at that
+            # moment can reallocate and free ``environ`` under the child, which then fails with
+            # "OSError: [Errno 14] Bad address". With ``env`` given, the child execs an array of its own.
+            kwargs = {"env": dict(os.environ), **self.kwargs}
+            self.future = _checks.submit(subprocess.run, self.command, capture_output=True, text=True, **kwargs)
 
     def result(self, timeout: float | None = None) -> subprocess.CompletedProcess:
         for check in _by_module.get(self.module, [self]):  # this module's checks, in their order
