@@ -520,14 +520,32 @@ def test_bench_link_sharing_records_each_grid(tmp_path, capsys):
     bench_link_sharing = tool("bench_link_sharing")
     path = tmp_path / "records.jsonl"
     assert bench_link_sharing.main(["--rows", "30", "--keys", "40", "--dim", "5", "--programs", "2", "0",
-                                    "--rows-a-step", "1", "4", "--repeats", "1", "--record", str(path)]) == 0
+                                    "--rows-a-step", "1", "4", "--partition", "1", "--repeats", "1",
+                                    "--record", str(path)]) == 0
     found = records.read(path)
-    assert [(r["configuration"]["programs"], r["configuration"]["rows_a_step"]) for r in found] == \
-        [(2, 1), (0, 1), (2, 4), (0, 4)]
+    assert [tuple(r["configuration"][key] for key in ("programs", "rows_a_step", "sort_sms", "gather_sms"))
+            for r in found] == [(2, 1, None, None), (2, 1, 1, 3), (0, 1, None, None), (0, 1, 1, 3),
+                                (2, 4, None, None), (2, 4, 1, 3), (0, 4, None, None), (0, 4, 1, 3)]
     assert all(r["figures"]["gather_ms"] > 0 and r["figures"]["both_ms"] > 0 for r in found)
-    assert "| one a step | 4 |" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        bench_link_sharing.main(["--rows-a-step", "3"])
+    out = capsys.readouterr().out
+    assert "| shared | one a step | 4 |" in out and "| 1 / 3 | one a step | 4 |" in out
+    for wrong in (["--rows-a-step", "3"], ["--partition", "0"]):
+        with pytest.raises(SystemExit):
+            bench_link_sharing.main(wrong)
+
+
+def test_bench_link_sharing_checks_what_the_gather_wrote(monkeypatch):
+    """A gather that left a row unwritten (a launch that did nothing on a stream) fails the measurement."""
+    bench_link_sharing = tool("bench_link_sharing")
+    table = torch.randn(40, 3)
+    real = bench_link_sharing.strided_gather
+
+    def skips_the_last_row(table, rows, out, programs, rows_a_step):
+        real(table, rows[:-1], out[:-1], programs, rows_a_step)
+
+    monkeypatch.setattr(bench_link_sharing, "strided_gather", skips_the_last_row)
+    with pytest.raises(AssertionError, match="not the rows it read"):
+        bench_link_sharing.measure(table, 10, 20, 2, 1, 1, 0)
 
 
 def test_find_allocations_names_the_project_frames_of_a_segment():

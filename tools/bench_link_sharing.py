@@ -16,8 +16,17 @@ streams. For each ``P`` (default: the SM count times 1/4 .. 8, and one program a
 launch today) it prints the gather's rate alone and beside the sort, and how much of the shorter of the two
 the overlap saved: near 1, the gather left the SMs to the sort; near 0, the two took turns.
 
+``--partition N`` asks the other way round: the SMs split in two disjoint groups, ``N`` for the sort and the
+rest for the gather, each the green context of a stream (``cuDevSmResourceSplitByCount``; the driver may round
+``N`` up to its partition granularity). Neither stream can then take the other's SMs, whatever its grid. If
+the sort on a few SMs keeps most of its speed and the gather on the rest keeps the link's rate, a prefetch
+stream on a partition of its own can run beside training kernels that hold every other SM. The rows also
+say whether Triton's launches and the sort run on a green context's stream at all (the gather's output is
+checked).
+
     python tools/bench_link_sharing.py
     python tools/bench_link_sharing.py --dim 64 --rows-a-step 2 4 8 --record results/measurements.jsonl
+    python tools/bench_link_sharing.py --programs 0 --partition 8 16 32
 
 In simulation the memory is a CPU tensor and the times mean nothing (the logic is tested so).
 """
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NamedTuple
 
 import torch
 import triton
@@ -75,6 +85,62 @@ def strided_gather(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, p
                                     BLOCK=triton.next_power_of_2(dim), ROWS=rows_a_step, num_warps=1)
 
 
+def _driver_call(result):
+    """The value of a ``cuda.bindings.driver`` call's ``(error, *values)``; raises on an error."""
+    from cuda.bindings import driver
+
+    error, *values = result
+    if error != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver call failed: {error}")
+    return values[0] if len(values) == 1 else values
+
+
+class SmPartition(NamedTuple):
+    """Two streams on disjoint groups of SMs: each stream's kernels run on its group only."""
+
+    first: torch.cuda.Stream | None  # None in simulation
+    second: torch.cuda.Stream | None
+    first_sms: int
+    second_sms: int
+
+
+def sm_partition(first_sms: int, device_index: int = 0) -> SmPartition:
+    """Split the device's SMs in two disjoint groups, at least ``first_sms`` SMs in the first (as the
+    driver rounds it) and the rest in the second, and a stream in the green context of each. The
+    contexts live as long as the process. In simulation: no streams, the counts as asked of 4 SMs."""
+    if SIMULATION:
+        return SmPartition(None, None, first_sms, max(4 - first_sms, 0))
+    from cuda.bindings import driver
+
+    device = _driver_call(driver.cuDeviceGet(device_index))
+    every_sm = _driver_call(driver.cuDeviceGetDevResource(device, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+    groups, made, rest = _driver_call(driver.cuDevSmResourceSplitByCount(1, every_sm, 0, first_sms))
+    if made < 1 or rest.sm.smCount < 1:
+        raise RuntimeError(f"no split of {every_sm.sm.smCount} SMs gives {first_sms} to one group and some to another")
+    streams = []
+    for group in (groups[0], rest):
+        description = _driver_call(driver.cuDevResourceGenerateDesc([group], 1))
+        context = _driver_call(driver.cuGreenCtxCreate(
+            description, device, int(driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)))
+        handle = _driver_call(driver.cuGreenCtxStreamCreate(
+            context, int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING), 0))
+        streams.append(torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", device_index)))
+    return SmPartition(streams[0], streams[1], groups[0].sm.smCount, rest.sm.smCount)
+
+
+def run_on(stream: torch.cuda.Stream | None, fn) -> None:
+    """``fn()`` on ``stream`` after the current stream's work, the current stream then waiting for it
+    (``fn()`` on the current stream where ``stream`` is None)."""
+    if stream is None:
+        fn()
+        return
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        fn()
+    current.wait_stream(stream)
+
+
 def host_table(nbytes: int) -> tuple[torch.Tensor, object]:
     """A flat fp32 tensor over ``nbytes`` of managed memory that stays on the host (a CPU tensor in
     simulation), written once by the GPU as a module's tables are, and what frees it."""
@@ -87,25 +153,33 @@ def host_table(nbytes: int) -> tuple[torch.Tensor, object]:
 
 
 def measure(table: torch.Tensor, count: int, keys: int, programs: int, rows_a_step: int, repeats: int,
-            seed: int) -> dict[str, float]:
-    """Ms of the gather alone, the sort alone and both on two streams (the span)."""
+            seed: int, partition: SmPartition | None = None) -> dict[str, float]:
+    """Ms of the gather alone, the sort alone and both on two streams (the span). With a ``partition``,
+    the sort runs on its first group's stream and the gather on its second's, alone and together.
+    Raises ``AssertionError`` if the gather's output is not ``table[rows]``."""
     device = table.device
     generator = torch.Generator(device).manual_seed(seed)
     rows = torch.randint(table.shape[0], (count,), device=device, generator=generator).sort().values
-    out = torch.empty(count, table.shape[1], device=device)
+    out = torch.full((count, table.shape[1]), float("nan"), device=device)
     sort_keys = torch.randint(1 << 26, (keys,), device=device, generator=generator, dtype=torch.int32)
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    sort_stream, gather_stream = (partition.first, partition.second) if partition else (None, None)
+    side = gather_stream or (torch.cuda.Stream(device) if device.type == "cuda" else None)
 
-    def gather():
+    def gather_here():
         strided_gather(table, rows, out, programs, rows_a_step)
 
+    def gather():
+        run_on(gather_stream, gather_here)
+
     def sort():
-        stable_sort(sort_keys)
+        run_on(sort_stream, lambda: stable_sort(sort_keys))
 
-    def both():  # the gather on a side stream beside the sort
-        common.beside(gather, sort, side)
+    def both():  # the gather on a side stream (or its partition's) beside the sort
+        common.beside(gather_here, sort, side)
 
-    return {name: common.event_ms(fn, repeats) for name, fn in (("gather", gather), ("sort", sort), ("both", both))}
+    times = {name: common.event_ms(fn, repeats) for name, fn in (("gather", gather), ("sort", sort), ("both", both))}
+    assert torch.equal(out, table[rows]), "the gather's output is not the rows it read"
+    return times
 
 
 def main(argv=None) -> int:
@@ -122,6 +196,9 @@ def main(argv=None) -> int:
                              "times 1/4, 1/2, 1, 2, 4, 8, and 0)")
     parser.add_argument("--rows-a-step", type=int, nargs="+", default=[4],
                         help="rows a program reads at once, powers of two (default 4)")
+    parser.add_argument("--partition", type=int, nargs="+", default=[], metavar="SMS",
+                        help="also time each grid with the SMs split in two: SMS for the sort, the rest for the "
+                             "gather (green contexts; default: none)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     common.add_output_flags(parser)
@@ -129,8 +206,8 @@ def main(argv=None) -> int:
     if args.dim < 1 or args.repeats < 1 or any(r < 1 or r & (r - 1) for r in args.rows_a_step):
         parser.error("--dim and --repeats must be >= 1, --rows-a-step powers of two")
     if any(p < 0 for p in args.programs or ()) or (args.rows is not None and args.rows < 1) \
-            or (args.keys is not None and args.keys < 1):
-        parser.error("--programs must be >= 0, --rows and --keys >= 1")
+            or (args.keys is not None and args.keys < 1) or any(n < 1 for n in args.partition):
+        parser.error("--programs must be >= 0, --rows, --keys and --partition >= 1")
     print(describe_mode())
     if SIMULATION:
         print(common.SIMULATION_NOTE)
@@ -144,28 +221,50 @@ def main(argv=None) -> int:
     if table.shape[0] < 1:
         parser.error(f"--gb {gb:g} holds no row of {args.dim} fp32")
     gathered_gb = count * 4 * args.dim / 1e9
+    partitions: list[SmPartition | None] = [None]  # None: both streams on every SM
+    for first_sms in args.partition:
+        try:
+            partitions.append(sm_partition(first_sms, torch.cuda.current_device() if not SIMULATION else 0))
+        except (ImportError, RuntimeError, AttributeError) as error:  # an old driver or cuda-bindings: say so
+            print(f"no partition of {first_sms} SMs: {error!r}", flush=True)
     lines = [f"{gb:g} GB of managed memory on the host, {count} random rows of {4 * args.dim} B gathered into HBM "
-             f"by programs of one warp; beside it a stable sort of {keys} int32 keys on another stream; {sms} SMs; "
+             f"by programs of one warp; beside it a stable sort of {keys} int32 keys on another stream; {sms} SMs, "
+             "shared by both streams or split between them (sort / gather); "
              f"median of {args.repeats} (CUDA events). Saved: (gather + sort - both) / the shorter of the two.", "",
-             "| programs | rows a step | gather ms | gather GB/s | sort ms | both ms | gather + sort ms | saved |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| SMs | programs | rows a step | gather ms | gather GB/s | sort ms | both ms | gather + sort ms "
+             "| saved |",
+             "| :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     results = []
     for rows_a_step in args.rows_a_step:
         for grid in programs:
-            ms = measure(table, count, keys, grid, rows_a_step, args.repeats, args.seed)
-            serial = ms["gather"] + ms["sort"]
-            saved = (serial - ms["both"]) / max(min(ms["gather"], ms["sort"]), 1e-9)
-            label = "one a step" if grid == UNCAPPED else str(grid)
-            results.append(dict(programs=grid, rows_a_step=rows_a_step, gather_ms=ms["gather"], sort_ms=ms["sort"],
-                                both_ms=ms["both"], gather_gbs=gathered_gb / ms["gather"] * 1e3, saved=saved))
-            lines.append(f"| {label} | {rows_a_step} | {ms['gather']:.3f} | {gathered_gb / ms['gather'] * 1e3:.1f} | "
-                         f"{ms['sort']:.3f} | {ms['both']:.3f} | {serial:.3f} | {saved:.2f} |")
-            print(lines[-1], flush=True)
+            for partition in list(partitions):
+                try:
+                    ms = measure(table, count, keys, grid, rows_a_step, args.repeats, args.seed, partition)
+                except RuntimeError as error:  # a launch a green context's stream refused: say so, go on without it
+                    if partition is None:
+                        raise
+                    print(f"the partition of {partition.first_sms} SMs failed: {error!r}", flush=True)
+                    partitions.remove(partition)
+                    continue
+                serial = ms["gather"] + ms["sort"]
+                saved = (serial - ms["both"]) / max(min(ms["gather"], ms["sort"]), 1e-9)
+                label = "one a step" if grid == UNCAPPED else str(grid)
+                split = "shared" if partition is None else f"{partition.first_sms} / {partition.second_sms}"
+                results.append(dict(programs=grid, rows_a_step=rows_a_step,
+                                    sort_sms=partition.first_sms if partition else None,
+                                    gather_sms=partition.second_sms if partition else None,
+                                    gather_ms=ms["gather"], sort_ms=ms["sort"], both_ms=ms["both"],
+                                    gather_gbs=gathered_gb / ms["gather"] * 1e3, saved=saved))
+                lines.append(f"| {split} | {label} | {rows_a_step} | {ms['gather']:.3f} | "
+                             f"{gathered_gb / ms['gather'] * 1e3:.1f} | {ms['sort']:.3f} | {ms['both']:.3f} | "
+                             f"{serial:.3f} | {saved:.2f} |")
+                print(lines[-1], flush=True)
     del table, flat, keep
+    configuration_keys = ("programs", "rows_a_step", "sort_sms", "gather_sms")
     measurements = [({"what": "host link shared with a sort", "memory": "managed", "gb": gb, "rows": count,
-                      "row_bytes": 4 * args.dim, "keys": keys, "sms": sms, "programs": r["programs"],
-                      "rows_a_step": r["rows_a_step"], "repeats": args.repeats},
-                     {key: value for key, value in r.items() if key not in ("programs", "rows_a_step")})
+                      "row_bytes": 4 * args.dim, "keys": keys, "sms": sms, "repeats": args.repeats,
+                      **{key: r[key] for key in configuration_keys}},
+                     {key: value for key, value in r.items() if key not in configuration_keys})
                     for r in results]
     common.report(args, SCRIPT, argv if argv is not None else sys.argv[1:], results, lines, measurements)
     return 0
