@@ -130,15 +130,8 @@ def sm_partition(first_sms: int, device_index: int = 0) -> SmPartition:
 
 def run_on(stream: torch.cuda.Stream | None, fn) -> None:
     """``fn()`` on ``stream`` after the current stream's work, the current stream then waiting for it
-    (``fn()`` on the current stream where ``stream`` is None)."""
-    if stream is None:
-        fn()
-        return
-    current = torch.cuda.current_stream(stream.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        fn()
-    current.wait_stream(stream)
+    (``fn()`` on the current stream where ``stream`` is None): ``beside`` with nothing on the current one."""
+    common.beside(fn, lambda: None, stream)
 
 
 def host_table(nbytes: int) -> tuple[torch.Tensor, object]:
