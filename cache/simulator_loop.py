@@ -94,10 +94,11 @@ def run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associat
 
         # Then misses in ascending row order (policy.py, step 3). Sets are independent, so one
         # pass in global row order is each set's misses in ascending order.
+        horizon = step + lookahead_window  # the last step whose batch the window shows
         if hinted:  # keep each missed row's next use beside it (repeats of a row share it)
             order = np.argsort(missed[:num_missed])
             if by_next_use:  # soonest needed within the window first, then ascending rows (policy.py, "Admission")
-                seen = np.minimum(missed_next[:num_missed][order], step + lookahead_window + 1)  # past it: unknown
+                seen = np.minimum(missed_next[:num_missed][order], horizon + 1)  # past the horizon: unknown
                 order = order[np.argsort(seen, kind="mergesort")]
             missed[:num_missed] = missed[:num_missed][order]
             missed_next[:num_missed] = missed_next[:num_missed][order]
@@ -110,7 +111,6 @@ def run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associat
                 missed_uses[k] = -np.int64(row_uses[missed[k]])
             order = np.argsort(missed_uses[:num_missed], kind="mergesort")  # stable: ascending rows on a tie
             missed[:num_missed] = missed[:num_missed][order]
-        horizon = step + lookahead_window  # the last step whose batch the window shows
         for k in range(num_missed):
             row = missed[k]
             if not counting and k > 0 and row == missed[k - 1]:
