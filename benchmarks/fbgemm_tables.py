@@ -86,18 +86,20 @@ def cached_table_of(results: list[dict]) -> list[str]:
     return ["", *records.markdown_table(header, rows)]
 
 
-def moved(side: dict) -> dict:
+def moved(side: dict, pipelined: bool = False) -> dict:
     """Rows and bytes a side's cache moved per batch and the bus rate reached (bytes moved /
     prefetch ms, from the timed steps' total prefetch time): ours from its own counters over the
     timed steps, FBGEMM's counted off its cache tags over a few steps after them
-    (``fbgemm_sides.fbgemm_moves_counted``: every victim written back, weights only)."""
+    (``fbgemm_sides.fbgemm_moves_counted``: every victim written back, weights only). No bus rate
+    for a ``pipelined`` configuration: its "prefetch" is the training stream's wait for a prefetch
+    that ran beside the step (a few microseconds gave ~15,000 GB/s)."""
     if side.get("rows_in_per_batch") is None:
         return {}
     found = {key: side[key] for key in ("rows_in_per_batch", "rows_out_per_batch", "bytes_in_per_batch",
                                         "bytes_out_per_batch")}
     prefetch_ms = side.get("prefetch_total", 0) / max(side.get("steps", 0), 1)
     found["bus_gbs"] = ((found["bytes_in_per_batch"] + found["bytes_out_per_batch"]) / prefetch_ms / 1e6
-                        if prefetch_ms else None)
+                        if prefetch_ms and not pipelined else None)
     return found
 
 
@@ -201,7 +203,8 @@ def measurements_of(results: list[dict], args) -> list[tuple[dict, dict]]:
                    "ours_over_fbgemm": {phase: ratio(row["ours"].get(phase), row["fbgemm"].get(phase))
                                         for phase in PHASES if row["ours"].get(phase) and row["fbgemm"].get(phase)}}
         if _BY_NAME[row["config"]].cached:
-            figures["moved"] = {"ours": moved(row["ours"]), "fbgemm": moved(row["fbgemm"])}
+            pipelined = _BY_NAME[row["config"]].pipelined
+            figures["moved"] = {"ours": moved(row["ours"], pipelined), "fbgemm": moved(row["fbgemm"], pipelined)}
         figures.update({key: _figures(value) for key, value in row.items() if key.startswith(SWEEP_PREFIXES)})
         # --profile: every kernel's phase and device ms a step (longest first), so that two records can be
         # compared phase by phase and kernel by kernel (the printed table lists the longest few of each phase).

@@ -636,6 +636,9 @@ def test_bench_fbgemm_tables_give_ratios_against_the_same_run():
     fbgemm_moved = tables.moved(results[1]["fbgemm"])
     assert fbgemm_moved["rows_out_per_batch"] == 90 and fbgemm_moved["bus_gbs"] == (110 + 90) * 512 / 0.8 / 1e6
     assert tables.moved(results[1]["ours"])["bus_gbs"] == (100 + 40) * 516 / 1.0 / 1e6
+    # Pipelined, the prefetch phase is the training stream's wait: rows and bytes, no rate.
+    pipelined_moved = tables.moved(dict(moved, prefetch_total=0.006), pipelined=True)
+    assert pipelined_moved["rows_in_per_batch"] == 100 and pipelined_moved["bus_gbs"] is None
     assert_no_verdicts(text)
 
 
