@@ -378,8 +378,9 @@ def fmt(value, spec: str = ".3f") -> str:
 
 
 def script_command(script: str, argv: Sequence[str]) -> str:
-    """The command line of a script run: ``python benchmarks/bench_cache.py --tables 3``."""
-    return shlex.join(["python", f"benchmarks/{script}", *argv])
+    """The command line of a script run: ``python benchmarks/bench_cache.py --tables 3``. ``script``: a
+    file of ``benchmarks/`` by name, or a path from the repository root (``tools/bench_host_memory.py``)."""
+    return shlex.join(["python", script if "/" in script else f"benchmarks/{script}", *argv])
 
 
 def command_of(args: argparse.Namespace, script: str, argv: Sequence[str] | None) -> str:

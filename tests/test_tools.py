@@ -479,6 +479,9 @@ def test_bench_host_memory_times_every_kind_and_row_width(tmp_path, capsys):
         figures = record["figures"]
         assert all(figures[f"{way}_gbs"] > 0 and figures[f"{way}_ms"] > 0 for way in bench_host_memory.WAYS)
         assert record["configuration"]["transparent_huge_pages"]
+        # The command that ran, from the repository root: the tool's own path (a record once named benchmarks/).
+        assert record["command"].startswith("python tools/bench_host_memory.py --gb 0.001 --rows 40")
+        assert record["benchmark"] == "host_memory"
     assert "| registered_huge_pages |" in out and "| managed |" in out and "| managed_prefetched |" in out
     with pytest.raises(SystemExit):
         bench_host_memory.main(["--gb", "0.00000001", "--dims", "128"])
@@ -527,6 +530,7 @@ def test_bench_link_sharing_records_each_grid(tmp_path, capsys):
             for r in found] == [(2, 1, None, None), (2, 1, 1, 3), (0, 1, None, None), (0, 1, 1, 3),
                                 (2, 4, None, None), (2, 4, 1, 3), (0, 4, None, None), (0, 4, 1, 3)]
     assert all(r["figures"]["gather_ms"] > 0 and r["figures"]["both_ms"] > 0 for r in found)
+    assert all(r["command"].startswith("python tools/bench_link_sharing.py --rows 30") for r in found)
     out = capsys.readouterr().out
     assert "| shared | one a step | 4 |" in out and "| 1 / 3 | one a step | 4 |" in out
     for wrong in (["--rows-a-step", "3"], ["--partition", "0"]):

@@ -45,7 +45,7 @@ from tiered_tbe.base.mode import SIMULATION, describe_mode  # first: picks GPU /
 from tiered_tbe.benchmarks import common
 from tiered_tbe.cache import tiers
 
-SCRIPT = "bench_host_memory"
+SCRIPT = "tools/bench_host_memory.py"
 MANAGED_KINDS = ("managed", "managed_prefetched", "managed_host_written")
 KINDS = (*tiers.HOST_MEMORY_KINDS, *MANAGED_KINDS)
 WAYS = ("gather", "scatter", "gather + scatter", "two streams", "interleaved")

@@ -35,7 +35,7 @@ from tiered_tbe.cache.host_rows import HOST_COPIES, HostRows, set_copy_threads
 from tiered_tbe.cache.tables import CachedTable
 
 DIM = 128
-SCRIPT = "bench_host_rows"
+SCRIPT = "tools/bench_host_rows.py"
 
 
 def backing_table(gb: float, placement: str) -> tuple[CachedTable, object]:

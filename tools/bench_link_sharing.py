@@ -46,7 +46,7 @@ from tiered_tbe.base.sorting import stable_sort
 from tiered_tbe.benchmarks import common
 from tiered_tbe.cache import tiers
 
-SCRIPT = "bench_link_sharing"
+SCRIPT = "tools/bench_link_sharing.py"
 UNCAPPED = 0  # a --programs value: one program per step of rows, as the forward and backward launch
 
 
