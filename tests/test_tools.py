@@ -519,6 +519,24 @@ def test_bench_link_sharing_gathers_every_row_whatever_the_grid(programs, rows_a
     assert out[rows.numel():].isnan().all()
 
 
+def test_bench_host_rows_times_each_copy_and_thread_count(tmp_path, capsys):
+    """Every host copy of the staged mover (cache/host_rows.HOST_COPIES, the one definition) at every
+    thread count and row count, each a record that names the tool and what it copied."""
+    bench_host_rows = tool("bench_host_rows")
+    from tiered_tbe.cache.host_rows import HOST_COPIES
+
+    path = tmp_path / "records.jsonl"
+    assert bench_host_rows.main(["--gb", "0.002", "--placement", "cpu", "--rows", "50", "--threads", "1",
+                                 "--repeats", "1", "--record", str(path)]) == 0
+    found = records.read(path)
+    assert {r["configuration"]["copy"] for r in found} == set(HOST_COPIES)
+    assert {"gather", "scatter"} <= {r["configuration"]["what"] for r in found}
+    assert all(r["figures"]["ms"] > 0 and r["figures"]["gbs"] > 0 and r["configuration"]["rows"] == 50
+               for r in found)
+    assert all(r["command"].startswith("python tools/bench_host_rows.py --gb 0.002") for r in found)
+    assert "| gather |" in capsys.readouterr().out
+
+
 def test_bench_link_sharing_records_each_grid(tmp_path, capsys):
     bench_link_sharing = tool("bench_link_sharing")
     path = tmp_path / "records.jsonl"
