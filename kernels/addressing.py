@@ -158,6 +158,30 @@ def recomputed_features(
 
 
 @triton.jit
+def feature_of_positions(
+    starts_ptr,  # int32/int64: feature f's first lookup at starts_ptr[f * starts_stride], f = 0..F (F: the end)
+    starts_stride,  # elements between consecutive features' starts (1, or B for the offsets of F * B bags)
+    positions,  # int64 tensor: lookup positions
+    valid,  # bool, positions' shape: which to search for (0 elsewhere)
+    num_features,  # F
+    SEARCH_STEPS: tl.constexpr,  # steps of the binary search over the F + 1 starts: (F + 1).bit_length()
+):
+    """int64 of positions' shape: the last feature whose start is at or before each position
+    (``torch.searchsorted(starts, positions, right=True) - 1``: an empty feature yields to the next one
+    starting where it does), clamped into [0, F)."""
+    low = tl.zeros(positions.shape, dtype=tl.int64)
+    high = tl.zeros(positions.shape, dtype=tl.int64) + num_features
+    for _ in range(SEARCH_STEPS):
+        middle = (low + high + 1) // 2
+        searching = valid & (low < high)
+        at_or_before = (tl.load(starts_ptr + middle * starts_stride, mask=searching, other=0) <= positions) \
+            & searching
+        low = tl.where(at_or_before, middle, low)
+        high = tl.where(at_or_before | (low >= high), high, middle - 1)
+    return tl.minimum(low, num_features - 1)
+
+
+@triton.jit
 def table_row_zero(
     descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: the features' descriptor (base/descriptors.py)
     features,  # int32 scalar or tensor: the descriptor row (feature) of each element
