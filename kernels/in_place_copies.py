@@ -32,6 +32,7 @@ Plain-torch reference of what the backward reads for a row of rank ``r``:
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -119,10 +120,14 @@ GATHER_ROWS = 8  # rows a gather program has in flight at once (4 lost 17% of th
 def gather_programs(device: torch.device) -> int:
     """Programs of :func:`gather_in_place_rows` on ``device`` (0: no gather; ``IN_PLACE_GATHER``)."""
     if IN_PLACE_GATHER == "auto":
-        if device.type != "cuda":
-            return 4
-        return max(torch.cuda.get_device_properties(device).multi_processor_count // 2, 1)
+        return _half_the_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 4
     return int(IN_PLACE_GATHER)
+
+
+@functools.cache
+def _half_the_sms(index: int) -> int:
+    return max(torch.cuda.get_device_properties(index).multi_processor_count // 2, 1)
 
 
 def gathers(copies: InPlaceCopies | None, use_cache: bool, device: torch.device) -> bool:
