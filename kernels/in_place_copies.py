@@ -16,15 +16,18 @@ between them is needed. The copies are valid only while nothing else changed the
 module (``tiered_tbe/module.py``) lets a backward read them only if no other training forward and
 no other backward ran since the batch's forward (else it reads the stores, which is always right).
 
-**Gathered before the forward** (``TIERED_TBE_IN_PLACE_GATHER``, off by default until measured): instead of
-the forward copying the rows it reads, :func:`gather_in_place_rows` copies each rank's row to its copy row
-first, in a kernel of few programs with several rows each in flight, and the forward reads those lookups from
-the copies (HBM). The forward's own grid, which its HBM reads need, then waits on the host link no longer:
-an H100 gathered random managed rows at the link's full rate (50.7 GB/s) with 66 one-warp programs of 8
-rows each and let a sort on another stream run beside it (0.94 of the sort's time saved), where a program
-a row step took turns with the sort (0.04; ``tools/bench_link_sharing.py``, docs/performance.md). So the
-prefetch stream's work can run beside a pipeline's reads of rows in place. The copies hold the same values
-either way: both read the stores after the last backward, on the training stream.
+**Gathered before the forward, scattered after the backward** (``TIERED_TBE_IN_PLACE_GATHER``, off by default
+until measured): instead of the forward copying the rows it reads, :func:`gather_in_place_rows` copies each
+rank's row to its copy row first, in a kernel of few programs with several rows each in flight, and the
+forward reads those lookups from the copies (HBM). The forward's own grid, which its HBM reads need, then
+waits on the host link no longer: an H100 gathered random managed rows at the link's full rate (50.7 GB/s)
+with 66 one-warp programs of 8 rows each and let a sort on another stream run beside it (0.94 of the sort's
+time saved), where a program a row step took turns with the sort (0.04; ``tools/bench_link_sharing.py``,
+docs/performance.md). So the prefetch stream's work can run beside a pipeline's reads of rows in place. The
+copies hold the same values either way: both read the stores after the last backward, on the training stream.
+The backward then reads and writes those rows in their copies (``COPIES_READ_AND_WRITTEN``) and
+:func:`scatter_in_place_rows` writes them to their stores, on the same few programs, before the batch's unlock
+lets a prefetch cache them again.
 
 Plain-torch reference of what the backward reads for a row of rank ``r``:
 ``copies[r] if 0 <= r < num_copies else store_row``, equal by construction while the copy is valid.
@@ -115,6 +118,11 @@ def read_pointers(
 # SM count (the H100's best in tools/bench_link_sharing.py); a number, that many.
 IN_PLACE_GATHER = os.environ.get("TIERED_TBE_IN_PLACE_GATHER", "0")
 GATHER_ROWS = 8  # rows a gather program has in flight at once (4 lost 17% of the link's rate on the H100)
+# What the backward's row updates do with a row that has a copy row (their READS_COPIES): read it there and
+# write its store; or, where the copies were gathered, read and write it there (scatter_in_place_rows then
+# writes the stores, on the same few programs as the gather).
+COPIES_READ = 1
+COPIES_READ_AND_WRITTEN = 2
 
 
 def gather_programs(device: torch.device) -> int:
@@ -136,8 +144,8 @@ def gathers(copies: InPlaceCopies | None, use_cache: bool, device: torch.device)
 
 
 @triton.jit
-def _gather_in_place_rows_kernel(
-    copies_ptr,  # [num_copies, row_width] out: copy row r gets the row of rank r (its table's dim of columns)
+def _copy_in_place_rows_kernel(
+    copies_ptr,  # [num_copies, row_width]: copy row r holds the row of rank r (its table's dim of columns)
     copies_stride,  # elements between consecutive copy rows
     num_copies,  # C: ranks at or past it keep no copy
     in_place_lookup_ptr,  # int32 [N]: at each rank below the count, a lookup of that rank's row
@@ -152,6 +160,7 @@ def _gather_in_place_rows_kernel(
     BLOCK_D: tl.constexpr,  # columns: the next power of two of the widest dim
     ALIGN: tl.constexpr,  # every row start, row stride and dim is a multiple of this many elements
     ALIGN_BYTES: tl.constexpr,  # ALIGN in bytes
+    TO_STORES: tl.constexpr,  # copy rows -> backing stores (after an update), else stores -> copy rows
 ):
     # A grid-stride loop over the ranks, as far as the batch's count (read here: no host sync).
     count = tl.minimum(tl.load(in_place_count_ptr), num_copies)
@@ -166,11 +175,15 @@ def _gather_in_place_rows_kernel(
         table_rows = table_row_zero(descriptor_ptr, feature, valid, WEIGHTS_ADDRESS, copies_ptr.dtype.element_ty)
         row_stride = descriptor_field(descriptor_ptr, feature, valid, WEIGHTS_STRIDE)
         dim = descriptor_field_int32(descriptor_ptr, feature, valid, DIM, ALIGN)
-        sources = row_pointers(table_rows, index, row_stride, index, table_rows, row_stride, False, ALIGN_BYTES)
-        targets = tl.multiple_of(copies_ptr + ranks.to(tl.int64) * copies_stride, ALIGN_BYTES)
+        stored = row_pointers(table_rows, index, row_stride, index, table_rows, row_stride, False, ALIGN_BYTES)
+        copied = tl.multiple_of(copies_ptr + ranks.to(tl.int64) * copies_stride, ALIGN_BYTES)
         columns_of_row = valid[:, None] & (columns[None, :] < dim[:, None])
-        tile = tl.load(sources[:, None] + columns[None, :], mask=columns_of_row)
-        tl.store(targets[:, None] + columns[None, :], tile, mask=columns_of_row)
+        if TO_STORES:
+            tile = tl.load(copied[:, None] + columns[None, :], mask=columns_of_row)
+            tl.store(stored[:, None] + columns[None, :], tile, mask=columns_of_row)
+        else:
+            tile = tl.load(stored[:, None] + columns[None, :], mask=columns_of_row)
+            tl.store(copied[:, None] + columns[None, :], tile, mask=columns_of_row)
 
 
 def gather_in_place_rows(descriptor: torch.Tensor, block_d: int, alignment: int, indices: torch.Tensor,
@@ -180,16 +193,31 @@ def gather_in_place_rows(descriptor: torch.Tensor, block_d: int, alignment: int,
     Args:
         descriptor: int64 [F, DESCRIPTOR_COLUMNS], every feature's table (``RowStores.descriptor``);
             ``block_d`` the next power of two of the widest dim, ``alignment`` the rows' (in elements).
-        indices, offsets: the batch's lookups (int32/int64 [N], [F*B+1]) as the prefetch saw them.
+        indices, offsets: the batch's lookups (int32/int64 [N], [F*B+1]; the lookups at the positions the
+            prefetch saw, its bags possibly padded with empty ones to ``batch_size`` a feature).
         copies: ``rows`` [C, row_width] written; ``lookup`` int32 [N] and ``count`` int32 [1] read.
         programs: programs of one warp; each keeps ``GATHER_ROWS`` rows in flight.
     No host sync; a CUDA graph may capture it.
     """
+    _copy_in_place_rows(descriptor, block_d, alignment, indices, offsets, batch_size, copies, programs, False)
+
+
+def scatter_in_place_rows(descriptor: torch.Tensor, block_d: int, alignment: int, indices: torch.Tensor,
+                          offsets: torch.Tensor, batch_size: int, copies: InPlaceCopies, programs: int) -> None:
+    """Copy every copy row of a rank below ``copies.count`` back to its row's backing store, after a
+    backward that updated the rows there (``COPIES_READ_AND_WRITTEN``); arguments as
+    :func:`gather_in_place_rows`'s."""
+    _copy_in_place_rows(descriptor, block_d, alignment, indices, offsets, batch_size, copies, programs, True)
+
+
+def _copy_in_place_rows(descriptor, block_d, alignment, indices, offsets, batch_size, copies, programs,
+                        to_stores: bool) -> None:
     num_features = descriptor.shape[0]
-    _gather_in_place_rows_kernel[(programs,)](
+    _copy_in_place_rows_kernel[(programs,)](
         copies.rows, copies.rows.stride(0), copies.rows.shape[0], copies.lookup, copies.count, indices, offsets,
         descriptor, batch_size, num_features, SEARCH_STEPS=(num_features + 1).bit_length(), ROWS=GATHER_ROWS,
-        BLOCK_D=block_d, ALIGN=alignment, ALIGN_BYTES=alignment * copies.rows.element_size(), num_warps=1)
+        BLOCK_D=block_d, ALIGN=alignment, ALIGN_BYTES=alignment * copies.rows.element_size(), TO_STORES=to_stores,
+        num_warps=1)
 
 
 @triton.jit

@@ -124,10 +124,14 @@ def test_the_forward_writes_a_copy_of_each_row_read_in_place_and_nothing_else(ba
     assert read_in_place, "no row was read in place"
     copies = module._copy_rows.rows
     copies.fill_(float("nan"))
-    expected = {rank: module.storage.table_weights[table][row].clone() for table, row, rank in read_in_place}
+    before = {rank: module.storage.table_weights[table][row].clone() for table, row, rank in read_in_place}
     module(indices, offsets).sum().backward()
+    # Copied as read; gathered copies are updated in place by the backward and scattered to the stores.
+    expected = before if copying == "forward" else \
+        {rank: module.storage.table_weights[table][row].clone() for table, row, rank in read_in_place}
     for rank, row in expected.items():
         assert torch.equal(copies[rank, :row.numel()], row.to(copies.device))
+        assert copying == "forward" or not torch.equal(row, before[rank])  # the update reached the store
     untouched = [r for r in range(copies.shape[0]) if r not in expected]
     assert torch.isnan(copies[untouched]).all()
     # An evaluation forward writes no copy (no backward will read it).
@@ -135,6 +139,34 @@ def test_the_forward_writes_a_copy_of_each_row_read_in_place_and_nothing_else(ba
     with torch.no_grad():
         module(*make_batches(1, device, seed=9)[0])
     assert torch.isnan(copies).all()
+
+
+def test_gathered_copies_train_as_the_stores_do(device, one_simulated_thread, monkeypatch):
+    """Gathered before the forward, updated in the copies and scattered after the backward: the same
+    weights, bit for bit, as training that reads and writes every row in its store (no copy rows), with
+    every rank copied (64) and with most ranks past the copy rows (1). A row looked up 40 times in one bag
+    goes through the backward's kernel for rows of many lookups."""
+    batches = make_batches(4, device, seed=5)
+    indices, offsets = batches[-1]
+    batches.append((torch.cat([torch.full((40,), 58, device=device), indices]),
+                    torch.cat([offsets[:1], offsets[1:] + 40])))
+    optimizer = RowwiseAdagrad(lr=0.3)
+    plain = train(make("triton", 0, device, optimizer=optimizer), batches)
+    monkeypatch.setattr(in_place_copies, "IN_PLACE_GATHER", "auto")
+    scattered = []
+    scatter = in_place_copies.scatter_in_place_rows
+
+    def counting_scatter(*args):
+        scatter(*args)
+        scattered.append(int(args[6].count))
+
+    from tiered_tbe.kernels import backward
+    monkeypatch.setattr(backward, "scatter_in_place_rows", counting_scatter)
+    for copy_rows in (64, 1):
+        scattered.clear()
+        for want, got in zip(plain, train(make("triton", copy_rows, device, optimizer=optimizer), batches)):
+            assert torch.equal(want, got)
+        assert len(scattered) == len(batches) and sum(scattered) > 0, "no backward scattered a row"
 
 
 def test_a_gathered_forward_reads_the_copies_and_nothing_else_in_place(device, one_simulated_thread, monkeypatch):

@@ -161,9 +161,11 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
                 grid=grid, num_warps=tile.warps)
             results.append(_report(f"forward B{tile.bags} L{tile.lanes} w{tile.warps} G{tile.groups} "
                                    f"S{tile.stages}{label}", kernel, arch))
-    results.append(_report("gather rows read in place", in_place_copies._gather_in_place_rows_kernel.warmup(
-        weights, dim, 64, i32, i32, i64, i64, descriptor, 65536, 12, SEARCH_STEPS=4, ROWS=in_place_copies.GATHER_ROWS,
-        BLOCK_D=block_d, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16, grid=grid, num_warps=1), arch))
+    for to_stores, label in ((False, "gather"), (True, "scatter")):
+        results.append(_report(f"{label} rows read in place", in_place_copies._copy_in_place_rows_kernel.warmup(
+            weights, dim, 64, i32, i32, i64, i64, descriptor, 65536, 12, SEARCH_STEPS=4,
+            ROWS=in_place_copies.GATHER_ROWS, BLOCK_D=block_d, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16,
+            TO_STORES=to_stores, grid=grid, num_warps=1), arch))
     for block_b, block_l in ((128, 1), (4, 32)):  # bags of one (Criteo) and of 32 (linearize_tile)
         results.append(_report(f"linearize B{block_b} L{block_l}", linearize._linearize_kernel.warmup(
             i32, i32, descriptor, i64, i64, n, 65536, BLOCK_B=block_b, BLOCK_L=block_l, grid=grid, num_warps=4), arch))
