@@ -232,11 +232,16 @@ def lookup_rows(
     row_stride,  # int64: elements between rows of the table
     cache_ptr,  # [num_slots, width] slot rows, same element type as the table rows
     cache_stride,  # elements between consecutive slots
+    in_place_rank_ptr,  # int32 [N]: copy row of each lookup read in place, or -1 (read only if READS_COPIES)
+    copies_ptr,  # [num_copies, width]: rows read in place, gathered before (kernels/in_place_copies.py)
+    copies_stride,  # elements between consecutive copy rows
+    num_copies,  # copy rows: a rank past them was not gathered (its row is read from its store)
     USE_CACHE: tl.constexpr,  # False: every row comes from its backing store
+    READS_COPIES: tl.constexpr,  # a lookup read in place with a copy row reads it there (needs USE_CACHE)
     ALIGN_BYTES: tl.constexpr,  # every row start is a multiple of this many bytes
 ):
-    """fp32 [*positions.shape, BLOCK_D]: the newest copy of each lookup's row (zeros outside the
-    tile and the table).
+    """fp32 [*positions.shape, BLOCK_D]: the newest copy of each lookup's row: its slot, else its copy
+    row (``READS_COPIES``), else its backing store (zeros outside the tile and the table).
 
     A 2-D tile of positions (a row of lanes per bag) lets a bag's lanes be summed in registers
     (``tl.sum(axis=1)``); flattened to [BAGS * LANES, BLOCK_D] and reshaped to sum, the same tile
@@ -246,6 +251,14 @@ def lookup_rows(
     if USE_CACHE:
         slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
     pointers = row_pointers(table_rows, rows, row_stride, slots, cache_ptr, cache_stride, USE_CACHE, ALIGN_BYTES)
+    if READS_COPIES:
+        ranks = tl.load(in_place_rank_ptr + positions, mask=in_bag, other=-1)
+        copied = (slots < 0) & (ranks >= 0) & (ranks < num_copies)
+        pointers = tl.where(copied, copies_ptr + tl.where(copied, ranks, 0).to(tl.int64) * copies_stride, pointers)
+        if len(pointers.shape) == 2:  # tl.multiple_of takes one value per dimension
+            pointers = tl.multiple_of(pointers, [ALIGN_BYTES, ALIGN_BYTES])
+        else:
+            pointers = tl.multiple_of(pointers, ALIGN_BYTES)
     return tl.load(tl.expand_dims(pointers, -1) + columns, mask=tl.expand_dims(in_bag, -1) & in_row,
                    other=0.0).to(tl.float32)
 

@@ -61,7 +61,6 @@ from .in_place_copies import (
     gather_programs,
     gathers,
     keep_copies,
-    lookup_rows_or_copies,
     uses_copies,
 )
 from .rows import ColumnGroup, Lookups, RowStores, check_lookups
@@ -243,18 +242,10 @@ def _pooled_forward_kernel(
             for step_start in tl.range(0, tl.max(ends - starts, axis=0), BLOCK_L, num_stages=STAGES):
                 positions = starts[:, None] + step_start + tl.arange(0, BLOCK_L)[None, :]  # int64 [BLOCK_B, BLOCK_L]
                 in_bag = positions < ends[:, None]
-                if READS_COPIES:
-                    tile = lookup_rows_or_copies(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr,
-                                                 table_rows, row_stride, cache_weights_ptr, cache_weights_stride,
-                                                 in_place_rank_ptr, copies_ptr, copies_stride, num_copies,
-                                                 ALIGN_BYTES)
-                else:
-                    tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr,
-                                       table_rows, row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE,
-                                       ALIGN_BYTES)
-                if KEEPS_COPIES:
-                    keep_copies(tile, positions, in_bag, in_row, columns, in_place_rank_ptr, copies_ptr,
-                                copies_stride, num_copies, ALIGN_BYTES)
+                tile = _rows_of_tile(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
+                                     row_stride, cache_weights_ptr, cache_weights_stride, in_place_rank_ptr,
+                                     copies_ptr, copies_stride, num_copies, USE_CACHE, KEEPS_COPIES, READS_COPIES,
+                                     ALIGN_BYTES)
                 if HAS_PER_SAMPLE_WEIGHTS:
                     tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, :, None]
                 accumulator += tl.sum(tile, axis=1)
@@ -265,18 +256,10 @@ def _pooled_forward_kernel(
             for step_start in tl.range(0, tl.max(ends - starts, axis=0), BLOCK_L, num_stages=STAGES):
                 positions = starts + step_start + lanes  # int64 [BLOCK_B * BLOCK_L]
                 in_bag = positions < ends
-                if READS_COPIES:
-                    tile = lookup_rows_or_copies(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr,
-                                                 table_rows, row_stride, cache_weights_ptr, cache_weights_stride,
-                                                 in_place_rank_ptr, copies_ptr, copies_stride, num_copies,
-                                                 ALIGN_BYTES)
-                else:
-                    tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr,
-                                       table_rows, row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE,
-                                       ALIGN_BYTES)
-                if KEEPS_COPIES:
-                    keep_copies(tile, positions, in_bag, in_row, columns, in_place_rank_ptr, copies_ptr,
-                                copies_stride, num_copies, ALIGN_BYTES)
+                tile = _rows_of_tile(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
+                                     row_stride, cache_weights_ptr, cache_weights_stride, in_place_rank_ptr,
+                                     copies_ptr, copies_stride, num_copies, USE_CACHE, KEEPS_COPIES, READS_COPIES,
+                                     ALIGN_BYTES)
                 if HAS_PER_SAMPLE_WEIGHTS:
                     tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, None]
                 # Columns past the table's dim are written as zeros, so no output element is left unset.
@@ -296,6 +279,22 @@ def _pooled_forward_kernel(
                                         OUTPUT_ALIGN_BYTES)
             out_ptrs = row_starts[:, None] + columns[None, :]
             tl.store(out_ptrs, accumulator, mask=(bags < batch_size)[:, None] & in_row[None, :])
+
+
+@triton.jit
+def _rows_of_tile(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows, row_stride,
+                  cache_weights_ptr, cache_weights_stride, in_place_rank_ptr, copies_ptr, copies_stride, num_copies,
+                  USE_CACHE: tl.constexpr, KEEPS_COPIES: tl.constexpr, READS_COPIES: tl.constexpr,
+                  ALIGN_BYTES: tl.constexpr):
+    """The tile's rows (``lookup_rows``, the forward kernel's arguments of those names), each row read in
+    place copied to its copy row with ``KEEPS_COPIES``."""
+    tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows, row_stride,
+                       cache_weights_ptr, cache_weights_stride, in_place_rank_ptr, copies_ptr, copies_stride,
+                       num_copies, USE_CACHE, READS_COPIES, ALIGN_BYTES)
+    if KEEPS_COPIES:
+        keep_copies(tile, positions, in_bag, in_row, columns, in_place_rank_ptr, copies_ptr, copies_stride, num_copies,
+                    ALIGN_BYTES)
+    return tile
 
 
 class _ForwardPlan(NamedTuple):

@@ -218,37 +218,3 @@ def _copy_in_place_rows(descriptor, block_d, alignment, indices, offsets, batch_
         descriptor, batch_size, num_features, SEARCH_STEPS=(num_features + 1).bit_length(), ROWS=GATHER_ROWS,
         BLOCK_D=block_d, ALIGN=alignment, ALIGN_BYTES=alignment * copies.rows.element_size(), TO_STORES=to_stores,
         num_warps=1)
-
-
-@triton.jit
-def lookup_rows_or_copies(
-    positions,  # int64 [F] or [BAGS, LANES]: lookup positions of the tile
-    in_bag,  # bool, same shape: which positions are real lookups
-    in_row,  # bool [BLOCK_D]: the table's columns
-    columns,  # int32 [BLOCK_D]
-    indices_ptr,  # int32/int64 [N]: row within its feature's table of each lookup
-    slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1
-    table_rows,  # pointer: row 0 of the table in its backing store
-    row_stride,  # int64: elements between rows of the table
-    cache_ptr,  # [num_slots, width] slot rows, same element type as the table rows
-    cache_stride,  # elements between consecutive slots
-    in_place_rank_ptr,  # int32 [N]: copy row of each lookup read in place, or -1
-    copies_ptr,  # [num_copies, row_width]: the rows gathered by gather_in_place_rows
-    copies_stride,  # elements between consecutive copy rows
-    num_copies,  # copy rows: a rank past them was not gathered (read from the store)
-    ALIGN_BYTES: tl.constexpr,  # every row start is a multiple of this many bytes
-):
-    """fp32 [*positions.shape, BLOCK_D]: each lookup's row from its slot, else its copy row, else its
-    backing store (``addressing.lookup_rows`` with the copies between the last two)."""
-    rows = tl.load(indices_ptr + positions, mask=in_bag, other=0)
-    slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
-    ranks = tl.load(in_place_rank_ptr + positions, mask=in_bag, other=-1)
-    pointers = row_pointers(table_rows, rows, row_stride, slots, cache_ptr, cache_stride, True, ALIGN_BYTES)
-    copied = (slots < 0) & (ranks >= 0) & (ranks < num_copies)
-    pointers = tl.where(copied, copies_ptr + tl.where(copied, ranks, 0).to(tl.int64) * copies_stride, pointers)
-    if len(pointers.shape) == 2:  # tl.multiple_of takes one value per dimension
-        pointers = tl.multiple_of(pointers, [ALIGN_BYTES, ALIGN_BYTES])
-    else:
-        pointers = tl.multiple_of(pointers, ALIGN_BYTES)
-    return tl.load(tl.expand_dims(pointers, -1) + columns, mask=tl.expand_dims(in_bag, -1) & in_row,
-                   other=0.0).to(tl.float32)
