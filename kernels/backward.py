@@ -276,7 +276,9 @@ def backward_update(
               step_arguments(grad_output, hyper, seed if plan.stochastic_rounding else 0,
                              step if plan.reads_step else 0),
               ranks, *(presorted or (None, None)),
-              *((copies.lookup, copies.count) if writes_copies else (None, None)))
+              # Of the lookups, the first per copy row only: the scatter reads no more, and a graph's key
+              # then varies with no batch size once a batch has as many rows read in place as copy rows.
+              *((copies.lookup[:copies.rows.shape[0]], copies.count) if writes_copies else (None, None)))
 
     update_inputs = len(inputs)
     if then is not None:
