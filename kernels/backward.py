@@ -277,7 +277,7 @@ def backward_update(
                              step if plan.reads_step else 0),
               ranks, *(presorted or (None, None)),
               # Of the lookups, the first per copy row only: the scatter reads no more, and a graph's key
-              # then varies with no batch size once a batch has as many rows read in place as copy rows.
+              # then varies with no batch size once a batch has as many lookups as there are copy rows.
               *((copies.lookup[:copies.rows.shape[0]], copies.count) if writes_copies else (None, None)))
 
     update_inputs = len(inputs)
