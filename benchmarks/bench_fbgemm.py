@@ -243,14 +243,16 @@ def lookups_of_steps(batches: list, warmup: int, count: int, profiled: bool) -> 
 
 def rows_moved(emb: TieredEmbeddingBags) -> dict:
     """What our cache moved over the timed steps, from ``cache_stats()``: hit rate by lookup, rows
-    and bytes in and out per batch, and the bytes of optimizer state a row carries (the same for
-    every row when the optimizer's state does not grow with the dim)."""
+    and bytes in and out per batch, the distinct rows a batch read in place (given no slot: read by the
+    forward and written by the backward over the bus), and the bytes of optimizer state a row carries
+    (the same for every row when the optimizer's state does not grow with the dim)."""
     stats = emb.cache_stats()
     batches = max(stats.batches, 1)
     widths = {emb.optimizer.state_width(spec.embedding_dim) for spec in emb.tables} if emb.optimizer else {0}
     return dict(hit_rate=stats.hit_rate_by_lookup if stats.lookups else float("nan"),
                 rows_in_per_batch=stats.rows_copied_in / batches, rows_out_per_batch=stats.write_backs / batches,
                 bytes_in_per_batch=stats.bytes_in / batches, bytes_out_per_batch=stats.bytes_out / batches,
+                rows_in_place_per_batch=stats.misses_no_slot / batches,
                 state_bytes_per_row=4 * widths.pop() if len(widths) == 1 else None)
 
 

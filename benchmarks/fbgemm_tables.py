@@ -97,6 +97,7 @@ def moved(side: dict, pipelined: bool = False) -> dict:
         return {}
     found = {key: side[key] for key in ("rows_in_per_batch", "rows_out_per_batch", "bytes_in_per_batch",
                                         "bytes_out_per_batch")}
+    found["rows_in_place_per_batch"] = side.get("rows_in_place_per_batch")  # ours only
     prefetch_ms = side.get("prefetch_total", 0) / max(side.get("steps", 0), 1)
     found["bus_gbs"] = ((found["bytes_in_per_batch"] + found["bytes_out_per_batch"]) / prefetch_ms / 1e6
                         if prefetch_ms and not pipelined else None)
@@ -119,11 +120,12 @@ def moved_table_of(results: list[dict]) -> list[str]:
                          common.fmt(_mb(found["bytes_in_per_batch"]), ",.1f"),
                          common.fmt(_mb(found["bytes_out_per_batch"]), ",.1f"),
                          common.fmt(found["bus_gbs"], ".1f"),
+                         common.fmt(found["rows_in_place_per_batch"], ",.0f"),
                          common.fmt(side.get("hit_rate"), ".3f")])
     if not rows:
         return []
     header = ["cached configuration", "side", "rows in / batch", "rows out / batch", "MB in / batch", "MB out / batch",
-              "bus GB/s (in + out) / prefetch", "hit rate (lookups)"]
+              "bus GB/s (in + out) / prefetch", "rows read in place / batch", "hit rate (lookups)"]
     note = ("Ours: its counters over the timed steps, rows with their optimizer state, dirty victims written back. "
             f"FBGEMM's: counted off its cache tags over {COUNTED_STEPS} steps after the timed ones, weights only (its "
             "optimizer state stays out of its cache), every victim written back.")

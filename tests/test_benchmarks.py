@@ -616,7 +616,8 @@ def test_bench_fbgemm_tables_give_ratios_against_the_same_run():
     own prefetch; nothing is judged against a target."""
     tables = importlib.import_module("tiered_tbe.benchmarks.fbgemm_tables")
     moved = dict(rows_in_per_batch=100.0, rows_out_per_batch=40.0, bytes_in_per_batch=100 * 516.0,
-                 bytes_out_per_batch=40 * 516.0, state_bytes_per_row=4, prefetch_total=2.0, steps=2)
+                 bytes_out_per_batch=40 * 516.0, rows_in_place_per_batch=7.0, state_bytes_per_row=4,
+                 prefetch_total=2.0, steps=2)
     results = [{"config": "criteo-adagrad", "ours": {"forward": 0.3, "backward": 0.6, "step": 1.0},
                 "fbgemm": {"forward": 0.4, "backward": 0.8, "step": 1.2}},
                {"config": "cached-managed-lru", "ours": {"prefetch": 1.0, "forward": 0.5, "backward": 0.8, "step": 2.5,
@@ -631,8 +632,8 @@ def test_bench_fbgemm_tables_give_ratios_against_the_same_run():
     assert ("| cached-managed-lru | 1.000 / 0.800 (1.25) | 0.500 / 0.500 (1.00) | 0.800 / 1.000 (0.80) | "
             "2.500 / 2.600 (0.96) | 1.900 / 3.000 (0.63) | 0.95 |") in text  # 1.9 against LFU's 2.0
     # Ours: (100 + 40) x 516 bytes in 1 ms a prefetch; FBGEMM: (110 + 90) x 512 bytes in 0.8 ms.
-    assert "| cached-managed-lru | ours | 100 | 40 | 0.1 | 0.0 | 0.1 | - |" in text
-    assert "| cached-managed-lru | FBGEMM | 110 | 90 | 0.1 | 0.0 | 0.1 | - |" in text
+    assert "| cached-managed-lru | ours | 100 | 40 | 0.1 | 0.0 | 0.1 | 7 | - |" in text
+    assert "| cached-managed-lru | FBGEMM | 110 | 90 | 0.1 | 0.0 | 0.1 | - | - |" in text
     fbgemm_moved = tables.moved(results[1]["fbgemm"])
     assert fbgemm_moved["rows_out_per_batch"] == 90 and fbgemm_moved["bus_gbs"] == (110 + 90) * 512 / 0.8 / 1e6
     assert tables.moved(results[1]["ours"])["bus_gbs"] == (100 + 40) * 516 / 1.0 / 1e6
@@ -843,3 +844,25 @@ def test_a_records_step_counts_are_not_named_as_milliseconds():
                         "device_frees_per_step": 0.0})
     assert figures == {"forward_ms": 1.0, "host_forward_ms": 0.5, "host_mallocs_per_step": 0.0,
                        "device_frees_per_step": 0.0}
+
+
+def test_bench_fbgemm_reports_what_our_cache_moved_and_read_in_place():
+    """Per batch over the timed steps: rows and bytes in and out, and the distinct rows given no slot
+    (read and written in place over the bus: what `lfu-admit` trades for the rows it does not move)."""
+    bench_fbgemm = importlib.import_module("tiered_tbe.benchmarks.bench_fbgemm")
+    from tiered_tbe import RowwiseAdagrad, TableSpec
+    from tiered_tbe.cache.stats import CacheStats
+
+    class StandIn:
+        tables = [TableSpec(10, 8), TableSpec(10, 16)]
+        optimizer = RowwiseAdagrad()
+
+        def cache_stats(self):
+            return CacheStats(batches=4, lookups=100, lookup_hits=60, unique_rows=50, unique_hits=20,
+                              unique_misses=30, misses_no_slot=12, evictions=18, write_backs=10, bytes_in=1800,
+                              bytes_out=1000)
+
+    found = bench_fbgemm.rows_moved(StandIn())
+    assert found["rows_in_per_batch"] == (30 - 12) / 4 and found["rows_out_per_batch"] == 10 / 4
+    assert found["rows_in_place_per_batch"] == 12 / 4 and found["hit_rate"] == 0.6
+    assert found["bytes_in_per_batch"] == 1800 / 4 and found["state_bytes_per_row"] == 4
