@@ -30,7 +30,7 @@ unpack() {
         local sha
         sha=$(git rev-parse --short "$commit") || exit 1
         rm -rf "${TREES:?}/$sha" && mkdir -p "$TREES/$sha"
-        # Only what a benchmark imports: the trees travel in a call's 64 MiB, beside the FBGEMM peer (45 MB).
+        # Only what a benchmark imports (1.2 MB a tree): the trees are copied to the GPU machine with the rest.
         git archive "$sha" -- . ':!results' ':!docs' ':!tests' ':!tools' | tar -x -C "$TREES/$sha" || exit 1
         echo "$sha" >>"$TREES/order"
         echo "unpacked $commit as $TREES/$sha ($(du -sh "$TREES/$sha" | cut -f1))"
