@@ -221,6 +221,25 @@ def row_pointers(
 
 
 @triton.jit
+def read_pointers(
+    pointers,  # pointer tensor (1-D or 2-D): column 0 of each row in its slot or store
+    ranks,  # int32, same shape: the copy row of each row read in place, or -1
+    copies_ptr,  # [num_copies, row_width]: the copy rows (kernels/in_place_copies.py), the rows' element type
+    copies_stride,  # elements between consecutive copy rows
+    num_copies,  # copy rows: a rank past them has none
+    ALIGN_BYTES: tl.constexpr,  # every row start is a multiple of this many bytes
+):
+    """Where each row is read: its copy row if it has one, else ``pointers`` (its slot or its store)."""
+    has_copy = (ranks >= 0) & (ranks < num_copies)
+    pointers = tl.where(has_copy, copies_ptr + tl.where(has_copy, ranks, 0).to(tl.int64) * copies_stride, pointers)
+    if len(pointers.shape) == 2:  # tl.multiple_of takes one value per dimension
+        pointers = tl.multiple_of(pointers, [ALIGN_BYTES, ALIGN_BYTES])
+    else:
+        pointers = tl.multiple_of(pointers, ALIGN_BYTES)
+    return pointers
+
+
+@triton.jit
 def lookup_rows(
     positions,  # int64 [F] or [BAGS, LANES]: lookup positions of the tile
     in_bag,  # bool, same shape: which positions are real lookups
@@ -251,14 +270,9 @@ def lookup_rows(
     if USE_CACHE:
         slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
     pointers = row_pointers(table_rows, rows, row_stride, slots, cache_ptr, cache_stride, USE_CACHE, ALIGN_BYTES)
-    if READS_COPIES:
-        ranks = tl.load(in_place_rank_ptr + positions, mask=in_bag, other=-1)
-        copied = (slots < 0) & (ranks >= 0) & (ranks < num_copies)
-        pointers = tl.where(copied, copies_ptr + tl.where(copied, ranks, 0).to(tl.int64) * copies_stride, pointers)
-        if len(pointers.shape) == 2:  # tl.multiple_of takes one value per dimension
-            pointers = tl.multiple_of(pointers, [ALIGN_BYTES, ALIGN_BYTES])
-        else:
-            pointers = tl.multiple_of(pointers, ALIGN_BYTES)
+    if READS_COPIES:  # a lookup with a slot has rank -1
+        pointers = read_pointers(pointers, tl.load(in_place_rank_ptr + positions, mask=in_bag, other=-1), copies_ptr,
+                                 copies_stride, num_copies, ALIGN_BYTES)
     return tl.load(tl.expand_dims(pointers, -1) + columns, mask=tl.expand_dims(in_bag, -1) & in_row,
                    other=0.0).to(tl.float32)
 

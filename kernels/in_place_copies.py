@@ -97,23 +97,6 @@ def keep_copies(
              mask=tl.expand_dims(keeps, -1) & in_row)
 
 
-@triton.jit
-def read_pointers(
-    weight_rows,  # pointer tensor [R]: column 0 of each row where the update writes it (slot or store)
-    ranks,  # int32 [R]: copy row of each row, or -1
-    copies_ptr,  # [num_copies, row_width]: the copy rows, the weights' element type
-    copies_stride,  # elements between consecutive copy rows
-    num_copies,  # copy rows
-    ALIGN_BYTES: tl.constexpr,  # every row start is a multiple of this many bytes
-):
-    """Where the backward reads each row before updating it: its copy row if it has one, else
-    ``weight_rows`` (its slot or its store)."""
-    has_copy = (ranks >= 0) & (ranks < num_copies)
-    pointers = tl.where(has_copy, copies_ptr + tl.where(has_copy, ranks, 0).to(tl.int64) * copies_stride,
-                        weight_rows)
-    return tl.multiple_of(pointers, ALIGN_BYTES)
-
-
 # Programs of the gather of rows read in place: "0" (default) leaves the copying to the forward; "auto", half the
 # SM count (the H100's best in tools/bench_link_sharing.py); a number, that many.
 IN_PLACE_GATHER = os.environ.get("TIERED_TBE_IN_PLACE_GATHER", "0")

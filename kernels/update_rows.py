@@ -27,12 +27,12 @@ from .addressing import (
     WEIGHTS_STRIDE,
     descriptor_field,
     descriptor_field_int32,
+    read_pointers,
     recomputed_features,
     row_pointers,
     table_row_zero,
 )
 from .in_place_copies import COPIES_READ_AND_WRITTEN as _COPIES_READ_AND_WRITTEN
-from .in_place_copies import read_pointers
 
 COPIES_READ_AND_WRITTEN = tl.constexpr(_COPIES_READ_AND_WRITTEN)
 
