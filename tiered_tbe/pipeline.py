@@ -166,10 +166,6 @@ class PrefetchPipeline:
         self.upcoming: deque[tuple[Any, dict, dict]] = deque()
         uses_lookahead = any(m.uses_lookahead for m in self.modules.values())
         self.lookahead = lookahead if lookahead is not None else (DEFAULT_LOOKAHEAD if uses_lookahead else 0)
-        # Where the hints' counts land on the host: at most 1 + lookahead batches are held ahead, a count
-        # each per lookahead module, so a ring of one batch more is never lent twice at once.
-        hinted = sum(m.uses_lookahead for m in self.modules.values())
-        self._hint_counts = _PinnedCounts((self.lookahead + 2) * hinted) if self.is_cuda and hinted else None
         # Met while reading or prefetching ahead: raised once the batches queued before it are handed out;
         # nothing is read or prefetched after it.
         self.error: Exception | None = None
@@ -201,9 +197,11 @@ class PrefetchPipeline:
             with self._on_side_stream():
                 batch = _move(batch, self.device)
             lookups = self._lookups_by_module(batch)
-            # Rows a lookahead cache is told about, once per batch (each serves `lookahead` prefetches).
+            # Rows a lookahead cache is told about, once per batch, when it enters the window: in the
+            # prefetch that pulled it, so their count (rows_for_hint) cannot have reached the host and the
+            # cache records the padded rows, whose padding it ignores.
             with self._on_side_stream():
-                hint_rows = {name: _HintRows(*self.modules[name].rows_for_hint(indices, offsets), self._hint_counts)
+                hint_rows = {name: self.modules[name].rows_for_hint(indices, offsets)[0]
                              for name, (indices, offsets) in lookups.items() if self.modules[name].uses_lookahead}
         except StopIteration:
             return False
@@ -233,7 +231,7 @@ class PrefetchPipeline:
                 for name, (indices, offsets) in lookups.items():
                     module = self.modules[name]
                     if module.uses_lookahead:
-                        module.hint_upcoming([hint_rows[name].rows() for hint_rows in window])
+                        module.hint_upcoming([hint_rows[name] for hint_rows in window])
                     module.prefetch(indices, offsets, defer_unlock=True)
                 if self.ahead_control is not None:
                     self.ahead_control.record()
@@ -316,62 +314,6 @@ class PrefetchPipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _PinnedCounts:
-    """Pinned int64 scalars lent in turn to the hints of the batches pulled ahead.
-
-    Made once: a pinned scalar per batch came from the pinned-memory allocator, which made a new
-    allocation every five to eight steps of a lookahead pipeline in steady state (its blocks wait for
-    their copies' events while the host runs ahead; ``host_mallocs_per_step`` 0.13-0.2 in ``bench
-    fbgemm``). A slot is lent again ``size`` hints later; the caller sizes the ring so that its holder
-    has left the window by then (copies into it are ordered on the prefetch stream)."""
-
-    def __init__(self, size: int):
-        self.values = torch.empty(size, dtype=torch.int64, pin_memory=True)
-        self.next = 0
-
-    def lend(self) -> torch.Tensor:
-        """int64 [] pinned: the next slot."""
-        value = self.values[self.next]
-        self.next = (self.next + 1) % self.values.numel()
-        return value
-
-
-class _HintRows:
-    """A batch's distinct rows for lookahead hints (``rows_for_hint``), shortened to their count
-    once the count has reached the host.
-
-    The count is copied to pinned memory without waiting; until the copy has landed (an event,
-    polled and never waited for) a hint uses the padded rows, which name the same rows. With
-    repeats gone a window of W batches sorts W x (distinct rows) entries per prefetch, not
-    W x (lookups): at Zipf 1.05 about 8x fewer.
-    """
-
-    def __init__(self, padded: torch.Tensor, count: torch.Tensor, pinned: _PinnedCounts | None = None):
-        """``pinned``: where a count on the GPU lands on the host (a CPU count is read at once)."""
-        self.padded = padded
-        self._rows: torch.Tensor | None = None  # padded[:count], made once the count is on the host
-        self.event = None
-        if count.is_cuda:
-            self.count_host = pinned.lend()
-            self.count_host.copy_(count, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self._rows = padded[: int(count)]
-
-    def rows(self) -> torch.Tensor:
-        """int64: the batch's distinct rows (with padding while their count is not known yet).
-
-        Asked for every batch of the window before each prefetch (64 at the longest window), so the
-        shortened view is made once: a slice and an event query cost a few microseconds of host time
-        each, and the steps that lookahead loses are bound by their host."""
-        if self._rows is None:
-            if not self.event.query():
-                return self.padded
-            self._rows = self.padded[: int(self.count_host)]
-        return self._rows
 
 
 def _default_lookups(batch) -> tuple[torch.Tensor, torch.Tensor]:
