@@ -19,9 +19,8 @@ pass over the batch is one kernel::
                              the first position of each set the batch touches, in order
     the policy's kernels     hits, victims, fills (``policy_kernels.py``)
     torch.cumsum             the rank of each row given no slot among them
-    batch_outcomes_kernel    each lookup's slot, the rows given no slot (each such lookup's rank,
-                             and a lookup of each rank), the dirty victims' write-back keys, and
-                             each thread's counts
+    batch_outcomes_kernel    each lookup's slot, the rows given no slot (and each such lookup's
+                             rank), the dirty victims' write-back keys, and each thread's counts
 
 Everything stays on the device, sized by ``N`` (padding marks what is not a row), so a prefetch
 never waits for the GPU and replays as one CUDA graph. No atomics: every output entry has one
@@ -166,8 +165,6 @@ def batch_outcomes_kernel(
     slot_of_index,  # int32 [N] out: the slot of every lookup's row, NO_SLOT when none
     in_place_rank,  # int32 [N] out: for a lookup whose row got no slot, that row's rank among the batch's
     #                 rows given none (0-based, ascending rows); NO_SLOT for every other lookup
-    in_place_lookup,  # int32 [N] out: at rank r (below the count of rows given no slot), the first lookup
-    #                   in sorted order whose row has rank r; entries past the count are not written
     bypassed_rows,  # int64 [N] out: the unique rows given no slot, NOT_CACHED elsewhere
     write_back_keys,  # dtype of sorted_keys [N] out: the dirty victims' rows, none_key elsewhere
     partial_counters,  # int64 [gridDim.x * blockDim.x, NUM_COUNTERS] out: each thread's sums of COUNTER_NAMES
@@ -193,8 +190,6 @@ def batch_outcomes_kernel(
                 counts[_LOOKUP_HITS] += 1
             elif outcome[u] == OUTCOME_NO_SLOT:
                 rank = no_slot_count[u] - 1
-                if i == 0 or unique_number[i - 1] != unique_number[i]:  # the row's first lookup: one writer
-                    in_place_lookup[rank] = order[i]
         slot_of_index[order[i]] = slot
         in_place_rank[order[i]] = rank
 
@@ -288,29 +283,17 @@ def set_starts_of_batch(launcher, set_of_position: torch.Tensor, num_sets: int) 
     return set_start, set_number
 
 
-class BatchOutcomes(NamedTuple):
-    """What a prefetch's bookkeeping gives each lookup and row (device tensors, see batch_outcomes_kernel)."""
-
-    slot_of_index: torch.Tensor  # int32 [N]: the slot of each lookup's row, NO_SLOT when none
-    in_place_rank: torch.Tensor  # int32 [N]: the rank of a lookup's row among the rows given no slot, else NO_SLOT
-    in_place_lookup: torch.Tensor  # int32 [N]: a lookup of the row of each rank (entries past the count unset)
-    in_place_count: torch.Tensor  # int32 [1]: the rows given no slot
-    bypassed_rows: torch.Tensor  # int64 [N]: the unique rows given no slot, NOT_CACHED elsewhere
-    write_back_keys: torch.Tensor  # [N] of sorted_keys' dtype: the dirty victims' rows, none_key elsewhere
-    counters: torch.Tensor  # int64 [NUM_COUNTERS]
-
-
 def outcomes_of_batch(launcher, unique: UniqueRows, table_starts: torch.Tensor, table_row_bytes: torch.Tensor
-                      ) -> BatchOutcomes:
-    """After the policy kernel filled ``unique``'s outputs: each lookup's slot, the rows given no slot
-    and the write-backs (:class:`BatchOutcomes`, see batch_outcomes_kernel); ``table_row_bytes`` int64 [T]."""
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """After the policy kernel filled ``unique``'s outputs: ``(slot_of_index int32 [N],
+    in_place_rank int32 [N], bypassed_rows int64 [N], write_back_keys [N] (sorted_keys' dtype), counters
+    int64 [NUM_COUNTERS])`` (see batch_outcomes_kernel); ``table_row_bytes`` int64 [T]."""
     n = unique.sorted_keys.numel()
     on = dict(device=unique.sorted_keys.device)
     # The padding's outcome is OUTCOME_NONE: only the unique rows given no slot are counted.
     no_slot_count = torch.cumsum(unique.outcome == OUTCOME_NO_SLOT, 0, dtype=torch.int32)
     slot_of_index = torch.empty(n, dtype=torch.int32, **on)
     in_place_rank = torch.empty(n, dtype=torch.int32, **on)
-    in_place_lookup = torch.empty(n, dtype=torch.int32, **on)
     bypassed_rows = torch.empty(n, dtype=torch.int64, **on)
     write_back_keys = torch.empty(n, dtype=unique.sorted_keys.dtype, **on)
     blocks, threads = launcher.shape_of(n, REDUCE_BLOCKS)
@@ -318,6 +301,5 @@ def outcomes_of_batch(launcher, unique: UniqueRows, table_starts: torch.Tensor, 
     launcher.launch_configured(batch_outcomes_kernel, blocks, threads, *unique[:4], unique.unique_rows,
                                unique.slot_of_unique, unique.outcome, unique.victim_row, unique.victim_was_dirty,
                                table_starts, table_row_bytes, no_slot_count, slot_of_index, in_place_rank,
-                               in_place_lookup, bypassed_rows, write_back_keys, partial_counters)
-    return BatchOutcomes(slot_of_index, in_place_rank, in_place_lookup, no_slot_count[-1:], bypassed_rows,
-                         write_back_keys, partial_counters.sum(0))
+                               bypassed_rows, write_back_keys, partial_counters)
+    return slot_of_index, in_place_rank, bypassed_rows, write_back_keys, partial_counters.sum(0)

@@ -20,18 +20,15 @@ class CacheBatch:
     handle (or of its tensors) releases exactly what the prefetch took, once. ``in_place_rank``
     int32 [N]: for each lookup whose row got no slot, the rank of that row among the batch's rows
     given none (0-based, ascending rows), else -1: where the module keeps a copy of the row that the
-    forward read for the backward (``kernels/in_place_copies.py``). ``in_place_count`` int32 [1]: the
-    rows given no slot; ``in_place_lookup`` int32 [N]: at each rank below it, a lookup of that rank's row
-    (where a gather of the rows read in place finds each row's table and index).
+    forward read for the backward (``kernels/in_place_copies.py``).
     """
 
     __slots__ = ("step", "slot_of_index", "locked_slots", "bypassed_rows", "sorted_rows", "order", "ticket",
-                 "in_place_rank", "in_place_lookup", "in_place_count")
+                 "in_place_rank")
 
     def __init__(self, step: int, slot_of_index: torch.Tensor, locked_slots: torch.Tensor,
                  bypassed_rows: torch.Tensor, sorted_rows: torch.Tensor, order: torch.Tensor, ticket=None,
-                 in_place_rank: torch.Tensor | None = None, in_place_lookup: torch.Tensor | None = None,
-                 in_place_count: torch.Tensor | None = None):
+                 in_place_rank: torch.Tensor | None = None):
         self.step = step
         self.slot_of_index = slot_of_index
         self.locked_slots = locked_slots
@@ -40,8 +37,6 @@ class CacheBatch:
         self.order = order
         self.ticket = ticket  # the row mover's, for wait_filled
         self.in_place_rank = in_place_rank
-        self.in_place_lookup = in_place_lookup
-        self.in_place_count = in_place_count
 
     def __repr__(self) -> str:
         return f"CacheBatch(step={self.step}, {self.slot_of_index.numel()} lookups)"

@@ -69,8 +69,8 @@ __all__ = ["MAX_LOOKAHEAD", "CacheBatch", "CachedTable", "SlotCache"]
 # prefetch's kernels sum them.
 _DEVICE_COUNTERS = [f.name for f in fields(CacheStats) if f.name != "batches"]
 assert tuple(_DEVICE_COUNTERS) == batch_kernels.COUNTER_NAMES, "batch_kernels.COUNTER_NAMES must follow CacheStats"
-# Tensors SlotCache._assign returns before its moves (slot_of_index .. in_place_count).
-_ASSIGN_OUTPUTS = 8
+# Tensors SlotCache._assign returns before its moves (slot_of_index .. order).
+_ASSIGN_OUTPUTS = 6
 # Batches whose prefetch outputs one graph key lends at once without copies (StepGraphs' replicas, captured as
 # batches of one size pile up, each with its graph's memory): a pipeline of depth 2 holds three (two prefetched
 # ahead, one training), and one more covers a forward's own prefetch. Beyond that a prefetch of that size runs
@@ -295,18 +295,15 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
         ticket = None
         if rows.numel() > 0:
             try:
-                (slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order, in_place_lookup,
-                 in_place_count, ticket, loan) = self._assign_and_move(
-                    rows, size, [launches for _, launches in fused if launches is not None])
+                slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order, ticket, loan = \
+                    self._assign_and_move(rows, size, [launches for _, launches in fused if launches is not None])
                 if loan is not None:
                     self._loans[self._step] = loan
             finally:  # their launches come first in the prefetch's (graph or eager launches)
                 for earlier, _ in fused:
                     self.unlock(earlier, launched=True)
         else:
-            slot_of_index = in_place_rank = locked_slots = in_place_lookup = torch.empty(0, dtype=torch.int32,
-                                                                                       device=self.device)
-            in_place_count = torch.zeros(1, dtype=torch.int32, device=self.device)
+            slot_of_index = in_place_rank = locked_slots = torch.empty(0, dtype=torch.int32, device=self.device)
             bypassed_rows = torch.empty(0, dtype=torch.int64, device=self.device)
             order = torch.empty(0, dtype=torch.int32, device=self.device)
             sorted_rows = torch.empty(0, dtype=batch_kernels.sort_keys_dtype(self._rows_end)[0], device=self.device)
@@ -315,7 +312,7 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
             if self._counts_rows:
                 self.row_uses >>= 1
         batch = CacheBatch(self._step, slot_of_index, locked_slots, bypassed_rows, sorted_rows, order, ticket,
-                           in_place_rank, in_place_lookup, in_place_count)
+                           in_place_rank)
         self._unreleased[batch.step] = batch
         self._metadata_done()
         return batch
@@ -397,12 +394,11 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
     # ------------------------------------------------------------------ prefetch
 
     def _assign_and_move(self, rows: torch.Tensor, size: int, unlocks: Sequence[GraphLaunches] = ()):
-        """(slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order, in_place_lookup,
-        in_place_count, the mover's ticket, the loan of those tensors or None) of a batch: ``unlocks``
-        (earlier batches' :meth:`unlock_launches`), :meth:`_assign` and the mover's device work
-        (:meth:`RowMover.enqueue`) replay as one CUDA graph per batch shape (``base/graphs.py``; the step
-        reaches the kernels in a tensor), then the mover's host part (:meth:`RowMover.hand_off`: the staged
-        mover hands the lists to its threads) runs on the host.
+        """(slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order, the mover's ticket, the
+        loan of those tensors or None) of a batch: ``unlocks`` (earlier batches' :meth:`unlock_launches`),
+        :meth:`_assign` and the mover's device work (:meth:`RowMover.enqueue`) replay as one CUDA graph per
+        batch shape (``base/graphs.py``; the step reaches the kernels in a tensor), then the mover's host part
+        (:meth:`RowMover.hand_off`: the staged mover hands the lists to its threads) runs on the host.
         ``size``: the lookups the batch is laid out at (``rows.numel()``, or its ``padded_size``). A replay's
         tensors are its graph's own, lent until the batch's unlock gives the loan back (:meth:`unlock`)."""
         step = torch.tensor([self._step], dtype=torch.int64)
@@ -431,21 +427,18 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
         inputs = (rows, step, *(tensor for tensors in unlock_inputs for tensor in tensors))
         loan = OutputLoan() if self._lends_outputs else None
         results = self._prefetch_graphs.run(key, inputs, enqueue, self.device, advance=next_int64, loan=loan)
-        (slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order, in_place_lookup,
-         in_place_count), enqueued = results[:_ASSIGN_OUTPUTS], results[_ASSIGN_OUTPUTS:]
+        (slot_of_index, in_place_rank, locked_slots, bypassed_rows, sorted_rows, order), enqueued = \
+            results[:_ASSIGN_OUTPUTS], results[_ASSIGN_OUTPUTS:]
         # The padding sorts after every lookup (stable: after the lookups outside the cached tables too),
         # so the first num_lookups sorted positions are the batch's. The padding locks no slot and
         # leaves no row in its store: locked_slots and bypassed_rows stay padded.
-        # The rows given no slot are the batch's own (the padding's row is outside every cached table).
         return (slot_of_index[:num_lookups], in_place_rank[:num_lookups], locked_slots, bypassed_rows,
-                sorted_rows[:num_lookups], order[:num_lookups], in_place_lookup, in_place_count,
-                self.mover.hand_off(enqueued), loan)
+                sorted_rows[:num_lookups], order[:num_lookups], self.mover.hand_off(enqueued), loan)
 
     def _assign(self, rows: torch.Tensor, step: torch.Tensor) -> tuple:
         """(slot_of_index int32 [N], in_place_rank int32 [N], locked_slots int32 [N], bypassed_rows int64 [N],
-        sorted_rows [N], order int32 [N], in_place_lookup int32 [N], in_place_count int32 [1], the moves) of the
-        batch ``rows`` (int64 [N]) at ``step`` (int64 [1], on the device): the kernels and sorts of
-        :mod:`tiered_tbe.cache.batch_kernels`, in its order."""
+        sorted_rows [N], order int32 [N], the moves) of the batch ``rows`` (int64 [N]) at ``step`` (int64 [1], on the
+        device): the kernels and sorts of :mod:`tiered_tbe.cache.batch_kernels`, in its order."""
         # 1. Deduplicate by sorting: the unique rows ascending, padded to N with NOT_CACHED, and their sets.
         u = batch_kernels.unique_rows_of_batch(self._launcher, rows, self._table_starts, self._table_ends,
                                                self._rows_end, self.num_sets)
@@ -457,12 +450,12 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
                                     self.associativity, step, self._policy_code, self._k_metadata,
                                     self._way_of_rank, window_bits)
         # 4. The remap, the rows left in the backing store, the write-back list, the counters (no sync).
-        outcomes = batch_kernels.outcomes_of_batch(self._launcher, u, self._table_starts, self._table_row_bytes)
-        self._counters += outcomes.counters
-        moves = Moves(u.unique_rows, u.slot_of_unique, u.outcome, u.victim_row, u.victim_was_dirty,
-                      outcomes.write_back_keys, u.unique_number[-1:])
-        return (outcomes.slot_of_index, outcomes.in_place_rank, u.slot_of_unique, outcomes.bypassed_rows,
-                u.sorted_keys, u.order, outcomes.in_place_lookup, outcomes.in_place_count, moves)
+        slot_of_index, in_place_rank, bypassed_rows, write_back_keys, counters = batch_kernels.outcomes_of_batch(
+            self._launcher, u, self._table_starts, self._table_row_bytes)
+        self._counters += counters
+        moves = Moves(u.unique_rows, u.slot_of_unique, u.outcome, u.victim_row, u.victim_was_dirty, write_back_keys,
+                      u.unique_number[-1:])
+        return slot_of_index, in_place_rank, u.slot_of_unique, bypassed_rows, u.sorted_keys, u.order, moves
 
     # ------------------------------------------------------------------ helpers
 

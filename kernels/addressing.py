@@ -158,30 +158,6 @@ def recomputed_features(
 
 
 @triton.jit
-def feature_of_positions(
-    starts_ptr,  # int32/int64: feature f's first lookup at starts_ptr[f * starts_stride], f = 0..F (F: the end)
-    starts_stride,  # elements between consecutive features' starts (1, or B for the offsets of F * B bags)
-    positions,  # int64 tensor: lookup positions
-    valid,  # bool, positions' shape: which to search for (0 elsewhere)
-    num_features,  # F
-    SEARCH_STEPS: tl.constexpr,  # steps of the binary search over the F + 1 starts: (F + 1).bit_length()
-):
-    """int64 of positions' shape: the last feature whose start is at or before each position
-    (``torch.searchsorted(starts, positions, right=True) - 1``: an empty feature yields to the next one
-    starting where it does), clamped into [0, F)."""
-    low = tl.zeros(positions.shape, dtype=tl.int64)
-    high = tl.zeros(positions.shape, dtype=tl.int64) + num_features
-    for _ in range(SEARCH_STEPS):
-        middle = (low + high + 1) // 2
-        searching = valid & (low < high)
-        at_or_before = (tl.load(starts_ptr + middle * starts_stride, mask=searching, other=0) <= positions) \
-            & searching
-        low = tl.where(at_or_before, middle, low)
-        high = tl.where(at_or_before | (low >= high), high, middle - 1)
-    return tl.minimum(low, num_features - 1)
-
-
-@triton.jit
 def table_row_zero(
     descriptor_ptr,  # int64 [F, DESCRIPTOR_COLUMNS]: the features' descriptor (base/descriptors.py)
     features,  # int32 scalar or tensor: the descriptor row (feature) of each element
@@ -221,25 +197,6 @@ def row_pointers(
 
 
 @triton.jit
-def read_pointers(
-    pointers,  # pointer tensor (1-D or 2-D): column 0 of each row in its slot or store
-    ranks,  # int32, same shape: the copy row of each row read in place, or -1
-    copies_ptr,  # [num_copies, row_width]: the copy rows (kernels/in_place_copies.py), the rows' element type
-    copies_stride,  # elements between consecutive copy rows
-    num_copies,  # copy rows: a rank past them has none
-    ALIGN_BYTES: tl.constexpr,  # every row start is a multiple of this many bytes
-):
-    """Where each row is read: its copy row if it has one, else ``pointers`` (its slot or its store)."""
-    has_copy = (ranks >= 0) & (ranks < num_copies)
-    pointers = tl.where(has_copy, copies_ptr + tl.where(has_copy, ranks, 0).to(tl.int64) * copies_stride, pointers)
-    if len(pointers.shape) == 2:  # tl.multiple_of takes one value per dimension
-        pointers = tl.multiple_of(pointers, [ALIGN_BYTES, ALIGN_BYTES])
-    else:
-        pointers = tl.multiple_of(pointers, ALIGN_BYTES)
-    return pointers
-
-
-@triton.jit
 def lookup_rows(
     positions,  # int64 [F] or [BAGS, LANES]: lookup positions of the tile
     in_bag,  # bool, same shape: which positions are real lookups
@@ -251,16 +208,11 @@ def lookup_rows(
     row_stride,  # int64: elements between rows of the table
     cache_ptr,  # [num_slots, width] slot rows, same element type as the table rows
     cache_stride,  # elements between consecutive slots
-    in_place_rank_ptr,  # int32 [N]: copy row of each lookup read in place, or -1 (read only if READS_COPIES)
-    copies_ptr,  # [num_copies, width]: rows read in place, gathered before (kernels/in_place_copies.py)
-    copies_stride,  # elements between consecutive copy rows
-    num_copies,  # copy rows: a rank past them was not gathered (its row is read from its store)
     USE_CACHE: tl.constexpr,  # False: every row comes from its backing store
-    READS_COPIES: tl.constexpr,  # a lookup read in place with a copy row reads it there (needs USE_CACHE)
     ALIGN_BYTES: tl.constexpr,  # every row start is a multiple of this many bytes
 ):
-    """fp32 [*positions.shape, BLOCK_D]: the newest copy of each lookup's row: its slot, else its copy
-    row (``READS_COPIES``), else its backing store (zeros outside the tile and the table).
+    """fp32 [*positions.shape, BLOCK_D]: the newest copy of each lookup's row (zeros outside the
+    tile and the table).
 
     A 2-D tile of positions (a row of lanes per bag) lets a bag's lanes be summed in registers
     (``tl.sum(axis=1)``); flattened to [BAGS * LANES, BLOCK_D] and reshaped to sum, the same tile
@@ -270,9 +222,6 @@ def lookup_rows(
     if USE_CACHE:
         slots = tl.load(slot_of_index_ptr + positions, mask=in_bag, other=-1)
     pointers = row_pointers(table_rows, rows, row_stride, slots, cache_ptr, cache_stride, USE_CACHE, ALIGN_BYTES)
-    if READS_COPIES:  # a lookup with a slot has rank -1
-        pointers = read_pointers(pointers, tl.load(in_place_rank_ptr + positions, mask=in_bag, other=-1), copies_ptr,
-                                 copies_stride, num_copies, ALIGN_BYTES)
     return tl.load(tl.expand_dims(pointers, -1) + columns, mask=tl.expand_dims(in_bag, -1) & in_row,
                    other=0.0).to(tl.float32)
 

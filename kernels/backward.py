@@ -67,15 +67,7 @@ from .grouping import (
     sort_lookups,
 )
 from .hot_rows import hot_group_sums_kernel, hot_row_update_kernel, hot_window_sums_kernel
-from .in_place_copies import (
-    COPIES_READ,
-    COPIES_READ_AND_WRITTEN,
-    InPlaceCopies,
-    gather_programs,
-    gathers,
-    scatter_in_place_rows,
-    uses_copies,
-)
+from .in_place_copies import InPlaceCopies, uses_copies
 from .optimizers import FusedOptimizer
 from .rows import Lookups, RowStores, check_lookups
 from .run_groups import plan_run_groups
@@ -165,8 +157,7 @@ class _UpdatePlan(NamedTuple):
     stochastic_rounding: bool
     reads_step: bool  # the kernels read the step (stochastic rounding, an optimizer's USES_STEP)
     padded: bool  # the batch went through grouping.pad_batch (its padding, if any, ends it)
-    reads_copies: int  # rows read in place: 0 in their stores, COPIES_READ from the forward's copies, or
-    #                    COPIES_READ_AND_WRITTEN read and written there, then scattered (kernels/in_place_copies.py)
+    reads_copies: bool  # rows read in place are read from the forward's copies (kernels/in_place_copies.py)
 
 
 def backward_update(
@@ -218,9 +209,7 @@ def backward_update(
             whose size differs from the one before it (``grouping.size_changed``).
         copies: the copies the batch's forward made of the rows it read in place (``pooled_forward(...,
             copies=)``), read instead of the backing stores: valid only if nothing changed those rows since
-            that forward (the caller's to know; ``kernels/in_place_copies.py``). The same update. Where the
-            forward gathered them (``copies.lookup``, ``TIERED_TBE_IN_PLACE_GATHER``) the rows are updated in
-            their copies and scattered to their stores after, before ``then``.
+            that forward (the caller's to know; ``kernels/in_place_copies.py``). The same update.
     """
     if not isinstance(optimizer, FusedOptimizer):
         raise TypeError(f"optimizer must be a FusedOptimizer (tiered_tbe.optimizers), got {type(optimizer).__name__}")
@@ -239,11 +228,9 @@ def backward_update(
     pad = bool(pad) and sorted_lookups is None
     if pad and mode == POOLING_NONE:
         raise ValueError("pooling none's gradient rows are its lookups': its batch cannot be padded")
-    use_cache = slot_of_index is not None and stores.uses_cache
-    reads_copies = uses_copies(copies, use_cache)
-    writes_copies = gathers(copies, use_cache, grad_output.device)
-    if sorted_lookups is None and not writes_copies:  # the scatter finds each row through its lookup's index
+    if sorted_lookups is None:
         lookups = without_unread_inputs(lookups, presorted)
+    reads_copies = uses_copies(copies, slot_of_index is not None and stores.uses_cache)
     ranks = copies.rank if reads_copies else None
     if pad:  # grad_output keeps its B rows: the padding's bags are empty, so no kernel reads a row past B.
         # A batch of a padded size already takes the same launches (and graph) as the ones padded to it.
@@ -264,8 +251,7 @@ def backward_update(
         use_cache=slot_of_index is not None and stores.uses_cache, optimizer_triton=optimizer.TRITON,
         num_hyper=len(hyper),
         stochastic_rounding=rounds_stochastically,
-        reads_step=rounds_stochastically or optimizer.USES_STEP, padded=pad,
-        reads_copies=(COPIES_READ_AND_WRITTEN if writes_copies else COPIES_READ) if reads_copies else 0)
+        reads_step=rounds_stochastically or optimizer.USES_STEP, padded=pad, reads_copies=reads_copies)
     copy_rows = copies.rows if reads_copies else stores.cache_weights  # the kernels' argument, read if reads_copies
     # The step is read by stochastic rounding and by the optimizers whose update reads it (Adam's
     # bias corrections), and passed only then: otherwise a replay's arguments stay the same from
@@ -275,22 +261,14 @@ def backward_update(
               lookups.bag_of_index, slot_of_index if plan.use_cache else None,
               step_arguments(grad_output, hyper, seed if plan.stochastic_rounding else 0,
                              step if plan.reads_step else 0),
-              ranks, *(presorted or (None, None)),
-              # Of the lookups, the first per copy row only: the scatter reads no more, and a graph's key
-              # then varies with no batch size once a batch has as many lookups as there are copy rows.
-              *((copies.lookup[:copies.rows.shape[0]], copies.count) if writes_copies else (None, None)))
+              ranks, *(presorted or (None, None)))
 
     update_inputs = len(inputs)
     if then is not None:
         inputs = (*inputs, *then.inputs)
 
     def enqueue(tensors):
-        *update, in_place_lookup, in_place_count = tensors[:update_inputs]
-        _enqueue_update(plan, stores, *update, copy_rows=copy_rows, sorted_lookups=sorted_lookups)
-        if writes_copies:  # the stores updated before the unlock lets a prefetch cache these rows again
-            scatter_in_place_rows(stores.descriptor, stores.block_d, stores.alignment, update[0], update[1],
-                                  plan.batch_size, InPlaceCopies(None, copy_rows, in_place_lookup, in_place_count),
-                                  gather_programs(grad_output.device))
+        _enqueue_update(plan, stores, *tensors[:update_inputs], copy_rows=copy_rows, sorted_lookups=sorted_lookups)
         if then is not None:
             then.enqueue(tensors[update_inputs:])
 

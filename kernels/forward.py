@@ -55,14 +55,7 @@ from .addressing import (
     table_row_zero,
 )
 from .grouping import pad_bags, pads_batches
-from .in_place_copies import (
-    InPlaceCopies,
-    gather_in_place_rows,
-    gather_programs,
-    gathers,
-    keep_copies,
-    uses_copies,
-)
+from .in_place_copies import InPlaceCopies, keep_copies, uses_copies
 from .rows import ColumnGroup, Lookups, RowStores, check_lookups
 
 # Tiles of more than this many elements spill registers: the autotuner never tries them.
@@ -166,7 +159,7 @@ def _prune_configs(configs, named_args, **kwargs):
 @triton.autotune(
     configs=_forward_configs(),
     key=["bag_length_class", "BLOCK_D", "POOLING", "HAS_PER_SAMPLE_WEIGHTS", "USE_CACHE", "KEEPS_COPIES",
-         "READS_COPIES", "ALIGN_BYTES"],
+         "ALIGN_BYTES"],
     prune_configs_by={"early_config_prune": _prune_configs},
     # The winner is kept in Triton's cache folder: a later process of the same model shape loads the
     # winning tile only, instead of compiling and timing every candidate (seconds at start-up).
@@ -187,9 +180,8 @@ def _pooled_forward_kernel(
     offsets_ptr,  # int32/int64 [F*B+1]: bag f*B+b is lookups offsets[f*B+b] : offsets[f*B+b+1]
     slot_of_index_ptr,  # int32 [N]: slot holding each lookup's row, or -1 (read only if USE_CACHE)
     per_sample_weights_ptr,  # fp32 [N]: multiplies each row (read only if HAS_PER_SAMPLE_WEIGHTS)
-    in_place_rank_ptr,  # int32 [N]: copy row of each lookup read in place, or -1 (read if KEEPS_ or READS_COPIES)
-    copies_ptr,  # [num_copies, row_width] the rows read in place, for the backward (written if KEEPS_COPIES, read
-    #              if READS_COPIES)
+    in_place_rank_ptr,  # int32 [N]: copy row of each lookup read in place, or -1 (read only if KEEPS_COPIES)
+    copies_ptr,  # [num_copies, row_width] the rows read in place, kept for the backward (written if KEEPS_COPIES)
     copies_stride,  # elements between consecutive copy rows
     num_copies,  # copy rows: a lookup whose rank is past them keeps no copy
     batch_size,  # B: bags per table (not specialized: a last, smaller batch compiles nothing new)
@@ -198,7 +190,6 @@ def _pooled_forward_kernel(
     HAS_PER_SAMPLE_WEIGHTS: tl.constexpr,  # whether rows are scaled by per-sample weights
     USE_CACHE: tl.constexpr,  # whether any slot exists (else every row comes from a backing store)
     KEEPS_COPIES: tl.constexpr,  # write each row read in place to its copy row (kernels/in_place_copies.py)
-    READS_COPIES: tl.constexpr,  # read the rows read in place from the copy rows a gather filled (same file)
     ALIGN: tl.constexpr,  # every row start, row stride and dim is a multiple of this many elements
     ALIGN_BYTES: tl.constexpr,  # ALIGN in bytes
     BLOCK_B: tl.constexpr,  # bags per program
@@ -242,10 +233,11 @@ def _pooled_forward_kernel(
             for step_start in tl.range(0, tl.max(ends - starts, axis=0), BLOCK_L, num_stages=STAGES):
                 positions = starts[:, None] + step_start + tl.arange(0, BLOCK_L)[None, :]  # int64 [BLOCK_B, BLOCK_L]
                 in_bag = positions < ends[:, None]
-                tile = _rows_of_tile(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
-                                     row_stride, cache_weights_ptr, cache_weights_stride, in_place_rank_ptr,
-                                     copies_ptr, copies_stride, num_copies, USE_CACHE, KEEPS_COPIES, READS_COPIES,
-                                     ALIGN_BYTES)
+                tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
+                                   row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
+                if KEEPS_COPIES:
+                    keep_copies(tile, positions, in_bag, in_row, columns, in_place_rank_ptr, copies_ptr,
+                                copies_stride, num_copies, ALIGN_BYTES)
                 if HAS_PER_SAMPLE_WEIGHTS:
                     tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, :, None]
                 accumulator += tl.sum(tile, axis=1)
@@ -256,10 +248,11 @@ def _pooled_forward_kernel(
             for step_start in tl.range(0, tl.max(ends - starts, axis=0), BLOCK_L, num_stages=STAGES):
                 positions = starts + step_start + lanes  # int64 [BLOCK_B * BLOCK_L]
                 in_bag = positions < ends
-                tile = _rows_of_tile(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
-                                     row_stride, cache_weights_ptr, cache_weights_stride, in_place_rank_ptr,
-                                     copies_ptr, copies_stride, num_copies, USE_CACHE, KEEPS_COPIES, READS_COPIES,
-                                     ALIGN_BYTES)
+                tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows,
+                                   row_stride, cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
+                if KEEPS_COPIES:
+                    keep_copies(tile, positions, in_bag, in_row, columns, in_place_rank_ptr, copies_ptr,
+                                copies_stride, num_copies, ALIGN_BYTES)
                 if HAS_PER_SAMPLE_WEIGHTS:
                     tile = tile * tl.load(per_sample_weights_ptr + positions, mask=in_bag, other=0.0)[:, None]
                 # Columns past the table's dim are written as zeros, so no output element is left unset.
@@ -281,22 +274,6 @@ def _pooled_forward_kernel(
             tl.store(out_ptrs, accumulator, mask=(bags < batch_size)[:, None] & in_row[None, :])
 
 
-@triton.jit
-def _rows_of_tile(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows, row_stride,
-                  cache_weights_ptr, cache_weights_stride, in_place_rank_ptr, copies_ptr, copies_stride, num_copies,
-                  USE_CACHE: tl.constexpr, KEEPS_COPIES: tl.constexpr, READS_COPIES: tl.constexpr,
-                  ALIGN_BYTES: tl.constexpr):
-    """The tile's rows (``lookup_rows``, the forward kernel's arguments of those names), each row read in
-    place copied to its copy row with ``KEEPS_COPIES``."""
-    tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows, row_stride,
-                       cache_weights_ptr, cache_weights_stride, in_place_rank_ptr, copies_ptr, copies_stride,
-                       num_copies, USE_CACHE, READS_COPIES, ALIGN_BYTES)
-    if KEEPS_COPIES:
-        keep_copies(tile, positions, in_bag, in_row, columns, in_place_rank_ptr, copies_ptr, copies_stride, num_copies,
-                    ALIGN_BYTES)
-    return tile
-
-
 class _ForwardPlan(NamedTuple):
     """Everything a forward's launches bake in besides its tensors' addresses (hashable: part of a
     graph's key). The lookup count is not in it (only its bag-length class; pooling none: the
@@ -314,7 +291,6 @@ class _ForwardPlan(NamedTuple):
     has_per_sample_weights: bool
     tile: ForwardTile | None
     keeps_copies: bool  # writes the rows read in place to copies (kernels/in_place_copies.py)
-    reads_copies: bool  # reads the rows read in place from copies a gather filled before it (same file)
 
 
 def pooled_forward(
@@ -342,9 +318,7 @@ def pooled_forward(
             Default: ``grouping.pads_batches`` (graphs on a GPU).
         copies: where to copy the rows read in place for the backward (``kernels/in_place_copies.py``):
             ``copies.rank`` int32 [N] (the prefetch's ``in_place_rank``), ``copies.rows`` [C, row_width]
-            of the weights' dtype. With ``copies.lookup`` and ``copies.count`` and the gather on
-            (``TIERED_TBE_IN_PLACE_GATHER``), the rows are gathered into the copies first and the forward reads
-            them there. The output is the same with or without.
+            of the weights' dtype. The output is the same with or without.
 
     Returns:
         fp32 ``[B, stores.total_dim]`` for sum and mean: feature ``f``'s bag ``b`` in the dim of its
@@ -372,29 +346,25 @@ def pooled_forward(
         output = leading_rows(padded, batch_size)
     if batch_size == 0 or output.numel() == 0:
         return output
+    if mode != POOLING_NONE and padded.shape[0] != batch_size:  # the bags laid out at the output's rows
+        lookups = pad_bags(lookups, stores.num_features, padded.shape[0])
+        batch_size = lookups.batch_size
     override = os.environ.get("TIERED_TBE_FORWARD_TILE")  # a tuning run's tile for every forward
     if tile is None and override:
         tile = ForwardTile(*(int(value) for value in override.split(",")))
     use_cache = slot_of_index is not None and stores.uses_cache
-    with_copies, reads_copies = uses_copies(copies, use_cache), gathers(copies, use_cache, device)
-    if with_copies:
+    keeps_copies = uses_copies(copies, use_cache)
+    if keeps_copies:
         _check_copies(stores, copies, lookups.num_lookups)
-    if reads_copies:  # before the bags are padded: the lookups' positions are the prefetch's
-        gather_in_place_rows(stores.descriptor, stores.block_d, stores.alignment, lookups.indices, lookups.offsets,
-                             lookups.batch_size, copies, gather_programs(device))
-    if mode != POOLING_NONE and padded.shape[0] != batch_size:  # the bags laid out at the output's rows
-        lookups = pad_bags(lookups, stores.num_features, padded.shape[0])
-        batch_size = lookups.batch_size
-    keeps_copies = with_copies and not reads_copies
     tensors = (output, lookups.indices, lookups.offsets, slot_of_index if use_cache else None,
-               lookups.per_sample_weights, copies.rank if with_copies else None)
+               lookups.per_sample_weights, copies.rank if keeps_copies else None)
     plan = _ForwardPlan(mode, batch_size, tuple(padded.shape), launches_per_group(stores, mode),
                         row_slice_alignment_bytes(output, stores),
                         min(_alignment_bytes(tensor) for tensor in tensors[1:] if tensor is not None),
                         bag_class,
                         (lookups.indices.dtype, lookups.offsets.dtype), use_cache, tensors[4] is not None, tile,
-                        keeps_copies, reads_copies)
-    copy_rows = copies.rows if with_copies else stores.cache_weights  # the kernel's argument, written if kept
+                        keeps_copies)
+    copy_rows = copies.rows if keeps_copies else stores.cache_weights  # the kernel's argument, written if kept
     # Launched directly where no graph will be replayed (graphs off) or inside a caller's capture (a
     # capture bakes the addresses in; the address block's pinned copy would be replayed stale).
     if graphs is None or (device.type == "cuda" and (not graphs.enabled or torch.cuda.is_current_stream_capturing())):
@@ -476,14 +446,12 @@ def _enqueue_forward(plan: _ForwardPlan, stores: RowStores, addresses, output, i
             group.descriptor, stores.cache_weights, stores.cache_weights.stride(0),
             indices, offsets, slot_of_index if plan.use_cache else indices,
             per_sample_weights if plan.has_per_sample_weights else output,
-            in_place_rank if plan.keeps_copies or plan.reads_copies else indices, copy_rows, copy_rows.stride(0),
-            copy_rows.shape[0],
+            in_place_rank if plan.keeps_copies else indices, copy_rows, copy_rows.stride(0), copy_rows.shape[0],
             plan.batch_size, plan.bag_length_class,
             POOLING=plan.mode,
             HAS_PER_SAMPLE_WEIGHTS=plan.has_per_sample_weights,
             USE_CACHE=plan.use_cache,
             KEEPS_COPIES=plan.keeps_copies,
-            READS_COPIES=plan.reads_copies,
             ALIGN=stores.alignment,
             ALIGN_BYTES=stores.alignment * stores.weights_dtype.itemsize,
             BLOCK_D=group.block_d,

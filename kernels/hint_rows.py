@@ -27,8 +27,6 @@ import triton.language as tl
 from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
 from tiered_tbe.base.sorting import compact, sort_ids, stable_sort
 
-from .addressing import feature_of_positions
-
 BLOCK = 1024  # positions per program
 
 
@@ -47,8 +45,17 @@ def _hint_keys_kernel(
 ):
     positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = positions < num_positions
-    # Positions before the first start belong to feature 0, after the end to F - 1.
-    feature = feature_of_positions(feature_starts_ptr, 1, positions, inside, num_features, SEARCH_STEPS)
+    # The last feature whose start is at or before the position (torch.searchsorted(..., right=True) - 1),
+    # then clamped into [0, F): positions before the first start belong to feature 0, after the end to F - 1.
+    low = tl.zeros([BLOCK], dtype=tl.int64)
+    high = tl.zeros([BLOCK], dtype=tl.int64) + num_features
+    for _ in range(SEARCH_STEPS):
+        middle = (low + high + 1) // 2
+        at_or_before = (tl.load(feature_starts_ptr + middle, mask=inside & (low < high), other=0) <= positions) \
+            & (low < high)
+        low = tl.where(at_or_before, middle, low)
+        high = tl.where(at_or_before | (low >= high), high, middle - 1)
+    feature = tl.minimum(low, num_features - 1)
     index = tl.load(indices_ptr + positions, mask=inside, other=0).to(tl.int64)
     table_rows = tl.load(num_rows_ptr + feature, mask=inside, other=1)
     row = tl.load(row_offset_ptr + feature, mask=inside, other=0) + tl.minimum(tl.maximum(index, 0), table_rows - 1)

@@ -76,8 +76,7 @@ def _per_sample_weights_grad_kernel(
         positions = starts + step_start + lanes
         in_bag = positions < ends
         tile = lookup_rows(positions, in_bag, in_row, columns, indices_ptr, slot_of_index_ptr, table_rows, row_stride,
-                           cache_weights_ptr, cache_weights_stride, indices_ptr, cache_weights_ptr, 0, 0, USE_CACHE,
-                           False, ALIGN_BYTES)
+                           cache_weights_ptr, cache_weights_stride, USE_CACHE, ALIGN_BYTES)
         tile_mask = in_bag[:, None] & in_row[None, :]
         if POOLING == POOLING_NONE_CONSTEXPR:
             grads = tl.load(grad_output_ptr + positions[:, None] * grad_output_stride + columns[None, :],

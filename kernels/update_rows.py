@@ -27,14 +27,11 @@ from .addressing import (
     WEIGHTS_STRIDE,
     descriptor_field,
     descriptor_field_int32,
-    read_pointers,
     recomputed_features,
     row_pointers,
     table_row_zero,
 )
-from .in_place_copies import COPIES_READ_AND_WRITTEN as _COPIES_READ_AND_WRITTEN
-
-COPIES_READ_AND_WRITTEN = tl.constexpr(_COPIES_READ_AND_WRITTEN)
+from .in_place_copies import read_pointers
 
 STEP_INTS = 3
 MAX_HYPER = 8
@@ -312,15 +309,13 @@ def update_rows(
     OPTIMIZER_UPDATE: tl.constexpr,
     OPTIMIZER_STORE_STATE: tl.constexpr,
     USE_CACHE: tl.constexpr,  # whether any lookup may have a slot
-    READS_COPIES: tl.constexpr,  # a row that has a copy row: 0 ignores it; COPIES_READ reads the row there (then
-    #                              writes its store); COPIES_READ_AND_WRITTEN reads and writes it there
+    READS_COPIES: tl.constexpr,  # read a row that has a copy row from it (then write it to its store as ever)
     STOCHASTIC_ROUNDING: tl.constexpr,  # round fp16 / bf16 weights stochastically (else to nearest)
     ALIGN_BYTES: tl.constexpr,  # every weights row starts at a multiple of this many bytes
     STATE_ALIGN_BYTES: tl.constexpr,  # every state row starts at a multiple of this many bytes
 ):
     """Apply the optimizer to ``R`` rows in their slot or backing store, and store them (reading a
-    row read in place from its copy, with ``READS_COPIES``: one crossing of the bus less; and writing it
-    there, with ``COPIES_READ_AND_WRITTEN``)."""
+    row read in place from its copy, with ``READS_COPIES``: one crossing of the bus less)."""
     element = cache_weights_ptr.dtype.element_ty
     features = recomputed_features(features)  # not the address of the rows read before the gradient loop
     table_rows = global_rows - descriptor_field(descriptor_ptr, features, row_mask, ROW_OFFSET)
@@ -346,6 +341,4 @@ def update_rows(
         weights = stochastic_round(weights, random_words(global_rows, step_args_ptr, columns.shape[0]), element)
     tl.debug_barrier()
     OPTIMIZER_STORE_STATE(state_rows, state, columns, row_mask, mask, dims)
-    if READS_COPIES == COPIES_READ_AND_WRITTEN:  # the scatter after the update writes the stores
-        weight_rows = read_rows
     tl.store(weight_rows[:, None] + columns[None, :], weights.to(element), mask=mask)

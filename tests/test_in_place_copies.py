@@ -5,9 +5,7 @@ An ``lfu-admit`` cache of 8 slots refuses most misses, so most rows are read in 
 values are the stores' by construction, so training is the same with and without them; what shows
 that the backward reads them is a store poisoned between a forward and its backward: with the copies
 the poison is overwritten by the update, without them it is updated. Both backends: the Triton
-kernels (the interpreter, a few steps) and their plain-torch reference (which models the copies). The
-Triton forward either copies the rows as it reads them or reads them from the copies a gather filled
-just before it (``TIERED_TBE_IN_PLACE_GATHER``); the copies hold the same values either way.
+kernels (the interpreter, a few steps) and their plain-torch reference (which models the copies).
 """
 
 from __future__ import annotations
@@ -19,20 +17,12 @@ import torch
 
 from tiered_tbe import SGD, CacheConfig, Placement, RowwiseAdagrad, TableSpec
 from tiered_tbe.batch import CopyRows
-from tiered_tbe.kernels import in_place_copies
 from tiered_tbe.kernels.in_place_copies import InPlaceCopies
 from tiered_tbe.module import TieredEmbeddingBags
 
 SPECS = [(60, 6, Placement.HOST_CACHED), (20, 3, Placement.MANAGED_CACHED), (9, 4, Placement.DEVICE)]
 BATCH_SIZE = 3
 POISON = 1.0e6
-
-
-@pytest.fixture(params=["forward", "gather"])
-def copying(request, monkeypatch):
-    """Who fills the copies in a Triton forward: the forward as it reads, or a gather before it."""
-    monkeypatch.setattr(in_place_copies, "IN_PLACE_GATHER", "auto" if request.param == "gather" else "0")
-    return request.param
 
 
 def make(backend, copies, device, optimizer=None, weights_dtype=torch.float32):
@@ -91,9 +81,7 @@ def train(module, batches, poison_from=None, poisoned_rows=None):
 
 
 @pytest.mark.parametrize("backend, steps", [("triton", 4), ("torch", 12)])
-def test_the_backward_reads_the_forwards_copies(backend, steps, device, one_simulated_thread, copying):
-    if backend == "torch" and copying == "gather":
-        pytest.skip("the reference forward copies as it reads")
+def test_the_backward_reads_the_forwards_copies(backend, steps, device, one_simulated_thread):
     batches = make_batches(steps, device)
     # Last, a new row looked up 40 times in one bag: read in place, and updated by the backward's
     # kernel for rows of many lookups (kernels/hot_rows.py).
@@ -112,10 +100,7 @@ def test_the_backward_reads_the_forwards_copies(backend, steps, device, one_simu
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_the_forward_writes_a_copy_of_each_row_read_in_place_and_nothing_else(backend, device, one_simulated_thread,
-                                                                            copying):
-    if backend == "torch" and copying == "gather":
-        pytest.skip("the reference forward copies as it reads")
+def test_the_forward_writes_a_copy_of_each_row_read_in_place_and_nothing_else(backend, device, one_simulated_thread):
     module = make(backend, 64, device, optimizer=RowwiseAdagrad(lr=0.1))
     batches = make_batches(3, device, seed=4)
     train(module, batches[:2])
@@ -124,14 +109,10 @@ def test_the_forward_writes_a_copy_of_each_row_read_in_place_and_nothing_else(ba
     assert read_in_place, "no row was read in place"
     copies = module._copy_rows.rows
     copies.fill_(float("nan"))
-    before = {rank: module.storage.table_weights[table][row].clone() for table, row, rank in read_in_place}
+    expected = {rank: module.storage.table_weights[table][row].clone() for table, row, rank in read_in_place}
     module(indices, offsets).sum().backward()
-    # Copied as read; gathered copies are updated in place by the backward and scattered to the stores.
-    expected = before if copying == "forward" else \
-        {rank: module.storage.table_weights[table][row].clone() for table, row, rank in read_in_place}
     for rank, row in expected.items():
         assert torch.equal(copies[rank, :row.numel()], row.to(copies.device))
-        assert copying == "forward" or not torch.equal(row, before[rank])  # the update reached the store
     untouched = [r for r in range(copies.shape[0]) if r not in expected]
     assert torch.isnan(copies[untouched]).all()
     # An evaluation forward writes no copy (no backward will read it).
@@ -139,76 +120,6 @@ def test_the_forward_writes_a_copy_of_each_row_read_in_place_and_nothing_else(ba
     with torch.no_grad():
         module(*make_batches(1, device, seed=9)[0])
     assert torch.isnan(copies).all()
-
-
-def test_gathered_copies_train_as_the_stores_do(device, one_simulated_thread, monkeypatch):
-    """Gathered before the forward, updated in the copies and scattered after the backward: the same
-    weights, bit for bit, as training that reads and writes every row in its store (no copy rows), with
-    every rank copied (64) and with most ranks past the copy rows (1). A row looked up 40 times in one bag
-    goes through the backward's kernel for rows of many lookups."""
-    batches = make_batches(4, device, seed=5)
-    indices, offsets = batches[-1]
-    batches.append((torch.cat([torch.full((40,), 58, device=device), indices]),
-                    torch.cat([offsets[:1], offsets[1:] + 40])))
-    optimizer = RowwiseAdagrad(lr=0.3)
-    plain = train(make("triton", 0, device, optimizer=optimizer), batches)
-    monkeypatch.setattr(in_place_copies, "IN_PLACE_GATHER", "auto")
-    scattered = []
-    scatter = in_place_copies.scatter_in_place_rows
-
-    def counting_scatter(*args):
-        scatter(*args)
-        scattered.append(int(args[6].count))
-
-    from tiered_tbe.kernels import backward
-    monkeypatch.setattr(backward, "scatter_in_place_rows", counting_scatter)
-    for copy_rows in (64, 1):
-        scattered.clear()
-        for want, got in zip(plain, train(make("triton", copy_rows, device, optimizer=optimizer), batches)):
-            assert torch.equal(want, got)
-        assert len(scattered) == len(batches) and sum(scattered) > 0, "no backward scattered a row"
-
-
-def test_a_gathered_forward_reads_the_copies_and_nothing_else_in_place(device, one_simulated_thread, monkeypatch):
-    """With the gather on, the forward reads each row read in place from its copy: copies raised by one
-    after the gather raise each bag by the number of its lookups read in place, in its table's columns,
-    and nothing else."""
-    monkeypatch.setattr(in_place_copies, "IN_PLACE_GATHER", "auto")
-    module = make("triton", 64, device)
-    batches = make_batches(3, device, seed=4)
-    train(module, batches[:2])
-    indices, offsets = batches[2]
-    with torch.no_grad():
-        plain = module(indices, offsets)  # an evaluation forward: no copies
-    module.prefetch(indices, offsets)
-    batch = module._prefetched[-1][2]
-    ranks = batch.in_place_rank.tolist()
-    gather = in_place_copies.gather_in_place_rows
-    gathered = []
-
-    def gather_then_raise(descriptor, block_d, alignment, indices, offsets, batch_size, copies, programs):
-        gather(descriptor, block_d, alignment, indices, offsets, batch_size, copies, programs)
-        count = int(copies.count)
-        copies.rows[:count] += 1.0
-        gathered.append(count)
-
-    from tiered_tbe.kernels import forward
-    monkeypatch.setattr(forward, "gather_in_place_rows", gather_then_raise)
-    out = module(indices, offsets)
-    assert gathered == [max(ranks) + 1] and gathered[0] > 0, "no row was read in place"
-    want = plain.clone()
-    bounds = offsets.tolist()
-    starts = [0]
-    for _, dim, _ in SPECS:
-        starts.append(starts[-1] + dim)
-    for bag in range(len(bounds) - 1):
-        table, sample = divmod(bag, BATCH_SIZE)
-        in_place = sum(rank >= 0 for rank in ranks[bounds[bag]:bounds[bag + 1]])
-        want[sample, starts[table]:starts[table + 1]] += in_place
-    # The raised rows are summed with the others, so fp32 rounds them in another order than plain + count.
-    torch.testing.assert_close(out.detach(), want, rtol=0, atol=1e-5)
-    assert (out.detach() - plain).abs().max() > 0.5
-    out.sum().backward()
 
 
 def test_two_forwards_before_their_backwards_read_the_stores(device, one_simulated_thread, monkeypatch):

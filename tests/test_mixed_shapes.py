@@ -14,7 +14,6 @@ import torch
 from tiered_tbe import CacheConfig, Placement, PrefetchPipeline, RowwiseAdagrad, TableSpec
 from tiered_tbe.batch import CopyRows
 from tiered_tbe.benchmarks.common import step_counters
-from tiered_tbe.kernels import in_place_copies
 from tiered_tbe.module import TieredEmbeddingBags
 
 
@@ -79,25 +78,21 @@ GPU_ROWS = [int(r * 1e6) for r in (15.5, 12, 9, 7, 5, 4, 3.5, 3, 2, 1.5, 1, 0.5)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy, gather", [("lru", "0"), ("lfu-admit", "0"), ("lfu-admit", "auto")])
-def test_pipelined_equals_serial_on_the_mixed_benchmark_shape(policy, gather, monkeypatch):
-    """Bit for bit, at the benchmark's size; `lfu-admit` reads most missed rows in place, in their stores or
-    (TIERED_TBE_IN_PLACE_GATHER) gathered into HBM and scattered back, which trains as the stores do."""
+@pytest.mark.parametrize("policy", ["lru", "lfu-admit"])
+def test_pipelined_equals_serial_on_the_mixed_benchmark_shape(policy):
+    """Bit for bit, at the benchmark's size; `lfu-admit` reads most missed rows in place."""
     batches = ragged_batches(GPU_ROWS, GPU_DIMS, steps=10, batch_sizes=[16384, 16000, 16384, 15000], max_bag=40,
                              device="cuda")
     cache = CacheConfig(fraction=0.1, policy=policy)
     runs = []
-    settings = [(0, gather), (2, gather)] + ([(0, "0")] if gather != "0" else [])
-    for depth, setting in settings:
-        monkeypatch.setattr(in_place_copies, "IN_PLACE_GATHER", setting)
+    for depth in (0, 2):
         module = mixed_module(GPU_ROWS, GPU_DIMS, [Placement.MANAGED_CACHED] * 12, "cuda", cache=cache)
         runs.append(train(module, batches, depth))
         assert module.cache.num_locked() == 0
         del module
         torch.cuda.empty_cache()
-    for run in runs[1:]:
-        for key in runs[0]:
-            assert torch.equal(runs[0][key], run[key]), key
+    for key in runs[0]:
+        assert torch.equal(runs[0][key], runs[1][key]), key
 
 
 @pytest.mark.gpu

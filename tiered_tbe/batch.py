@@ -88,8 +88,7 @@ class PreparedBatch:
         held = [self.remap]
         if self.cache_batch is not None:
             held += [self.cache_batch.locked_slots, self.cache_batch.bypassed_rows, self.cache_batch.sorted_rows,
-                     self.cache_batch.order, self.cache_batch.in_place_rank, self.cache_batch.in_place_lookup,
-                     self.cache_batch.in_place_count]
+                     self.cache_batch.order, self.cache_batch.in_place_rank]
         return [t for t in (*self.lookups, *held) if isinstance(t, torch.Tensor)]
 
     def release(self, updated: bool = False, launched: bool = False) -> None:
@@ -185,19 +184,14 @@ class CopyRows:
         rank = batch.in_place_rank
         keeps = rank is not None and rank.numel() > 0 and self._quiet_readings < self.QUIET_READINGS
         self._holder = weakref.ref(batch) if keeps else None
-        return _copies_of(batch, self.rows) if keeps else None
+        return InPlaceCopies(rank, self.rows) if keeps else None
 
     def for_backward(self, batch: PreparedBatch) -> InPlaceCopies | None:
         """The copies ``batch``'s backward may read (None: read the stores); they are spent either way."""
         holds = self._holder is not None and self._holder() is batch
         self._holder = None
-        return _copies_of(batch, self.rows) if holds else None
+        return InPlaceCopies(batch.in_place_rank, self.rows) if holds else None
 
     def forget(self) -> None:
         """The stores changed by other means (a loaded state): no backward reads the copies."""
         self._holder = None
-
-
-def _copies_of(batch: PreparedBatch, rows: torch.Tensor) -> InPlaceCopies:
-    cache_batch = batch.cache_batch
-    return InPlaceCopies(cache_batch.in_place_rank, rows, cache_batch.in_place_lookup, cache_batch.in_place_count)

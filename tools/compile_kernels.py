@@ -127,7 +127,6 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
     import tiered_tbe.kernels.backward as backward
     import tiered_tbe.kernels.forward as forward
     import tiered_tbe.kernels.hint_rows as hint_rows
-    import tiered_tbe.kernels.in_place_copies as in_place_copies
     import tiered_tbe.kernels.linearize as linearize
     from tiered_tbe.kernels.optimizers import OPTIMIZERS
 
@@ -146,26 +145,18 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
         # loaded from a tensor, the alignment hints all Triton knows of them): the same 16-byte accesses.
         # Grouped: one launch of a column group (a model of mixed dims), its feature read from its descriptor row.
         # Copies: a training forward of a cache that keeps the rows it reads in place (16-byte stores too).
-        # Gathered: the rows read in place read from the copies a gather filled (kernels/in_place_copies.py).
-        for graphed, grouped, copies, gathered, label in (
-                (False, False, False, False, ""), (True, False, False, False, ", addresses"),
-                (True, True, False, False, ", addresses, grouped"),
-                (True, True, True, False, ", addresses, grouped, copies"),
-                (True, True, False, True, ", addresses, grouped, gathered")):
+        for graphed, grouped, copies, label in ((False, False, False, ""), (True, False, False, ", addresses"),
+                                                (True, True, False, ", addresses, grouped"),
+                                                (True, True, True, ", addresses, grouped, copies")):
             kernel = forward._pooled_forward_kernel.fn.warmup(
                 addresses, f32, 3328, dim, descriptor, weights, dim, i64, i64, i32, f32, i32, weights, dim, 64, 65536,
-                0, POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, KEEPS_COPIES=copies, READS_COPIES=gathered,
+                0, POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, USE_CACHE=True, KEEPS_COPIES=copies,
                 ALIGN=16 // weights.element_size(),
                 ALIGN_BYTES=16, BLOCK_D=block_d, GROUPED=grouped, ADDRESSES=graphed, OUTPUT_ALIGN_BYTES=16,
                 INPUT_ALIGN_BYTES=16, BLOCK_B=tile.bags, BLOCK_L=tile.lanes, GROUPS=tile.groups, STAGES=tile.stages,
                 grid=grid, num_warps=tile.warps)
             results.append(_report(f"forward B{tile.bags} L{tile.lanes} w{tile.warps} G{tile.groups} "
                                    f"S{tile.stages}{label}", kernel, arch))
-    for to_stores, label in ((False, "gather"), (True, "scatter")):
-        results.append(_report(f"{label} rows read in place", in_place_copies._copy_in_place_rows_kernel.warmup(
-            weights, dim, 64, i32, i32, i64, i64, descriptor, 65536, 12, SEARCH_STEPS=4,
-            ROWS=in_place_copies.GATHER_ROWS, BLOCK_D=block_d, ALIGN=16 // weights.element_size(), ALIGN_BYTES=16,
-            TO_STORES=to_stores, grid=grid, num_warps=1), arch))
     for block_b, block_l in ((128, 1), (4, 32)):  # bags of one (Criteo) and of 32 (linearize_tile)
         results.append(_report(f"linearize B{block_b} L{block_l}", linearize._linearize_kernel.warmup(
             i32, i32, descriptor, i64, i64, n, 65536, BLOCK_B=block_b, BLOCK_L=block_l, grid=grid, num_warps=4), arch))
