@@ -233,6 +233,9 @@ CONFIGS = [
     Config("managed-criteo", CRITEO, placement="managed"),
     Config("cached-criteo-mixed", **_CRITEO_MIXED),
     Config("cached-criteo-mixed-pipelined", **_CRITEO_MIXED, pipelined=True),
+    # FBGEMM's LFU beside our admission on the same shape: its best serial step on the Criteo shape was its LFU.
+    Config("cached-criteo-mixed-lfu-admit", **_CRITEO_MIXED, policy="lfu-admit"),
+    Config("cached-criteo-mixed-lfu-admit-pipelined", **_CRITEO_MIXED, policy="lfu-admit", pipelined=True),
 ]
 CONFIG_NAMES = [c.name for c in CONFIGS]
 # Keys of a result row holding a tuning sweep's measurement (--backward-configs, --forward-tiles).

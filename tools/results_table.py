@@ -55,6 +55,7 @@ ROWS = [
                                          "FBGEMM's LRU", ()),
     ("cached-odd-dims-ragged-lfu-admit", "the same (odd dims), ours `lfu-admit`, FBGEMM's LFU", ()),
     ("cached-criteo-mixed", "26 Criteo tables of dims 16-128, bags of 0-4 with weights, 5% cache, serial", ()),
+    ("cached-criteo-mixed-lfu-admit", "the same (Criteo mixed dims), ours `lfu-admit`, FBGEMM's LFU", ()),
     ("cached-managed-lru-pipelined", "Criteo cached, pipelined (depth 2), against FBGEMM's best step",
      ("cached-managed-lru", "cached-managed-lfu", "cached-managed-lfu-admit")),
     ("cached-managed-lfu-admit-pipelined", "Criteo cached, ours `lfu-admit`, pipelined (depth 2), against FBGEMM's "
@@ -74,8 +75,17 @@ ROWS = [
     ("cached-odd-dims-ragged-lfu-admit-pipelined", "odd dims, ours `lfu-admit`, pipelined (depth 2), against "
                                                    "FBGEMM's best step",
      ("cached-odd-dims-ragged", "cached-odd-dims-ragged-lfu", "cached-odd-dims-ragged-lfu-admit")),
+    ("cached-mixed-weighted-lookahead-admit-w32-pipelined", "mixed dims, ours `lookahead-admit` (told the next 32 "
+                                                            "batches), pipelined (depth 2), against FBGEMM's best step",
+     ("cached-mixed-weighted", "cached-mixed-weighted-lfu", "cached-mixed-weighted-lfu-admit")),
+    ("cached-mixed-weighted-z0.6-lookahead-pipelined", "mixed dims at Zipf 0.6, ours `lookahead`, pipelined "
+                                                       "(depth 2), against FBGEMM's best step",
+     ("cached-mixed-weighted-z0.6", "cached-mixed-weighted-z0.6-lfu", "cached-mixed-weighted-z0.6-lfu-admit")),
     ("cached-criteo-mixed-pipelined", "Criteo mixed dims, pipelined (depth 2), against FBGEMM's best step",
-     ("cached-criteo-mixed",)),
+     ("cached-criteo-mixed", "cached-criteo-mixed-lfu-admit")),
+    ("cached-criteo-mixed-lfu-admit-pipelined", "Criteo mixed dims, ours `lfu-admit`, pipelined (depth 2), against "
+                                                "FBGEMM's best step",
+     ("cached-criteo-mixed", "cached-criteo-mixed-lfu-admit")),
 ]
 METHOD = ("One process, the same batches on both sides, no bounds checks, row-wise Adagrad fp32 unless said; "
           "ms, ours / FBGEMM (ratio), medians of the timed steps (with the tables in HBM the sides take turns). "
@@ -96,21 +106,24 @@ def phases_of(name: str, baselines: tuple) -> tuple[str, ...]:
     return PHASES if name.startswith("cached-") else PHASES[1:]
 
 
-def complete(record: dict, phases) -> bool:
+def complete(record: dict, phases, sides=("ours", "fbgemm")) -> bool:
     figures = record.get("figures", {})
-    sides = [figures.get(side) for side in ("ours", "fbgemm")]
+    sides = [figures.get(side) for side in sides]
     return all(isinstance(side, dict) and isinstance(side.get(f"{phase}_ms"), (int, float))
                for side in sides for phase in phases)
 
 
 def latest(records: list[dict], name: str, device: str, phases, baselines=()) -> dict | None:
     """The last record (file order: the file is appended to) of ``name`` on ``device`` with
-    ``phases`` on both sides; with ``baselines`` (a pipelined row), the last one whose run also
-    measured FBGEMM's serial step of one of them (else FBGEMM's best step would be its pipelined one)."""
+    ``phases`` on both sides; with ``baselines`` (a pipelined row), the last one with our step whose run
+    also measured FBGEMM's serial step of one of them (else FBGEMM's best step would be its pipelined one,
+    which FBGEMM_GPU fails to run on some shapes)."""
     found = None
+    sides = ("ours",) if baselines else ("ours", "fbgemm")
     for record in records:
         if (record.get("benchmark") == "fbgemm" and record.get("configuration", {}).get("name") == name
-                and record.get("device") == device and not record.get("simulation") and complete(record, phases)
+                and record.get("device") == device and not record.get("simulation")
+                and complete(record, phases, sides)
                 and "+" not in record.get("commit", "+")  # committed code only: a commit one can check out
                 and (not baselines or serial_baselines(records, record, baselines))):
             found = record
@@ -148,13 +161,15 @@ def table(records: list[dict], device: str) -> list[str]:
         if record is None:
             continue
         used.append(record)
-        ours, theirs = record["figures"]["ours"], record["figures"]["fbgemm"]
+        ours, theirs = record["figures"]["ours"], record["figures"].get("fbgemm") or {}
         if baselines:
             # FBGEMM's best step of this shape in the same run: its prefetch_pipeline step, its serial ones.
-            steps = [theirs["step_ms"]]
+            steps = [theirs["step_ms"]] if "step_ms" in theirs else []
             for other in serial_baselines(records, record, baselines):
                 steps.append(other["figures"]["fbgemm"]["step_ms"])
                 used.append(other)
+            if "--fit-cache" in record.get("command", ""):
+                label += ", `fit_cache`"
             rows.append([label, "", "", "", cell(ours["step_ms"], min(steps), bold=True)])
             continue
         cells = [cell(ours[f"{p}_ms"], theirs[f"{p}_ms"], bold=p == "step") if f"{p}_ms" in ours and
