@@ -7,15 +7,27 @@ sets that choose a victim (``cache/policy_kernels.py``). Telling the cache of a 
 over that batch's rows, whatever the window's length. The words cost 8 bytes of device memory
 per row of the cached tables (allocated by the first hint only). The policy's side of it is
 specified in ``cache/policy.py`` ("Lookahead window").
+
+The bits are set and cleared by one Triton kernel (``_update_window_bits_kernel``) over a batch's rows,
+which skips the rows outside the cached tables itself. Four torch ops and a masked copy of the rows did
+it before: a lookahead pipeline's hints are padded to the batch's padded lookups (~4M on the mixed-dim
+benchmark, about half of them padding), and every padded row was masked, gathered and scattered to one
+spare word, and kept as a masked copy (32 MB a batch, 1 GiB over a window of 32). A Triton launch costs
+the host tens of microseconds; a Numba launch outside a graph ~0.3 ms (docs/PITFALLS.md).
+``update_window_bits_reference`` is the same update in plain torch.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from tiered_tbe.cache._kernels import NOT_CACHED, WINDOW_BITS
+from tiered_tbe.cache._kernels import WINDOW_BITS
 from tiered_tbe.cache.launch import KernelLauncher
 from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN
+
+BLOCK = 1024  # rows per program of _update_window_bits_kernel
 
 # Most batches after the next prefetch that lookahead hints can name: the batch ``d`` places after
 # it is prefetched at step ``step + 1 + d``, and add_upcoming takes steps up to
@@ -31,6 +43,71 @@ MAX_LOOKAHEAD = WINDOW_BITS
 DEFAULT_LOOKAHEAD = MAX_LOOKAHEAD
 
 
+@triton.jit
+def _update_window_bits_kernel(
+    words_ptr,  # int64 [R] in/out: window_bits, one word per global row of the cached tables' id space
+    rows_ptr,  # int64 [M]: a recorded batch's global rows (repeats, padding and rows of no cached table allowed)
+    table_starts_ptr,  # int64 [T]: the first global row of each cached table, ascending
+    table_ends_ptr,  # int64 [T]: one past the last global row of each cached table
+    num_rows,  # M
+    num_tables,  # T (>= 1)
+    bit,  # the step's bit, 0 .. WINDOW_BITS - 1 (step % WINDOW_BITS)
+    SET_BIT: tl.constexpr,  # True: set the bit in each row's word; False: clear it
+    SEARCH_STEPS: tl.constexpr,  # steps of the binary search over the T starts: T.bit_length()
+    BLOCK: tl.constexpr,  # rows per program
+):
+    positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = positions < num_rows
+    row = tl.load(rows_ptr + positions, mask=inside, other=-1)
+    # The cached table of each row: how many table starts are at or below it, less one (an upper bound search).
+    low = tl.zeros([BLOCK], dtype=tl.int32)
+    high = tl.zeros([BLOCK], dtype=tl.int32) + num_tables
+    for _ in range(SEARCH_STEPS):
+        searching = low < high
+        middle = (low + high) // 2
+        at_or_below = tl.load(table_starts_ptr + middle, mask=inside & searching, other=0) <= row
+        low = tl.where(searching & at_or_below, middle + 1, low)
+        high = tl.where(searching & ~at_or_below, middle, high)
+    table = low - 1
+    end = tl.load(table_ends_ptr + tl.maximum(table, 0), mask=inside, other=0)
+    cached = inside & (table >= 0) & (row < end)
+    # Rows of no cached table (padding among them) neither load nor store. A row named twice is read and
+    # written twice with the same word: every write of an index carries the same value.
+    word = tl.load(words_ptr + row, mask=cached, other=0)
+    step_bit = tl.full([BLOCK], 1, dtype=tl.int64) << bit  # bit 63 is the sign bit of an int64
+    word = (word | step_bit) if SET_BIT else (word & ~step_bit)
+    tl.store(words_ptr + row, word, mask=cached)
+
+
+def update_window_bits(words: torch.Tensor, rows: torch.Tensor, table_starts: torch.Tensor,
+                       table_ends: torch.Tensor, step: int, set_bit: bool) -> None:
+    """Set (or clear) bit ``step % WINDOW_BITS`` of ``words[r]`` for each row ``r`` of ``rows`` in a
+    cached table (``table_starts[t] <= r < table_ends[t]``); other rows are skipped. One launch, no sync.
+
+    Args:
+        words: int64 [R], updated in place; rows: int64 [M]; table_starts, table_ends: int64 [T], ascending."""
+    if rows.numel() == 0 or table_starts.numel() == 0:
+        return
+    num_tables = table_starts.numel()
+    _update_window_bits_kernel[(triton.cdiv(rows.numel(), BLOCK),)](
+        words, rows, table_starts, table_ends, rows.numel(), num_tables, step % WINDOW_BITS, SET_BIT=set_bit,
+        SEARCH_STEPS=num_tables.bit_length(), BLOCK=BLOCK)
+
+
+def update_window_bits_reference(words: torch.Tensor, rows: torch.Tensor, table_starts: torch.Tensor,
+                                 table_ends: torch.Tensor, step: int, set_bit: bool) -> None:
+    """:func:`update_window_bits` in plain torch (the kernel's reference)."""
+    if rows.numel() == 0 or table_starts.numel() == 0:
+        return
+    table = torch.searchsorted(table_starts, rows, right=True) - 1
+    cached = (table >= 0) & (rows < table_ends[table.clamp(min=0)])
+    index = rows[cached]
+    bit = step % WINDOW_BITS
+    step_bit = 1 << bit if bit < WINDOW_BITS - 1 else -(1 << bit)  # as an int64: bit 63 is the sign
+    selected = words[index]
+    words[index] = (selected | step_bit) if set_bit else (selected & ~step_bit)
+
+
 class UpcomingBatches:
     """The recorded batches of the window and their per-row bits.
 
@@ -39,25 +116,26 @@ class UpcomingBatches:
     what the prefetch kernel takes for it (a [1] dummy until then).
     """
 
-    def __init__(self, rows_end: int, device: torch.device, launcher: KernelLauncher):
+    def __init__(self, rows_end: int, table_starts: torch.Tensor, table_ends: torch.Tensor, launcher: KernelLauncher):
         self.rows_end = rows_end
-        self.device = device
+        self.table_starts, self.table_ends = table_starts, table_ends  # int64 [T]: the cached tables' global rows
+        self.device = table_starts.device
         self.launcher = launcher
         self.window_bits: torch.Tensor | None = None
-        self._words: torch.Tensor | None = None  # window_bits and a spare word after it
-        self._no_bits = torch.zeros(1, dtype=torch.int64, device=device)
+        self._no_bits = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.kernel_bits = launcher.array(self._no_bits)
-        self._rows_of_step: dict[int, torch.Tensor] = {}  # the masked rows of each recorded step
+        self._rows_of_step: dict[int, torch.Tensor] = {}  # the rows each recorded step was given (not copies)
 
     @property
     def steps(self) -> list[int]:
         """The recorded steps, ascending."""
         return sorted(self._rows_of_step)
 
-    def add(self, masked_rows: torch.Tensor, step: int, current_step: int) -> None:
-        """Record ``masked_rows`` (int64 [M], NOT_CACHED outside the cached tables) as the batch
-        of ``step``; ``current_step`` is the cache's step. ``TypeError`` / ``ValueError`` and no
-        change for a step outside ``current_step + 2 .. current_step + 1 + WINDOW_BITS`` or recorded."""
+    def add(self, rows: torch.Tensor, step: int, current_step: int) -> None:
+        """Record ``rows`` (int64 [M], contiguous; rows of no cached table ignored) as the batch of
+        ``step``, keeping the tensor itself until the step is forgotten; ``current_step`` is the cache's
+        step. ``TypeError`` / ``ValueError`` and no change for a step outside ``current_step + 2 ..
+        current_step + 1 + WINDOW_BITS`` or recorded."""
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int, got {step!r}")
         if not current_step + 1 < step <= current_step + 1 + WINDOW_BITS:
@@ -67,15 +145,12 @@ class UpcomingBatches:
         if step in self._rows_of_step:
             raise ValueError(f"step {step} is already recorded (upcoming_steps: {self.steps})")
         if self.window_bits is None:
-            # One word more than the rows: the rows outside the cached tables (NOT_CACHED) update it
-            # instead of being filtered out, which would wait for the device (_update_bits).
-            self._words = torch.zeros(self.rows_end + 1, dtype=torch.int64, device=self.device)
-            self.window_bits = self._words[: self.rows_end]
+            self.window_bits = torch.zeros(self.rows_end, dtype=torch.int64, device=self.device)
             self.kernel_bits = self.launcher.array(self.window_bits)
         # The next prefetch's step shares its bit with step + 1 + WINDOW_BITS: forget it first.
         self.forget(through=current_step + 1)
-        self._rows_of_step[step] = masked_rows
-        self._update_bits(masked_rows, step, set_bit=True)
+        self._rows_of_step[step] = rows
+        self._update_bits(rows, step, set_bit=True)
 
     def forget(self, through: int) -> None:
         """Clear the bits of every recorded step ``<= through`` and drop its rows."""
@@ -105,26 +180,15 @@ class UpcomingBatches:
         return next_use
 
     def _update_bits(self, rows: torch.Tensor, step: int, set_bit: bool) -> None:
-        """Set (or clear) bit ``step % WINDOW_BITS`` of the words of ``rows`` (NOT_CACHED: the spare word).
-
-        Four torch ops, not a Numba kernel: an eager Numba launch costs ~0.1-0.3 ms of host time
-        (docs/PITFALLS.md), and a lookahead pipeline records and forgets a batch at every prefetch,
-        on steps bound by their host (docs/performance.md). A row named twice is read once and written
-        twice with the same word: every write of an index carries the same value."""
-        if rows.numel() == 0:
-            return
-        bit = step % WINDOW_BITS
-        step_bit = 1 << bit if bit < WINDOW_BITS - 1 else -(1 << bit)  # as an int64: bit 63 is the sign
-        index = torch.where(rows == NOT_CACHED, self.rows_end, rows)
-        words = self._words[index]
-        self._words[index] = (words | step_bit) if set_bit else (words & ~step_bit)
+        """Set (or clear) bit ``step % WINDOW_BITS`` of the words of ``rows`` in the cached tables."""
+        update_window_bits(self.window_bits, rows, self.table_starts, self.table_ends, step, set_bit)
 
 
 class LookaheadHints:
     """The lookahead hints of :class:`~tiered_tbe.cache.slot_cache.SlotCache` (a mixin): the cache
     records each upcoming batch's rows in an :class:`UpcomingBatches` (``self._upcoming``) and its
     prefetch decodes them. Needs of the cache: ``_upcoming``, ``_step``, ``tags``, ``_check_rows``,
-    ``_mask_uncached``, ``_order_metadata`` and ``_metadata_done``."""
+    ``_order_metadata`` and ``_metadata_done``."""
 
     @property
     def window_bits(self) -> torch.Tensor | None:
@@ -151,8 +215,9 @@ class LookaheadHints:
         victim's rows by the soonest recorded step in ``t + 1 .. t + WINDOW_BITS`` naming them
         (policy.py, "Lookahead window"), and forgets its own step and any before it. One kernel
         launch over ``M`` rows; no sort, no host sync. The first call allocates
-        :attr:`window_bits`; the masked rows (a copy, int64 [M]) are kept until the step is
-        forgotten. Only the lookahead policy reads the hints.
+        :attr:`window_bits`. The cache keeps ``global_rows`` itself, not a copy, until the step is
+        prefetched or :meth:`clear_upcoming` runs, and clears the step's bits with it then: do not
+        write to it meanwhile (pass a clone if you must). Only the lookahead policy reads the hints.
 
         Raises ``TypeError`` / ``ValueError`` for rows not a 1-D int64 tensor on the cache's
         device, or a step outside ``self.step + 2 .. self.step + 1 + WINDOW_BITS`` or already
@@ -160,7 +225,7 @@ class LookaheadHints:
         """
         rows = self._check_rows(global_rows)
         self._order_metadata()
-        self._upcoming.add(self._mask_uncached(rows), step, self._step)
+        self._upcoming.add(rows, step, self._step)
         self._metadata_done()
 
     def clear_upcoming(self) -> None:

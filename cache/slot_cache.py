@@ -217,7 +217,7 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
         # per-slot tensors are only ever updated in place.
         self._launcher = KernelLauncher(self.device)
         compile_for_simulator()  # in this thread, not in a simulated kernel's (see there)
-        self._upcoming = UpcomingBatches(self._rows_end, self.device, self._launcher)
+        self._upcoming = UpcomingBatches(self._rows_end, self._table_starts, self._table_ends, self._launcher)
         self._k_metadata = policy_kernels.SlotMetadata(*(
             self._launcher.array(t) for t in (self.tags, self.last_use, self.use_count, self.next_use, self.locks,
                                               self.dirty, self.bypass_count, self.row_uses, self._way_of_rank)))

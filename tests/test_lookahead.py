@@ -166,6 +166,31 @@ def test_add_upcoming_rejects_bad_input_and_changes_nothing(mover):
         assert torch.equal(cache.window_bits, bits_before) and cache.upcoming_steps == [3, 2 + MAX_LOOKAHEAD]
 
 
+@pytest.mark.parametrize("num_rows", [0, 1, 3000])
+def test_window_bits_kernel_equals_its_torch_reference(num_rows, device):
+    """Random rows (repeats, rows of no cached table before, between and after the tables, -1, INT64_MAX
+    padding) set and clear random bits, bit 63 among them, of words that already hold bits; more rows
+    than a program's block."""
+    from tiered_tbe.cache.hints import update_window_bits, update_window_bits_reference
+
+    generator = torch.Generator().manual_seed(num_rows)
+    table_starts = torch.tensor([5, 40, 41, 200], device=device)
+    table_ends = torch.tensor([30, 41, 100, 260], device=device)  # rows 30..39 and 100..199 are of no cached table
+    rows = torch.randint(-3, 280, (num_rows,), generator=generator).to(device)
+    if num_rows:
+        rows[::7] = INT64_MAX
+        rows[::11] = 40  # a table of one row, named many times
+    words = torch.randint(-2**62, 2**62, (260,), generator=generator).to(device)
+    initial, expected = words.clone(), words.clone()
+    for step, set_bit in [(63, True), (2, True), (127, False), (66, False), (9, True), (0, False)]:
+        update_window_bits(words, rows, table_starts, table_ends, step, set_bit)
+        update_window_bits_reference(expected, rows, table_starts, table_ends, step, set_bit)
+        assert torch.equal(words, expected), (step, set_bit)
+    untouched = torch.cat([torch.arange(0, 5), torch.arange(30, 40), torch.arange(100, 200)]).to(device)
+    assert torch.equal(words[untouched], initial[untouched])
+    assert num_rows == 0 or not torch.equal(words, initial)
+
+
 def soonest_uses(recorded: dict[int, list[int]], step: int) -> dict[int, int]:
     """row -> the soonest recorded step in ``step + 2 .. step + 1 + WINDOW_BITS`` naming it."""
     soonest = {}
