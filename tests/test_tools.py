@@ -392,6 +392,28 @@ def test_results_table_pairs_records_of_one_run_and_shows_committed_code_only(tm
     assert "uncommitted" not in out and "5.000" not in out
 
 
+def test_results_table_shows_a_pipelined_step_whose_fbgemm_pipeline_did_not_run_and_says_fit_cache(tmp_path, capsys):
+    """FBGEMM_GPU's prefetch_pipeline fails on the Zipf 0.6 shape: the pipelined row is set against its serial
+    steps of the run alone, its best of LRU and LFU, and says when our pipeline ran with ``--fit-cache``."""
+    results_table = tool("results_table")
+    lru = dict(fbgemm_record("cached-mixed-weighted-z0.6", dict(prefetch=31, forward=0.9, backward=2.8, step=35.0),
+                             dict(prefetch=35, forward=1.0, backward=4.7, step=41.0)), run="run-1")
+    lfu = dict(fbgemm_record("cached-mixed-weighted-z0.6-lfu-admit", dict(prefetch=4, forward=15, backward=18,
+                                                                          step=37.0),
+                             dict(prefetch=6, forward=13, backward=30, step=49.0)), run="run-1")
+    pipelined = dict(fbgemm_record("cached-mixed-weighted-z0.6-lookahead-pipelined", dict(step=30.0), {}), run="run-1")
+    pipelined["command"] += " --fit-cache"
+    del pipelined["figures"]["fbgemm"]
+    other_run = dict(fbgemm_record("cached-mixed-weighted-z0.6-lookahead-pipelined", dict(step=20.0), {}), run="run-2")
+    path = tmp_path / "measurements.jsonl"
+    records.append(path, [lru, lfu, pipelined, other_run])  # run-2 has no serial step of the shape: not shown
+    assert results_table.main(["--results", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert ("| mixed dims at Zipf 0.6, ours `lookahead`, pipelined (depth 2), against FBGEMM's best step, `fit_cache` "
+            "|  |  |  | 30.0 / 41.0 (**0.73**) |") in out
+    assert "20.0" not in out
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torchrec") is None or importlib.util.find_spec("fbgemm_gpu") is None,
                     reason="needs torchrec and fbgemm-gpu (the torchrec extra; its CPU build will do)")
 def test_dmp_host_time_times_the_parts_of_a_step_on_both_sides(tmp_path, capsys):
