@@ -43,7 +43,7 @@ MAX_LOOKAHEAD = WINDOW_BITS
 DEFAULT_LOOKAHEAD = MAX_LOOKAHEAD
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "bit"])  # one compile per SET_BIT, whatever the batch and its step
 def _update_window_bits_kernel(
     words_ptr,  # int64 [R] in/out: window_bits, one word per global row of the cached tables' id space
     rows_ptr,  # int64 [M]: a recorded batch's global rows (repeats, padding and rows of no cached table allowed)
