@@ -8,26 +8,17 @@ over that batch's rows, whatever the window's length. The words cost 8 bytes of 
 per row of the cached tables (allocated by the first hint only). The policy's side of it is
 specified in ``cache/policy.py`` ("Lookahead window").
 
-The bits are set and cleared by one Triton kernel (``_update_window_bits_kernel``) over a batch's rows,
-which skips the rows outside the cached tables itself. Four torch ops and a masked copy of the rows did
-it before: a lookahead pipeline's hints are padded to the batch's padded lookups (~4M on the mixed-dim
-benchmark, about half of them padding), and every padded row was masked, gathered and scattered to one
-spare word, and kept as a masked copy (32 MB a batch, 1 GiB over a window of 32). A Triton launch costs
-the host tens of microseconds; a Numba launch outside a graph ~0.3 ms (docs/PITFALLS.md).
-``update_window_bits_reference`` is the same update in plain torch.
+The bits are set and cleared by one Triton kernel over a batch's rows (``cache/window_bits.py``), loaded
+at the first hint only: the policy simulator and the hit-rate planner import the cache without Triton.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from tiered_tbe.cache._kernels import WINDOW_BITS
 from tiered_tbe.cache.launch import KernelLauncher
 from tiered_tbe.cache.policy import EMPTY, NEXT_USE_UNKNOWN
-
-BLOCK = 1024  # rows per program of _update_window_bits_kernel
 
 # Most batches after the next prefetch that lookahead hints can name: the batch ``d`` places after
 # it is prefetched at step ``step + 1 + d``, and add_upcoming takes steps up to
@@ -41,71 +32,6 @@ MAX_LOOKAHEAD = WINDOW_BITS
 # window's bits hold (MAX_LOOKAHEAD). The window's batches wait on the device: 64 of the benchmark's
 # (B = 65536 x 26 lookups) take ~1.7 GB.
 DEFAULT_LOOKAHEAD = MAX_LOOKAHEAD
-
-
-@triton.jit(do_not_specialize=["num_rows", "bit"])  # one compile per SET_BIT, whatever the batch and its step
-def _update_window_bits_kernel(
-    words_ptr,  # int64 [R] in/out: window_bits, one word per global row of the cached tables' id space
-    rows_ptr,  # int64 [M]: a recorded batch's global rows (repeats, padding and rows of no cached table allowed)
-    table_starts_ptr,  # int64 [T]: the first global row of each cached table, ascending
-    table_ends_ptr,  # int64 [T]: one past the last global row of each cached table
-    num_rows,  # M
-    num_tables,  # T (>= 1)
-    bit,  # the step's bit, 0 .. WINDOW_BITS - 1 (step % WINDOW_BITS)
-    SET_BIT: tl.constexpr,  # True: set the bit in each row's word; False: clear it
-    SEARCH_STEPS: tl.constexpr,  # steps of the binary search over the T starts: T.bit_length()
-    BLOCK: tl.constexpr,  # rows per program
-):
-    positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = positions < num_rows
-    row = tl.load(rows_ptr + positions, mask=inside, other=-1)
-    # The cached table of each row: how many table starts are at or below it, less one (an upper bound search).
-    low = tl.zeros([BLOCK], dtype=tl.int32)
-    high = tl.zeros([BLOCK], dtype=tl.int32) + num_tables
-    for _ in range(SEARCH_STEPS):
-        searching = low < high
-        middle = (low + high) // 2
-        at_or_below = tl.load(table_starts_ptr + middle, mask=inside & searching, other=0) <= row
-        low = tl.where(searching & at_or_below, middle + 1, low)
-        high = tl.where(searching & ~at_or_below, middle, high)
-    table = low - 1
-    end = tl.load(table_ends_ptr + tl.maximum(table, 0), mask=inside, other=0)
-    cached = inside & (table >= 0) & (row < end)
-    # Rows of no cached table (padding among them) neither load nor store. A row named twice is read and
-    # written twice with the same word: every write of an index carries the same value.
-    word = tl.load(words_ptr + row, mask=cached, other=0)
-    step_bit = tl.full([BLOCK], 1, dtype=tl.int64) << bit  # bit 63 is the sign bit of an int64
-    word = (word | step_bit) if SET_BIT else (word & ~step_bit)
-    tl.store(words_ptr + row, word, mask=cached)
-
-
-def update_window_bits(words: torch.Tensor, rows: torch.Tensor, table_starts: torch.Tensor,
-                       table_ends: torch.Tensor, step: int, set_bit: bool) -> None:
-    """Set (or clear) bit ``step % WINDOW_BITS`` of ``words[r]`` for each row ``r`` of ``rows`` in a
-    cached table (``table_starts[t] <= r < table_ends[t]``); other rows are skipped. One launch, no sync.
-
-    Args:
-        words: int64 [R], updated in place; rows: int64 [M]; table_starts, table_ends: int64 [T], ascending."""
-    if rows.numel() == 0 or table_starts.numel() == 0:
-        return
-    num_tables = table_starts.numel()
-    _update_window_bits_kernel[(triton.cdiv(rows.numel(), BLOCK),)](
-        words, rows, table_starts, table_ends, rows.numel(), num_tables, step % WINDOW_BITS, SET_BIT=set_bit,
-        SEARCH_STEPS=num_tables.bit_length(), BLOCK=BLOCK)
-
-
-def update_window_bits_reference(words: torch.Tensor, rows: torch.Tensor, table_starts: torch.Tensor,
-                                 table_ends: torch.Tensor, step: int, set_bit: bool) -> None:
-    """:func:`update_window_bits` in plain torch (the kernel's reference)."""
-    if rows.numel() == 0 or table_starts.numel() == 0:
-        return
-    table = torch.searchsorted(table_starts, rows, right=True) - 1
-    cached = (table >= 0) & (rows < table_ends[table.clamp(min=0)])
-    index = rows[cached]
-    bit = step % WINDOW_BITS
-    step_bit = 1 << bit if bit < WINDOW_BITS - 1 else -(1 << bit)  # as an int64: bit 63 is the sign
-    selected = words[index]
-    words[index] = (selected | step_bit) if set_bit else (selected & ~step_bit)
 
 
 class UpcomingBatches:
@@ -181,6 +107,8 @@ class UpcomingBatches:
 
     def _update_bits(self, rows: torch.Tensor, step: int, set_bit: bool) -> None:
         """Set (or clear) bit ``step % WINDOW_BITS`` of the words of ``rows`` in the cached tables."""
+        from tiered_tbe.cache.window_bits import update_window_bits  # Triton: loaded by the first hint only
+
         update_window_bits(self.window_bits, rows, self.table_starts, self.table_ends, step, set_bit)
 
 

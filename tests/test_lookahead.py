@@ -171,7 +171,7 @@ def test_window_bits_kernel_equals_its_torch_reference(num_rows, device):
     """Random rows (repeats, rows of no cached table before, between and after the tables, -1, INT64_MAX
     padding) set and clear random bits, bit 63 among them, of words that already hold bits; more rows
     than a program's block."""
-    from tiered_tbe.cache.hints import update_window_bits, update_window_bits_reference
+    from tiered_tbe.cache.window_bits import update_window_bits, update_window_bits_reference
 
     generator = torch.Generator().manual_seed(num_rows)
     table_starts = torch.tensor([5, 40, 41, 200], device=device)

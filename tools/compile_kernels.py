@@ -168,12 +168,12 @@ def compile_all(dim: int = 128, dtype: torch.dtype = torch.float32, arch: int = 
         i32, i32, n, 2**31 - 1, BLOCK=hint_rows.BLOCK, grid=grid), arch))
     results.append(_report("hint compact runs", hint_rows._compact_runs_kernel.warmup(
         i64, i32, i32, i32, n, 2**63 - 1, BLOCK=hint_rows.BLOCK, grid=grid), arch))
-    import tiered_tbe.cache.hints as hints
+    import tiered_tbe.cache.window_bits as window_bits
 
     for set_bit in (True, False):  # the lookahead window's bits, set for a recorded batch and cleared after it
         label = f"window bits ({'set' if set_bit else 'clear'})"
-        results.append(_report(label, hints._update_window_bits_kernel.warmup(
-            i64, i64, i64, i64, n, 12, 5, SET_BIT=set_bit, SEARCH_STEPS=4, BLOCK=hints.BLOCK, grid=grid), arch))
+        results.append(_report(label, window_bits._update_window_bits_kernel.warmup(
+            i64, i64, i64, i64, n, 12, 5, SET_BIT=set_bit, SEARCH_STEPS=4, BLOCK=window_bits.BLOCK, grid=grid), arch))
     config = backward.default_config(block_d)
     align = 16 // weights.element_size()
     common = dict(POOLING=0, HAS_PER_SAMPLE_WEIGHTS=False, ALIGN=align, GRAD_ALIGN_BYTES=16, SHARED_TABLES=False,
