@@ -60,7 +60,7 @@ from tiered_tbe.cache.policy import (
 )
 from tiered_tbe.cache.releases import SlotReleases
 from tiered_tbe.cache.stats import CacheStats
-from tiered_tbe.cache.tables import CachedTable, check_tables
+from tiered_tbe.cache.tables import CachedTable, check_tables, in_cached_tables
 from tiered_tbe.cache.write_backs import SlotWriteBacks
 
 __all__ = ["MAX_LOOKAHEAD", "CacheBatch", "CachedTable", "SlotCache"]
@@ -472,9 +472,7 @@ class SlotCache(LookaheadHints, SlotReleases, SlotWriteBacks):
 
     def _mask_uncached(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` with every row outside the cached tables replaced by NOT_CACHED (int64 [N])."""
-        table = torch.searchsorted(self._table_starts, rows, right=True) - 1
-        inside = (table >= 0) & (rows < self._table_ends[table.clamp(min=0)])
-        return torch.where(inside, rows, NOT_CACHED)
+        return torch.where(in_cached_tables(rows, self._table_starts, self._table_ends), rows, NOT_CACHED)
 
     def _check_rows(self, global_rows: torch.Tensor, dtypes=(torch.int64,)) -> torch.Tensor:
         if not isinstance(global_rows, torch.Tensor) or global_rows.dtype not in dtypes or global_rows.dim() != 1:

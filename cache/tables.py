@@ -68,3 +68,10 @@ def check_tables(tables: Sequence[CachedTable], device: torch.device) -> list[Ca
             if tensor is not None and tensor.device.type != device.type:
                 raise ValueError(f"{where}: {name} on {tensor.device}, the cache on {device}")
     return tables
+
+
+def in_cached_tables(rows: torch.Tensor, table_starts: torch.Tensor, table_ends: torch.Tensor) -> torch.Tensor:
+    """bool [N]: which of ``rows`` (int64 [N], global rows) lie in a cached table (``table_starts[t] <= row <
+    table_ends[t]``; int64 [T], ascending). Padding, ``NOT_CACHED`` and negative rows are outside."""
+    table = torch.searchsorted(table_starts, rows, right=True) - 1
+    return (table >= 0) & (rows < table_ends[table.clamp(min=0)])

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from tiered_tbe.cache._kernels import WINDOW_BITS
+from tiered_tbe.cache.tables import in_cached_tables
 
 BLOCK = 1024  # rows per program of _update_window_bits_kernel
 
@@ -79,9 +80,7 @@ def update_window_bits_reference(words: torch.Tensor, rows: torch.Tensor, table_
     """:func:`update_window_bits` in plain torch (the kernel's reference)."""
     if rows.numel() == 0 or table_starts.numel() == 0:
         return
-    table = torch.searchsorted(table_starts, rows, right=True) - 1
-    cached = (table >= 0) & (rows < table_ends[table.clamp(min=0)])
-    index = rows[cached]
+    index = rows[in_cached_tables(rows, table_starts, table_ends)]
     bit = step % WINDOW_BITS
     step_bit = 1 << bit if bit < WINDOW_BITS - 1 else -(1 << bit)  # as an int64: bit 63 is the sign
     selected = words[index]
