@@ -78,6 +78,13 @@ ROWS = [
     ("cached-mixed-weighted-lookahead-admit-w32-pipelined", "mixed dims, ours `lookahead-admit` (told the next 32 "
                                                             "batches), pipelined (depth 2), against FBGEMM's best step",
      ("cached-mixed-weighted", "cached-mixed-weighted-lfu", "cached-mixed-weighted-lfu-admit")),
+    ("cached-managed-lookahead-admit-pipelined", "Criteo cached, ours `lookahead-admit` (told the next 64 batches), "
+                                                 "pipelined (depth 2), against FBGEMM's best step",
+     ("cached-managed-lru", "cached-managed-lfu", "cached-managed-lfu-admit")),
+    ("cached-odd-dims-ragged-lookahead-admit-w64-pipelined", "odd dims, ours `lookahead-admit` (told the next 64 "
+                                                             "batches), pipelined (depth 2), against FBGEMM's best "
+                                                             "step",
+     ("cached-odd-dims-ragged", "cached-odd-dims-ragged-lfu", "cached-odd-dims-ragged-lfu-admit")),
     ("cached-mixed-weighted-z0.6-lookahead-pipelined", "mixed dims at Zipf 0.6, ours `lookahead`, pipelined "
                                                        "(depth 2), against FBGEMM's best step",
      ("cached-mixed-weighted-z0.6", "cached-mixed-weighted-z0.6-lfu", "cached-mixed-weighted-z0.6-lfu-admit")),
