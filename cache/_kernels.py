@@ -35,7 +35,10 @@ NOT_CACHED = np.iinfo(np.int64).max  # row id standing for "outside every cached
 OUTCOME_NONE = 0  # padding past the batch's unique rows
 OUTCOME_HIT = 1
 OUTCOME_FILLED = 2  # missed, copied into a slot
-OUTCOME_NO_SLOT = 3  # missed, every way of its set locked: slot -1
+OUTCOME_NO_SLOT = 3  # missed, kept out by the policy's admission or by a batch in flight (bypass_count): slot -1
+OUTCOME_SET_FULL = 4  # missed, its set had no unlocked way left for it (locked rows, earlier misses): slot -1
+# Both of the last two leave the row in its backing store; ``misses_set_full`` counts only the second, which
+# batches in flight raise by locking their rows (what PrefetchPipeline(fit_cache=True) watches).
 
 # Steps of the lookahead window one int64 word of ``window_bits`` holds: bit ``s % WINDOW_BITS``
 # of a row's word stands for the batch prefetched at step ``s``.

@@ -46,6 +46,7 @@ from tiered_tbe.cache._kernels import (
     OUTCOME_HIT,
     OUTCOME_NO_SLOT,
     OUTCOME_NONE,
+    OUTCOME_SET_FULL,
     table_of_row,
 )
 from tiered_tbe.cache.launch import cached_kernel
@@ -53,9 +54,9 @@ from tiered_tbe.cache.policy import EMPTY, NO_SLOT, set_of_row_device
 
 # The device counters a prefetch adds to, in this order (the CacheStats fields but ``batches``).
 COUNTER_NAMES = ("lookups", "lookup_hits", "unique_rows", "unique_hits", "unique_misses", "misses_no_slot",
-                 "evictions", "write_backs", "bytes_in", "bytes_out")
-(_LOOKUPS, _LOOKUP_HITS, _UNIQUE_ROWS, _UNIQUE_HITS, _UNIQUE_MISSES, _MISSES_NO_SLOT, _EVICTIONS, _WRITE_BACKS,
- _BYTES_IN, _BYTES_OUT) = range(len(COUNTER_NAMES))
+                 "misses_set_full", "evictions", "write_backs", "bytes_in", "bytes_out")
+(_LOOKUPS, _LOOKUP_HITS, _UNIQUE_ROWS, _UNIQUE_HITS, _UNIQUE_MISSES, _MISSES_NO_SLOT, _MISSES_SET_FULL, _EVICTIONS,
+ _WRITE_BACKS, _BYTES_IN, _BYTES_OUT) = range(len(COUNTER_NAMES))
 NUM_COUNTERS = len(COUNTER_NAMES)
 # Most blocks of batch_outcomes_kernel: each of its threads writes a row of partial_counters, so
 # the grid is capped (512 x 256 threads: 10 MB of partial counts, summed in a few microseconds).
@@ -161,7 +162,7 @@ def batch_outcomes_kernel(
     victim_was_dirty,  # uint8 [N]: 1 when that row must be written back
     table_starts,  # int64 [T]: first global row of each cached table, ascending
     table_row_bytes,  # int64 [T]: bytes of a row of each, weights and optimizer state
-    no_slot_count,  # int32 [N]: inclusive prefix sum over the unique rows of outcome == OUTCOME_NO_SLOT
+    no_slot_count,  # int32 [N]: inclusive prefix sum over the unique rows given no slot (OUTCOME_NO_SLOT, _SET_FULL)
     slot_of_index,  # int32 [N] out: the slot of every lookup's row, NO_SLOT when none
     in_place_rank,  # int32 [N] out: for a lookup whose row got no slot, that row's rank among the batch's
     #                 rows given none (0-based, ascending rows); NO_SLOT for every other lookup
@@ -188,7 +189,7 @@ def batch_outcomes_kernel(
             counts[_LOOKUPS] += 1
             if outcome[u] == OUTCOME_HIT:
                 counts[_LOOKUP_HITS] += 1
-            elif outcome[u] == OUTCOME_NO_SLOT:
+            elif outcome[u] == OUTCOME_NO_SLOT or outcome[u] == OUTCOME_SET_FULL:
                 rank = no_slot_count[u] - 1
         slot_of_index[order[i]] = slot
         in_place_rank[order[i]] = rank
@@ -203,9 +204,11 @@ def batch_outcomes_kernel(
                 counts[_UNIQUE_HITS] += 1
             else:
                 counts[_UNIQUE_MISSES] += 1
-            if result == OUTCOME_NO_SLOT:
+            if result == OUTCOME_NO_SLOT or result == OUTCOME_SET_FULL:
                 counts[_MISSES_NO_SLOT] += 1
                 bypassed = row
+            if result == OUTCOME_SET_FULL:
+                counts[_MISSES_SET_FULL] += 1
             if result == OUTCOME_FILLED:
                 counts[_BYTES_IN] += table_row_bytes[table_of_row(row, table_starts)]
                 victim = victim_row[i]
@@ -291,7 +294,8 @@ def outcomes_of_batch(launcher, unique: UniqueRows, table_starts: torch.Tensor, 
     n = unique.sorted_keys.numel()
     on = dict(device=unique.sorted_keys.device)
     # The padding's outcome is OUTCOME_NONE: only the unique rows given no slot are counted.
-    no_slot_count = torch.cumsum(unique.outcome == OUTCOME_NO_SLOT, 0, dtype=torch.int32)
+    no_slot = (unique.outcome == OUTCOME_NO_SLOT) | (unique.outcome == OUTCOME_SET_FULL)
+    no_slot_count = torch.cumsum(no_slot, 0, dtype=torch.int32)
     slot_of_index = torch.empty(n, dtype=torch.int32, **on)
     in_place_rank = torch.empty(n, dtype=torch.int32, **on)
     bypassed_rows = torch.empty(n, dtype=torch.int64, **on)

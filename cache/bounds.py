@@ -7,7 +7,8 @@ batch, so their :class:`~tiered_tbe.cache.stats.CacheStats` compare field by fie
   and is a hit when it was in the cache *before* the batch; every lookup of it then counts in
   ``lookup_hits``;
 - the rows of the batch in flight are locked: a missed row may only evict a row the batch does
-  not use; when there is none, the row is read in place (``misses_no_slot``);
+  not use; when there is none, the row is read in place (``misses_no_slot``, and for LRU
+  ``misses_set_full``: its one set had no unlocked way);
 - in training every row a batch names is updated, so every evicted row is dirty and written
   back (``write_backs == evictions``); ``bytes_in`` / ``bytes_out`` are rows times ``row_bytes``.
 
@@ -55,7 +56,9 @@ def _check_trace(rows: np.ndarray, batch_offsets: np.ndarray, num_slots: int, nu
     return rows, batch_offsets, max(num_rows, 1)
 
 
-def _to_stats(counts: np.ndarray, training: bool, row_bytes: int) -> CacheStats:
+def _to_stats(counts: np.ndarray, training: bool, row_bytes: int, bypass_by_choice: bool) -> CacheStats:
+    """``bypass_by_choice``: the rows read in place were left out by the policy (Belady's bypass), not by a
+    set full of locked rows (LRU's), so none counts in ``misses_set_full``."""
     evictions = int(counts[_EVICTIONS])
     write_backs = evictions if training else 0
     copied_in = int(counts[_UNIQUE_MISSES] - counts[_NO_SLOT])
@@ -67,6 +70,7 @@ def _to_stats(counts: np.ndarray, training: bool, row_bytes: int) -> CacheStats:
         unique_hits=int(counts[_UNIQUE_HITS]),
         unique_misses=int(counts[_UNIQUE_MISSES]),
         misses_no_slot=int(counts[_NO_SLOT]),
+        misses_set_full=0 if bypass_by_choice else int(counts[_NO_SLOT]),
         evictions=evictions,
         write_backs=write_backs,
         bytes_in=copied_in * row_bytes,
@@ -240,7 +244,7 @@ def fully_associative_lru(
     rows, batch_offsets, num_rows = _check_trace(rows, batch_offsets, num_slots, num_rows)
     counts = np.zeros(_NUM_COUNTERS, dtype=np.int64)
     _fully_associative_lru_kernel(rows, batch_offsets, num_rows, num_slots, counts)
-    return _to_stats(counts, training, row_bytes)
+    return _to_stats(counts, training, row_bytes, bypass_by_choice=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,4 +357,4 @@ def belady(
         raise ValueError(f"next_uses has shape {next_uses.shape}, rows {rows.shape}")
     counts = np.zeros(_NUM_COUNTERS, dtype=np.int64)
     _belady_kernel(rows, batch_offsets, next_uses, num_rows, num_slots, counts)
-    return _to_stats(counts, training, row_bytes)
+    return _to_stats(counts, training, row_bytes, bypass_by_choice=True)

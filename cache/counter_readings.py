@@ -21,6 +21,7 @@ from tiered_tbe.cache.slot_cache import SlotCache
 
 UNIQUE_ROWS = COUNTER_NAMES.index("unique_rows")
 MISSES_NO_SLOT = COUNTER_NAMES.index("misses_no_slot")
+MISSES_SET_FULL = COUNTER_NAMES.index("misses_set_full")
 
 
 class CounterReadings:

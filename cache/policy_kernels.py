@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from numba import cuda
 
-from tiered_tbe.cache._kernels import OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT, WINDOW_BITS
+from tiered_tbe.cache._kernels import OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT, OUTCOME_SET_FULL, WINDOW_BITS
 from tiered_tbe.cache.batch_kernels import set_starts_of_batch
 from tiered_tbe.cache.launch import DEVICE_CALL_THREADS, cached_kernel
 from tiered_tbe.cache.policy import (
@@ -349,7 +349,7 @@ def fill_misses_kernel(
     window_bits,  # int64 [R]: per global row, the lookahead window's bits (if has_window; else a placeholder)
     has_window,  # bool: the cache holds a window (a policy that reads it, after add_upcoming)
     slot_of_unique,  # int32 [N] in/out: the hits' slots; the fills' are written here
-    outcome,  # int8 [N] in/out: OUTCOME_HIT; OUTCOME_FILLED or OUTCOME_NO_SLOT written for the misses
+    outcome,  # int8 [N] in/out: OUTCOME_HIT; OUTCOME_FILLED, OUTCOME_SET_FULL or OUTCOME_NO_SLOT written for the misses
     victim_row,  # int64 [N] out (pre-filled with EMPTY): the row a fill evicts
     victim_was_dirty,  # uint8 [N] out (pre-filled with 0): 1 when that row must be written back
 ):
@@ -367,6 +367,7 @@ def fill_misses_kernel(
         if outcome[u] == OUTCOME_HIT:
             continue
         way = -1
+        no_slot = OUTCOME_NO_SLOT  # barred by a batch in flight, or refused by admission
         first_slot = set_of_position[p] * associativity
         if needs_slot[p] != 0:
             begin, before, _ = asking_before_set(set_number[p] - 1, set_start, needs_number)
@@ -383,11 +384,12 @@ def fill_misses_kernel(
                 rank = needs_number[p] - 1 - before
             if rank < associativity:
                 way = way_of_rank[first_slot + rank]
-                if way >= 0 and not admits_device(policy, row, row_uses, first_slot + way, tags, use_count, next_use,
-                                                  miss_next_use):
-                    way = -1
+            if way < 0:
+                no_slot = OUTCOME_SET_FULL  # ranked past the set's unlocked ways
+            elif not admits_device(policy, row, row_uses, first_slot + way, tags, use_count, next_use, miss_next_use):
+                way = -1
         if way < 0:
-            outcome[u] = OUTCOME_NO_SLOT
+            outcome[u] = no_slot
             bypass_count[row] += 1  # unique rows: one writer each
             continue
         slot = first_slot + way

@@ -27,8 +27,8 @@ from tiered_tbe.cache.policy import (
 )
 
 # Counters of the njit core, in the order it stores them (bytes follow from row_bytes in Python).
-COUNTERS = ("lookups", "lookup_hits", "unique_hits", "unique_misses", "misses_no_slot", "evictions",
-             "write_backs")
+COUNTERS = ("lookups", "lookup_hits", "unique_hits", "unique_misses", "misses_no_slot", "misses_set_full",
+            "evictions", "write_backs")
 
 # Not cache=True: numba's on-disk cache is keyed on this file alone, and would keep running the
 # policy of an older policy.py after an edit there. Compiling takes about a second per process.
@@ -59,8 +59,16 @@ def run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associat
     missed = np.empty(longest, dtype=np.int64)  # rows of this batch not found at prefetch
     missed_next = np.empty(longest if hinted else 0, dtype=np.int64)  # their next use (step)
     missed_uses = np.empty(longest if counting else 0, dtype=np.int64)  # minus their use count (its order)
+    # Per set, in this batch: the step it was first asked for a way at, the unlocked ways it had then (after
+    # the batch's hits locked theirs), and the misses that asked it so far. The k-th asking miss of a set
+    # finds it full when k >= those ways, whether or not the misses before it were admitted: the GPU kernel
+    # ranks a set's asking misses against its unlocked ways (policy_kernels.fill_misses_kernel).
+    asked_at = np.full(num_sets, -1, dtype=np.int64)
+    room = np.zeros(num_sets, dtype=np.int32)
+    asked = np.zeros(num_sets, dtype=np.int32)
     # Counted in locals (registers), stored once at the end.
-    lookups = lookup_hits = unique_hits = unique_misses = misses_no_slot = evictions = write_backs = 0
+    lookups = lookup_hits = unique_hits = unique_misses = misses_no_slot = misses_set_full = evictions = 0
+    write_backs = 0
 
     for b in range(num_batches):
         step = first_step + b + 1
@@ -122,8 +130,18 @@ def run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associat
                     next_use[slot] = next_step[slot] if next_step[slot] <= horizon else NEXT_USE_UNKNOWN
             slot = NO_SLOT
             if not _bypassed_in_flight(row, step, in_flight_bypassed, in_flight_bypassed_counts):
-                slot = choose_victim_cpu(policy, tags, last_use, use_count, next_use, locks, first_slot,
-                                         associativity)
+                the_set = first_slot // associativity
+                if asked_at[the_set] != step:
+                    asked_at[the_set] = step
+                    asked[the_set] = 0
+                    room[the_set] = _unlocked_ways(locks, first_slot, associativity)
+                full = asked[the_set] >= room[the_set]
+                asked[the_set] += 1
+                if full:
+                    misses_set_full += 1
+                else:
+                    slot = choose_victim_cpu(policy, tags, last_use, use_count, next_use, locks, first_slot,
+                                             associativity)
                 miss_next_use = NEXT_USE_UNKNOWN  # what the cache decodes from its window bits for this row
                 if hinted and missed_next[k] <= horizon:
                     miss_next_use = missed_next[k]
@@ -165,8 +183,8 @@ def run_batches(rows, batch_offsets, num_batches, first_step, num_sets, associat
             if counting:
                 for row in range(row_uses.size):
                     row_uses[row] >>= 1
-    for k, value in enumerate((lookups, lookup_hits, unique_hits, unique_misses, misses_no_slot, evictions,
-                               write_backs)):
+    for k, value in enumerate((lookups, lookup_hits, unique_hits, unique_misses, misses_no_slot, misses_set_full,
+                               evictions, write_backs)):
         counters[k] += value
 
 
@@ -196,6 +214,16 @@ def _bypassed_in_flight(row, step, in_flight_bypassed, in_flight_bypassed_counts
         if k < count and rows[k] == row:
             return True
     return False
+
+
+@numba.njit(inline="always")
+def _unlocked_ways(locks, first_slot, associativity):
+    """The ways of the set starting at ``first_slot`` that no batch holds a lock on."""
+    count = 0
+    for slot in range(first_slot, first_slot + associativity):
+        if locks[slot] == 0:
+            count += 1
+    return count
 
 
 @numba.njit(inline="always")

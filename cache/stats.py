@@ -11,8 +11,10 @@ class CacheStats:
 
     A *unique* row is counted once per batch (prefetch), however many lookups name it.
     ``unique_misses`` counts rows not in the cache when their batch was prefetched;
-    ``misses_no_slot`` those of them that found no free unlocked way in their set and were
-    read and updated in the backing store instead (slot -1). Rows copied in =
+    ``misses_no_slot`` those of them read and updated in the backing store instead (slot -1):
+    kept out by an admission policy, barred while a batch in flight reads the row there, or
+    ``misses_set_full``: their set had no unlocked way left for them (its ways locked by the
+    batches in flight, or taken by the batch's misses before them). Rows copied in =
     ``unique_misses - misses_no_slot``.
     """
 
@@ -23,6 +25,7 @@ class CacheStats:
     unique_hits: int = 0
     unique_misses: int = 0
     misses_no_slot: int = 0
+    misses_set_full: int = 0  # of misses_no_slot: no unlocked way of their set left
     evictions: int = 0  # valid rows replaced by a missed row
     write_backs: int = 0  # evicted (or flushed) rows that were dirty and written back
     bytes_in: int = 0  # backing store -> cache (rows and their optimizer state)

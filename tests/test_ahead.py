@@ -1,9 +1,9 @@
 """AheadControl (tiered_tbe/ahead.py): the batches a fitted PrefetchPipeline holds ahead. One fewer when a
-prefetch made at the current depth left more than NO_ROOM of its unique rows without a slot (never for a
-deeper, stale one, never below none), one more after PROBE_STEPS steps without such a prefetch (never past
-the depth), nothing read from counters that were reset. Timed: a depth below is tried once one is timed and
-kept only when it steps faster; steps still in flight or just after a change are not counted. Through the
-pipeline: tests/test_pipeline.py."""
+prefetch made at the current depth found more than NO_ROOM of its unique rows a full set (never for a
+deeper, stale one, never below none; never for rows an admission policy refused), one more after
+PROBE_STEPS steps without such a prefetch (never past the depth), nothing read from counters that were
+reset. Timed: a depth below is tried once one is timed and kept only when it steps faster; steps still in
+flight or just after a change are not counted. Through the pipeline: tests/test_pipeline.py."""
 
 from __future__ import annotations
 
@@ -17,16 +17,19 @@ from tiered_tbe.cache.batch_kernels import COUNTER_NAMES
 
 
 class _Counters:
-    """Stands in for a SlotCache: cumulative counters, advanced by ``prefetch(unique, no_slot)``."""
+    """Stands in for a SlotCache: cumulative counters, advanced by ``prefetch(unique, set_full, refused)``."""
 
     device = torch.device("cpu")
 
     def __init__(self):
         self.values = torch.zeros(len(COUNTER_NAMES), dtype=torch.int64)
 
-    def prefetch(self, unique: int, no_slot: int) -> None:
+    def prefetch(self, unique: int, set_full: int, refused: int = 0) -> None:
+        """``set_full`` rows found their set with no unlocked way; ``refused`` more were kept out by
+        admission (or by a batch in flight): all of them get no slot."""
         self.values[COUNTER_NAMES.index("unique_rows")] += unique
-        self.values[COUNTER_NAMES.index("misses_no_slot")] += no_slot
+        self.values[COUNTER_NAMES.index("misses_no_slot")] += set_full + refused
+        self.values[COUNTER_NAMES.index("misses_set_full")] += set_full
 
     def copy_counters(self, target: torch.Tensor) -> None:
         target.copy_(self.values)
@@ -57,6 +60,22 @@ def test_one_fewer_while_full_down_to_none_and_one_more_after_probe_steps(monkey
     # A share at NO_ROOM is room.
     aheads = [_step(control, [cache], [NO_ROOM]) for _ in range(3)]
     assert aheads == [2, 2, 2] and control.lowered == 2
+
+
+def test_rows_refused_by_admission_are_not_a_full_cache():
+    """lfu-admit and lookahead-admit leave many misses in place by choice (lfu-admit ~93K rows a batch on the
+    Criteo mixed-dim shape): only rows that found their set full say the batches in flight do not fit."""
+    cache = _Counters()
+    control = AheadControl(2, [cache])
+    control.record()  # the baseline
+    for _ in range(10):
+        assert control.update() == 2
+        cache.prefetch(1000, set_full=0, refused=600)
+        control.record()
+    assert control.lowered == 0
+    cache.prefetch(1000, set_full=int(2 * NO_ROOM * 1000), refused=600)
+    control.record()
+    assert control.update() == 1 and control.lowered == 1
 
 
 def test_a_full_prefetch_made_deeper_than_now_is_not_held_against_the_current_depth():

@@ -16,7 +16,7 @@ from cache_helpers import (
 )
 
 from tiered_tbe.cache import CachedTable, CacheStats, SlotCache, batch_kernels
-from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT
+from tiered_tbe.cache._kernels import NOT_CACHED, OUTCOME_FILLED, OUTCOME_HIT, OUTCOME_NO_SLOT, OUTCOME_SET_FULL
 from tiered_tbe.cache.launch import KernelLauncher
 from tiered_tbe.cache.policy import EMPTY, set_of_row_cpu
 
@@ -50,7 +50,8 @@ def reference_bookkeeping(rows, starts, ends, row_bytes, slot_of_unique, outcome
     unique_rows[:k] = unique
     position = torch.searchsorted(unique, rows).clamp(max=max(k - 1, 0))
     real = torch.arange(n) < k
-    hit, filled, no_slot = (real & (outcome == code) for code in (OUTCOME_HIT, OUTCOME_FILLED, OUTCOME_NO_SLOT))
+    hit, filled, set_full = (real & (outcome == code) for code in (OUTCOME_HIT, OUTCOME_FILLED, OUTCOME_SET_FULL))
+    no_slot = set_full | (real & (outcome == OUTCOME_NO_SLOT))  # both leave the row in its backing store
     evicted = filled & (victim_row != EMPTY)
     dirty_victim = evicted & (victim_was_dirty != 0)
 
@@ -60,7 +61,7 @@ def reference_bookkeeping(rows, starts, ends, row_bytes, slot_of_unique, outcome
 
     counters = {"lookups": int(inside.sum()), "lookup_hits": int((inside & hit[position]).sum()), "unique_rows": k,
                 "unique_hits": int(hit.sum()), "unique_misses": k - int(hit.sum()),
-                "misses_no_slot": int(no_slot.sum()),
+                "misses_no_slot": int(no_slot.sum()), "misses_set_full": int(set_full.sum()),
                 "evictions": int(evicted.sum()), "write_backs": int(dirty_victim.sum()),
                 "bytes_in": bytes_of(unique_rows.clamp(max=int(ends[-1])), filled),
                 "bytes_out": bytes_of(victim_row.clamp(min=0), dirty_victim)}
@@ -103,9 +104,10 @@ def test_prefetch_bookkeeping_kernels_match_plain_torch(base, shape):
     assert (unique.victim_row == EMPTY).all() and (unique.victim_was_dirty == 0).all()
 
     # Made-up decisions of the policy kernel for the unique rows (padding stays as initialised).
-    outcome = torch.from_numpy(rng.choice([OUTCOME_HIT, OUTCOME_FILLED, OUTCOME_NO_SLOT], size=k).astype(np.int8))
+    outcome = torch.from_numpy(rng.choice([OUTCOME_HIT, OUTCOME_FILLED, OUTCOME_NO_SLOT, OUTCOME_SET_FULL],
+                                          size=k).astype(np.int8))
     slot = torch.from_numpy(rng.integers(0, 50, size=k).astype(np.int32))
-    slot[outcome == OUTCOME_NO_SLOT] = -1
+    slot[(outcome == OUTCOME_NO_SLOT) | (outcome == OUTCOME_SET_FULL)] = -1
     victim = torch.from_numpy(rng.choice(np.r_[np.arange(5, 30), 100] + base, size=k))
     victim[(outcome != OUTCOME_FILLED) | torch.from_numpy(rng.random(k) < 0.3)] = EMPTY
     dirty = torch.from_numpy((rng.random(k) < 0.6).astype(np.uint8)) * (victim != EMPTY)

@@ -181,4 +181,24 @@ def test_lfu_admit_reads_a_row_in_place_until_it_is_used_more_than_its_victim(po
     first_slotted = 3 + refused  # batches 3.. name the new row
     assert slots_of_new_row[:first_slotted] == [-1] * first_slotted and min(slots_of_new_row[first_slotted:]) >= 0
     assert cache.stats().misses_no_slot == refused and cache.stats().evictions == 1
+    assert cache.stats().misses_set_full == 0  # refused: the set had a way for it
+    check.check_backing_after_flush()
+
+
+@pytest.mark.parametrize("policy, no_slot", [("lfu-admit", 3), ("lru", 1)])
+def test_a_miss_ranked_past_its_sets_unlocked_ways_finds_it_full_whether_or_not_those_before_were_admitted(
+        policy, no_slot, mover):
+    """One set of two ways holding two rows three batches named, then a batch of three new rows: lfu-admit
+    refuses the first two (named once, their victims three times) and the third finds no way left for it;
+    LRU fills two ways and the third finds the set full. Both count one miss in ``misses_set_full``, and
+    the simulator counts the same."""
+    cache = SlotCache(make_tables(), num_slots=2, associativity=2, policy=policy, mover=mover)
+    simulator = CacheSimulator(2, 2, policy, row_bytes=ROW_BYTES)
+    check = TrainingCheck(cache)
+    for batch in [np.array([3, 17])] * 3 + [np.array([40, 41, 42])]:
+        check.step(batch)
+        simulator.run(batch, np.array([0, batch.size]))
+        assert cache.stats() == simulator.stats
+        assert_same_state(cache, simulator)
+    assert (cache.stats().misses_no_slot, cache.stats().misses_set_full) == (no_slot, 1)
     check.check_backing_after_flush()

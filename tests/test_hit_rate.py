@@ -226,13 +226,14 @@ def test_rows_read_in_place_are_reported_a_batch_beside_the_default_copy_rows(tm
                                       "--warmup", "4", "--cache-sizes", "2%", "--policies", "lfu-admit",
                                       "--no-progress", "--json", str(tmp_path / "run.json")])
     assert run(args, out) == 0
-    found = re.search(r"lfu-admit @ 2% \d+% \(([\d,]+) rows a batch; copy rows by default: ([\d,]+)\)",
-                      out.getvalue())
+    found = re.search(r"lfu-admit @ 2% \d+% \(([\d,]+) rows a batch; copy rows by default: ([\d,]+); set full: "
+                      r"([\d,]+) a batch\)", out.getvalue())
     assert found, out.getvalue()
     row = json.loads((tmp_path / "run.json").read_text())["results"][0]
     assert row["stats_batches"] == 16 and row["stats_misses_no_slot"] > 16 * 8  # more than the copy rows
     assert int(found.group(1).replace(",", "")) == round(row["stats_misses_no_slot"] / row["stats_batches"])
     assert int(found.group(2).replace(",", "")) == CacheConfig().copy_rows(row["cache_rows"]) == row["cache_rows"] // 16
+    assert int(found.group(3).replace(",", "")) == round(row["stats_misses_set_full"] / row["stats_batches"])
 
 
 # --------------------------------------------------------------------------------------------

@@ -309,7 +309,46 @@ def test_a_pipeline_fitted_to_the_cache_holds_fewer_batches_while_it_is_full(one
     got, expected = tables_of(fitted), tables_of(serial)
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
-    assert fitted.sgd.cache_stats().misses_no_slot < fixed.sgd.cache_stats().misses_no_slot
+    assert fitted.sgd.cache_stats().misses_set_full < fixed.sgd.cache_stats().misses_set_full
+
+
+def test_a_pipeline_fitted_to_the_cache_keeps_its_depth_when_admission_refuses_rows(one_simulated_thread,
+                                                                                     monkeypatch):
+    """lfu-admit reads rows named less than their victims in place by choice: with fit_cache, a table of 400
+    rows whose 8 hot rows every batch names beside 8 cold ones, and sets with ways for every batch in
+    flight, the pipeline holds its depth (it lowered to none on the H200 when refused rows counted as a
+    full cache), and trains bit for bit as the serial loop."""
+    from tiered_tbe import pipeline as pipeline_module
+
+    def make_module():
+        return TieredEmbeddingBags([TableSpec(400, 4, name="wide", placement=Placement.HOST_CACHED)],
+                                   optimizer=SGD(lr=0.3), backend="torch", seed=1,
+                                   cache=CacheConfig(slots=64, associativity=8, policy="lfu-admit",
+                                                     lfu_decay_interval=1000))
+
+    monkeypatch.setattr(pipeline_module, "StepTimer", lambda stream=None: None)  # the no-room rule alone
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(40):  # 4 bags: hot rows b and b + 4, then 2 cold rows of 8..399
+        indices = torch.cat([torch.cat([torch.tensor([b, b + 4]), torch.randint(8, 400, (2,), generator=generator)])
+                             for b in range(4)])
+        batches.append((indices, torch.arange(0, 17, 4), torch.randn(4, 4, generator=generator)))
+    serial = make_module()
+    for indices, offsets, grad in batches:
+        serial(indices, offsets).backward(grad)
+    fitted = make_module()
+    pipeline = PrefetchPipeline(fitted, batches, depth=2, fit_cache=True)
+    aheads = []
+    for indices, offsets, grad in pipeline:
+        aheads.append(pipeline.ahead_control.ahead)
+        fitted(indices, offsets).backward(grad)
+    stats = fitted.cache_stats()
+    assert stats.misses_no_slot > 100 and stats.misses_set_full == 0, stats  # refused, never a full set
+    assert aheads == [2] * len(batches) and pipeline.ahead_control.lowered == 0, aheads
+    assert fitted.cache.num_locked() == 0
+    got, expected = fitted.state_dict(), serial.state_dict()
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
 
 
 def test_a_fitted_pipeline_holds_the_depth_whose_steps_time_fastest(one_simulated_thread, monkeypatch):

@@ -72,6 +72,7 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
         misses = sorted(unique_rows, key=lambda r: (-row_counts[r], r)) if admitting else unique_rows
         if policy == "lookahead-admit":
             misses = sorted(unique_rows, key=lambda r: (next_use(r, batch_index), r))
+        room, asked = {}, {}  # per set: its unlocked ways after the hits, the misses that asked it so far
         for row in misses:  # then misses, ascending (lfu-admit: most used first)
             if row in hit_rows:
                 continue
@@ -79,8 +80,15 @@ def reference_simulate(batches, num_slots, associativity, policy, decay_interval
             ways = sets[the_set]
             free = [w for w in range(associativity) if ways[w] is None or ways[w]["locks"] == 0]
             empty = [w for w in free if ways[w] is None]
-            if row in barred or not free:  # a batch in flight reads it from its backing store; or a full set
+            if row in barred:  # a batch in flight reads it from its backing store
                 stats.misses_no_slot += 1
+                bypassed.add(row)
+                continue
+            room.setdefault(the_set, len(free))
+            asked[the_set] = asked.get(the_set, 0) + 1
+            if asked[the_set] > room[the_set]:  # more misses asked than it had unlocked ways, admitted or not
+                stats.misses_no_slot += 1
+                stats.misses_set_full += 1
                 bypassed.add(row)
                 continue
             way = empty[0] if empty else min(free, key=lambda w, ways=ways: rank(ways, w, batch_index))

@@ -2,7 +2,7 @@
 
 Every batch in flight keeps its rows locked in the slot cache from its prefetch to its backward. When the
 batches in flight hold more unique rows than their sets have ways, a later prefetch finds sets full of
-locked rows and leaves its misses in their backing store (``CacheStats.misses_no_slot``), and the forward
+locked rows and leaves its misses in their backing store (``CacheStats.misses_set_full``), and the forward
 and the backward read and update those rows over the bus. On the H200 at Zipf 0.6 (mixed dims, ~3M unique
 rows a batch, 6.4M slots) a depth-2 pipeline took 48.3 ms a step against 39.2 serial
 (docs/performance.md, "Where pipelining loses").
@@ -11,9 +11,12 @@ rows a batch, 6.4M slots) a depth-2 pipeline took 48.3 ms a step against 39.2 se
 
 - **No room**: after each prefetch the caches' counters are copied to pinned memory, and an event is
   polled, never waited for. When the newest prefetch seen, made with the pipeline ``ahead`` batches
-  ahead, left more than ``NO_ROOM`` of its unique rows without a slot, the pipeline holds one batch
-  fewer ahead at once, down to none (each batch prefetched after the step before it, as serial
-  training does).
+  ahead, found more than ``NO_ROOM`` of its unique rows a set with no unlocked way left
+  (``misses_set_full``), the pipeline holds one batch fewer ahead at once, down to none (each batch
+  prefetched after the step before it, as serial training does). Rows an admission policy keeps out
+  (``lfu-admit``, ``lookahead-admit``), and the rows a batch in flight reads in place, are given no slot
+  too, but they say nothing of the room: counting them (as ``misses_no_slot`` did) lowered every
+  admitting pipeline to none ahead on the H200 and cost its steps 6-16% (docs/performance.md).
 - **Timed** (with a :class:`StepTimer`): a depth can lose where few rows lack a slot too: rows locked by
   the batch in flight cannot be evicted, so the policy evicts worse ones and more rows move, and the
   forward and backward share the bus with the prefetch. So each depth is judged by the median of
@@ -36,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tiered_tbe.cache.counter_readings import MISSES_NO_SLOT, UNIQUE_ROWS, CounterReadings
+from tiered_tbe.cache.counter_readings import MISSES_SET_FULL, UNIQUE_ROWS, CounterReadings
 from tiered_tbe.cache.slot_cache import SlotCache
 
 # A prefetch that leaves more than this share of its unique rows without a slot found the cache full. A
@@ -151,7 +154,7 @@ class AheadControl:
         for ahead, change in self._readings.landed():
             if change is None:
                 continue  # the first reading, or stats reset between the two
-            if bool((change[:, MISSES_NO_SLOT] > NO_ROOM * change[:, UNIQUE_ROWS]).any()):
+            if bool((change[:, MISSES_SET_FULL] > NO_ROOM * change[:, UNIQUE_ROWS]).any()):
                 self._steps_since_probe = 0
                 # Made at this depth (a deeper one's is stale); one fewer per update.
                 no_room |= ahead == self.ahead

@@ -342,17 +342,18 @@ def run(args: argparse.Namespace, out=None) -> int:
     # copies them for the backward; CacheConfig.in_place_copies sizes the copies).
     no_slot = [f"{m.policy} @ {m.size_label} {100 * m.stats.misses_no_slot / m.stats.unique_misses:.0f}% "
                f"({m.stats.misses_no_slot / max(m.stats.batches, 1):,.0f} rows a batch; copy rows by default: "
-               f"{CacheConfig().copy_rows(m.num_slots):,})"
+               f"{CacheConfig().copy_rows(m.num_slots):,}; set full: "
+               f"{m.stats.misses_set_full / max(m.stats.batches, 1):,.0f} a batch)"
                for m in no_slot_results]
     if no_slot:  # a cache smaller than a batch's rows (or the batches in flight): the rest bypasses it
         lockers = "their own batch" + (f" and the {options.pipeline_depth} before it (the bounds: their own only)"
                                        if options.pipeline_depth else "")
-        refused = (" (or, a policy that admits misses, refused: its victim used at least as often, or needed no "
-                   "later)") if any(base_policy(m.policy) in CACHE_POLICIES
-                                   and CACHE_POLICIES[base_policy(m.policy)].refuses_misses
-                                   for m in no_slot_results) else ""
-        print(f"misses that found every way of their set locked by {lockers}{refused}, read in place: "
-              + ", ".join(no_slot), file=out)
+        refused = ("refused by a policy that admits misses (its victim used at least as often, or needed no "
+                   "later) or ") if any(base_policy(m.policy) in CACHE_POLICIES
+                                        and CACHE_POLICIES[base_policy(m.policy)].refuses_misses
+                                        for m in no_slot_results) else ""
+        print(f"misses read in place (set full: every way of their set locked by {lockers}; the rest {refused}"
+              f"left in place by a batch in flight): " + ", ".join(no_slot), file=out)
 
     mismatches: list[Measurement] = []
     if args.real_cache:
