@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tiered_tbe.base.searching import starts_at_or_below
 from tiered_tbe.cache._kernels import WINDOW_BITS
 from tiered_tbe.cache.tables import in_cached_tables
 
@@ -40,16 +41,8 @@ def _update_window_bits_kernel(
     positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = positions < num_rows
     row = tl.load(rows_ptr + positions, mask=inside, other=-1)
-    # The cached table of each row: how many table starts are at or below it, less one (an upper bound search).
-    low = tl.zeros([BLOCK], dtype=tl.int32)
-    high = tl.zeros([BLOCK], dtype=tl.int32) + num_tables
-    for _ in range(SEARCH_STEPS):
-        searching = low < high
-        middle = (low + high) // 2
-        at_or_below = tl.load(table_starts_ptr + middle, mask=inside & searching, other=0) <= row
-        low = tl.where(searching & at_or_below, middle + 1, low)
-        high = tl.where(searching & ~at_or_below, middle, high)
-    table = low - 1
+    # The cached table of each row: the last table start at or below it (-1: below the first).
+    table = starts_at_or_below(table_starts_ptr, row, inside, num_tables, SEARCH_STEPS) - 1
     end = tl.load(table_ends_ptr + tl.maximum(table, 0), mask=inside, other=0)
     cached = inside & (table >= 0) & (row < end)
     # Rows of no cached table (padding among them) neither load nor store. A row named twice is read and

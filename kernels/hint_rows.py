@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from tiered_tbe.base.codes import INT32_MAX, INT64_MAX
+from tiered_tbe.base.searching import starts_at_or_below
 from tiered_tbe.base.sorting import compact, sort_ids, stable_sort
 
 BLOCK = 1024  # positions per program
@@ -40,22 +41,14 @@ def _hint_keys_kernel(
     num_positions,  # N
     num_features,  # F
     none_key,  # the key of a position past the last bag: the keys' dtype's largest value
-    SEARCH_STEPS: tl.constexpr,  # steps of the binary search over F + 1 starts: (F + 1).bit_length()
+    SEARCH_STEPS: tl.constexpr,  # steps of the binary search over the F starts: F.bit_length()
     BLOCK: tl.constexpr,  # positions per program
 ):
     positions = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = positions < num_positions
-    # The last feature whose start is at or before the position (torch.searchsorted(..., right=True) - 1),
-    # then clamped into [0, F): positions before the first start belong to feature 0, after the end to F - 1.
-    low = tl.zeros([BLOCK], dtype=tl.int64)
-    high = tl.zeros([BLOCK], dtype=tl.int64) + num_features
-    for _ in range(SEARCH_STEPS):
-        middle = (low + high + 1) // 2
-        at_or_before = (tl.load(feature_starts_ptr + middle, mask=inside & (low < high), other=0) <= positions) \
-            & (low < high)
-        low = tl.where(at_or_before, middle, low)
-        high = tl.where(at_or_before | (low >= high), high, middle - 1)
-    feature = tl.minimum(low, num_features - 1)
+    # The last feature whose start is at or before the position, of the F starts (past the end: F - 1);
+    # positions before the first start belong to feature 0.
+    feature = tl.maximum(starts_at_or_below(feature_starts_ptr, positions, inside, num_features, SEARCH_STEPS) - 1, 0)
     index = tl.load(indices_ptr + positions, mask=inside, other=0).to(tl.int64)
     table_rows = tl.load(num_rows_ptr + feature, mask=inside, other=1)
     row = tl.load(row_offset_ptr + feature, mask=inside, other=0) + tl.minimum(tl.maximum(index, 0), table_rows - 1)
@@ -126,7 +119,7 @@ def hint_rows(indices: torch.Tensor, feature_starts: torch.Tensor, num_rows_of_f
     grid = (triton.cdiv(n, BLOCK),)
     keys = torch.empty(n, dtype=key_dtype, device=device)
     _hint_keys_kernel[grid](keys, indices, feature_starts, num_rows_of_feature, row_offset, n, num_features,
-                            none_key, SEARCH_STEPS=(num_features + 1).bit_length(), BLOCK=BLOCK)
+                            none_key, SEARCH_STEPS=num_features.bit_length(), BLOCK=BLOCK)
     sorted_keys = stable_sort(keys, upper_bound=none_key)[0]
     first = torch.empty(n, dtype=torch.int32, device=device)
     _first_of_runs_kernel[grid](first, sorted_keys, n, none_key, BLOCK=BLOCK)
