@@ -285,19 +285,26 @@ def test_single_module_and_default_lookups(mover):
         PrefetchPipeline(nn.Linear(2, 2), batches)
 
 
-def test_a_pipeline_fitted_to_the_cache_holds_fewer_batches_while_it_is_full(one_simulated_thread):
+@pytest.mark.parametrize("policy", ["lru", "lookahead", "lookahead-admit"])
+def test_a_pipeline_fitted_to_the_cache_holds_fewer_batches_while_it_is_full(policy, one_simulated_thread,
+                                                                             monkeypatch):
     """8-slot caches are too small for 5 batches in flight: with fit_cache the pipeline holds fewer ahead
-    (tiered_tbe/ahead.py; its rule alone: tests/test_ahead.py), trains bit for bit as the serial loop, leaves
-    no lock, and leaves fewer rows without a slot than depth 4 throughout."""
+    by the no-room rule alone (no step timer; the rule's unit tests: tests/test_ahead.py), with the
+    policies that rank by recency and by the window (the lookahead pipeline at Zipf 0.6 must still go to
+    none ahead), trains bit for bit as the serial loop, leaves no lock, and leaves fewer rows finding their
+    set full than depth 4 throughout."""
+    from tiered_tbe import pipeline as pipeline_module
+
+    monkeypatch.setattr(pipeline_module, "StepTimer", lambda stream=None: None)
     steps = 30
     batches = make_batches(steps)
-    serial = make_model("lru")
+    serial = make_model(policy)
     for batch in batches:
         train_step(serial, batch)
-    fixed = make_model("lru")
+    fixed = make_model(policy)
     for batch in PrefetchPipeline(fixed, batches, depth=4, lookups=lookups):
         train_step(fixed, batch)
-    fitted = make_model("lru")
+    fitted = make_model(policy)
     pipeline = PrefetchPipeline(fitted, batches, depth=4, lookups=lookups, fit_cache=True)
     aheads = []
     for batch in pipeline:
